@@ -1,0 +1,1 @@
+//! Process-abort injection for crash tests (feature `failpoints`).

@@ -1,0 +1,15 @@
+//! inplace-agent: the node-side agent for Cluster API in-place updates.
+//!
+//! Data flows one way: `plan` (model, validation, digest) → `engine` (state machine,
+//! scheduling, rollback) → `steps` (one module per change kind) over `host` (the only code
+//! that touches the node), with `journal` beside the engine. See ARCHITECTURE.md.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod cli;
+pub mod engine;
+pub mod failpoint;
+pub mod host;
+pub mod journal;
+pub mod plan;
+pub mod steps;
