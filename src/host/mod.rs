@@ -1,1 +1,4 @@
-//! placeholder
+//! The node: the only module that touches files, processes and services of the machine
+//! being updated. Everything here is root-relative (see `fs`).
+
+pub mod command;
