@@ -7,9 +7,6 @@
 #![warn(missing_docs)]
 
 pub mod cli;
-pub mod engine;
 pub mod failpoint;
 pub mod host;
-pub mod journal;
 pub mod plan;
-pub mod steps;

@@ -1,0 +1,198 @@
+//! The canonical form of a plan and its digest.
+//!
+//! The canonical form is itself a valid plan document (plan-file shape, every default
+//! explicit, content base64-encoded), so the journal can store it and read it back with the
+//! same validator. The digest is sha256 over that document without `id`, written as JSON
+//! with keys sorted and no whitespace — stable across serde feature flags and input formats.
+
+use base64::Engine as _;
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use super::*;
+
+/// Prefix hashed before the document, so a future canonical form can change it.
+const DIGEST_DOMAIN: &[u8] = b"inplace.agent/v1 plan\n";
+
+pub(super) fn digest(plan: &Plan) -> String {
+    let mut doc = canonical_value(plan);
+    if let Value::Object(m) = &mut doc {
+        m.remove("id");
+    }
+    let mut bytes = Vec::with_capacity(4096);
+    bytes.extend_from_slice(DIGEST_DOMAIN);
+    write_canonical(&doc, &mut bytes);
+    format!("sha256:{}", hex::encode(Sha256::digest(&bytes)))
+}
+
+pub(super) fn canonical_value(plan: &Plan) -> Value {
+    let mut doc = Map::new();
+    doc.insert("apiVersion".into(), json!(parse::API_VERSION));
+    doc.insert("kind".into(), json!("Plan"));
+    doc.insert("id".into(), json!(plan.id));
+    if let Some(n) = &plan.node_name {
+        doc.insert("nodeName".into(), json!(n));
+    }
+    doc.insert(
+        "options".into(),
+        json!({
+            "rollbackOnFailure": plan.options.rollback_on_failure,
+            "timeoutSeconds": plan.options.timeout.as_secs(),
+            "stepTimeoutSeconds": plan.options.step_timeout.as_secs(),
+        }),
+    );
+    doc.insert(
+        "changes".into(),
+        Value::Array(plan.changes.iter().map(change_value).collect()),
+    );
+    doc.insert(
+        "verify".into(),
+        Value::Array(plan.verify.iter().map(check_value).collect()),
+    );
+    Value::Object(doc)
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn opt<T: serde::Serialize>(m: &mut Map<String, Value>, key: &str, v: &Option<T>) {
+    if let Some(v) = v {
+        m.insert(key.into(), json!(v));
+    }
+}
+
+fn change_value(c: &Change) -> Value {
+    let body = match c {
+        Change::File(f) => json!({
+            "path": f.path.as_str(),
+            "content": b64(&f.content),
+            "encoding": "base64",
+            "mode": f.mode.to_string(),
+            "owner": f.owner.to_string(),
+            "append": f.append,
+            "restartUnits": f.restart_units,
+        }),
+        Change::Absent(a) => json!({"path": a.path.as_str(), "restartUnits": a.restart_units}),
+        Change::KubeletConfig(k) => json!({"mergePatch": k.merge_patch}),
+        Change::KubeletFlags(k) => json!({"set": k.set, "remove": k.remove}),
+        Change::Sysctl(s) => json!({"key": s.key, "value": s.value}),
+        Change::Package(p) => {
+            let mut m = Map::new();
+            m.insert("name".into(), json!(p.name));
+            m.insert("version".into(), json!(p.version));
+            opt(&mut m, "manager", &p.manager);
+            m.insert("hold".into(), json!(p.hold));
+            Value::Object(m)
+        }
+        Change::Artifact(a) => {
+            let mut m = Map::new();
+            m.insert("url".into(), json!(a.url));
+            m.insert("sha256".into(), json!(a.sha256));
+            m.insert("path".into(), json!(a.path.as_str()));
+            m.insert("mode".into(), json!(a.mode.to_string()));
+            opt(&mut m, "extract", &a.extract);
+            m.insert("restartUnits".into(), json!(a.restart_units));
+            Value::Object(m)
+        }
+        Change::Unit(u) => {
+            let mut m = Map::new();
+            m.insert("name".into(), json!(u.name));
+            opt(&mut m, "content", &u.content);
+            if let Some(d) = &u.drop_in {
+                m.insert("dropIn".into(), json!({"name": d.name, "content": d.content}));
+            }
+            opt(&mut m, "enabled", &u.enabled);
+            if let Some(s) = u.state {
+                let s = match s {
+                    UnitState::Running => "running",
+                    UnitState::Stopped => "stopped",
+                };
+                m.insert("state".into(), json!(s));
+            }
+            opt(&mut m, "masked", &u.masked);
+            Value::Object(m)
+        }
+        Change::KubeadmUpgradeNode(k) => json!({"extraArgs": k.extra_args}),
+        Change::Reboot(r) => json!({"reason": r.reason}),
+        Change::Exec(e) => {
+            let mut m = Map::new();
+            m.insert("argv".into(), json!(e.argv));
+            opt(&mut m, "unless", &e.unless);
+            m.insert("disruption".into(), json!(e.disruption.to_string()));
+            Value::Object(m)
+        }
+    };
+    let mut m = Map::new();
+    m.insert(c.kind().as_str().into(), body);
+    Value::Object(m)
+}
+
+fn check_value(c: &Check) -> Value {
+    let mut body = match &c.probe {
+        Probe::UnitActive { name } => json!({"name": name}),
+        Probe::HttpGet { url, expect_status } => json!({"url": url, "expectStatus": expect_status}),
+        Probe::KubeletVersion { version } => json!({"version": version}),
+        Probe::Command { argv } => json!({"argv": argv}),
+    };
+    if let Value::Object(m) = &mut body {
+        m.insert("timeoutSeconds".into(), json!(c.timeout.as_secs()));
+        m.insert("periodSeconds".into(), json!(c.period.as_secs()));
+    }
+    let mut m = Map::new();
+    m.insert(c.probe.key().into(), body);
+    Value::Object(m)
+}
+
+/// JSON with object keys sorted by their UTF-8 bytes and no insignificant whitespace.
+pub(crate) fn write_canonical(v: &Value, out: &mut Vec<u8>) {
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            out.push(b'{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_scalar(&Value::String((*k).clone()), out);
+                out.push(b':');
+                write_canonical(&m[k.as_str()], out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(b']');
+        }
+        scalar => write_scalar(scalar, out),
+    }
+}
+
+fn write_scalar(v: &Value, out: &mut Vec<u8>) {
+    // serde_json's scalar output is already canonical (shortest round-trip numbers,
+    // minimal string escapes); writing into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, v);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_writer_sorts_keys_at_every_level() {
+        let v = json!({"b": 1, "a": {"z": [true, null], "y": "x\n"}});
+        let mut out = Vec::new();
+        write_canonical(&v, &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"a":{"y":"x\n","z":[true,null]},"b":1}"#
+        );
+    }
+}
