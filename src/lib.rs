@@ -7,6 +7,8 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod engine;
 pub mod failpoint;
 pub mod host;
+pub mod journal;
 pub mod plan;

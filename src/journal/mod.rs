@@ -1,1 +1,677 @@
-//! placeholder
+//! The journal: the agent's memory of what it did, durable before it acts.
+//!
+//! `<state>/journal/journal.log` holds one record a line:
+//!
+//! ```text
+//! <sha256 hex of (previous hash ‖ json)> <json {"seq":N,"ts":MS,"rec":{...}}>\n
+//! ```
+//!
+//! The hash chains every record to the one before it (the first to 32 zero bytes). A line
+//! that is incomplete or fails its hash *at the end of the file* is a torn tail from a crash:
+//! the writer truncates it and says so. A bad line with valid data after it is corruption:
+//! opening refuses, naming the record and byte offset. Records that announce a mutation are
+//! fdatasynced before the mutation starts (the write-ahead rule); others are written at once
+//! and made durable by the next sync. Compaction rewrites the file atomically when no plan
+//! is unfinished, keeping one summary per retained plan. An exclusive `flock` on
+//! `<state>/journal/lock` keeps two agents from writing at once.
+
+pub mod backup;
+mod record;
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufRead, BufReader, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+pub use record::{FileBefore, Preimage, Record};
+
+use crate::failpoint;
+
+/// File name of the journal inside `<state>/journal/`.
+pub const JOURNAL_FILE: &str = "journal.log";
+const LOCK_FILE: &str = "lock";
+const COMPACT_TMP: &str = "journal.log.compact";
+
+/// One decoded record with its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// Sequence number (never reused, also across compaction).
+    pub seq: u64,
+    /// Unix ms when written.
+    pub ts: u64,
+    /// The record.
+    pub record: Record,
+    /// Byte offset of the line.
+    pub offset: u64,
+    /// Its chain hash, hex.
+    pub hash: String,
+}
+
+#[derive(Serialize)]
+struct EnvelopeOut<'a> {
+    seq: u64,
+    ts: u64,
+    rec: &'a Record,
+}
+
+#[derive(Deserialize)]
+struct EnvelopeIn {
+    seq: u64,
+    ts: u64,
+    rec: Record,
+}
+
+/// Journal errors.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// An I/O error on the journal.
+    #[error("journal {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// A record in the middle of the journal is damaged.
+    #[error(
+        "journal {path} is corrupt at record {seq} (byte offset {offset}): {reason}; \
+         refusing to start. Inspect it with `inplace-agent journal --verify`; moving the \
+         file aside starts a fresh journal and loses the agent's history"
+    )]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The expected sequence number of the bad record.
+        seq: u64,
+        /// Its byte offset.
+        offset: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Another process holds the journal.
+    #[error(
+        "journal {path} is in use by another inplace-agent process{holder}; stop it or use \
+         its API instead"
+    )]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+        /// " (pid N)" when known.
+        holder: String,
+    },
+}
+
+fn io_at(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
+    move |source| JournalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A torn tail found (and, by the writer, truncated).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TornTail {
+    /// Where the valid part ends.
+    pub offset: u64,
+    /// How many bytes were cut.
+    pub bytes: u64,
+}
+
+/// Streams and verifies the records of a journal file.
+pub struct Reader {
+    path: PathBuf,
+    buf: BufReader<File>,
+    offset: u64,
+    prev: [u8; 32],
+    next_seq: Option<u64>,
+    line: Vec<u8>,
+    /// Set when reading stopped at a torn tail.
+    pub torn: Option<TornTail>,
+    done: bool,
+}
+
+impl Reader {
+    /// Opens a journal file for reading; a missing file reads as empty.
+    pub fn open(path: &Path) -> Result<Option<Reader>, JournalError> {
+        let file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_at(path)(e)),
+        };
+        Ok(Some(Reader {
+            path: path.to_path_buf(),
+            buf: BufReader::with_capacity(256 * 1024, file),
+            offset: 0,
+            prev: [0; 32],
+            next_seq: None,
+            line: Vec::with_capacity(512),
+            torn: None,
+            done: false,
+        }))
+    }
+
+    /// Hash of the last good record (zeros before the first).
+    pub fn last_hash(&self) -> [u8; 32] {
+        self.prev
+    }
+
+    /// The sequence number the next record must have.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq.unwrap_or(1)
+    }
+
+    /// Byte length of the valid part read so far.
+    pub fn valid_len(&self) -> u64 {
+        self.offset
+    }
+
+    fn decode(&self, line: &[u8]) -> Result<(EnvelopeIn, [u8; 32]), String> {
+        let body = line
+            .strip_suffix(b"\n")
+            .ok_or_else(|| "record is incomplete (no end of line)".to_string())?;
+        if body.len() < 66 || body[64] != b' ' {
+            return Err("record is not '<hash> <json>'".into());
+        }
+        let mut hash = [0u8; 32];
+        hex::decode_to_slice(&body[..64], &mut hash).map_err(|e| format!("bad hash: {e}"))?;
+        let json = &body[65..];
+        let mut h = Sha256::new();
+        h.update(self.prev);
+        h.update(json);
+        if h.finalize().as_slice() != hash {
+            return Err("hash does not match the chain".into());
+        }
+        let env: EnvelopeIn =
+            serde_json::from_slice(json).map_err(|e| format!("undecodable record: {e}"))?;
+        if let Some(want) = self.next_seq
+            && env.seq != want
+        {
+            return Err(format!("sequence number {} where {want} was expected", env.seq));
+        }
+        Ok((env, hash))
+    }
+}
+
+impl Iterator for Reader {
+    type Item = Result<Entry, JournalError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        self.line.clear();
+        let n = match self.buf.read_until(b'\n', &mut self.line) {
+            Ok(n) => n,
+            Err(e) => {
+                self.done = true;
+                return Some(Err(io_at(&self.path)(e)));
+            }
+        };
+        if n == 0 {
+            self.done = true;
+            return None;
+        }
+        let line = std::mem::take(&mut self.line);
+        let result = self.decode(&line);
+        self.line = line;
+        match result {
+            Ok((env, hash)) => {
+                let entry = Entry {
+                    seq: env.seq,
+                    ts: env.ts,
+                    record: env.rec,
+                    offset: self.offset,
+                    hash: hex::encode(hash),
+                };
+                self.offset += n as u64;
+                self.prev = hash;
+                self.next_seq = Some(env.seq + 1);
+                Some(Ok(entry))
+            }
+            Err(reason) => {
+                self.done = true;
+                let at_end = match self.buf.fill_buf() {
+                    Ok(rest) => rest.is_empty(),
+                    Err(e) => return Some(Err(io_at(&self.path)(e))),
+                };
+                if at_end {
+                    self.torn = Some(TornTail {
+                        offset: self.offset,
+                        bytes: n as u64,
+                    });
+                    None
+                } else {
+                    Some(Err(JournalError::Corrupt {
+                        path: self.path.clone(),
+                        seq: self.next_seq(),
+                        offset: self.offset,
+                        reason,
+                    }))
+                }
+            }
+        }
+    }
+}
+
+/// The journal writer: exclusive, append-only, chained.
+pub struct Journal {
+    dir: PathBuf,
+    path: PathBuf,
+    file: File,
+    _lock: File,
+    next_seq: u64,
+    last_hash: [u8; 32],
+    size: u64,
+    records: u64,
+    line: Vec<u8>,
+}
+
+/// What opening the journal found.
+#[derive(Debug, Default)]
+pub struct OpenReport {
+    /// A torn tail that was truncated.
+    pub torn: Option<TornTail>,
+    /// Records replayed.
+    pub records: u64,
+}
+
+impl Journal {
+    /// Opens (creating) `<state_dir>/journal/`, takes the lock, replays every record through
+    /// `replay`, truncates a torn tail, and refuses on corruption.
+    pub fn open(
+        state_dir: &Path,
+        mut replay: impl FnMut(&Entry),
+    ) -> Result<(Journal, OpenReport), JournalError> {
+        let dir = state_dir.join("journal");
+        create_private_dir(&dir).map_err(io_at(&dir))?;
+        let lock_path = dir.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io_at(&lock_path))?;
+        match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                let holder = std::fs::read_to_string(&lock_path)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<u32>().ok())
+                    .map(|pid| format!(" (pid {pid})"))
+                    .unwrap_or_default();
+                return Err(JournalError::Locked {
+                    path: lock_path,
+                    holder,
+                });
+            }
+            Err(e) => return Err(io_at(&lock_path)(e.into())),
+        }
+        let mut lock = lock;
+        lock.set_len(0).map_err(io_at(&lock_path))?;
+        write!(lock, "{}", std::process::id()).map_err(io_at(&lock_path))?;
+
+        let _ = std::fs::remove_file(dir.join(COMPACT_TMP));
+        let path = dir.join(JOURNAL_FILE);
+        let mut report = OpenReport::default();
+        let (next_seq, last_hash, valid_len) = match Reader::open(&path)? {
+            None => (1, [0; 32], 0),
+            Some(mut reader) => {
+                for entry in reader.by_ref() {
+                    replay(&entry?);
+                    report.records += 1;
+                }
+                report.torn = reader.torn.clone();
+                (reader.next_seq(), reader.last_hash(), reader.valid_len())
+            }
+        };
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .read(true)
+            .open(&path)
+            .map_err(io_at(&path))?;
+        let mut file = file;
+        if report.torn.is_some() {
+            file.set_len(valid_len).map_err(io_at(&path))?;
+            rustix::fs::fsync(&file).map_err(|e| io_at(&path)(e.into()))?;
+        }
+        file.seek(SeekFrom::End(0)).map_err(io_at(&path))?;
+        crate::host::fs::sync_dir(&dir).map_err(io_at(&dir))?;
+        Ok((
+            Journal {
+                dir,
+                path,
+                file,
+                _lock: lock,
+                next_seq,
+                last_hash,
+                size: valid_len,
+                records: report.records,
+                line: Vec::with_capacity(1024),
+            },
+            report,
+        ))
+    }
+
+    /// Appends a record; with `sync` it is durable (fdatasync) before this returns.
+    /// Returns the entry as written.
+    pub fn append(&mut self, ts: u64, record: Record, sync: bool) -> Result<Entry, JournalError> {
+        failpoint::hit("journal.append.before");
+        let seq = self.next_seq;
+        let json = serde_json::to_vec(&EnvelopeOut {
+            seq,
+            ts,
+            rec: &record,
+        })
+        .map_err(|e| io_at(&self.path)(io::Error::other(e)))?;
+        let mut h = Sha256::new();
+        h.update(self.last_hash);
+        h.update(&json);
+        let hash: [u8; 32] = h.finalize().into();
+        self.line.clear();
+        self.line.extend_from_slice(hex::encode(hash).as_bytes());
+        self.line.push(b' ');
+        self.line.extend_from_slice(&json);
+        self.line.push(b'\n');
+        if let Err(e) = self.file.write_all(&self.line) {
+            // Leave no partial line behind: the file is append-only, cut it back.
+            let _ = self.file.set_len(self.size);
+            return Err(io_at(&self.path)(e));
+        }
+        if sync {
+            rustix::fs::fdatasync(&self.file).map_err(|e| io_at(&self.path)(e.into()))?;
+        }
+        let entry = Entry {
+            seq,
+            ts,
+            record,
+            offset: self.size,
+            hash: hex::encode(hash),
+        };
+        self.size += self.line.len() as u64;
+        self.next_seq += 1;
+        self.records += 1;
+        self.last_hash = hash;
+        failpoint::hit("journal.append.after");
+        Ok(entry)
+    }
+
+    /// Makes everything appended so far durable.
+    pub fn sync(&mut self) -> Result<(), JournalError> {
+        rustix::fs::fdatasync(&self.file).map_err(|e| io_at(&self.path)(e.into()))
+    }
+
+    /// Bytes in the journal file.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Records in the journal file.
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// The journal file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Replaces the journal with `records` (a fresh chain starting with a `Compacted`
+    /// record), atomically: the old file stays whole until the rename.
+    pub fn compact(&mut self, ts: u64, records: Vec<Record>) -> Result<(), JournalError> {
+        let tmp = self.dir.join(COMPACT_TMP);
+        let mut out = Vec::with_capacity(64 * 1024);
+        let mut prev = [0u8; 32];
+        let mut seq = self.next_seq;
+        let anchor = Record::Compacted {
+            previous_hash: hex::encode(self.last_hash),
+            previous_seq: self.next_seq.saturating_sub(1),
+        };
+        let count = records.len() as u64 + 1;
+        for rec in std::iter::once(anchor).chain(records) {
+            let json = serde_json::to_vec(&EnvelopeOut { seq, ts, rec: &rec })
+                .map_err(|e| io_at(&tmp)(io::Error::other(e)))?;
+            let mut h = Sha256::new();
+            h.update(prev);
+            h.update(&json);
+            prev = h.finalize().into();
+            out.extend_from_slice(hex::encode(prev).as_bytes());
+            out.push(b' ');
+            out.extend_from_slice(&json);
+            out.push(b'\n');
+            seq += 1;
+        }
+        let write = || -> io::Result<File> {
+            let mut f = OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .write(true)
+                .open(&tmp)?;
+            f.write_all(&out)?;
+            rustix::fs::fsync(&f)?;
+            drop(f);
+            failpoint::hit("journal.compact.before_rename");
+            std::fs::rename(&tmp, &self.path)?;
+            crate::host::fs::sync_dir(&self.dir)?;
+            OpenOptions::new().append(true).read(true).open(&self.path)
+        };
+        let file = match write() {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io_at(&self.path)(e));
+            }
+        };
+        self.file = file;
+        self.size = out.len() as u64;
+        self.records = count;
+        self.next_seq = seq;
+        self.last_hash = prev;
+        Ok(())
+    }
+}
+
+/// Creates a directory (and parents) readable only by its owner.
+pub fn create_private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// Result of `journal --verify`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VerifyReport {
+    /// The file.
+    pub path: PathBuf,
+    /// Records whose hash chain checked out.
+    pub records: u64,
+    /// First and last sequence numbers.
+    pub first_seq: Option<u64>,
+    /// Last sequence number.
+    pub last_seq: Option<u64>,
+    /// A torn tail (what a start would truncate).
+    pub torn_tail_bytes: Option<u64>,
+    /// Backups referenced by unfinished plans that are missing or damaged.
+    pub bad_backups: Vec<String>,
+}
+
+/// Reads the whole journal without modifying it, checking the chain; stops with the error at
+/// a corrupt record.
+pub fn verify(state_dir: &Path) -> Result<VerifyReport, JournalError> {
+    let path = state_dir.join("journal").join(JOURNAL_FILE);
+    let mut report = VerifyReport {
+        path: path.clone(),
+        records: 0,
+        first_seq: None,
+        last_seq: None,
+        torn_tail_bytes: None,
+        bad_backups: Vec::new(),
+    };
+    let Some(mut reader) = Reader::open(&path)? else {
+        return Ok(report);
+    };
+    let store = backup::BackupStore::at(state_dir);
+    let mut referenced: Vec<String> = Vec::new();
+    for entry in reader.by_ref() {
+        let entry = entry?;
+        report.records += 1;
+        report.first_seq.get_or_insert(entry.seq);
+        report.last_seq = Some(entry.seq);
+        if let Record::StepStarted { preimages, .. } = &entry.record {
+            for p in preimages {
+                if let Preimage::File {
+                    before: FileBefore::Present { sha256, .. },
+                    ..
+                } = p
+                {
+                    referenced.push(sha256.clone());
+                }
+            }
+        }
+    }
+    report.torn_tail_bytes = reader.torn.map(|t| t.bytes);
+    referenced.sort();
+    referenced.dedup();
+    for sha in referenced {
+        if !store.check(&sha) {
+            report.bad_backups.push(sha);
+        }
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::status::Phase;
+
+    fn rec(run: u64) -> Record {
+        Record::Phase {
+            run,
+            phase: Phase::Applying,
+        }
+    }
+
+    fn replay_all(dir: &Path) -> (Vec<Entry>, OpenReport) {
+        let mut seen = Vec::new();
+        let (_j, report) = Journal::open(dir, |e| seen.push(e.clone())).unwrap();
+        (seen, report)
+    }
+
+    #[test]
+    fn appends_and_replays_in_order() {
+        let t = tempfile::tempdir().unwrap();
+        {
+            let (mut j, report) = Journal::open(t.path(), |_| {}).unwrap();
+            assert_eq!(report.records, 0);
+            for i in 0..5 {
+                j.append(1000 + i, rec(i), i % 2 == 0).unwrap();
+            }
+        }
+        let (seen, report) = replay_all(t.path());
+        assert!(report.torn.is_none());
+        assert_eq!(seen.len(), 5);
+        assert_eq!(seen.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+        assert_eq!(seen[3].record, rec(3));
+        assert_eq!(seen[3].ts, 1003);
+    }
+
+    #[test]
+    fn second_writer_is_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let (_j, _) = Journal::open(t.path(), |_| {}).unwrap();
+        let err = Journal::open(t.path(), |_| {}).err().unwrap();
+        assert!(
+            err.to_string().contains(&format!("(pid {})", std::process::id())),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn torn_tail_at_every_offset_is_truncated() {
+        let t = tempfile::tempdir().unwrap();
+        {
+            let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+            for i in 0..3 {
+                j.append(0, rec(i), true).unwrap();
+            }
+        }
+        let path = t.path().join("journal").join(JOURNAL_FILE);
+        let full = std::fs::read(&path).unwrap();
+        let last_start = full[..full.len() - 1]
+            .iter()
+            .rposition(|b| *b == b'\n')
+            .unwrap()
+            + 1;
+        for cut in last_start..full.len() {
+            std::fs::write(&path, &full[..cut]).unwrap();
+            let (seen, report) = replay_all(t.path());
+            assert_eq!(seen.len(), 2, "cut at {cut}");
+            if cut > last_start {
+                assert_eq!(report.torn.as_ref().unwrap().offset, last_start as u64);
+            }
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), last_start as u64);
+            // And it can be appended to again, continuing the chain.
+            let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+            j.append(0, rec(9), true).unwrap();
+            drop(j);
+            let (seen, _) = replay_all(t.path());
+            assert_eq!(seen.len(), 3);
+            assert_eq!(seen[2].seq, 3);
+        }
+    }
+
+    #[test]
+    fn corruption_in_the_middle_is_refused_with_the_record() {
+        let t = tempfile::tempdir().unwrap();
+        {
+            let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+            for i in 0..4 {
+                j.append(0, rec(i), false).unwrap();
+            }
+        }
+        let path = t.path().join("journal").join(JOURNAL_FILE);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let second = bytes.iter().position(|b| *b == b'\n').unwrap() + 1;
+        let pos = second + 80;
+        bytes[pos] = if bytes[pos] == b'7' { b'8' } else { b'7' };
+        std::fs::write(&path, &bytes).unwrap();
+        let err = Journal::open(t.path(), |_| {}).err().unwrap();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("corrupt at record 2 (byte offset {second})")),
+            "{msg}"
+        );
+        assert!(verify(t.path()).is_err());
+    }
+
+    #[test]
+    fn compaction_keeps_sequence_numbers_monotonic() {
+        let t = tempfile::tempdir().unwrap();
+        {
+            let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+            for i in 0..10 {
+                j.append(0, rec(i), false).unwrap();
+            }
+            j.compact(5, vec![rec(42)]).unwrap();
+            assert_eq!(j.records(), 2);
+            j.append(6, rec(43), true).unwrap();
+        }
+        let (seen, _) = replay_all(t.path());
+        assert_eq!(seen.len(), 3);
+        assert!(matches!(
+            seen[0].record,
+            Record::Compacted { previous_seq: 10, .. }
+        ));
+        assert_eq!(seen.iter().map(|e| e.seq).collect::<Vec<_>>(), [11, 12, 13]);
+        let report = verify(t.path()).unwrap();
+        assert_eq!(report.records, 3);
+    }
+}

@@ -548,3 +548,17 @@ impl Plan {
         units
     }
 }
+
+impl serde::Serialize for ChangeKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ChangeKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ChangeKind::from_key(&s)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown change kind {s:?}")))
+    }
+}

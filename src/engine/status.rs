@@ -1,0 +1,411 @@
+//! What the agent reports about a plan: phase, progress, per-change results, the error, and
+//! the CAPI hook response derived from them. Everything here is a fold of journal records,
+//! so a restarted agent reports exactly what it reported before.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::{ChangeKind, Disruption};
+
+/// Phases of a plan run (DESIGN §3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Phase {
+    /// Accepted, not started.
+    Pending,
+    /// Re-validating against the node, downloading and checking artifacts.
+    Preparing,
+    /// Changing the node, one change at a time.
+    Applying,
+    /// Reloading systemd and restarting the units whose inputs changed.
+    Restarting,
+    /// Running the health gates.
+    Verifying,
+    /// Every change applied and every gate passed.
+    Succeeded,
+    /// A step or gate failed and nothing was rolled back.
+    Failed,
+    /// Restoring what the plan changed.
+    RollingBack,
+    /// A step or gate failed and every change was restored.
+    RolledBack,
+    /// A newer plan took over at a step boundary.
+    Superseded,
+    /// Cancelled on request at a step boundary.
+    Cancelled,
+}
+
+impl Phase {
+    /// True for phases a run never leaves.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            Phase::Succeeded | Phase::Failed | Phase::RolledBack | Phase::Superseded | Phase::Cancelled
+        )
+    }
+
+    /// True when the run ended without reaching its desired state.
+    pub fn is_failure(self) -> bool {
+        matches!(self, Phase::Failed | Phase::RolledBack | Phase::Cancelled | Phase::Superseded)
+    }
+
+    /// Whether a run may move from `self` to `next`: the state machine of DESIGN §3.
+    pub fn can_become(self, next: Phase) -> bool {
+        use Phase::*;
+        match (self, next) {
+            (a, b) if a.is_terminal() || a == b => false,
+            (Pending, Preparing) => true,
+            (Preparing, Applying) => true,
+            (Applying, Restarting | Verifying) => true,
+            (Restarting, Verifying) => true,
+            (Verifying, Succeeded) => true,
+            (Pending | Preparing | Applying | Restarting | Verifying, RollingBack) => true,
+            (Pending | Preparing | Applying | Restarting | Verifying, Failed) => true,
+            (Pending | Preparing | Applying | Restarting | Verifying, Superseded | Cancelled) => true,
+            (RollingBack, RolledBack | Failed | Cancelled) => true,
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// State of one change within a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChangeState {
+    /// Not reached yet.
+    Pending,
+    /// Being applied.
+    Running,
+    /// Already in the desired state; nothing written.
+    Unchanged,
+    /// Changed to the desired state.
+    Changed,
+    /// Failed.
+    Failed,
+    /// Changed, then restored by rollback.
+    RolledBack,
+    /// Not applied because the run ended first.
+    Skipped,
+}
+
+/// State of one health gate within a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CheckState {
+    /// Not run yet.
+    Pending,
+    /// Being polled.
+    Running,
+    /// Passed.
+    Passed,
+    /// Failed (after retries until its timeout).
+    Failed,
+    /// Not run because the run ended first.
+    Skipped,
+}
+
+/// A bounded classification of errors (metric label, proto enum).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The plan does not fit this node (owner unknown, path escapes, file missing).
+    Precondition,
+    /// A file operation failed.
+    Io,
+    /// The disk is full.
+    DiskFull,
+    /// A command exited non-zero or timed out.
+    Command,
+    /// A health gate failed.
+    Verification,
+    /// The plan or a step ran out of time.
+    Timeout,
+    /// systemd refused or failed a job.
+    Systemd,
+    /// A package operation failed.
+    Package,
+    /// A download failed or did not match its checksum.
+    Download,
+    /// The change kind is not supported on this node.
+    Unsupported,
+    /// Cancelled on request.
+    Cancelled,
+    /// A newer plan took over.
+    Superseded,
+    /// Rolling back failed; the node needs a person.
+    RollbackFailed,
+    /// A bug or an impossible state.
+    Internal,
+}
+
+impl ErrorKind {
+    /// The snake_case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Precondition => "precondition",
+            ErrorKind::Io => "io",
+            ErrorKind::DiskFull => "disk_full",
+            ErrorKind::Command => "command",
+            ErrorKind::Verification => "verification",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Systemd => "systemd",
+            ErrorKind::Package => "package",
+            ErrorKind::Download => "download",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Cancelled => "cancelled",
+            ErrorKind::Superseded => "superseded",
+            ErrorKind::RollbackFailed => "rollback_failed",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
+/// Why a run failed: a bounded kind, the step, and a detail for people.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorInfo {
+    /// Classification.
+    pub kind: ErrorKind,
+    /// The step: `changes[3] file /etc/kubernetes/x.conf` or `verify[1] httpGet ...`.
+    pub step: Option<String>,
+    /// What happened, lowercase, naming what it happened to.
+    pub detail: String,
+}
+
+impl fmt::Display for ErrorInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.step {
+            Some(step) => write!(f, "{step}: {}", self.detail),
+            None => f.write_str(&self.detail),
+        }
+    }
+}
+
+/// Result of one change.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChangeStatus {
+    /// Position in `changes[]`.
+    pub index: u32,
+    /// Change kind.
+    pub kind: ChangeKind,
+    /// What it is about (path, package, unit).
+    pub target: String,
+    /// State.
+    pub state: ChangeState,
+    /// The last thing said about it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// Disruption when it changes something.
+    pub disruption: Disruption,
+    /// How long it took, once done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+}
+
+/// Result of one health gate.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckStatus {
+    /// Position in `verify[]`.
+    pub index: u32,
+    /// Check kind (`httpGet`).
+    pub kind: String,
+    /// What it checks.
+    pub target: String,
+    /// State.
+    pub state: CheckState,
+    /// What it saw last.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+/// Progress through a run: step `current` of `total`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Progress {
+    /// 1-based number of the step running or last run (0 before the first).
+    pub current: u32,
+    /// Changes plus gates plus the restart step when there is one.
+    pub total: u32,
+    /// What is happening, for people.
+    pub message: String,
+}
+
+/// The CAPI `UpdateMachine` response status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HookStatus {
+    /// In progress (retryAfterSeconds > 0) or done (0).
+    Success,
+    /// The update failed.
+    Failure,
+}
+
+/// Exactly what an updater returns to CAPI for this plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HookResponse {
+    /// Success or Failure.
+    pub status: HookStatus,
+    /// Shown in the Machine's `Updating` condition.
+    pub message: String,
+    /// Ask CAPI to call again after this many seconds; 0 means done.
+    pub retry_after_seconds: u32,
+}
+
+/// Retry interval while a plan is in progress.
+pub const RETRY_IN_PROGRESS: u32 = 10;
+/// Retry interval while the node reboots.
+pub const RETRY_REBOOTING: u32 = 60;
+
+/// The status of one plan attempt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanStatus {
+    /// Plan id.
+    pub id: String,
+    /// Plan digest (`sha256:...`).
+    pub digest: String,
+    /// Attempt number, 1 for the first run, +1 per explicit retry.
+    pub attempt: u32,
+    /// Journal run number (unique per attempt on this node).
+    pub run: u64,
+    /// Where it came from (`cli`, `grpc`).
+    pub source: String,
+    /// Phase.
+    pub phase: Phase,
+    /// Step i of n.
+    pub progress: Progress,
+    /// Per change.
+    #[serde(default)]
+    pub changes: Vec<ChangeStatus>,
+    /// Per gate.
+    #[serde(default)]
+    pub checks: Vec<CheckStatus>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+    /// A reboot was requested and the node has not come back yet.
+    #[serde(default)]
+    pub rebooting: bool,
+    /// When it was accepted (Unix ms).
+    pub accepted_at_ms: u64,
+    /// When it started running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// When it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    /// Counts, kept when the per-change list is trimmed from old plans.
+    pub counts: Counts,
+}
+
+/// How many changes ended in each state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Counts {
+    /// Changes in the plan.
+    pub total: u32,
+    /// Changed.
+    pub changed: u32,
+    /// Already in the desired state.
+    pub unchanged: u32,
+    /// Restored by rollback.
+    pub rolled_back: u32,
+}
+
+impl PlanStatus {
+    /// The `UpdateMachine` hook response for this status: a pure function of the journaled
+    /// state, so every call for the same plan answers the same way, before and after a
+    /// restart of the agent.
+    pub fn hook_response(&self) -> HookResponse {
+        let (status, retry) = match self.phase {
+            Phase::Succeeded => (HookStatus::Success, 0),
+            p if p.is_terminal() => (HookStatus::Failure, 0),
+            _ if self.rebooting => (HookStatus::Success, RETRY_REBOOTING),
+            _ => (HookStatus::Success, RETRY_IN_PROGRESS),
+        };
+        HookResponse {
+            status,
+            message: self.summary(),
+            retry_after_seconds: retry,
+        }
+    }
+
+    /// One line for people and for CAPI's condition message. No timings in it, so it is
+    /// identical on every call for a finished plan.
+    pub fn summary(&self) -> String {
+        let c = &self.counts;
+        match self.phase {
+            Phase::Succeeded => format!(
+                "plan {} succeeded: {} changed, {} unchanged",
+                self.id, c.changed, c.unchanged
+            ),
+            Phase::Failed | Phase::RolledBack | Phase::Cancelled | Phase::Superseded => {
+                let what = match self.phase {
+                    Phase::Failed => "failed",
+                    Phase::RolledBack => "failed and was rolled back",
+                    Phase::Cancelled => "was cancelled",
+                    _ => "was superseded",
+                };
+                match &self.error {
+                    Some(e) => format!("plan {} {what}: {e}", self.id),
+                    None => format!("plan {} {what}", self.id),
+                }
+            }
+            Phase::RollingBack => match &self.error {
+                Some(e) => format!("plan {} is rolling back after: {e}", self.id),
+                None => format!("plan {} is rolling back", self.id),
+            },
+            _ if self.rebooting => format!("plan {}: waiting for the node to reboot", self.id),
+            phase => {
+                let p = &self.progress;
+                if p.message.is_empty() {
+                    format!("plan {}: {phase}", self.id)
+                } else {
+                    format!(
+                        "plan {}: {phase} step {}/{}: {}",
+                        self.id, p.current, p.total, p.message
+                    )
+                }
+            }
+        }
+    }
+
+    /// Wall time from start to end (or to now, while running).
+    pub fn duration_ms(&self, now_ms: u64) -> Option<u64> {
+        let start = self.started_at_ms?;
+        Some(self.finished_at_ms.unwrap_or(now_ms).saturating_sub(start))
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phase_transitions_follow_the_design() {
+        use Phase::*;
+        let happy = [Pending, Preparing, Applying, Restarting, Verifying, Succeeded];
+        for w in happy.windows(2) {
+            assert!(w[0].can_become(w[1]), "{:?} -> {:?}", w[0], w[1]);
+        }
+        assert!(Applying.can_become(Verifying), "no restarts needed");
+        assert!(Verifying.can_become(RollingBack));
+        assert!(RollingBack.can_become(RolledBack));
+        assert!(Applying.can_become(Superseded));
+        assert!(!Succeeded.can_become(Applying), "terminal");
+        assert!(!RolledBack.can_become(Pending), "retry is a new attempt, not a transition");
+        assert!(!Pending.can_become(Verifying));
+        assert!(!RollingBack.can_become(Succeeded));
+    }
+}

@@ -1,0 +1,239 @@
+//! The records of the journal. Field names are part of the on-disk format: only add.
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::status::{ErrorInfo, Phase, PlanStatus};
+use crate::host::fs::FileMeta;
+use crate::plan::NodePath;
+
+/// One journal record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Record {
+    /// First record of a compacted journal: links it to the chain it replaced.
+    #[serde(rename_all = "camelCase")]
+    Compacted {
+        /// Hash of the last record of the replaced journal.
+        previous_hash: String,
+        /// Sequence number of that record.
+        previous_seq: u64,
+    },
+    /// A plan attempt was accepted; carries the full canonical plan so it can resume.
+    #[serde(rename_all = "camelCase")]
+    PlanAccepted {
+        /// Run number, unique on this node.
+        run: u64,
+        /// Plan id.
+        id: String,
+        /// Plan digest.
+        digest: String,
+        /// Attempt number.
+        attempt: u32,
+        /// `cli` or `grpc`.
+        source: String,
+        /// The canonical plan document.
+        plan: serde_json::Value,
+    },
+    /// The run entered a phase.
+    Phase {
+        /// Run number.
+        run: u64,
+        /// The new phase.
+        phase: Phase,
+    },
+    /// A change is about to mutate the node; its pre-images are durable in the backup
+    /// store. Written (and fdatasynced) before the first mutation of the step.
+    #[serde(rename_all = "camelCase")]
+    StepStarted {
+        /// Run number.
+        run: u64,
+        /// Change index.
+        index: u32,
+        /// What the node looked like before, in mutation order.
+        preimages: Vec<Preimage>,
+    },
+    /// A change is in its desired state.
+    StepDone {
+        /// Run number.
+        run: u64,
+        /// Change index.
+        index: u32,
+        /// Whether it had to change anything.
+        changed: bool,
+        /// What was done.
+        message: String,
+    },
+    /// A change failed.
+    StepFailed {
+        /// Run number.
+        run: u64,
+        /// Change index.
+        index: u32,
+        /// Why.
+        error: ErrorInfo,
+    },
+    /// A changed change was restored from its pre-images.
+    StepRolledBack {
+        /// Run number.
+        run: u64,
+        /// Change index.
+        index: u32,
+    },
+    /// systemd was asked to reload unit files.
+    DaemonReloaded {
+        /// Run number.
+        run: u64,
+        /// True when this happened during rollback.
+        rollback: bool,
+    },
+    /// A unit was restarted because something it depends on changed.
+    UnitRestarted {
+        /// Run number.
+        run: u64,
+        /// The unit.
+        unit: String,
+        /// True when this happened during rollback.
+        rollback: bool,
+        /// What systemd said.
+        message: String,
+    },
+    /// A reboot was requested from this boot.
+    #[serde(rename_all = "camelCase")]
+    RebootRequested {
+        /// Run number.
+        run: u64,
+        /// The reboot change.
+        index: u32,
+        /// The boot id before the reboot.
+        boot_id: String,
+    },
+    /// A health gate finished.
+    CheckDone {
+        /// Run number.
+        run: u64,
+        /// Index in `verify[]`.
+        index: u32,
+        /// Whether it passed.
+        passed: bool,
+        /// What it saw.
+        message: String,
+    },
+    /// Somebody asked to cancel the run; honoured at the next step boundary, also after a
+    /// restart.
+    CancelRequested {
+        /// Run number.
+        run: u64,
+    },
+    /// The run ended.
+    PlanFinished {
+        /// Run number.
+        run: u64,
+        /// Terminal phase.
+        phase: Phase,
+        /// Why, when it did not succeed.
+        error: Option<ErrorInfo>,
+    },
+    /// A finished plan carried over by compaction.
+    Summary {
+        /// Its final status (per-change results may be trimmed for old plans).
+        status: Box<PlanStatus>,
+        /// The canonical plan, kept for recent unsuccessful plans so they can be retried.
+        plan: Option<serde_json::Value>,
+    },
+}
+
+impl Record {
+    /// The run this record belongs to, if any.
+    pub fn run(&self) -> Option<u64> {
+        match self {
+            Record::Compacted { .. } => None,
+            Record::Summary { status, .. } => Some(status.run),
+            Record::PlanAccepted { run, .. }
+            | Record::Phase { run, .. }
+            | Record::StepStarted { run, .. }
+            | Record::StepDone { run, .. }
+            | Record::StepFailed { run, .. }
+            | Record::StepRolledBack { run, .. }
+            | Record::DaemonReloaded { run, .. }
+            | Record::UnitRestarted { run, .. }
+            | Record::RebootRequested { run, .. }
+            | Record::CheckDone { run, .. }
+            | Record::CancelRequested { run }
+            | Record::PlanFinished { run, .. } => Some(*run),
+        }
+    }
+
+    /// Short name for tables (`stepDone`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Record::Compacted { .. } => "compacted",
+            Record::PlanAccepted { .. } => "planAccepted",
+            Record::Phase { .. } => "phase",
+            Record::StepStarted { .. } => "stepStarted",
+            Record::StepDone { .. } => "stepDone",
+            Record::StepFailed { .. } => "stepFailed",
+            Record::StepRolledBack { .. } => "stepRolledBack",
+            Record::DaemonReloaded { .. } => "daemonReloaded",
+            Record::UnitRestarted { .. } => "unitRestarted",
+            Record::RebootRequested { .. } => "rebootRequested",
+            Record::CheckDone { .. } => "checkDone",
+            Record::CancelRequested { .. } => "cancelRequested",
+            Record::PlanFinished { .. } => "planFinished",
+            Record::Summary { .. } => "summary",
+        }
+    }
+
+    /// True for records that announce a mutation of the node (the write-ahead ones).
+    pub fn is_mutation(&self) -> bool {
+        matches!(
+            self,
+            Record::StepStarted { .. } | Record::RebootRequested { .. }
+        )
+    }
+}
+
+/// What one mutation target looked like before the step, enough to put it back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Preimage {
+    /// A file.
+    #[serde(rename_all = "camelCase")]
+    File {
+        /// Node path.
+        path: NodePath,
+        /// Its previous state.
+        before: FileBefore,
+        /// Directories the step creates above it (removed again on rollback when empty).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        created_dirs: Vec<NodePath>,
+    },
+    /// A live kernel parameter.
+    Sysctl {
+        /// The `/proc/sys` path.
+        path: NodePath,
+        /// Its value before.
+        before: String,
+    },
+    /// Host-specific state recorded by later step kinds (units, packages), opaque here.
+    Other {
+        /// Which step kind owns it.
+        kind: String,
+        /// Its data.
+        data: serde_json::Value,
+    },
+}
+
+/// A file's previous state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FileBefore {
+    /// It did not exist.
+    Absent,
+    /// It existed with this content (in the backup store) and metadata.
+    Present {
+        /// sha256 of the content, the backup store key.
+        sha256: String,
+        /// Mode and owner.
+        meta: FileMeta,
+    },
+}
