@@ -12,3 +12,4 @@ pub mod failpoint;
 pub mod host;
 pub mod journal;
 pub mod plan;
+pub mod steps;

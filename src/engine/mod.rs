@@ -1,3 +1,479 @@
-//! The engine: runs one plan at a time through its phases, journaling every step.
+//! The engine: accepts plans, runs one at a time through its phases on a worker thread,
+//! journals every step, and answers status questions from the journal's fold.
+//!
+//! Architecture invariants:
+//! - every state change is a journal record first; the in-memory [`table::Table`] is only a
+//!   fold of those records (the same code replays them at start-up);
+//! - the lock around the journal and table is held for appends and reads only, never while
+//!   the node is being changed or a gate polled;
+//! - a plan (id + digest) that finished is never run again, except by an explicit retry,
+//!   which is a new attempt.
 
+mod run;
 pub mod status;
+pub mod table;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use tokio::sync::broadcast;
+
+use crate::host::{Host, ServiceManager};
+use crate::journal::backup::BackupStore;
+use crate::journal::{Journal, JournalError, OpenReport, Record};
+use crate::plan::{AllowList, FieldError, InvalidPlan, Limits, Plan, validate_value};
+use crate::steps::{self, Capabilities};
+use status::{Phase, PlanStatus, now_ms};
+use table::Table;
+
+/// Engine settings (validated: no `Option` where a value is required).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Where the journal and backups live.
+    pub state_dir: PathBuf,
+    /// Paths plans may write.
+    pub allow: AllowList,
+    /// What this node can apply.
+    pub capabilities: Capabilities,
+    /// This node's name; plans naming another node are refused.
+    pub node_name: Option<String>,
+    /// Refuse plans without `nodeName` (the daemon does; the local CLI does not).
+    pub require_node_name: bool,
+    /// Compact the journal once it is larger than this many bytes.
+    pub compact_bytes: u64,
+    /// How many finished plans to remember.
+    pub keep_plans: usize,
+}
+
+impl EngineConfig {
+    /// Defaults for a state directory.
+    pub fn new(state_dir: PathBuf) -> EngineConfig {
+        EngineConfig {
+            state_dir,
+            allow: AllowList::default(),
+            capabilities: Capabilities {
+                exec_allowed: false,
+                kinds: Capabilities::implemented(),
+            },
+            node_name: None,
+            require_node_name: false,
+            compact_bytes: 1 << 20,
+            keep_plans: 1000,
+        }
+    }
+}
+
+/// Why a submission was refused; nothing was journaled and nothing on the node changed.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The plan does not fit this node (field errors).
+    #[error("{0}")]
+    Invalid(InvalidPlan),
+    /// The plan names another node.
+    #[error("plan {id} is for node {plan_node:?}, this is node {node:?}")]
+    WrongNode {
+        /// Plan id.
+        id: String,
+        /// The node the plan names.
+        plan_node: String,
+        /// This node.
+        node: String,
+    },
+    /// The plan has changes or gates this node cannot apply.
+    #[error("plan {id} cannot be applied on this node:{}", .reasons.iter().map(|r| format!("\n  {r}")).collect::<String>())]
+    Unsupported {
+        /// Plan id.
+        id: String,
+        /// `changes[3] package: not supported ...`, one per problem.
+        reasons: Vec<String>,
+    },
+    /// No such plan.
+    #[error("no plan with id {0:?} is known to this agent")]
+    NotFound(String),
+    /// The request does not fit the plan's state (retry of a running plan, ...).
+    #[error("{0}")]
+    Conflict(String),
+    /// The journal failed.
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+}
+
+/// What `submit` did.
+#[derive(Debug, Clone)]
+pub enum Submission {
+    /// A new attempt was accepted and will run.
+    Accepted(PlanStatus),
+    /// The same id + digest is already known; nothing new runs.
+    Existing(PlanStatus),
+}
+
+impl Submission {
+    /// The status either way.
+    pub fn status(&self) -> &PlanStatus {
+        match self {
+            Submission::Accepted(s) | Submission::Existing(s) => s,
+        }
+    }
+}
+
+/// Something happened to a run.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// The run's phase changed (or it was accepted): full status.
+    Status(Arc<PlanStatus>),
+    /// A step of the run progressed.
+    Progress {
+        /// Run number.
+        run: u64,
+        /// Journal sequence number of the record.
+        seq: u64,
+        /// Step i of n.
+        progress: status::Progress,
+        /// The change the record was about, as it is now.
+        change: Option<status::ChangeStatus>,
+        /// The gate the record was about, as it is now.
+        check: Option<status::CheckStatus>,
+        /// A unit restart the record was about (`message`).
+        restart: Option<String>,
+    },
+}
+
+pub(crate) struct Inner {
+    journal: Journal,
+    table: Table,
+}
+
+pub(crate) struct Shared {
+    inner: Mutex<Inner>,
+    work: Condvar,
+    events: broadcast::Sender<Event>,
+    config: EngineConfig,
+    host: Arc<Host>,
+    backups: BackupStore,
+    services: Option<Arc<dyn ServiceManager>>,
+    shutdown: std::sync::atomic::AtomicBool,
+}
+
+/// A handle to the engine; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("state_dir", &self.shared.config.state_dir)
+            .finish()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave the table half-updated in a way the
+        // journal does not reflect; keep going with the data.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Journals a record, folds it into the table and tells watchers.
+    fn record(&self, record: Record, sync: bool) -> Result<(), JournalError> {
+        let mut inner = self.lock();
+        let run = record.run();
+        let phase_change = matches!(
+            record,
+            Record::PlanAccepted { .. } | Record::Phase { .. } | Record::PlanFinished { .. }
+        );
+        let (change_index, check_index, restart) = match &record {
+            Record::StepDone { index, .. }
+            | Record::StepFailed { index, .. }
+            | Record::StepRolledBack { index, .. } => (Some(*index), None, None),
+            Record::CheckDone { index, .. } => (None, Some(*index), None),
+            Record::UnitRestarted { message, .. } => (None, None, Some(message.clone())),
+            _ => (None, None, None),
+        };
+        let entry = inner.journal.append(now_ms(), record, sync)?;
+        inner.table.apply(&entry);
+        if let Some(run) = run
+            && let Some(status) = inner.table.by_run(run)
+        {
+            let event = if phase_change {
+                Event::Status(Arc::new(status.clone()))
+            } else {
+                Event::Progress {
+                    run,
+                    seq: entry.seq,
+                    progress: status.progress.clone(),
+                    change: change_index.and_then(|i| status.changes.get(i as usize).cloned()),
+                    check: check_index.and_then(|i| status.checks.get(i as usize).cloned()),
+                    restart,
+                }
+            };
+            let _ = self.events.send(event);
+        }
+        Ok(())
+    }
+}
+
+impl Engine {
+    /// Opens the journal (replaying it; a torn tail is truncated and reported) and prepares
+    /// to resume any unfinished plan. Does not start the worker.
+    pub fn open(
+        config: EngineConfig,
+        host: Arc<Host>,
+        services: Option<Arc<dyn ServiceManager>>,
+    ) -> Result<(Engine, OpenReport), JournalError> {
+        let mut table = Table::new(config.keep_plans);
+        let (journal, report) = Journal::open(&config.state_dir, |e| table.apply(e))?;
+        let (events, _) = broadcast::channel(4096);
+        let backups = BackupStore::at(&config.state_dir);
+        let engine = Engine {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner { journal, table }),
+                work: Condvar::new(),
+                events,
+                config,
+                host,
+                backups,
+                services,
+                shutdown: std::sync::atomic::AtomicBool::new(false),
+            }),
+        };
+        Ok((engine, report))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+
+    /// The node.
+    pub fn host(&self) -> &Arc<Host> {
+        &self.shared.host
+    }
+
+    /// Watches every run's progress.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.shared.events.subscribe()
+    }
+
+    /// Checks a validated plan against this node without journaling anything.
+    pub fn admit(&self, plan: &Plan) -> Result<steps::Prepared, SubmitError> {
+        let cfg = &self.shared.config;
+        if let Some(node) = &cfg.node_name {
+            match &plan.node_name {
+                Some(n) if n != node => {
+                    return Err(SubmitError::WrongNode {
+                        id: plan.id.clone(),
+                        plan_node: n.clone(),
+                        node: node.clone(),
+                    });
+                }
+                None if cfg.require_node_name => {
+                    return Err(SubmitError::Invalid(InvalidPlan {
+                        source: plan.id.clone(),
+                        errors: vec![FieldError::new(
+                            "nodeName",
+                            format!("is required by this agent (node {node})"),
+                        )],
+                    }));
+                }
+                _ => {}
+            }
+        }
+        let mut reasons = Vec::new();
+        for (i, c) in plan.changes.iter().enumerate() {
+            if let Some(why) = cfg.capabilities.unsupported(c) {
+                reasons.push(format!("changes[{i}] {}: {why}", c.kind()));
+            }
+        }
+        for (i, c) in plan.verify.iter().enumerate() {
+            if let Some(why) = cfg.capabilities.unsupported_check(&c.probe) {
+                reasons.push(format!("verify[{i}] {}: {why}", c.probe.key()));
+            }
+        }
+        if !reasons.is_empty() {
+            return Err(SubmitError::Unsupported {
+                id: plan.id.clone(),
+                reasons,
+            });
+        }
+        steps::preflight(&self.shared.host, plan, &cfg.allow).map_err(|errors| {
+            SubmitError::Invalid(InvalidPlan {
+                source: plan.id.clone(),
+                errors,
+            })
+        })
+    }
+
+    /// Submits a plan. The same id + digest returns the existing status (running or
+    /// finished) and never runs again unless `retry` is set and the last attempt failed.
+    pub fn submit(&self, plan: Plan, source: &str, retry: bool) -> Result<Submission, SubmitError> {
+        let digest = plan.digest();
+        {
+            let inner = self.shared.lock();
+            if let Some(existing) = inner.table.find(&plan.id, &digest)
+                && (!retry || !existing.phase.is_failure())
+            {
+                return Ok(Submission::Existing(existing.clone()));
+            }
+        }
+        self.admit(&plan)?;
+        let inner = self.shared.lock();
+        // Decide again under the lock: another caller may have submitted meanwhile.
+        let attempt = match inner.table.find(&plan.id, &digest) {
+            Some(existing) if !retry || !existing.phase.is_failure() => {
+                return Ok(Submission::Existing(existing.clone()));
+            }
+            Some(existing) => existing.attempt + 1,
+            None => 1,
+        };
+        drop(inner);
+        self.accept(plan, digest, attempt, source)
+    }
+
+    fn accept(&self, plan: Plan, digest: String, attempt: u32, source: &str) -> Result<Submission, SubmitError> {
+        let run = {
+            let inner = self.shared.lock();
+            inner.table.next_run()
+        };
+        let record = Record::PlanAccepted {
+            run,
+            id: plan.id.clone(),
+            digest,
+            attempt,
+            source: source.to_string(),
+            plan: plan.canonical_json(),
+        };
+        self.shared.record(record, true)?;
+        self.shared.work.notify_all();
+        let inner = self.shared.lock();
+        let status = inner
+            .table
+            .by_run(run)
+            .cloned()
+            .ok_or_else(|| SubmitError::Conflict(format!("run {run} vanished")))?;
+        Ok(Submission::Accepted(status))
+    }
+
+    /// Runs the last attempt of `id` again, when it ended without succeeding.
+    pub fn retry(&self, id: &str, source: &str) -> Result<Submission, SubmitError> {
+        let (status, plan) = {
+            let inner = self.shared.lock();
+            let status = inner
+                .table
+                .latest(id)
+                .cloned()
+                .ok_or_else(|| SubmitError::NotFound(id.to_string()))?;
+            if !status.phase.is_terminal() {
+                return Err(SubmitError::Conflict(format!(
+                    "plan {id} is still running ({}); retry applies to finished plans",
+                    status.phase
+                )));
+            }
+            if status.phase == Phase::Succeeded {
+                return Ok(Submission::Existing(status));
+            }
+            let plan = inner.table.retained_plan(status.run).cloned().ok_or_else(|| {
+                SubmitError::Conflict(format!(
+                    "the content of plan {id} is no longer kept; submit it again with retry"
+                ))
+            })?;
+            (status, plan)
+        };
+        let plan = validate_value(&plan, id, &Limits::replay()).map_err(SubmitError::Invalid)?;
+        self.admit(&plan)?;
+        self.accept(plan, status.digest.clone(), status.attempt + 1, source)
+    }
+
+    /// Asks the running attempt of `id` to stop at the next step boundary (rolling back
+    /// what it changed when its plan says so).
+    pub fn cancel(&self, id: &str) -> Result<PlanStatus, SubmitError> {
+        let status = {
+            let inner = self.shared.lock();
+            inner
+                .table
+                .latest(id)
+                .cloned()
+                .ok_or_else(|| SubmitError::NotFound(id.to_string()))?
+        };
+        if status.phase.is_terminal() {
+            return Ok(status);
+        }
+        self.shared
+            .record(Record::CancelRequested { run: status.run }, true)?;
+        self.shared.work.notify_all();
+        Ok(self.status_of_run(status.run).unwrap_or(status))
+    }
+
+    /// The latest attempt of a plan.
+    pub fn status(&self, id: &str) -> Option<PlanStatus> {
+        self.shared.lock().table.latest(id).cloned()
+    }
+
+    /// The status of one run.
+    pub fn status_of_run(&self, run: u64) -> Option<PlanStatus> {
+        self.shared.lock().table.by_run(run).cloned()
+    }
+
+    /// The running (or next) plan, if any.
+    pub fn current(&self) -> Option<PlanStatus> {
+        let inner = self.shared.lock();
+        let run = inner.table.unfinished().map(|(r, _)| *r).next()?;
+        inner.table.by_run(run).cloned()
+    }
+
+    /// Every known plan, oldest first.
+    pub fn plans(&self) -> Vec<PlanStatus> {
+        self.shared.lock().table.plans().to_vec()
+    }
+
+    /// True when a plan is waiting or running.
+    pub fn busy(&self) -> bool {
+        self.shared.lock().table.unfinished().next().is_some()
+    }
+
+    /// Journal size in bytes and records.
+    pub fn journal_stats(&self) -> (u64, u64) {
+        let inner = self.shared.lock();
+        (inner.journal.size(), inner.journal.records())
+    }
+
+    /// Runs unfinished plans on the calling thread until none is left.
+    pub fn run_until_idle(&self) {
+        while run::Runner::new(self.shared.clone()).step() {}
+    }
+
+    /// Starts the worker thread that runs plans as they arrive.
+    pub fn spawn_worker(&self) -> std::io::Result<JoinHandle<()>> {
+        let shared = self.shared.clone();
+        std::thread::Builder::new()
+            .name("inplace-engine".into())
+            .spawn(move || {
+                loop {
+                    if shared.shutdown.load(std::sync::atomic::Ordering::SeqCst) {
+                        return;
+                    }
+                    if run::Runner::new(shared.clone()).step() {
+                        continue;
+                    }
+                    let inner = shared.lock();
+                    if inner.table.unfinished().next().is_none()
+                        && !shared.shutdown.load(std::sync::atomic::Ordering::SeqCst)
+                    {
+                        let _unused = shared
+                            .work
+                            .wait_timeout(inner, std::time::Duration::from_secs(60));
+                    }
+                }
+            })
+    }
+
+    /// Asks the worker to stop after the current step.
+    pub fn shutdown(&self) {
+        self.shared
+            .shutdown
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.shared.work.notify_all();
+    }
+}

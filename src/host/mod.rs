@@ -3,3 +3,82 @@
 
 pub mod command;
 pub mod fs;
+pub mod http;
+pub mod users;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// How the agent reaches the node.
+#[derive(Debug, Clone)]
+pub struct HostSettings {
+    /// The node's root directory (`/`, `/host`, or a sandbox).
+    pub root: PathBuf,
+    /// Run node commands (verification, package managers) inside the root with chroot when
+    /// the root is not `/`.
+    pub commands_in_root: bool,
+    /// Where the current boot id is read (default `<root>/proc/sys/kernel/random/boot_id`).
+    pub boot_id_path: Option<PathBuf>,
+}
+
+/// The node.
+#[derive(Debug)]
+pub struct Host {
+    /// Its filesystem.
+    pub root: fs::Root,
+    settings: HostSettings,
+}
+
+impl Host {
+    /// Opens the node's root.
+    pub fn open(settings: HostSettings) -> io::Result<Host> {
+        let root = fs::Root::open(&settings.root)?;
+        Ok(Host { root, settings })
+    }
+
+    /// The settings it was opened with.
+    pub fn settings(&self) -> &HostSettings {
+        &self.settings
+    }
+
+    /// A command that runs on the node: chrooted into the root when configured and the
+    /// root is not `/`.
+    pub fn command<S: Into<String>>(&self, argv: impl IntoIterator<Item = S>) -> command::CommandSpec {
+        let spec = command::CommandSpec::new(argv);
+        if self.settings.commands_in_root {
+            spec.in_root(self.root.path())
+        } else {
+            spec
+        }
+    }
+
+    /// The current boot id, if the node exposes one.
+    pub fn boot_id(&self) -> Option<String> {
+        let path = self
+            .settings
+            .boot_id_path
+            .clone()
+            .unwrap_or_else(|| self.root.path().join("proc/sys/kernel/random/boot_id"));
+        std::fs::read_to_string(path)
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+    }
+
+    /// The root path.
+    pub fn root_path(&self) -> &Path {
+        self.root.path()
+    }
+}
+
+/// The node's service manager, as the engine needs it (systemd over D-Bus on a node).
+/// Errors are messages naming the unit, the result and the unit's status text.
+pub trait ServiceManager: Send + Sync {
+    /// Reloads unit files.
+    fn daemon_reload(&self) -> Result<(), String>;
+    /// Restarts a unit and waits until the job finished and the unit is active; returns
+    /// what systemd reported.
+    fn restart(&self, unit: &str) -> Result<String, String>;
+    /// `Ok(observation)` when the unit is active, `Err(observation)` when not.
+    fn is_active(&self, unit: &str) -> Result<String, String>;
+}

@@ -556,6 +556,7 @@ mod tests {
         Record::Phase {
             run,
             phase: Phase::Applying,
+            error: None,
         }
     }
 

@@ -40,6 +40,9 @@ pub enum Record {
         run: u64,
         /// The new phase.
         phase: Phase,
+        /// Why, when the phase is entered because something failed (`RollingBack`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<ErrorInfo>,
     },
     /// A change is about to mutate the node; its pre-images are durable in the backup
     /// store. Written (and fdatasynced) before the first mutation of the step.
@@ -72,6 +75,14 @@ pub enum Record {
         /// Why.
         error: ErrorInfo,
     },
+    /// A change was announced by `StepStarted` but an earlier change of its batch failed
+    /// before it was touched: nothing of it changed.
+    StepAbandoned {
+        /// Run number.
+        run: u64,
+        /// Change index.
+        index: u32,
+    },
     /// A changed change was restored from its pre-images.
     StepRolledBack {
         /// Run number.
@@ -86,7 +97,8 @@ pub enum Record {
         /// True when this happened during rollback.
         rollback: bool,
     },
-    /// A unit was restarted because something it depends on changed.
+    /// A unit was restarted because something it depends on changed (or, with `skipped`,
+    /// would have been, had service management been on).
     UnitRestarted {
         /// Run number.
         run: u64,
@@ -94,6 +106,9 @@ pub enum Record {
         unit: String,
         /// True when this happened during rollback.
         rollback: bool,
+        /// True when service management is off and the restart was not done.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        skipped: bool,
         /// What systemd said.
         message: String,
     },
@@ -153,6 +168,7 @@ impl Record {
             | Record::StepStarted { run, .. }
             | Record::StepDone { run, .. }
             | Record::StepFailed { run, .. }
+            | Record::StepAbandoned { run, .. }
             | Record::StepRolledBack { run, .. }
             | Record::DaemonReloaded { run, .. }
             | Record::UnitRestarted { run, .. }
@@ -172,6 +188,7 @@ impl Record {
             Record::StepStarted { .. } => "stepStarted",
             Record::StepDone { .. } => "stepDone",
             Record::StepFailed { .. } => "stepFailed",
+            Record::StepAbandoned { .. } => "stepAbandoned",
             Record::StepRolledBack { .. } => "stepRolledBack",
             Record::DaemonReloaded { .. } => "daemonReloaded",
             Record::UnitRestarted { .. } => "unitRestarted",

@@ -17,7 +17,10 @@ use std::fmt;
 use std::time::Duration;
 
 pub use error::{FieldError, InvalidPlan};
-pub use parse::{Limits, parse_plan, validate_value};
+pub use parse::{
+    API_VERSION, Limits, check_unit_name, decode_content, normalize_kube_version, parse_mode,
+    parse_owner, parse_plan, sysctl_segments, validate_value,
+};
 pub use path::{AllowList, NodePath, PathError};
 
 /// One validated plan.
@@ -240,10 +243,11 @@ pub struct Owner {
 }
 
 impl Default for Owner {
+    /// `root:root`, resolved against the node's accounts like any other name.
     fn default() -> Self {
         Owner {
-            user: IdRef::Id(0),
-            group: Some(IdRef::Id(0)),
+            user: IdRef::Name("root".into()),
+            group: Some(IdRef::Name("root".into())),
         }
     }
 }

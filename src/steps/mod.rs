@@ -1,1 +1,422 @@
-//! placeholder
+//! Change kinds: for each, what must change on this node (a pure diff of desired against
+//! observed) expressed as [`Mutation`]s, which the engine journals, executes and can undo.
+//!
+//! A step never writes directly: `diff` reads the node and returns mutations, `capture`
+//! records the pre-image of a mutation's target in the backup store, `execute` performs it,
+//! `restore` puts a pre-image back. This keeps every kind crash-safe and reversible in the
+//! same way.
+
+pub mod file;
+pub mod kubelet;
+pub mod sysctl;
+pub mod verify;
+
+use crate::engine::status::ErrorKind;
+use crate::host::Host;
+use crate::host::fs::{Existing, FileMeta, FsError};
+use crate::host::users::Accounts;
+use crate::journal::backup::{BackupError, BackupStore};
+use crate::journal::{FileBefore, Preimage};
+use crate::plan::{Change, ChangeKind, Disruption, FieldError, NodePath, Plan};
+
+/// One change to the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mutation {
+    /// Replace or create a file atomically (creating missing directories).
+    Write {
+        /// Node path.
+        path: NodePath,
+        /// New content.
+        content: Vec<u8>,
+        /// New mode and owner.
+        meta: FileMeta,
+    },
+    /// Remove a file.
+    Remove {
+        /// Node path.
+        path: NodePath,
+    },
+    /// Write a value to a `/proc/sys` file.
+    SysctlLive {
+        /// The `/proc/sys/...` node path.
+        path: NodePath,
+        /// The value.
+        value: String,
+    },
+}
+
+impl Mutation {
+    /// For people: "write /etc/x (12 bytes, 0644 0:0)".
+    pub fn describe(&self) -> String {
+        match self {
+            Mutation::Write {
+                path,
+                content,
+                meta,
+            } => format!(
+                "write {path} ({} bytes, {:04o} {}:{})",
+                content.len(),
+                meta.mode,
+                meta.uid,
+                meta.gid
+            ),
+            Mutation::Remove { path } => format!("remove {path}"),
+            Mutation::SysctlLive { path, value } => format!("set {path} = {value}"),
+        }
+    }
+}
+
+/// What a change needs on this node now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Diff {
+    /// Mutations in order; empty when the node is already in the desired state.
+    pub mutations: Vec<Mutation>,
+    /// Something worth saying about it ("persisted only: no /proc/sys").
+    pub note: Option<String>,
+}
+
+/// A step failure with a bounded kind.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{detail}")]
+pub struct StepError {
+    /// Classification.
+    pub kind: ErrorKind,
+    /// What failed on what.
+    pub detail: String,
+}
+
+impl StepError {
+    /// A new error.
+    pub fn new(kind: ErrorKind, detail: impl Into<String>) -> StepError {
+        StepError {
+            kind,
+            detail: detail.into(),
+        }
+    }
+}
+
+const ENOSPC: i32 = 28;
+const EDQUOT: i32 = 122;
+
+impl From<FsError> for StepError {
+    fn from(e: FsError) -> StepError {
+        let kind = match e.raw_os_error() {
+            Some(ENOSPC | EDQUOT) => ErrorKind::DiskFull,
+            _ => match e {
+                FsError::Symlink { .. } | FsError::Escapes { .. } | FsError::NotAFile { .. } => {
+                    ErrorKind::Precondition
+                }
+                FsError::Io { .. } => ErrorKind::Io,
+            },
+        };
+        StepError::new(kind, e.to_string())
+    }
+}
+
+impl From<BackupError> for StepError {
+    fn from(e: BackupError) -> StepError {
+        let kind = match e.raw_os_error() {
+            Some(ENOSPC | EDQUOT) => ErrorKind::DiskFull,
+            _ => ErrorKind::Io,
+        };
+        StepError::new(kind, e.to_string())
+    }
+}
+
+/// What the agent can do on this node, from its configuration.
+#[derive(Debug, Clone, Default)]
+pub struct Capabilities {
+    /// `exec` changes are allowed.
+    pub exec_allowed: bool,
+    /// The kinds implemented by this build.
+    pub kinds: Vec<ChangeKind>,
+}
+
+impl Capabilities {
+    /// The kinds this build implements.
+    pub fn implemented() -> Vec<ChangeKind> {
+        vec![
+            ChangeKind::File,
+            ChangeKind::Absent,
+            ChangeKind::KubeletConfig,
+            ChangeKind::KubeletFlags,
+            ChangeKind::Sysctl,
+        ]
+    }
+
+    /// Why this node cannot apply `change`, or `None` when it can.
+    pub fn unsupported(&self, change: &Change) -> Option<String> {
+        let kind = change.kind();
+        if kind == ChangeKind::Exec && !self.exec_allowed {
+            return Some(
+                "exec changes are disabled on this node (set exec.allow = true in the agent \
+                 configuration)"
+                    .into(),
+            );
+        }
+        if !self.kinds.contains(&kind) {
+            return Some(format!(
+                "{kind} changes are not supported by this agent yet"
+            ));
+        }
+        None
+    }
+
+    /// Why this node cannot run a gate, or `None` when it can.
+    pub fn unsupported_check(&self, probe: &crate::plan::Probe) -> Option<String> {
+        verify::unsupported(probe)
+    }
+}
+
+/// True for kinds whose mutations are only file writes and removals, which the engine may
+/// announce in batches with one journal sync.
+pub fn batchable(change: &Change) -> bool {
+    matches!(
+        change,
+        Change::File(_) | Change::Absent(_) | Change::KubeletConfig(_) | Change::KubeletFlags(_)
+    )
+}
+
+/// Disruption of a change when it changes something (restarts are computed from it).
+pub fn disruption(change: &Change) -> Disruption {
+    match change {
+        Change::Reboot(_) => Disruption::Reboot,
+        Change::Exec(e) => e.disruption,
+        Change::Unit(u) if u.content.is_some() || u.drop_in.is_some() => {
+            if u.state == Some(crate::plan::UnitState::Stopped) {
+                Disruption::DaemonReload
+            } else {
+                Disruption::Restart
+            }
+        }
+        c if !c.restart_units().is_empty() => Disruption::Restart,
+        _ => Disruption::None,
+    }
+}
+
+/// Per-change facts resolved against the node before a run (owners to ids).
+#[derive(Debug, Clone, Default)]
+pub struct Prepared {
+    /// Resolved (uid, gid) per change index, for changes with an owner.
+    pub ids: Vec<Option<(u32, u32)>>,
+    /// The node's `root:root`.
+    pub root_ids: (u32, u32),
+}
+
+impl Prepared {
+    /// The context of change `index`.
+    pub fn ctx(&self, index: usize) -> StepCtx {
+        StepCtx {
+            ids: self.ids.get(index).copied().flatten(),
+            root_ids: self.root_ids,
+        }
+    }
+}
+
+/// What a step needs to know about the node besides its own change.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepCtx {
+    /// The change's resolved owner, for changes with one.
+    pub ids: Option<(u32, u32)>,
+    /// The node's `root:root`, for files the agent creates on its own.
+    pub root_ids: (u32, u32),
+}
+
+/// Checks a plan against this node (owners exist, paths do not escape through symlinks,
+/// the kubelet files are usable) without changing anything. Errors name the field.
+pub fn preflight(host: &Host, plan: &Plan, allow: &crate::plan::AllowList) -> Result<Prepared, Vec<FieldError>> {
+    let mut errors = Vec::new();
+    let accounts = match Accounts::load(&host.root) {
+        Ok(a) => a,
+        Err(e) => {
+            errors.push(FieldError::new("", format!("read the node's accounts: {e}")));
+            Accounts::default()
+        }
+    };
+    let mut prepared = Prepared {
+        root_ids: accounts.root_ids(),
+        ..Prepared::default()
+    };
+    for (i, change) in plan.changes.iter().enumerate() {
+        let base = format!("changes[{i}].{}", change.kind());
+        let mut ids = None;
+        let check_path = |field: &str, p: &NodePath, errors: &mut Vec<FieldError>| {
+            if let Err(e) = host.root.check_path(p, allow) {
+                errors.push(FieldError::new(format!("{base}.{field}"), e.to_string()));
+            }
+        };
+        match change {
+            Change::File(f) => {
+                check_path("path", &f.path, &mut errors);
+                match accounts.resolve(&f.owner) {
+                    Ok(resolved) => ids = Some(resolved),
+                    Err(e) => errors.push(FieldError::new(format!("{base}.owner"), e)),
+                }
+                if let Ok(Existing::Other { kind }) = host.root.read(&f.path) {
+                    errors.push(FieldError::new(
+                        format!("{base}.path"),
+                        format!("{} is a {kind} on the node, not a regular file", f.path),
+                    ));
+                }
+            }
+            Change::Absent(a) => {
+                check_path("path", &a.path, &mut errors);
+                if let Ok(Existing::Other { kind }) = host.root.read(&a.path) {
+                    errors.push(FieldError::new(
+                        format!("{base}.path"),
+                        format!("{} is a {kind} on the node; absent removes files only", a.path),
+                    ));
+                }
+            }
+            Change::KubeletConfig(_) => {
+                let p = kubelet::config_path();
+                check_path("mergePatch", &p, &mut errors);
+                if let Err(e) = kubelet::read_config(host) {
+                    errors.push(FieldError::new(format!("{base}.mergePatch"), e.detail));
+                }
+            }
+            Change::KubeletFlags(_) => check_path("set", &kubelet::flags_path(), &mut errors),
+            Change::Sysctl(s) => {
+                if let Err(e) = sysctl::preflight(host, s) {
+                    errors.push(FieldError::new(format!("{base}.key"), e));
+                }
+                if let Ok(p) = sysctl::conf_path(&s.key) {
+                    check_path("key", &p, &mut errors);
+                }
+            }
+            _ => {}
+        }
+        prepared.ids.push(ids);
+    }
+    if errors.is_empty() {
+        Ok(prepared)
+    } else {
+        Err(errors)
+    }
+}
+
+/// What `change` needs on this node now.
+pub fn diff(host: &Host, change: &Change, ctx: StepCtx) -> Result<Diff, StepError> {
+    match change {
+        Change::File(f) => file::diff_file(host, f, ctx.ids.unwrap_or(ctx.root_ids)),
+        Change::Absent(a) => file::diff_absent(host, a),
+        Change::KubeletConfig(k) => kubelet::diff_config(host, k),
+        Change::KubeletFlags(k) => kubelet::diff_flags(host, k, ctx.root_ids),
+        Change::Sysctl(s) => sysctl::diff(host, s, ctx.root_ids),
+        other => Err(StepError::new(
+            ErrorKind::Unsupported,
+            format!("{} changes are not supported by this agent yet", other.kind()),
+        )),
+    }
+}
+
+/// Records what `m`'s target looks like now, storing file content in the backup store.
+pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preimage, StepError> {
+    match m {
+        Mutation::Write { path, .. } | Mutation::Remove { path } => {
+            let before = match host.root.read(path)? {
+                Existing::Absent => FileBefore::Absent,
+                Existing::File { content, meta } => FileBefore::Present {
+                    sha256: backups.put(&content)?,
+                    meta,
+                },
+                Existing::Other { kind } => {
+                    return Err(FsError::NotAFile {
+                        path: path.to_string(),
+                        kind,
+                    }
+                    .into());
+                }
+            };
+            let created_dirs = match m {
+                Mutation::Write { .. } => host.root.missing_dirs(path)?,
+                _ => Vec::new(),
+            };
+            Ok(Preimage::File {
+                path: path.clone(),
+                before,
+                created_dirs,
+            })
+        }
+        Mutation::SysctlLive { path, .. } => {
+            let before = host.root.read_special(path)?.unwrap_or_default();
+            Ok(Preimage::Sysctl {
+                path: path.clone(),
+                before: before.trim_end().to_string(),
+            })
+        }
+    }
+}
+
+/// Performs one mutation.
+pub fn execute(host: &Host, m: &Mutation) -> Result<(), StepError> {
+    match m {
+        Mutation::Write {
+            path,
+            content,
+            meta,
+        } => host.root.write_atomic(path, content, *meta)?,
+        Mutation::Remove { path } => {
+            host.root.remove(path)?;
+        }
+        Mutation::SysctlLive { path, value } => {
+            host.root.write_special(path, format!("{value}\n").as_bytes())?
+        }
+    }
+    Ok(())
+}
+
+/// Puts a pre-image back (idempotent: restoring twice is the same as once).
+pub fn restore(host: &Host, backups: &BackupStore, p: &Preimage) -> Result<(), StepError> {
+    match p {
+        Preimage::File {
+            path,
+            before,
+            created_dirs,
+        } => {
+            host.root.sweep_temp(path)?;
+            match before {
+                FileBefore::Absent => {
+                    host.root.remove(path)?;
+                }
+                FileBefore::Present { sha256, meta } => {
+                    let current = host.root.read(path)?;
+                    let content = backups.get(sha256)?;
+                    let same = matches!(&current, Existing::File { content: c, meta: m } if *c == content && m == meta);
+                    if !same {
+                        host.root.write_atomic(path, &content, *meta)?;
+                    }
+                }
+            }
+            for dir in created_dirs.iter().rev() {
+                host.root.remove_empty_dir(dir)?;
+            }
+            Ok(())
+        }
+        Preimage::Sysctl { path, before } => {
+            if !before.is_empty() {
+                host.root.write_special(path, format!("{before}\n").as_bytes())?;
+            }
+            Ok(())
+        }
+        Preimage::Other { kind, .. } => Err(StepError::new(
+            ErrorKind::Internal,
+            format!("cannot restore {kind} state: this agent does not know that step kind"),
+        )),
+    }
+}
+
+/// Removes temp files a crash may have left for the targets of `change`.
+pub fn sweep(host: &Host, change: &Change) -> Result<(), StepError> {
+    let paths: Vec<NodePath> = match change {
+        Change::File(f) => vec![f.path.clone()],
+        Change::KubeletConfig(_) => vec![kubelet::config_path()],
+        Change::KubeletFlags(_) => vec![kubelet::flags_path()],
+        Change::Sysctl(s) => sysctl::conf_path(&s.key).into_iter().collect(),
+        _ => Vec::new(),
+    };
+    for p in paths {
+        host.root.sweep_temp(&p)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,730 @@
+//! Driving one run through its phases. Every decision reads the run's state from the table
+//! (the journal's fold), so the same code starts a fresh run and resumes one after a crash.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Shared;
+use super::status::{ErrorInfo, ErrorKind, Phase, now_ms};
+use super::table::{RunState, check_name};
+use crate::failpoint;
+use crate::journal::{JournalError, Record};
+use crate::plan::{Change, Plan};
+use crate::steps::{self, StepError};
+
+/// Most changes announced with one journal sync.
+const BATCH: usize = 64;
+
+/// One change of a batch between its diff and its execution.
+struct Work {
+    index: u32,
+    diff: steps::Diff,
+    preimages: Vec<crate::journal::Preimage>,
+    resumed: bool,
+    announced: bool,
+}
+
+/// How the run must stop at a step boundary.
+enum Stop {
+    Cancelled,
+    Superseded(String),
+    TimedOut(u64),
+}
+
+/// Why the run left its happy path.
+enum Abort {
+    /// A step or gate failed: roll back (if the plan says so) and end Failed/RolledBack.
+    Failed(ErrorInfo),
+    /// Stop at the boundary.
+    Stop(Stop),
+    /// The journal failed: nothing more can be recorded, so nothing more is done.
+    Journal(JournalError),
+}
+
+impl From<JournalError> for Abort {
+    fn from(e: JournalError) -> Abort {
+        Abort::Journal(e)
+    }
+}
+
+pub(super) struct Runner {
+    shared: Arc<Shared>,
+    /// The plan checked against the node (owners resolved), once per run.
+    prepared: std::cell::RefCell<Option<steps::Prepared>>,
+}
+
+impl Runner {
+    pub(super) fn new(shared: Arc<Shared>) -> Runner {
+        Runner {
+            shared,
+            prepared: std::cell::RefCell::new(None),
+        }
+    }
+
+    /// Checks the plan against the node now (owners, paths, supported kinds).
+    fn admit(&self, plan: &Plan) -> Result<steps::Prepared, Abort> {
+        if let Some(p) = self.prepared.borrow().as_ref() {
+            return Ok(p.clone());
+        }
+        let engine = super::Engine {
+            shared: self.shared.clone(),
+        };
+        let prepared = engine.admit(plan).map_err(|e| {
+            Abort::Failed(ErrorInfo {
+                kind: match e {
+                    super::SubmitError::Unsupported { .. } => ErrorKind::Unsupported,
+                    _ => ErrorKind::Precondition,
+                },
+                step: None,
+                detail: e.to_string(),
+            })
+        })?;
+        *self.prepared.borrow_mut() = Some(prepared.clone());
+        Ok(prepared)
+    }
+
+    /// Runs the oldest unfinished run to its end; false when there was none.
+    pub(super) fn step(&self) -> bool {
+        let run = {
+            let inner = self.shared.lock();
+            inner.table.unfinished().map(|(r, _)| *r).next()
+        };
+        let Some(run) = run else { return false };
+        if let Err(e) = self.drive(run) {
+            // The journal cannot be written: stop here; a restart resumes from what it has.
+            tracing::error!(run, error = %e, "journal write failed; the plan is left for resume");
+            std::thread::sleep(Duration::from_secs(1));
+            return false;
+        }
+        self.maybe_compact();
+        true
+    }
+
+    fn state(&self, run: u64) -> Option<(Phase, RunState, Option<u64>)> {
+        let inner = self.shared.lock();
+        let rs = inner.table.run_state(run)?.clone();
+        let status = inner.table.by_run(run)?;
+        Some((status.phase, rs, status.started_at_ms))
+    }
+
+    fn record(&self, rec: Record, sync: bool) -> Result<(), JournalError> {
+        self.shared.record(rec, sync)
+    }
+
+    fn phase(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
+        self.record(Record::Phase { run, phase, error }, false)
+    }
+
+    fn finish(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
+        self.record(Record::PlanFinished { run, phase, error }, true)
+    }
+
+    fn drive(&self, run: u64) -> Result<(), JournalError> {
+        let mut resumed = false;
+        loop {
+            let Some((phase, rs, _)) = self.state(run) else {
+                return Ok(());
+            };
+            if !resumed {
+                resumed = true;
+                if phase != Phase::Pending {
+                    tracing::info!(run, id = %self.id(run), %phase, "resuming unfinished plan");
+                    self.sweep(&rs.plan);
+                }
+            }
+            let outcome = match phase {
+                Phase::Pending => self.boundary(run).map_or_else(
+                    || self.phase(run, Phase::Preparing, None).map_err(Abort::from),
+                    |stop| Err(Abort::Stop(stop)),
+                ),
+                Phase::Preparing => self.prepare(run, &rs.plan),
+                Phase::Applying => self.apply(run),
+                Phase::Restarting => self.restart(run),
+                Phase::Verifying => self.verify(run),
+                Phase::RollingBack => {
+                    let error = self.error_of(run);
+                    return self.rollback_and_finish(run, error, Phase::RolledBack);
+                }
+                _ => return Ok(()),
+            };
+            match outcome {
+                Ok(()) => continue,
+                Err(Abort::Journal(e)) => return Err(e),
+                Err(Abort::Failed(error)) => return self.fail(run, error),
+                Err(Abort::Stop(stop)) => return self.stop(run, stop),
+            }
+        }
+    }
+
+    fn id(&self, run: u64) -> String {
+        let inner = self.shared.lock();
+        inner.table.by_run(run).map(|s| s.id.clone()).unwrap_or_default()
+    }
+
+    fn error_of(&self, run: u64) -> Option<ErrorInfo> {
+        let inner = self.shared.lock();
+        inner.table.by_run(run).and_then(|s| s.error.clone())
+    }
+
+    /// Removes temp files a crash may have left for this plan's targets.
+    fn sweep(&self, plan: &Plan) {
+        for change in &plan.changes {
+            if let Err(e) = steps::sweep(&self.shared.host, change) {
+                tracing::warn!(error = %e, "could not remove a stale temp file");
+            }
+        }
+    }
+
+    /// Checks, between steps, whether the run must stop.
+    fn boundary(&self, run: u64) -> Option<Stop> {
+        let inner = self.shared.lock();
+        let rs = inner.table.run_state(run)?;
+        if rs.cancel_requested {
+            return Some(Stop::Cancelled);
+        }
+        if let Some(newer) = inner.table.newer_than(run) {
+            return Some(Stop::Superseded(format!(
+                "superseded by plan {} ({})",
+                newer.id,
+                short(&newer.digest)
+            )));
+        }
+        let status = inner.table.by_run(run)?;
+        if let Some(start) = status.started_at_ms {
+            let limit = rs.plan.options.timeout.as_millis() as u64;
+            if now_ms().saturating_sub(start) > limit {
+                return Some(Stop::TimedOut(limit / 1000));
+            }
+        }
+        None
+    }
+
+    fn prepare(&self, run: u64, plan: &Plan) -> Result<(), Abort> {
+        self.admit(plan)?;
+        self.phase(run, Phase::Applying, None)?;
+        Ok(())
+    }
+
+    fn apply(&self, run: u64) -> Result<(), Abort> {
+        let Some((_, rs, _)) = self.state(run) else {
+            return Ok(());
+        };
+        let plan = rs.plan.clone();
+        let prepared = self.admit(&plan)?;
+        let todo: Vec<usize> = (0..plan.changes.len())
+            .filter(|i| !rs.done.contains(&(*i as u32)))
+            .collect();
+        let mut cursor = 0;
+        while cursor < todo.len() {
+            // A batch: consecutive file-like changes (announced with one journal sync), or a
+            // single change of another kind, or a single change resumed after a crash.
+            let mut batch = vec![todo[cursor]];
+            let alone = |i: usize| {
+                !steps::batchable(&plan.changes[i]) || rs.preimages.contains_key(&(i as u32))
+            };
+            if !alone(todo[cursor]) {
+                while let Some(&next) = todo.get(cursor + batch.len()) {
+                    if batch.len() >= BATCH || alone(next) {
+                        break;
+                    }
+                    batch.push(next);
+                }
+            }
+            cursor += batch.len();
+            if !rs.preimages.contains_key(&(batch[0] as u32))
+                && let Some(stop) = self.boundary(run)
+            {
+                return Err(Abort::Stop(stop));
+            }
+            self.apply_batch(run, &plan, &prepared, &batch, &rs)?;
+        }
+        let next = if self.restart_plan(run).is_empty() {
+            Phase::Verifying
+        } else {
+            Phase::Restarting
+        };
+        self.phase(run, next, None)?;
+        Ok(())
+    }
+
+    /// Applies a batch of changes: diff each and capture its pre-images, announce every
+    /// change that will mutate (one fdatasync for the batch: the write-ahead rule), then
+    /// mutate in order. A failure ends the batch where the change order puts it: changes
+    /// before it are applied, the announced ones after it are abandoned untouched.
+    fn apply_batch(
+        &self,
+        run: u64,
+        plan: &Plan,
+        prepared: &steps::Prepared,
+        batch: &[usize],
+        rs: &RunState,
+    ) -> Result<(), Abort> {
+        let mut work: Vec<Work> = Vec::with_capacity(batch.len());
+        let mut failed: Option<(usize, StepError)> = None;
+        for &i in batch {
+            let index = i as u32;
+            self.shared.lock().table.set_running(run, index);
+            let in_flight = rs.preimages.get(&index);
+            match self.prepare_one(&plan.changes[i], prepared.ctx(i), in_flight) {
+                Ok((diff, preimages)) => work.push(Work {
+                    index,
+                    diff,
+                    preimages,
+                    resumed: in_flight.is_some(),
+                    announced: false,
+                }),
+                Err(e) => {
+                    failed = Some((i, e));
+                    break;
+                }
+            }
+        }
+        let mut announced = false;
+        for w in work.iter_mut().filter(|w| !w.preimages.is_empty()) {
+            failpoint::hit("step.before_started");
+            let preimages = std::mem::take(&mut w.preimages);
+            self.record(
+                Record::StepStarted {
+                    run,
+                    index: w.index,
+                    preimages,
+                },
+                false,
+            )?;
+            w.announced = true;
+            announced = true;
+        }
+        if announced {
+            self.shared.lock().journal.sync()?;
+        }
+        for (k, w) in work.iter().enumerate() {
+            if let Err(e) = self.execute_one(run, w) {
+                for later in work[k + 1..].iter().filter(|l| l.announced) {
+                    self.record(
+                        Record::StepAbandoned {
+                            run,
+                            index: later.index,
+                        },
+                        false,
+                    )?;
+                }
+                failed = Some((w.index as usize, e));
+                break;
+            }
+        }
+        if let Some((i, e)) = failed {
+            let change = &plan.changes[i];
+            let error = ErrorInfo {
+                kind: e.kind,
+                step: Some(format!("changes[{i}] {} {}", change.kind(), change.target())),
+                detail: e.detail,
+            };
+            self.record(
+                Record::StepFailed {
+                    run,
+                    index: i as u32,
+                    error: error.clone(),
+                },
+                true,
+            )?;
+            return Err(Abort::Failed(error));
+        }
+        Ok(())
+    }
+
+    /// Diffs one change and captures the pre-images its mutations need. On resume the
+    /// journaled pre-images describe the node before the change; only targets not captured
+    /// then are captured now.
+    fn prepare_one(
+        &self,
+        change: &Change,
+        ctx: steps::StepCtx,
+        in_flight: Option<&Vec<crate::journal::Preimage>>,
+    ) -> Result<(steps::Diff, Vec<crate::journal::Preimage>), StepError> {
+        let host = &self.shared.host;
+        let diff = steps::diff(host, change, ctx)?;
+        let known: BTreeSet<String> = in_flight.into_iter().flatten().map(preimage_target).collect();
+        let mut preimages = Vec::new();
+        for m in &diff.mutations {
+            let target = mutation_target(m);
+            if !known.contains(&target) && !preimages.iter().any(|p| preimage_target(p) == target) {
+                preimages.push(steps::capture(host, &self.shared.backups, m)?);
+            }
+        }
+        Ok((diff, preimages))
+    }
+
+    /// Performs one change's mutations and records that it is done.
+    fn execute_one(&self, run: u64, w: &Work) -> Result<(), StepError> {
+        let journal_err = |e: JournalError| StepError::new(ErrorKind::Io, e.to_string());
+        if w.diff.mutations.is_empty() {
+            let message = if w.resumed {
+                "changed (completed after a restart)".to_string()
+            } else {
+                w.diff
+                    .note
+                    .clone()
+                    .unwrap_or_else(|| "already in the desired state".into())
+            };
+            return self
+                .record(
+                    Record::StepDone {
+                        run,
+                        index: w.index,
+                        changed: w.resumed,
+                        message,
+                    },
+                    false,
+                )
+                .map_err(journal_err);
+        }
+        for m in &w.diff.mutations {
+            failpoint::hit("step.before_mutation");
+            steps::execute(&self.shared.host, m)?;
+            failpoint::hit("step.after_mutation");
+        }
+        let mut message: Vec<String> = w.diff.mutations.iter().map(|m| m.describe()).collect();
+        if let Some(note) = &w.diff.note {
+            message.push(note.clone());
+        }
+        self.record(
+            Record::StepDone {
+                run,
+                index: w.index,
+                changed: true,
+                message: message.join("; "),
+            },
+            false,
+        )
+        .map_err(journal_err)
+    }
+
+    /// Units to restart: those named by changes that changed, in name order.
+    fn restart_plan(&self, run: u64) -> Vec<String> {
+        let Some((_, rs, _)) = self.state(run) else {
+            return Vec::new();
+        };
+        let mut units = BTreeSet::new();
+        for index in rs.preimages.keys() {
+            if let Some(c) = rs.plan.changes.get(*index as usize) {
+                units.extend(c.restart_units());
+            }
+        }
+        units.into_iter().collect()
+    }
+
+    fn restart(&self, run: u64) -> Result<(), Abort> {
+        let units = self.restart_plan(run);
+        let Some((_, rs, _)) = self.state(run) else {
+            return Ok(());
+        };
+        match &self.shared.services {
+            None => {
+                for unit in units.iter().filter(|u| !rs.restarted.contains(*u)) {
+                    self.record(
+                        Record::UnitRestarted {
+                            run,
+                            unit: unit.clone(),
+                            rollback: false,
+                            skipped: true,
+                            message: format!(
+                                "{unit} not restarted: service management is off on this agent"
+                            ),
+                        },
+                        false,
+                    )?;
+                }
+            }
+            Some(services) => {
+                if !rs.reloaded.0 {
+                    services
+                        .daemon_reload()
+                        .map_err(|e| systemd_failure("daemon-reload", e))?;
+                    self.record(Record::DaemonReloaded { run, rollback: false }, true)?;
+                }
+                for unit in units.iter().filter(|u| !rs.restarted.contains(*u)) {
+                    if let Some(stop) = self.boundary(run).filter(|s| matches!(s, Stop::TimedOut(_))) {
+                        return Err(Abort::Stop(stop));
+                    }
+                    let message = services
+                        .restart(unit)
+                        .map_err(|e| systemd_failure(&format!("restart {unit}"), e))?;
+                    self.record(
+                        Record::UnitRestarted {
+                            run,
+                            unit: unit.clone(),
+                            rollback: false,
+                            skipped: false,
+                            message,
+                        },
+                        true,
+                    )?;
+                }
+            }
+        }
+        self.phase(run, Phase::Verifying, None)?;
+        Ok(())
+    }
+
+    fn verify(&self, run: u64) -> Result<(), Abort> {
+        let Some((_, rs, _)) = self.state(run) else {
+            return Ok(());
+        };
+        let plan = rs.plan.clone();
+        for (i, check) in plan.verify.iter().enumerate() {
+            let index = i as u32;
+            if rs.checks_passed.contains(&index) {
+                continue;
+            }
+            if let Some(stop) = self.boundary(run) {
+                return Err(Abort::Stop(stop));
+            }
+            let name = check_name(index, check);
+            let stop = || self.boundary(run).is_some();
+            let mut progress = |msg: &str| {
+                let mut inner = self.shared.lock();
+                inner.table.set_message(run, format!("{name}: {msg}"));
+            };
+            let outcome = crate::steps::verify::run_check(&self.shared.host, check, &stop, &mut progress);
+            self.record(
+                Record::CheckDone {
+                    run,
+                    index,
+                    passed: outcome.passed,
+                    message: outcome.message.clone(),
+                },
+                !outcome.passed,
+            )?;
+            if !outcome.passed {
+                if let Some(stop) = self.boundary(run) {
+                    return Err(Abort::Stop(stop));
+                }
+                return Err(Abort::Failed(ErrorInfo {
+                    kind: ErrorKind::Verification,
+                    step: Some(name),
+                    detail: outcome.message,
+                }));
+            }
+        }
+        self.finish(run, Phase::Succeeded, None)?;
+        Ok(())
+    }
+
+    fn fail(&self, run: u64, error: ErrorInfo) -> Result<(), JournalError> {
+        let Some((_, rs, _)) = self.state(run) else {
+            return Ok(());
+        };
+        tracing::warn!(run, id = %self.id(run), error = %error, "plan failed");
+        if rs.plan.options.rollback_on_failure && rs.changed_anything() {
+            self.phase(run, Phase::RollingBack, Some(error.clone()))?;
+            self.rollback_and_finish(run, Some(error), Phase::RolledBack)
+        } else {
+            self.finish(run, Phase::Failed, Some(error))
+        }
+    }
+
+    fn stop(&self, run: u64, stop: Stop) -> Result<(), JournalError> {
+        match stop {
+            Stop::Superseded(why) => self.finish(
+                run,
+                Phase::Superseded,
+                Some(ErrorInfo {
+                    kind: ErrorKind::Superseded,
+                    step: None,
+                    detail: why,
+                }),
+            ),
+            Stop::TimedOut(secs) => self.fail(
+                run,
+                ErrorInfo {
+                    kind: ErrorKind::Timeout,
+                    step: None,
+                    detail: format!("the plan ran longer than its timeout of {secs}s"),
+                },
+            ),
+            Stop::Cancelled => {
+                let Some((_, rs, _)) = self.state(run) else {
+                    return Ok(());
+                };
+                let error = ErrorInfo {
+                    kind: ErrorKind::Cancelled,
+                    step: None,
+                    detail: "cancelled on request".into(),
+                };
+                if rs.plan.options.rollback_on_failure && rs.changed_anything() {
+                    self.phase(run, Phase::RollingBack, Some(error.clone()))?;
+                    self.rollback_and_finish(run, Some(error), Phase::Cancelled)
+                } else {
+                    self.finish(run, Phase::Cancelled, Some(error))
+                }
+            }
+        }
+    }
+
+    /// Restores every changed change in reverse order, restarts what the restore touched,
+    /// and ends the run in `end` — or Failed with `RollbackFailed` when a restore fails.
+    fn rollback_and_finish(
+        &self,
+        run: u64,
+        error: Option<ErrorInfo>,
+        end: Phase,
+    ) -> Result<(), JournalError> {
+        let Some((_, rs, _)) = self.state(run) else {
+            return Ok(());
+        };
+        let end = if rs.cancel_requested && end == Phase::RolledBack && error.as_ref().is_some_and(|e| e.kind == ErrorKind::Cancelled) {
+            Phase::Cancelled
+        } else {
+            end
+        };
+        let host = &self.shared.host;
+        for (index, preimages) in rs.preimages.iter().rev() {
+            if rs.rolled_back.contains(index) {
+                continue;
+            }
+            let mut last_err = None;
+            for attempt in 0..3 {
+                if attempt > 0 {
+                    std::thread::sleep(Duration::from_millis(200 * attempt));
+                }
+                let result = preimages
+                    .iter()
+                    .rev()
+                    .try_for_each(|p| steps::restore(host, &self.shared.backups, p));
+                match result {
+                    Ok(()) => {
+                        last_err = None;
+                        break;
+                    }
+                    Err(e) => last_err = Some(e),
+                }
+            }
+            if let Some(e) = last_err {
+                let change = rs.plan.changes.get(*index as usize);
+                let step = change.map(|c| format!("changes[{index}] {} {}", c.kind(), c.target()));
+                let after = error
+                    .as_ref()
+                    .map(|e| format!(" (rolling back after: {e})"))
+                    .unwrap_or_default();
+                return self.finish(
+                    run,
+                    Phase::Failed,
+                    Some(ErrorInfo {
+                        kind: ErrorKind::RollbackFailed,
+                        step,
+                        detail: format!(
+                            "rollback could not restore this change: {e}; the node needs attention{after}"
+                        ),
+                    }),
+                );
+            }
+            failpoint::hit("rollback.before_record");
+            self.record(Record::StepRolledBack { run, index: *index }, false)?;
+        }
+        // Restart what the restored files feed, so the old configuration is live again.
+        if let Some(services) = &self.shared.services {
+            let units = self.restart_plan(run);
+            if !units.is_empty() {
+                let rs = self.state(run).map(|s| s.1);
+                let reloaded = rs.as_ref().is_some_and(|r| r.reloaded.1);
+                if !reloaded {
+                    if let Err(e) = services.daemon_reload() {
+                        return self.finish(run, Phase::Failed, Some(rollback_systemd("daemon-reload", e, &error)));
+                    }
+                    self.record(Record::DaemonReloaded { run, rollback: true }, true)?;
+                }
+                for unit in units {
+                    if rs.as_ref().is_some_and(|r| r.restarted_rollback.contains(&unit)) {
+                        continue;
+                    }
+                    match services.restart(&unit) {
+                        Ok(message) => self.record(
+                            Record::UnitRestarted {
+                                run,
+                                unit,
+                                rollback: true,
+                                skipped: false,
+                                message,
+                            },
+                            true,
+                        )?,
+                        Err(e) => {
+                            return self.finish(
+                                run,
+                                Phase::Failed,
+                                Some(rollback_systemd(&format!("restart {unit}"), e, &error)),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        self.finish(run, end, error)
+    }
+
+    fn maybe_compact(&self) {
+        let mut inner = self.shared.lock();
+        if inner.table.unfinished().next().is_some()
+            || inner.journal.size() < self.shared.config.compact_bytes
+        {
+            return;
+        }
+        let records = inner.table.summary_records();
+        let before = inner.journal.size();
+        match inner.journal.compact(now_ms(), records) {
+            Ok(()) => {
+                let after = inner.journal.size();
+                drop(inner);
+                let removed = self
+                    .shared
+                    .backups
+                    .retain(&Default::default())
+                    .unwrap_or_default();
+                tracing::info!(before, after, backups_removed = removed, "journal compacted");
+            }
+            Err(e) => tracing::warn!(error = %e, "journal compaction failed; the old journal is kept"),
+        }
+    }
+}
+
+fn systemd_failure(what: &str, e: String) -> Abort {
+    Abort::Failed(ErrorInfo {
+        kind: ErrorKind::Systemd,
+        step: Some(what.to_string()),
+        detail: e,
+    })
+}
+
+fn rollback_systemd(what: &str, e: String, after: &Option<ErrorInfo>) -> ErrorInfo {
+    let after = after
+        .as_ref()
+        .map(|e| format!(" (rolling back after: {e})"))
+        .unwrap_or_default();
+    ErrorInfo {
+        kind: ErrorKind::RollbackFailed,
+        step: Some(what.to_string()),
+        detail: format!("files were restored but {what} failed: {e}; the node needs attention{after}"),
+    }
+}
+
+fn short(digest: &str) -> &str {
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    &hex[..hex.len().min(12)]
+}
+
+fn mutation_target(m: &steps::Mutation) -> String {
+    match m {
+        steps::Mutation::Write { path, .. } | steps::Mutation::Remove { path } => path.to_string(),
+        steps::Mutation::SysctlLive { path, .. } => path.to_string(),
+    }
+}
+
+fn preimage_target(p: &crate::journal::Preimage) -> String {
+    match p {
+        crate::journal::Preimage::File { path, .. } | crate::journal::Preimage::Sysctl { path, .. } => {
+            path.to_string()
+        }
+        crate::journal::Preimage::Other { kind, data } => format!("{kind}:{data}"),
+    }
+}

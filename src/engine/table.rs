@@ -1,0 +1,483 @@
+//! The engine's state as a fold of journal records: replay at start-up and live updates go
+//! through the same [`Table::apply`], so a restarted agent knows and reports exactly what it
+//! knew before.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::status::*;
+use crate::journal::{Entry, Preimage, Record};
+use crate::plan::{Check, Limits, Plan, validate_value};
+use crate::steps;
+
+/// How many finished plans keep their per-change results.
+pub const KEEP_FULL: usize = 16;
+
+/// What a run needs to resume, beyond its status.
+#[derive(Debug, Clone)]
+pub struct RunState {
+    /// The plan.
+    pub plan: Arc<Plan>,
+    /// Pre-images of changes that started mutating, by change index.
+    pub preimages: BTreeMap<u32, Vec<Preimage>>,
+    /// Changes in their desired state.
+    pub done: BTreeSet<u32>,
+    /// Changes restored by rollback.
+    pub rolled_back: BTreeSet<u32>,
+    /// Gates that passed.
+    pub checks_passed: BTreeSet<u32>,
+    /// Units restarted (forward), and during rollback.
+    pub restarted: BTreeSet<String>,
+    /// Units restarted during rollback.
+    pub restarted_rollback: BTreeSet<String>,
+    /// daemon-reload done (forward, rollback).
+    pub reloaded: (bool, bool),
+    /// A reboot requested by change `index` from boot `boot_id`.
+    pub reboot: Option<(u32, String)>,
+    /// Somebody asked to cancel.
+    pub cancel_requested: bool,
+    /// Timestamp of the last record of this run (step durations).
+    pub last_ts: u64,
+}
+
+impl RunState {
+    /// True when some change of this run mutated the node.
+    pub fn changed_anything(&self) -> bool {
+        !self.preimages.is_empty()
+    }
+}
+
+/// All plans the agent knows, newest last.
+#[derive(Debug, Default)]
+pub struct Table {
+    plans: Vec<PlanStatus>,
+    runs: BTreeMap<u64, RunState>,
+    retained: BTreeMap<u64, Value>,
+    next_run: u64,
+    /// How many finished plans to remember at all.
+    pub keep_plans: usize,
+}
+
+fn step_name(index: u32, plan: &Plan) -> String {
+    match plan.changes.get(index as usize) {
+        Some(c) => format!("changes[{index}] {} {}", c.kind(), c.target()),
+        None => format!("changes[{index}]"),
+    }
+}
+
+/// The name of a gate for messages: `verify[1] httpGet http://...`.
+pub fn check_name(index: u32, check: &Check) -> String {
+    format!("verify[{index}] {} {}", check.probe.key(), check.probe.target())
+}
+
+impl Table {
+    /// An empty table keeping `keep_plans` finished plans.
+    pub fn new(keep_plans: usize) -> Table {
+        Table {
+            keep_plans: keep_plans.max(1),
+            next_run: 1,
+            ..Table::default()
+        }
+    }
+
+    /// The next free run number.
+    pub fn next_run(&self) -> u64 {
+        self.next_run
+    }
+
+    /// Applies one record. Unknown runs are ignored (their plan was compacted away).
+    pub fn apply(&mut self, entry: &Entry) {
+        let ts = entry.ts;
+        match &entry.record {
+            Record::Compacted { .. } => {}
+            Record::PlanAccepted {
+                run,
+                id,
+                digest,
+                attempt,
+                source,
+                plan,
+            } => self.accept(*run, id, digest, *attempt, source, plan, ts),
+            Record::Summary { status, plan } => {
+                self.next_run = self.next_run.max(status.run + 1);
+                if let Some(p) = plan {
+                    self.retained.insert(status.run, p.clone());
+                }
+                self.plans.push((**status).clone());
+            }
+            rec => {
+                let Some(run) = rec.run() else { return };
+                self.apply_run(run, rec, ts);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn accept(&mut self, run: u64, id: &str, digest: &str, attempt: u32, source: &str, plan: &Value, ts: u64) {
+        self.next_run = self.next_run.max(run + 1);
+        let parsed = validate_value(plan, "journal", &Limits::replay());
+        let mut status = PlanStatus {
+            id: id.to_string(),
+            digest: digest.to_string(),
+            attempt,
+            run,
+            source: source.to_string(),
+            phase: Phase::Pending,
+            progress: Progress::default(),
+            changes: Vec::new(),
+            checks: Vec::new(),
+            error: None,
+            rebooting: false,
+            accepted_at_ms: ts,
+            started_at_ms: None,
+            finished_at_ms: None,
+            counts: Counts::default(),
+        };
+        match parsed {
+            Ok(plan) => {
+                status.changes = plan
+                    .changes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| ChangeStatus {
+                        index: i as u32,
+                        kind: c.kind(),
+                        target: c.target(),
+                        state: ChangeState::Pending,
+                        message: String::new(),
+                        disruption: steps::disruption(c),
+                        duration_ms: None,
+                    })
+                    .collect();
+                status.checks = plan
+                    .verify
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| CheckStatus {
+                        index: i as u32,
+                        kind: c.probe.key().to_string(),
+                        target: c.probe.target(),
+                        state: CheckState::Pending,
+                        message: String::new(),
+                    })
+                    .collect();
+                status.counts.total = plan.changes.len() as u32;
+                status.progress = Progress {
+                    current: 0,
+                    total: (plan.changes.len() + plan.verify.len()) as u32,
+                    message: "accepted".into(),
+                };
+                self.runs.insert(
+                    run,
+                    RunState {
+                        plan: Arc::new(plan),
+                        preimages: BTreeMap::new(),
+                        done: BTreeSet::new(),
+                        rolled_back: BTreeSet::new(),
+                        checks_passed: BTreeSet::new(),
+                        restarted: BTreeSet::new(),
+                        restarted_rollback: BTreeSet::new(),
+                        reloaded: (false, false),
+                        reboot: None,
+                        cancel_requested: false,
+                        last_ts: ts,
+                    },
+                );
+            }
+            Err(e) => {
+                // Cannot happen for plans this agent wrote; keep the run visible and failed.
+                status.phase = Phase::Failed;
+                status.finished_at_ms = Some(ts);
+                status.error = Some(ErrorInfo {
+                    kind: ErrorKind::Internal,
+                    step: None,
+                    detail: format!("journaled plan cannot be read back: {e}"),
+                });
+            }
+        }
+        self.plans.push(status);
+    }
+
+    fn apply_run(&mut self, run: u64, rec: &Record, ts: u64) {
+        let Some(pos) = self.plans.iter().rposition(|p| p.run == run) else {
+            return;
+        };
+        let status = &mut self.plans[pos];
+        let state = self.runs.get_mut(&run);
+        let mut finished = false;
+        match (rec, state) {
+            (Record::Phase { phase, error, .. }, Some(rs)) => {
+                if status.phase == Phase::Pending && *phase != Phase::Pending {
+                    status.started_at_ms = Some(ts);
+                }
+                status.phase = *phase;
+                if error.is_some() {
+                    status.error = error.clone();
+                }
+                status.progress.message = match phase {
+                    Phase::Preparing => "checking the plan against the node".into(),
+                    Phase::Applying => "applying changes".into(),
+                    Phase::Restarting => "restarting units".into(),
+                    Phase::Verifying => "running health gates".into(),
+                    Phase::RollingBack => "rolling back".into(),
+                    other => other.to_string(),
+                };
+                rs.last_ts = ts;
+            }
+            (Record::StepStarted { index, preimages, .. }, Some(rs)) => {
+                let entry = rs.preimages.entry(*index).or_default();
+                for p in preimages {
+                    if !entry.contains(p) {
+                        entry.push(p.clone());
+                    }
+                }
+                if let Some(c) = status.changes.get_mut(*index as usize) {
+                    c.state = ChangeState::Running;
+                }
+                status.progress.current = index + 1;
+                status.progress.message = step_name(*index, &rs.plan);
+            }
+            (
+                Record::StepDone {
+                    index,
+                    changed,
+                    message,
+                    ..
+                },
+                Some(rs),
+            ) => {
+                if rs.done.insert(*index) {
+                    if *changed {
+                        status.counts.changed += 1;
+                    } else {
+                        status.counts.unchanged += 1;
+                    }
+                }
+                if let Some(c) = status.changes.get_mut(*index as usize) {
+                    c.state = if *changed {
+                        ChangeState::Changed
+                    } else {
+                        ChangeState::Unchanged
+                    };
+                    c.message = message.clone();
+                    c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
+                }
+                status.progress.current = index + 1;
+                status.progress.message = step_name(*index, &rs.plan);
+                rs.last_ts = ts;
+            }
+            (Record::StepFailed { index, error, .. }, Some(rs)) => {
+                if let Some(c) = status.changes.get_mut(*index as usize) {
+                    c.state = ChangeState::Failed;
+                    c.message = error.detail.clone();
+                    c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
+                }
+                status.error = Some(error.clone());
+                rs.last_ts = ts;
+            }
+            (Record::StepAbandoned { index, .. }, Some(rs)) => {
+                rs.preimages.remove(index);
+                if let Some(c) = status.changes.get_mut(*index as usize) {
+                    c.state = ChangeState::Pending;
+                }
+            }
+            (Record::StepRolledBack { index, .. }, Some(rs)) => {
+                if rs.rolled_back.insert(*index) {
+                    status.counts.rolled_back += 1;
+                }
+                if let Some(c) = status.changes.get_mut(*index as usize) {
+                    c.state = ChangeState::RolledBack;
+                }
+                status.progress.message = format!("rolled back {}", step_name(*index, &rs.plan));
+                rs.last_ts = ts;
+            }
+            (Record::DaemonReloaded { rollback, .. }, Some(rs)) => {
+                if *rollback {
+                    rs.reloaded.1 = true;
+                } else {
+                    rs.reloaded.0 = true;
+                }
+            }
+            (Record::UnitRestarted { unit, rollback, message, .. }, Some(rs)) => {
+                if *rollback {
+                    rs.restarted_rollback.insert(unit.clone());
+                } else {
+                    rs.restarted.insert(unit.clone());
+                }
+                status.progress.message = message.clone();
+            }
+            (Record::RebootRequested { index, boot_id, .. }, Some(rs)) => {
+                rs.reboot = Some((*index, boot_id.clone()));
+                status.rebooting = true;
+            }
+            (
+                Record::CheckDone {
+                    index,
+                    passed,
+                    message,
+                    ..
+                },
+                Some(rs),
+            ) => {
+                if let Some(c) = status.checks.get_mut(*index as usize) {
+                    c.state = if *passed {
+                        CheckState::Passed
+                    } else {
+                        CheckState::Failed
+                    };
+                    c.message = message.clone();
+                }
+                if *passed {
+                    rs.checks_passed.insert(*index);
+                } else if let Some(check) = rs.plan.verify.get(*index as usize) {
+                    status.error = Some(ErrorInfo {
+                        kind: ErrorKind::Verification,
+                        step: Some(check_name(*index, check)),
+                        detail: message.clone(),
+                    });
+                }
+                status.progress.current = rs.plan.changes.len() as u32 + index + 1;
+                status.progress.message = format!("verify[{index}]");
+                rs.last_ts = ts;
+            }
+            (Record::CancelRequested { .. }, Some(rs)) => rs.cancel_requested = true,
+            (Record::PlanFinished { phase, error, .. }, _) => {
+                status.phase = *phase;
+                status.finished_at_ms = Some(ts);
+                status.rebooting = false;
+                if error.is_some() {
+                    status.error = error.clone();
+                }
+                status.progress.message = phase.to_string();
+                for c in &mut status.changes {
+                    if c.state == ChangeState::Pending || c.state == ChangeState::Running {
+                        c.state = ChangeState::Skipped;
+                    }
+                }
+                for c in &mut status.checks {
+                    if c.state == CheckState::Pending || c.state == CheckState::Running {
+                        c.state = CheckState::Skipped;
+                    }
+                }
+                finished = true;
+            }
+            _ => {}
+        }
+        if finished {
+            let phase = status.phase;
+            if let Some(rs) = self.runs.remove(&run)
+                && phase != Phase::Succeeded
+            {
+                self.retained.insert(run, rs.plan.canonical_json());
+            }
+            self.trim();
+        }
+    }
+
+    /// Bounds memory: per-change results only for the newest finished plans, and at most
+    /// `keep_plans` finished plans (plus retained plan documents for the newest failures).
+    fn trim(&mut self) {
+        let finished: Vec<u64> = self
+            .plans
+            .iter()
+            .filter(|p| p.phase.is_terminal())
+            .map(|p| p.run)
+            .collect();
+        if finished.len() > KEEP_FULL {
+            let cut = finished[finished.len() - KEEP_FULL - 1];
+            for p in &mut self.plans {
+                if p.phase.is_terminal() && p.run <= cut && !p.changes.is_empty() {
+                    p.changes = Vec::new();
+                    p.checks = Vec::new();
+                }
+            }
+        }
+        if finished.len() > self.keep_plans {
+            let drop_upto = finished[finished.len() - self.keep_plans - 1];
+            self.plans
+                .retain(|p| !(p.phase.is_terminal() && p.run <= drop_upto));
+        }
+        while self.retained.len() > KEEP_FULL {
+            self.retained.pop_first();
+        }
+    }
+
+    /// Sets a transient progress message (not journaled: "waiting for the dpkg lock").
+    pub fn set_message(&mut self, run: u64, message: String) {
+        if let Some(p) = self.plans.iter_mut().rev().find(|p| p.run == run) {
+            p.progress.message = message;
+        }
+    }
+
+    /// Marks a change as running (not journaled; a change with nothing to do never writes a
+    /// `StepStarted`).
+    pub fn set_running(&mut self, run: u64, index: u32) {
+        if let Some(p) = self.plans.iter_mut().rev().find(|p| p.run == run) {
+            if let Some(c) = p.changes.get_mut(index as usize)
+                && c.state == ChangeState::Pending
+            {
+                c.state = ChangeState::Running;
+            }
+            p.progress.current = index + 1;
+        }
+    }
+
+    /// The latest attempt of `id`.
+    pub fn latest(&self, id: &str) -> Option<&PlanStatus> {
+        self.plans.iter().rev().find(|p| p.id == id)
+    }
+
+    /// The latest attempt of `id` with this digest.
+    pub fn find(&self, id: &str, digest: &str) -> Option<&PlanStatus> {
+        self.plans
+            .iter()
+            .rev()
+            .find(|p| p.id == id && p.digest == digest)
+    }
+
+    /// The status of a run.
+    pub fn by_run(&self, run: u64) -> Option<&PlanStatus> {
+        self.plans.iter().rev().find(|p| p.run == run)
+    }
+
+    /// Unfinished runs, oldest first.
+    pub fn unfinished(&self) -> impl Iterator<Item = (&u64, &RunState)> {
+        self.runs.iter()
+    }
+
+    /// The resume state of an unfinished run.
+    pub fn run_state(&self, run: u64) -> Option<&RunState> {
+        self.runs.get(&run)
+    }
+
+    /// The newest unfinished run accepted after `run`, if any (it supersedes `run`).
+    pub fn newer_than(&self, run: u64) -> Option<&PlanStatus> {
+        let newest = *self.runs.keys().next_back()?;
+        (newest > run).then(|| self.by_run(newest)).flatten()
+    }
+
+    /// The canonical plan of a finished, unsuccessful run, kept for retries.
+    pub fn retained_plan(&self, run: u64) -> Option<&Value> {
+        self.retained.get(&run)
+    }
+
+    /// Every known plan, oldest first.
+    pub fn plans(&self) -> &[PlanStatus] {
+        &self.plans
+    }
+
+    /// The records that replace the journal when it is compacted (only valid when no run
+    /// is unfinished).
+    pub fn summary_records(&self) -> Vec<Record> {
+        self.plans
+            .iter()
+            .filter(|p| p.phase.is_terminal())
+            .map(|p| Record::Summary {
+                status: Box::new(p.clone()),
+                plan: self.retained.get(&p.run).cloned(),
+            })
+            .collect()
+    }
+}
