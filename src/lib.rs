@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod config;
 pub mod engine;
 pub mod failpoint;
 pub mod host;

@@ -1,6 +1,213 @@
-//! Command-line entry points.
+//! Command-line entry points. Exit codes: 0 succeeded (or nothing to do), 1 the plan failed
+//! or was rolled back (or the agent could not run it), 2 the input was invalid and nothing
+//! was changed.
+
+mod apply;
+mod demo;
+mod journal;
+mod render;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::SettingsInput;
+
+/// Exit code: success or nothing to do.
+pub const EXIT_OK: u8 = 0;
+/// Exit code: the plan failed, was rolled back, or could not be run.
+pub const EXIT_FAILED: u8 = 1;
+/// Exit code: the input was invalid; nothing was changed.
+pub const EXIT_INVALID: u8 = 2;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "inplace-agent",
+    version,
+    about = "Node-side agent for Cluster API in-place updates",
+    long_about = "Applies declarative update plans to a node idempotently, with a crash-safe \
+                  journal and rollback. Try `inplace-agent demo` for a tour in a sandbox."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Dry run: what a plan would change on this node, and whether it can
+    Check(PlanArgs),
+    /// Apply a plan locally, without a daemon
+    Apply(ApplyArgs),
+    /// Print the journal
+    Journal(journal::JournalArgs),
+    /// Show the version and what this build supports
+    Version(OutputArgs),
+    /// A guided tour in a sandbox node tree: apply, re-apply, roll back
+    Demo(demo::DemoArgs),
+}
+
+/// Output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// For people.
+    Text,
+    /// For scripts (versioned JSON).
+    Json,
+}
+
+#[derive(Debug, Args, Clone)]
+struct OutputArgs {
+    /// Output format
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+    output: Output,
+}
+
+/// Where the node and the agent's state are.
+#[derive(Debug, Args, Clone)]
+pub struct NodeArgs {
+    /// The node's root directory (`/host` in the DaemonSet; a sandbox in tests)
+    #[arg(long, env = "INPLACE_AGENT_ROOT", default_value = "/")]
+    pub root: PathBuf,
+    /// State directory (journal, backups) [default: <root>/var/lib/inplace-agent]
+    #[arg(long, env = "INPLACE_AGENT_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Also allow plans to write under this directory (repeatable)
+    #[arg(long = "allow-path", value_name = "DIR")]
+    pub allow_paths: Vec<String>,
+    /// This node's name; plans for other nodes are refused
+    #[arg(long)]
+    pub node_name: Option<String>,
+    /// Run node commands (gates) on the agent's filesystem instead of chrooting into the root
+    #[arg(long)]
+    pub no_chroot: bool,
+    /// Allow `exec` changes
+    #[arg(long)]
+    pub allow_exec: bool,
+}
+
+impl NodeArgs {
+    /// The settings these flags describe.
+    pub fn input(&self) -> SettingsInput {
+        SettingsInput {
+            root: Some(self.root.clone()),
+            state_dir: self.state_dir.clone(),
+            allow_paths: self.allow_paths.clone(),
+            node_name: self.node_name.clone(),
+            no_chroot: self.no_chroot,
+            allow_exec: self.allow_exec,
+            ..SettingsInput::default()
+        }
+    }
+}
+
+#[derive(Debug, Args, Clone)]
+struct PlanArgs {
+    /// Plan file (YAML or JSON); `-` reads standard input
+    plan: PathBuf,
+    #[command(flatten)]
+    node: NodeArgs,
+    #[command(flatten)]
+    out: OutputArgs,
+}
+
+#[derive(Debug, Args, Clone)]
+struct ApplyArgs {
+    #[command(flatten)]
+    plan: PlanArgs,
+    /// Run the plan again if its last attempt failed (a new attempt)
+    #[arg(long)]
+    retry: bool,
+    /// Never draw a progress bar, print a line per step
+    #[arg(long)]
+    no_progress: bool,
+}
 
 /// Runs the CLI and returns the process exit code.
-pub fn main() -> std::process::ExitCode {
-    std::process::ExitCode::SUCCESS
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let code = match cli.command {
+        Command::Check(a) => apply::check(&a.plan, &a.node, a.out.output),
+        Command::Apply(a) => apply::apply(&a.plan.plan, &a.plan.node, a.plan.out.output, a.retry, a.no_progress),
+        Command::Journal(a) => journal::run(&a),
+        Command::Version(a) => version(a.output),
+        Command::Demo(a) => demo::run(&a),
+    };
+    ExitCode::from(code)
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("INPLACE_AGENT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .try_init();
+}
+
+fn version(output: Output) -> u8 {
+    let kinds: Vec<&str> = crate::steps::Capabilities::implemented()
+        .iter()
+        .map(|k| k.as_str())
+        .collect();
+    let commit = option_env!("INPLACE_AGENT_GIT_COMMIT").unwrap_or("unknown");
+    match output {
+        Output::Json => {
+            let v = serde_json::json!({
+                "apiVersion": crate::plan::API_VERSION,
+                "kind": "Version",
+                "version": env!("CARGO_PKG_VERSION"),
+                "commit": commit,
+                "changeKinds": kinds,
+                "failpoints": cfg!(feature = "failpoints"),
+            });
+            println!("{v:#}");
+        }
+        Output::Text => {
+            println!("inplace-agent {} (commit {commit})", env!("CARGO_PKG_VERSION"));
+            println!("change kinds: {}", kinds.join(", "));
+            if cfg!(feature = "failpoints") {
+                println!("built with crash-test failpoints (not for production)");
+            }
+        }
+    }
+    EXIT_OK
+}
+
+/// Formats Unix milliseconds as RFC 3339 UTC (`2026-11-30T14:35:46.123Z`).
+pub fn rfc3339(ms: u64) -> String {
+    let secs = ms / 1000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        ms % 1000
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rfc3339_formats_utc() {
+        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(super::rfc3339(1_796_049_346_123), "2026-11-30T14:35:46.123Z");
+        assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+    }
 }

@@ -9,6 +9,7 @@
 //! - a plan (id + digest) that finished is never run again, except by an explicit retry,
 //!   which is a new attempt.
 
+pub mod check;
 mod run;
 pub mod status;
 pub mod table;

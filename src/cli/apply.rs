@@ -1,0 +1,255 @@
+//! `check` and `apply`.
+
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::render::{Renderer, status_json, summary};
+use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output};
+use crate::config::Settings;
+use crate::engine::check::{CheckResultKind, check_plan};
+use crate::engine::status::{Phase, PlanStatus};
+use crate::engine::{Engine, SubmitError, Submission};
+use crate::host::Host;
+use crate::plan::{InvalidPlan, Plan, parse_plan};
+
+/// Reads and validates a plan file; prints the errors and returns the exit code on failure.
+pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Plan, u8> {
+    let name = path.display().to_string();
+    let bytes = if name == "-" {
+        let mut buf = Vec::new();
+        std::io::stdin()
+            .read_to_end(&mut buf)
+            .map(|_| buf)
+            .map_err(|e| e.to_string())
+    } else {
+        std::fs::read(path).map_err(|e| e.to_string())
+    };
+    let bytes = match bytes {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("error: read plan {name}: {e}");
+            return Err(EXIT_INVALID);
+        }
+    };
+    parse_plan(&bytes, &name, &settings.limits).map_err(|invalid| {
+        print_invalid(&invalid, output);
+        EXIT_INVALID
+    })
+}
+
+fn print_invalid(invalid: &InvalidPlan, output: Output) {
+    match output {
+        Output::Json => println!(
+            "{:#}",
+            serde_json::json!({
+                "apiVersion": crate::plan::API_VERSION,
+                "kind": "InvalidPlan",
+                "source": invalid.source,
+                "errors": invalid.errors,
+            })
+        ),
+        Output::Text => eprintln!("error: {invalid}"),
+    }
+}
+
+fn settings(node: &NodeArgs) -> Result<Settings, u8> {
+    node.input().resolve().map_err(|e| {
+        eprintln!("error: {e}");
+        EXIT_INVALID
+    })
+}
+
+fn open_host(settings: &Settings) -> Result<Arc<Host>, u8> {
+    Host::open(settings.host.clone()).map(Arc::new).map_err(|e| {
+        eprintln!("error: {e}");
+        EXIT_INVALID
+    })
+}
+
+/// `inplace-agent check`.
+pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
+    let result = (|| {
+        let settings = settings(node)?;
+        let plan = load_plan(plan_path, &settings, output)?;
+        let host = open_host(&settings)?;
+        Ok::<_, u8>(check_plan(&settings.engine, &host, &plan))
+    })();
+    let report = match result {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    match output {
+        Output::Json => println!("{:#}", serde_json::to_value(&report).unwrap_or_default()),
+        Output::Text => {
+            println!("plan {} ({})", report.id, report.digest);
+            for e in &report.errors {
+                println!("  error: {e}");
+            }
+            let n = report.changes.len();
+            let width = n.to_string().len();
+            for c in &report.changes {
+                let what = match c.result {
+                    CheckResultKind::WouldChange => format!("would change [{}]", c.disruption),
+                    CheckResultKind::Unchanged => "unchanged".to_string(),
+                    CheckResultKind::Unsupported => "NOT SUPPORTED".to_string(),
+                    CheckResultKind::Invalid => "INVALID".to_string(),
+                };
+                let detail = if c.detail.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", c.detail)
+                };
+                println!(
+                    "  [{:>width$}/{n}] changes[{}] {} {}: {what}{detail}",
+                    c.index + 1,
+                    c.index,
+                    c.kind,
+                    c.target
+                );
+            }
+            for g in &report.checks {
+                let what = if g.supported {
+                    "supported".to_string()
+                } else {
+                    format!("NOT SUPPORTED: {}", g.detail)
+                };
+                println!("  verify[{}] {} {}: {what}", g.index, g.kind, g.target);
+            }
+            let units = if report.restart_units.is_empty() {
+                String::new()
+            } else {
+                format!(" (restarts {})", report.restart_units.join(", "))
+            };
+            println!("disruption: {}{units}", report.disruption);
+            if !report.applicable {
+                println!("this node cannot apply the plan as it is");
+            }
+        }
+    }
+    if report.applicable { EXIT_OK } else { EXIT_INVALID }
+}
+
+/// Exit code for a finished status.
+pub fn exit_code(status: &PlanStatus) -> u8 {
+    if status.phase == Phase::Succeeded {
+        EXIT_OK
+    } else {
+        EXIT_FAILED
+    }
+}
+
+/// `inplace-agent apply`.
+pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, plain: bool) -> u8 {
+    let settings = match settings(node) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let plan = match load_plan(plan_path, &settings, output) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let host = match open_host(&settings) {
+        Ok(h) => h,
+        Err(code) => return code,
+    };
+    let (engine, report) = match Engine::open(settings.engine.clone(), host, None) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_FAILED;
+        }
+    };
+    if let Some(torn) = report.torn {
+        eprintln!(
+            "warning: the journal ended in a torn record ({} bytes at offset {}), left by a \
+             crash; it was truncated and the agent continues from the last complete record",
+            torn.bytes, torn.offset
+        );
+    }
+    match run_plan(&engine, plan, retry, plain, false) {
+        Ok(status) => {
+            match output {
+                Output::Json => println!("{:#}", status_json(&status)),
+                Output::Text => println!("{}", summary(&status)),
+            }
+            exit_code(&status)
+        }
+        Err(code) => code,
+    }
+}
+
+/// Submits a plan to a local engine and runs it on this thread to its end, showing progress
+/// from a second thread.
+pub fn run_plan(
+    engine: &Engine,
+    plan: Plan,
+    retry: bool,
+    plain: bool,
+    quiet_unchanged: bool,
+) -> Result<PlanStatus, u8> {
+    let mut events = engine.subscribe();
+    if let Some(current) = engine.current()
+        && (current.id != plan.id || current.digest != plan.digest())
+    {
+        eprintln!(
+            "note: plan {} (attempt {}) was left unfinished by an earlier run; it resumes \
+             until this plan supersedes it at the next step boundary",
+            current.id, current.attempt
+        );
+    }
+    let submission = engine.submit(plan, "cli", retry).map_err(|e| {
+        eprintln!("error: {e}");
+        match e {
+            SubmitError::Journal(_) | SubmitError::Conflict(_) => EXIT_FAILED,
+            _ => EXIT_INVALID,
+        }
+    })?;
+    let status = submission.status().clone();
+    if let Submission::Existing(s) = &submission
+        && s.phase.is_terminal()
+    {
+        let when = s.finished_at_ms.map(super::rfc3339).unwrap_or_default();
+        eprintln!(
+            "plan {} ({}) already ran on this node: attempt {} {} at {when}; nothing to do{}",
+            s.id,
+            s.digest,
+            s.attempt,
+            s.phase,
+            if s.phase == Phase::Succeeded {
+                ""
+            } else {
+                " (use --retry to run it again)"
+            }
+        );
+        return Ok(s.clone());
+    }
+    let run = status.run;
+    let mut renderer =
+        Renderer::new(run, status.progress.total, plain).quiet_unchanged(quiet_unchanged);
+    let shown = std::thread::spawn(move || {
+        loop {
+            match events.blocking_recv() {
+                Ok(event) => {
+                    if renderer.event(&event).is_some() {
+                        return;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    });
+    engine.run_until_idle();
+    let finished = engine.status_of_run(run).unwrap_or(status);
+    if !finished.phase.is_terminal() {
+        eprintln!(
+            "error: plan {} stopped in phase {} because its journal could not be written; it \
+             resumes from the journal at the next start",
+            finished.id, finished.phase
+        );
+        return Err(EXIT_FAILED);
+    }
+    let _ = shown.join();
+    Ok(finished)
+}

@@ -1,0 +1,244 @@
+//! `inplace-agent journal`: the journal as a table or JSON, and `--verify`.
+
+use clap::Args;
+
+use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output, rfc3339};
+use crate::journal::{Entry, JOURNAL_FILE, Reader, Record, verify};
+
+/// Arguments of `journal`.
+#[derive(Debug, Args, Clone)]
+pub struct JournalArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    /// Output format
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+    output: Output,
+    /// Check the hash chain and the backups instead of printing
+    #[arg(long)]
+    verify: bool,
+    /// Only records with a sequence number above this
+    #[arg(long, default_value_t = 0)]
+    since: u64,
+    /// Only the last N records
+    #[arg(long)]
+    tail: Option<usize>,
+}
+
+/// One line of detail for a record.
+pub fn describe(record: &Record) -> String {
+    match record {
+        Record::Compacted {
+            previous_seq,
+            previous_hash,
+        } => format!(
+            "journal compacted after record {previous_seq} ({})",
+            &previous_hash[..previous_hash.len().min(12)]
+        ),
+        Record::PlanAccepted {
+            id,
+            digest,
+            attempt,
+            source,
+            plan,
+            ..
+        } => {
+            let n = plan["changes"].as_array().map_or(0, Vec::len);
+            format!(
+                "{id} {} attempt {attempt} from {source}: {n} changes",
+                short(digest)
+            )
+        }
+        Record::Phase { phase, error, .. } => match error {
+            Some(e) => format!("{phase}: {e}"),
+            None => phase.to_string(),
+        },
+        Record::StepStarted {
+            index, preimages, ..
+        } => format!(
+            "changes[{index}]: {} pre-image{} saved",
+            preimages.len(),
+            if preimages.len() == 1 { "" } else { "s" }
+        ),
+        Record::StepDone {
+            index,
+            changed,
+            message,
+            ..
+        } => format!(
+            "changes[{index}] {}: {message}",
+            if *changed { "changed" } else { "unchanged" }
+        ),
+        Record::StepFailed { index, error, .. } => format!("changes[{index}] failed: {error}"),
+        Record::StepAbandoned { index, .. } => {
+            format!("changes[{index}] abandoned before it started")
+        }
+        Record::StepRolledBack { index, .. } => format!("changes[{index}] restored"),
+        Record::DaemonReloaded { rollback, .. } => {
+            format!("daemon-reload{}", if *rollback { " (rollback)" } else { "" })
+        }
+        Record::UnitRestarted {
+            unit,
+            rollback,
+            message,
+            ..
+        } => format!(
+            "{unit}{}: {message}",
+            if *rollback { " (rollback)" } else { "" }
+        ),
+        Record::RebootRequested { index, boot_id, .. } => {
+            format!("changes[{index}] reboot requested from boot {boot_id}")
+        }
+        Record::CheckDone {
+            index,
+            passed,
+            message,
+            ..
+        } => format!(
+            "verify[{index}] {}: {message}",
+            if *passed { "passed" } else { "failed" }
+        ),
+        Record::CancelRequested { .. } => "cancel requested".into(),
+        Record::PlanFinished { phase, error, .. } => match error {
+            Some(e) => format!("{phase}: {e}"),
+            None => phase.to_string(),
+        },
+        Record::Summary { status, .. } => format!(
+            "{} {} attempt {}: {}",
+            status.id,
+            short(&status.digest),
+            status.attempt,
+            status.phase
+        ),
+    }
+}
+
+fn short(digest: &str) -> &str {
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    &hex[..hex.len().min(12)]
+}
+
+/// Runs `journal`.
+pub fn run(args: &JournalArgs) -> u8 {
+    let settings = match args.node.input().resolve() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    let state_dir = &settings.engine.state_dir;
+    if args.verify {
+        return match verify(state_dir) {
+            Ok(report) => {
+                match args.output {
+                    Output::Json => println!("{:#}", serde_json::to_value(&report).unwrap_or_default()),
+                    Output::Text => {
+                        let range = match (report.first_seq, report.last_seq) {
+                            (Some(a), Some(b)) => format!(" (seq {a}..{b})"),
+                            _ => String::new(),
+                        };
+                        println!(
+                            "journal {}: {} records{range}, hash chain intact",
+                            report.path.display(),
+                            report.records
+                        );
+                        if let Some(bytes) = report.torn_tail_bytes {
+                            println!(
+                                "torn tail: {bytes} bytes after the last complete record (a crash \
+                                 left them; the agent truncates them at its next start)"
+                            );
+                        }
+                        for b in &report.bad_backups {
+                            println!("missing or damaged backup: {b}");
+                        }
+                    }
+                }
+                if report.bad_backups.is_empty() { EXIT_OK } else { EXIT_FAILED }
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                EXIT_FAILED
+            }
+        };
+    }
+    let path = state_dir.join("journal").join(JOURNAL_FILE);
+    let reader = match Reader::open(&path) {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            match args.output {
+                Output::Json => println!("[]"),
+                Output::Text => println!("journal {} is empty", path.display()),
+            }
+            return EXIT_OK;
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_FAILED;
+        }
+    };
+    let mut entries: Vec<Entry> = Vec::new();
+    let mut error = None;
+    for e in reader {
+        match e {
+            Ok(entry) if entry.seq > args.since => {
+                entries.push(entry);
+                if let Some(n) = args.tail
+                    && entries.len() > n * 2 + 1024
+                {
+                    let cut = entries.len() - n;
+                    entries.drain(..cut);
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                error = Some(e);
+                break;
+            }
+        }
+    }
+    if let Some(n) = args.tail
+        && entries.len() > n
+    {
+        let cut = entries.len() - n;
+        entries.drain(..cut);
+    }
+    match args.output {
+        Output::Json => {
+            let items: Vec<serde_json::Value> = entries
+                .iter()
+                .map(|e| {
+                    serde_json::json!({
+                        "seq": e.seq,
+                        "time": rfc3339(e.ts),
+                        "hash": e.hash,
+                        "run": e.record.run(),
+                        "type": e.record.name(),
+                        "record": e.record,
+                    })
+                })
+                .collect();
+            println!("{:#}", serde_json::Value::Array(items));
+        }
+        Output::Text => {
+            println!("{:>6}  {:<24}  {:>4}  {:<15}  DETAIL", "SEQ", "TIME", "RUN", "EVENT");
+            for e in &entries {
+                let run = e.record.run().map(|r| r.to_string()).unwrap_or_default();
+                println!(
+                    "{:>6}  {:<24}  {:>4}  {:<15}  {}",
+                    e.seq,
+                    rfc3339(e.ts),
+                    run,
+                    e.record.name(),
+                    describe(&e.record)
+                );
+            }
+        }
+    }
+    match error {
+        Some(e) => {
+            eprintln!("error: {e}");
+            EXIT_FAILED
+        }
+        None => EXIT_OK,
+    }
+}

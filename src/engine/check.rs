@@ -1,0 +1,180 @@
+//! The dry run: what a plan would do on this node, without changing anything or touching
+//! the journal. What an updater needs to answer `CanUpdateMachine` and decide on a drain.
+
+use serde::Serialize;
+
+use super::EngineConfig;
+use crate::host::Host;
+use crate::plan::{Disruption, FieldError, Plan};
+use crate::steps;
+
+/// What one change would do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum CheckResultKind {
+    /// The node differs from the desired state: applying changes it.
+    WouldChange,
+    /// The node is already in the desired state.
+    Unchanged,
+    /// This node cannot apply the change (kind not supported, exec disabled).
+    Unsupported,
+    /// The change does not fit this node (owner unknown, path escapes, file missing).
+    Invalid,
+}
+
+/// One change in a check report.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChangeCheck {
+    /// Index in `changes[]`.
+    pub index: u32,
+    /// Kind.
+    pub kind: String,
+    /// What it is about.
+    pub target: String,
+    /// Result.
+    pub result: CheckResultKind,
+    /// Disruption if it changes something.
+    pub disruption: Disruption,
+    /// What would be done, or why not.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+/// One gate in a check report.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GateCheck {
+    /// Index in `verify[]`.
+    pub index: u32,
+    /// Kind.
+    pub kind: String,
+    /// What it checks.
+    pub target: String,
+    /// Whether this node can run it.
+    pub supported: bool,
+    /// Why not.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+/// The dry-run report of a plan (`kind: CheckResult`).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckReport {
+    /// `inplace.agent/v1`.
+    pub api_version: &'static str,
+    /// `CheckResult`.
+    pub kind: &'static str,
+    /// Plan id.
+    pub id: String,
+    /// Plan digest.
+    pub digest: String,
+    /// True when every change and gate can be applied on this node.
+    pub applicable: bool,
+    /// The most disruptive effect of the changes that would change something.
+    pub disruption: Disruption,
+    /// Units that would be restarted.
+    pub restart_units: Vec<String>,
+    /// Plan-level problems (node name, accounts).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<FieldError>,
+    /// Per change.
+    pub changes: Vec<ChangeCheck>,
+    /// Per gate.
+    pub checks: Vec<GateCheck>,
+}
+
+/// Checks a validated plan against the node. Reads only.
+pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckReport {
+    let mut report = CheckReport {
+        api_version: crate::plan::API_VERSION,
+        kind: "CheckResult",
+        id: plan.id.clone(),
+        digest: plan.digest(),
+        applicable: true,
+        disruption: Disruption::None,
+        restart_units: Vec::new(),
+        errors: Vec::new(),
+        changes: Vec::new(),
+        checks: Vec::new(),
+    };
+    if let (Some(node), Some(want)) = (&config.node_name, &plan.node_name)
+        && node != want
+    {
+        report.errors.push(FieldError::new(
+            "nodeName",
+            format!("plan is for node {want:?}, this is node {node:?}"),
+        ));
+    }
+    let (prepared, field_errors) = match steps::preflight(host, plan, &config.allow) {
+        Ok(p) => (Some(p), Vec::new()),
+        Err(errors) => (None, errors),
+    };
+    let mut units = std::collections::BTreeSet::new();
+    for (i, change) in plan.changes.iter().enumerate() {
+        let prefix = format!("changes[{i}].");
+        let mine: Vec<String> = field_errors
+            .iter()
+            .filter(|e| e.field.starts_with(&prefix))
+            .map(|e| e.to_string())
+            .collect();
+        let disruption = steps::disruption(change);
+        let (result, detail) = if let Some(why) = config.capabilities.unsupported(change) {
+            (CheckResultKind::Unsupported, why)
+        } else if !mine.is_empty() {
+            (CheckResultKind::Invalid, mine.join("; "))
+        } else {
+            let ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
+            match steps::diff(host, change, ctx) {
+                Ok(d) if d.mutations.is_empty() => {
+                    (CheckResultKind::Unchanged, d.note.unwrap_or_default())
+                }
+                Ok(d) => {
+                    let mut parts: Vec<String> = d.mutations.iter().map(|m| m.describe()).collect();
+                    parts.extend(d.note);
+                    (CheckResultKind::WouldChange, parts.join("; "))
+                }
+                Err(e) => (CheckResultKind::Invalid, e.detail),
+            }
+        };
+        if result == CheckResultKind::WouldChange {
+            report.disruption = report.disruption.max(disruption);
+            units.extend(change.restart_units());
+        }
+        if matches!(result, CheckResultKind::Unsupported | CheckResultKind::Invalid) {
+            report.applicable = false;
+        }
+        report.changes.push(ChangeCheck {
+            index: i as u32,
+            kind: change.kind().to_string(),
+            target: change.target(),
+            result,
+            disruption,
+            detail,
+        });
+    }
+    report.errors.extend(
+        field_errors
+            .into_iter()
+            .filter(|e| !e.field.starts_with("changes[")),
+    );
+    for (i, c) in plan.verify.iter().enumerate() {
+        let why = config.capabilities.unsupported_check(&c.probe);
+        if why.is_some() {
+            report.applicable = false;
+        }
+        report.checks.push(GateCheck {
+            index: i as u32,
+            kind: c.probe.key().to_string(),
+            target: c.probe.target(),
+            supported: why.is_none(),
+            detail: why.unwrap_or_default(),
+        });
+    }
+    if !report.errors.is_empty() {
+        report.applicable = false;
+    }
+    report.restart_units = units.into_iter().collect();
+    report
+}
