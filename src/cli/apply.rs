@@ -210,6 +210,7 @@ pub fn run_plan(
         && s.phase.is_terminal()
     {
         let when = s.finished_at_ms.map(super::rfc3339).unwrap_or_default();
+        let _ = std::io::Write::flush(&mut std::io::stdout());
         eprintln!(
             "plan {} ({}) already ran on this node: attempt {} {} at {when}; nothing to do{}",
             s.id,

@@ -1,12 +1,353 @@
-//! `inplace-agent demo`.
+//! `inplace-agent demo`: a guided tour on a sandbox node tree that looks like a kubeadm
+//! worker. It never touches anything outside its sandbox directory and binds only loopback.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Args;
 
+use super::apply::run_plan;
+use super::render::summary;
+use super::{EXIT_FAILED, EXIT_OK};
+use crate::config::SettingsInput;
+use crate::engine::Engine;
+use crate::engine::check::{CheckResultKind, check_plan};
+use crate::engine::status::Phase;
+use crate::host::Host;
+use crate::plan::{Limits, Plan, parse_plan};
+
 /// Arguments of `demo`.
 #[derive(Debug, Args, Clone)]
-pub struct DemoArgs {}
+pub struct DemoArgs {
+    /// Build the sandbox here (must be empty or absent) instead of a temporary directory
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Keep the sandbox afterwards
+    #[arg(long)]
+    keep: bool,
+    /// Print lines instead of progress bars
+    #[arg(long)]
+    plain: bool,
+}
+
+const TUNING: &str = include_str!("../../examples/plans/kubelet-tuning.yaml");
+const BAD: &str = include_str!("../../examples/plans/bad-kubelet-config.yaml");
+
+const KUBELET_CONFIG: &str = "\
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: true
+  x509:
+    clientCAFile: /etc/kubernetes/pki/ca.crt
+authorization:
+  mode: Webhook
+cgroupDriver: systemd
+clusterDNS:
+- 10.96.0.10
+clusterDomain: cluster.local
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+maxPods: 110
+rotateCertificates: true
+serializeImagePulls: true
+staticPodPath: /etc/kubernetes/manifests
+";
+
+const KUBEADM_FLAGS: &str = "KUBELET_KUBEADM_ARGS=\"--container-runtime-endpoint=unix:///var/run/containerd/containerd.sock --pod-infra-container-image=registry.k8s.io/pause:3.9 --node-ip=10.0.0.21\"\n";
+
+const KUBEADM_DROPIN: &str = "\
+[Service]
+Environment=\"KUBELET_KUBECONFIG_ARGS=--bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf --kubeconfig=/etc/kubernetes/kubelet.conf\"
+Environment=\"KUBELET_CONFIG_ARGS=--config=/var/lib/kubelet/config.yaml\"
+EnvironmentFile=-/var/lib/kubelet/kubeadm-flags.env
+EnvironmentFile=-/etc/default/kubelet
+ExecStart=
+ExecStart=/usr/bin/kubelet $KUBELET_KUBECONFIG_ARGS $KUBELET_CONFIG_ARGS $KUBELET_KUBEADM_ARGS $KUBELET_EXTRA_ARGS
+";
+
+/// Writes a tree that looks like a kubeadm worker node under `dir`. Its `root` account is
+/// the calling user, so an unprivileged demo can own its files.
+pub fn build_kubeadm_worker(dir: &Path) -> std::io::Result<()> {
+    let uid = rustix::process::geteuid().as_raw();
+    let gid = rustix::process::getegid().as_raw();
+    let files: [(&str, String); 9] = [
+        (
+            "etc/passwd",
+            format!("root:x:{uid}:{gid}:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
+        ),
+        ("etc/group", format!("root:x:{gid}:\nadm:x:{gid}:\nnogroup:x:65534:\n")),
+        (
+            "etc/kubernetes/kubelet.conf",
+            "apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    server: https://10.0.0.10:6443\n  name: demo\n# demo sandbox: not a real kubeconfig\n".into(),
+        ),
+        (
+            "etc/kubernetes/pki/ca.crt",
+            "-----BEGIN CERTIFICATE-----\n(demo sandbox: not a real certificate)\n-----END CERTIFICATE-----\n".into(),
+        ),
+        ("etc/kubernetes/old-bootstrap.conf", "# left over from bootstrap\n".into()),
+        ("var/lib/kubelet/config.yaml", KUBELET_CONFIG.into()),
+        ("var/lib/kubelet/kubeadm-flags.env", KUBEADM_FLAGS.into()),
+        (
+            "etc/systemd/system/kubelet.service.d/10-kubeadm.conf",
+            KUBEADM_DROPIN.into(),
+        ),
+        ("etc/sysctl.d/99-sysctl.conf", "# distribution defaults\n".into()),
+    ];
+    for (rel, content) in files {
+        let path = dir.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&path, content)?;
+    }
+    std::fs::create_dir_all(dir.join("etc/kubernetes/manifests"))?;
+    Ok(())
+}
+
+/// A stand-in for the kubelet's health endpoint (demo only): answers `GET /healthz` with 200
+/// when the sandbox's kubelet configuration is one a kubelet would start with, 500 otherwise.
+pub struct DemoKubelet {
+    port: u16,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DemoKubelet {
+    /// Serves on 127.0.0.1:10248 when free, otherwise on a free port.
+    pub fn start(root: &Path) -> std::io::Result<DemoKubelet> {
+        let listener = TcpListener::bind("127.0.0.1:10248")
+            .or_else(|_| TcpListener::bind("127.0.0.1:0"))?;
+        listener.set_nonblocking(true)?;
+        let port = listener.local_addr()?.port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let config = root.join("var/lib/kubelet/config.yaml");
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((stream, _)) => serve_healthz(stream, &config),
+                    Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+                }
+            }
+        });
+        Ok(DemoKubelet {
+            port,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Drop for DemoKubelet {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Why a kubelet would refuse this configuration, or `None`.
+pub fn kubelet_config_problem(text: &str) -> Option<String> {
+    let doc: serde_yaml_ng::Value = match serde_yaml_ng::from_str(text) {
+        Ok(d) => d,
+        Err(e) => return Some(format!("config.yaml is not YAML: {e}")),
+    };
+    if doc.get("kind").and_then(|k| k.as_str()) != Some("KubeletConfiguration") {
+        return Some("config.yaml is not a KubeletConfiguration".into());
+    }
+    match doc.get("maxPods") {
+        None => None,
+        Some(v) if v.as_u64().is_some_and(|n| n > 0) => None,
+        Some(v) => Some(format!(
+            "invalid configuration: maxPods must be a positive integer, got {}",
+            serde_yaml_ng::to_string(v).unwrap_or_default().trim()
+        )),
+    }
+}
+
+fn serve_healthz(mut stream: TcpStream, config: &Path) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(2)));
+    let mut request_line = String::new();
+    let mut reader = BufReader::new(&stream);
+    if reader.read_line(&mut request_line).is_err() {
+        return;
+    }
+    let (status, body) = if !request_line.starts_with("GET /healthz ") {
+        ("404 Not Found", "not found".to_string())
+    } else {
+        match std::fs::read_to_string(config) {
+            Err(e) => ("500 Internal Server Error", format!("read config: {e}")),
+            Ok(text) => match kubelet_config_problem(&text) {
+                None => ("200 OK", "ok".into()),
+                Some(problem) => ("500 Internal Server Error", problem),
+            },
+        }
+    };
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+fn heading(n: u32, text: &str) {
+    println!("\n== {n}. {text}");
+}
+
+fn plan_for(text: &str, port: u16) -> Result<Plan, String> {
+    let text = text.replace("127.0.0.1:10248", &format!("127.0.0.1:{port}"));
+    parse_plan(text.as_bytes(), "example", &Limits::default()).map_err(|e| e.to_string())
+}
 
 /// Runs the demo.
-pub fn run(_args: &DemoArgs) -> u8 {
-    0
+pub fn run(args: &DemoArgs) -> u8 {
+    match tour(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: demo: {e}");
+            EXIT_FAILED
+        }
+    }
+}
+
+fn tour(args: &DemoArgs) -> Result<u8, String> {
+    let (dir, temp) = match &args.dir {
+        Some(d) => {
+            if d.exists() && std::fs::read_dir(d).map_err(|e| e.to_string())?.next().is_some() {
+                return Err(format!("{} is not empty; the demo only builds into an empty directory", d.display()));
+            }
+            std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+            (d.clone(), None)
+        }
+        None => {
+            let t = tempfile::Builder::new()
+                .prefix("inplace-agent-demo-")
+                .tempdir()
+                .map_err(|e| format!("create a temporary directory: {e}"))?;
+            (t.path().to_path_buf(), Some(t))
+        }
+    };
+    let keep = args.keep || args.dir.is_some();
+
+    println!("inplace-agent demo: a sandbox node at {}", dir.display());
+    println!("(nothing outside that directory is touched; the kubelet is an in-process stand-in)");
+    build_kubeadm_worker(&dir).map_err(|e| format!("build the sandbox: {e}"))?;
+    let kubelet = DemoKubelet::start(&dir).map_err(|e| format!("start the kubelet stand-in: {e}"))?;
+    println!(
+        "kubelet stand-in: http://127.0.0.1:{}/healthz answers 200 while the sandbox's \
+         /var/lib/kubelet/config.yaml is valid",
+        kubelet.port()
+    );
+    let settings = SettingsInput {
+        root: Some(dir.clone()),
+        no_chroot: true,
+        ..SettingsInput::default()
+    }
+    .resolve()?;
+    let host = Arc::new(Host::open(settings.host.clone()).map_err(|e| e.to_string())?);
+    let tuning = plan_for(TUNING, kubelet.port())?;
+    let bad = plan_for(BAD, kubelet.port())?;
+
+    heading(1, "check: what would examples/plans/kubelet-tuning.yaml change?");
+    let report = check_plan(&settings.engine, &host, &tuning);
+    for c in &report.changes {
+        let what = match c.result {
+            CheckResultKind::WouldChange => format!("would change ({} when applied)", c.disruption),
+            CheckResultKind::Unchanged => "unchanged".into(),
+            other => format!("{other:?}: {}", c.detail),
+        };
+        println!("  changes[{}] {} {}: {what}", c.index, c.kind, c.target);
+    }
+    println!(
+        "  plan disruption: {} (restarts: {})",
+        report.disruption,
+        report.restart_units.join(", ")
+    );
+
+    let (engine, _) = Engine::open(settings.engine.clone(), host.clone(), None).map_err(|e| e.to_string())?;
+    heading(2, "apply it");
+    let first = run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "apply failed")?;
+    println!("{}", summary(&first));
+    println!("  (service management is off in the sandbox: the kubelet restart is recorded, not done)");
+
+    heading(3, "apply the same plan again: CAPI calls UpdateMachine again and again");
+    let again = run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "re-apply failed")?;
+    println!("  hook response: {}", serde_json::to_string(&again.hook_response()).unwrap_or_default());
+
+    heading(4, "the same desired state under a new plan id: every change is already in place");
+    let config = dir.join("var/lib/kubelet/config.yaml");
+    let before = std::fs::metadata(&config).map_err(|e| e.to_string())?;
+    let mut same = tuning.clone();
+    same.id.push_str("-again");
+    let noop = run_plan(&engine, same, false, args.plain, true).map_err(|_| "re-apply failed")?;
+    println!("{}", summary(&noop));
+    let after = std::fs::metadata(&config).map_err(|e| e.to_string())?;
+    use std::os::unix::fs::MetadataExt;
+    println!(
+        "  config.yaml inode {} → {}, mtime {} → {}: nothing was rewritten",
+        before.ino(),
+        after.ino(),
+        before.mtime(),
+        after.mtime()
+    );
+
+    heading(5, "a bad kubelet configuration: the health gate fails and everything is restored");
+    let config_before = std::fs::read(&config).map_err(|e| e.to_string())?;
+    let failed = run_plan(&engine, bad, false, args.plain, false).map_err(|_| "bad plan could not run")?;
+    println!("{}", summary(&failed));
+    println!(
+        "  hook response: {}",
+        serde_json::to_string(&failed.hook_response()).unwrap_or_default()
+    );
+    let config_after = std::fs::read(&config).map_err(|e| e.to_string())?;
+    println!(
+        "  /var/lib/kubelet/config.yaml after rollback: {}",
+        if config_before == config_after {
+            "byte for byte what it was before"
+        } else {
+            "DIFFERENT (this is a bug)"
+        }
+    );
+    drop(engine);
+
+    heading(6, "the journal: every step, hash-chained, written before the node changed");
+    super::journal::run(&super::journal::JournalArgs::for_root(&dir));
+    let state = settings.engine.state_dir.clone();
+    match crate::journal::verify(&state) {
+        Ok(r) => println!(
+            "inplace-agent journal --verify: {} records, hash chain intact, {} missing backups",
+            r.records,
+            r.bad_backups.len()
+        ),
+        Err(e) => println!("inplace-agent journal --verify: {e}"),
+    }
+    drop(kubelet);
+    if keep {
+        println!("The sandbox is kept at {}.", dir.display());
+        if let Some(t) = temp {
+            let _ = t.keep();
+        }
+    } else {
+        println!("The sandbox is removed now (use --keep to look around).");
+        drop(temp);
+    }
+    let ok = first.phase == Phase::Succeeded
+        && noop.counts.changed == 0
+        && failed.phase == Phase::RolledBack
+        && config_before == config_after;
+    Ok(if ok { EXIT_OK } else { EXIT_FAILED })
 }

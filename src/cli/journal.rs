@@ -24,6 +24,26 @@ pub struct JournalArgs {
     tail: Option<usize>,
 }
 
+impl JournalArgs {
+    /// The whole journal of the node at `root`, as a table.
+    pub fn for_root(root: &std::path::Path) -> JournalArgs {
+        JournalArgs {
+            node: NodeArgs {
+                root: root.to_path_buf(),
+                state_dir: None,
+                allow_paths: Vec::new(),
+                node_name: None,
+                no_chroot: true,
+                allow_exec: false,
+            },
+            output: Output::Text,
+            verify: false,
+            since: 0,
+            tail: None,
+        }
+    }
+}
+
 /// One line of detail for a record.
 pub fn describe(record: &Record) -> String {
     match record {

@@ -3,7 +3,7 @@
 //! was changed.
 
 mod apply;
-mod demo;
+pub mod demo;
 mod journal;
 mod render;
 
@@ -140,7 +140,7 @@ pub fn main() -> ExitCode {
 
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("INPLACE_AGENT_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -520,7 +520,7 @@ impl Probe {
     pub fn target(&self) -> String {
         match self {
             Probe::UnitActive { name } => name.clone(),
-            Probe::HttpGet { url, expect_status } => format!("{url} → {expect_status}"),
+            Probe::HttpGet { url, .. } => url.clone(),
             Probe::KubeletVersion { version } => version.clone(),
             Probe::Command { argv } => argv.join(" "),
         }

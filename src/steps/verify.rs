@@ -32,9 +32,9 @@ pub fn unsupported(probe: &Probe) -> Option<String> {
 pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String, String> {
     match probe {
         Probe::HttpGet { url, expect_status } => match http::get(url, budget) {
-            Ok(reply) if reply.status == *expect_status => Ok(format!("{url} answered {}", reply.status)),
+            Ok(reply) if reply.status == *expect_status => Ok(format!("answered {}", reply.status)),
             Ok(reply) => Err(format!(
-                "{url} answered {} (expected {expect_status}){}",
+                "answered {} (expected {expect_status}){}",
                 reply.status,
                 body_hint(&reply.body)
             )),
