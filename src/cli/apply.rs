@@ -9,7 +9,7 @@ use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output};
 use crate::config::Settings;
 use crate::engine::check::{CheckResultKind, check_plan};
 use crate::engine::status::{Phase, PlanStatus};
-use crate::engine::{Engine, SubmitError, Submission};
+use crate::engine::{Engine, Submission, SubmitError};
 use crate::host::Host;
 use crate::plan::{InvalidPlan, Plan, parse_plan};
 
@@ -61,10 +61,12 @@ fn settings(node: &NodeArgs) -> Result<Settings, u8> {
 }
 
 fn open_host(settings: &Settings) -> Result<Arc<Host>, u8> {
-    Host::open(settings.host.clone()).map(Arc::new).map_err(|e| {
-        eprintln!("error: {e}");
-        EXIT_INVALID
-    })
+    Host::open(settings.host.clone())
+        .map(Arc::new)
+        .map_err(|e| {
+            eprintln!("error: {e}");
+            EXIT_INVALID
+        })
 }
 
 /// `inplace-agent check`.
@@ -127,7 +129,11 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
             }
         }
     }
-    if report.applicable { EXIT_OK } else { EXIT_INVALID }
+    if report.applicable {
+        EXIT_OK
+    } else {
+        EXIT_INVALID
+    }
 }
 
 /// Exit code for a finished status.
@@ -153,6 +159,19 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
         Ok(h) => h,
         Err(code) => return code,
     };
+    // Refuse a plan that does not fit the node before the journal is even opened: an
+    // invalid plan leaves no trace, not even a state directory.
+    if let Err(e) = crate::engine::admit(&settings.engine, &host, &plan) {
+        match (&e, output) {
+            (SubmitError::Invalid(invalid), _) => print_invalid(invalid, output),
+            (_, Output::Json) => println!(
+                "{:#}",
+                serde_json::json!({"apiVersion": crate::plan::API_VERSION, "kind": "Refused", "error": e.to_string()})
+            ),
+            _ => eprintln!("error: {e}"),
+        }
+        return EXIT_INVALID;
+    }
     let (engine, report) = match Engine::open(settings.engine.clone(), host, None) {
         Ok(x) => x,
         Err(e) => {

@@ -122,8 +122,8 @@ pub struct DemoKubelet {
 impl DemoKubelet {
     /// Serves on 127.0.0.1:10248 when free, otherwise on a free port.
     pub fn start(root: &Path) -> std::io::Result<DemoKubelet> {
-        let listener = TcpListener::bind("127.0.0.1:10248")
-            .or_else(|_| TcpListener::bind("127.0.0.1:0"))?;
+        let listener =
+            TcpListener::bind("127.0.0.1:10248").or_else(|_| TcpListener::bind("127.0.0.1:0"))?;
         listener.set_nonblocking(true)?;
         let port = listener.local_addr()?.port();
         let stop = Arc::new(AtomicBool::new(false));
@@ -227,8 +227,16 @@ pub fn run(args: &DemoArgs) -> u8 {
 fn tour(args: &DemoArgs) -> Result<u8, String> {
     let (dir, temp) = match &args.dir {
         Some(d) => {
-            if d.exists() && std::fs::read_dir(d).map_err(|e| e.to_string())?.next().is_some() {
-                return Err(format!("{} is not empty; the demo only builds into an empty directory", d.display()));
+            if d.exists()
+                && std::fs::read_dir(d)
+                    .map_err(|e| e.to_string())?
+                    .next()
+                    .is_some()
+            {
+                return Err(format!(
+                    "{} is not empty; the demo only builds into an empty directory",
+                    d.display()
+                ));
             }
             std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
             (d.clone(), None)
@@ -246,7 +254,8 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     println!("inplace-agent demo: a sandbox node at {}", dir.display());
     println!("(nothing outside that directory is touched; the kubelet is an in-process stand-in)");
     build_kubeadm_worker(&dir).map_err(|e| format!("build the sandbox: {e}"))?;
-    let kubelet = DemoKubelet::start(&dir).map_err(|e| format!("start the kubelet stand-in: {e}"))?;
+    let kubelet =
+        DemoKubelet::start(&dir).map_err(|e| format!("start the kubelet stand-in: {e}"))?;
     println!(
         "kubelet stand-in: http://127.0.0.1:{}/healthz answers 200 while the sandbox's \
          /var/lib/kubelet/config.yaml is valid",
@@ -262,7 +271,10 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     let tuning = plan_for(TUNING, kubelet.port())?;
     let bad = plan_for(BAD, kubelet.port())?;
 
-    heading(1, "check: what would examples/plans/kubelet-tuning.yaml change?");
+    heading(
+        1,
+        "check: what would examples/plans/kubelet-tuning.yaml change?",
+    );
     let report = check_plan(&settings.engine, &host, &tuning);
     for c in &report.changes {
         let what = match c.result {
@@ -278,17 +290,31 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
         report.restart_units.join(", ")
     );
 
-    let (engine, _) = Engine::open(settings.engine.clone(), host.clone(), None).map_err(|e| e.to_string())?;
+    let (engine, _) =
+        Engine::open(settings.engine.clone(), host.clone(), None).map_err(|e| e.to_string())?;
     heading(2, "apply it");
-    let first = run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "apply failed")?;
+    let first =
+        run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "apply failed")?;
     println!("{}", summary(&first));
-    println!("  (service management is off in the sandbox: the kubelet restart is recorded, not done)");
+    println!(
+        "  (service management is off in the sandbox: the kubelet restart is recorded, not done)"
+    );
 
-    heading(3, "apply the same plan again: CAPI calls UpdateMachine again and again");
-    let again = run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "re-apply failed")?;
-    println!("  hook response: {}", serde_json::to_string(&again.hook_response()).unwrap_or_default());
+    heading(
+        3,
+        "apply the same plan again: CAPI calls UpdateMachine again and again",
+    );
+    let again = run_plan(&engine, tuning.clone(), false, args.plain, false)
+        .map_err(|_| "re-apply failed")?;
+    println!(
+        "  hook response: {}",
+        serde_json::to_string(&again.hook_response()).unwrap_or_default()
+    );
 
-    heading(4, "the same desired state under a new plan id: every change is already in place");
+    heading(
+        4,
+        "the same desired state under a new plan id: every change is already in place",
+    );
     let config = dir.join("var/lib/kubelet/config.yaml");
     let before = std::fs::metadata(&config).map_err(|e| e.to_string())?;
     let mut same = tuning.clone();
@@ -305,9 +331,13 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
         after.mtime()
     );
 
-    heading(5, "a bad kubelet configuration: the health gate fails and everything is restored");
+    heading(
+        5,
+        "a bad kubelet configuration: the health gate fails and everything is restored",
+    );
     let config_before = std::fs::read(&config).map_err(|e| e.to_string())?;
-    let failed = run_plan(&engine, bad, false, args.plain, false).map_err(|_| "bad plan could not run")?;
+    let failed =
+        run_plan(&engine, bad, false, args.plain, false).map_err(|_| "bad plan could not run")?;
     println!("{}", summary(&failed));
     println!(
         "  hook response: {}",
@@ -324,7 +354,10 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     );
     drop(engine);
 
-    heading(6, "the journal: every step, hash-chained, written before the node changed");
+    heading(
+        6,
+        "the journal: every step, hash-chained, written before the node changed",
+    );
     super::journal::run(&super::journal::JournalArgs::for_root(&dir));
     let state = settings.engine.state_dir.clone();
     match crate::journal::verify(&state) {

@@ -94,7 +94,10 @@ pub fn describe(record: &Record) -> String {
         }
         Record::StepRolledBack { index, .. } => format!("changes[{index}] restored"),
         Record::DaemonReloaded { rollback, .. } => {
-            format!("daemon-reload{}", if *rollback { " (rollback)" } else { "" })
+            format!(
+                "daemon-reload{}",
+                if *rollback { " (rollback)" } else { "" }
+            )
         }
         Record::UnitRestarted {
             unit,
@@ -151,7 +154,9 @@ pub fn run(args: &JournalArgs) -> u8 {
         return match verify(state_dir) {
             Ok(report) => {
                 match args.output {
-                    Output::Json => println!("{:#}", serde_json::to_value(&report).unwrap_or_default()),
+                    Output::Json => {
+                        println!("{:#}", serde_json::to_value(&report).unwrap_or_default())
+                    }
                     Output::Text => {
                         let range = match (report.first_seq, report.last_seq) {
                             (Some(a), Some(b)) => format!(" (seq {a}..{b})"),
@@ -173,7 +178,11 @@ pub fn run(args: &JournalArgs) -> u8 {
                         }
                     }
                 }
-                if report.bad_backups.is_empty() { EXIT_OK } else { EXIT_FAILED }
+                if report.bad_backups.is_empty() {
+                    EXIT_OK
+                } else {
+                    EXIT_FAILED
+                }
             }
             Err(e) => {
                 eprintln!("error: {e}");
@@ -240,7 +249,10 @@ pub fn run(args: &JournalArgs) -> u8 {
             println!("{:#}", serde_json::Value::Array(items));
         }
         Output::Text => {
-            println!("{:>6}  {:<24}  {:>4}  {:<15}  DETAIL", "SEQ", "TIME", "RUN", "EVENT");
+            println!(
+                "{:>6}  {:<24}  {:>4}  {:<15}  DETAIL",
+                "SEQ", "TIME", "RUN", "EVENT"
+            );
             for e in &entries {
                 let run = e.record.run().map(|r| r.to_string()).unwrap_or_default();
                 println!(

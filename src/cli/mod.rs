@@ -130,7 +130,13 @@ pub fn main() -> ExitCode {
     init_logging();
     let code = match cli.command {
         Command::Check(a) => apply::check(&a.plan, &a.node, a.out.output),
-        Command::Apply(a) => apply::apply(&a.plan.plan, &a.plan.node, a.plan.out.output, a.retry, a.no_progress),
+        Command::Apply(a) => apply::apply(
+            &a.plan.plan,
+            &a.plan.node,
+            a.plan.out.output,
+            a.retry,
+            a.no_progress,
+        ),
         Command::Journal(a) => journal::run(&a),
         Command::Version(a) => version(a.output),
         Command::Demo(a) => demo::run(&a),
@@ -168,7 +174,10 @@ fn version(output: Output) -> u8 {
             println!("{v:#}");
         }
         Output::Text => {
-            println!("inplace-agent {} (commit {commit})", env!("CARGO_PKG_VERSION"));
+            println!(
+                "inplace-agent {} (commit {commit})",
+                env!("CARGO_PKG_VERSION")
+            );
             println!("change kinds: {}", kinds.join(", "));
             if cfg!(feature = "failpoints") {
                 println!("built with crash-test failpoints (not for production)");
@@ -207,7 +216,10 @@ mod tests {
     #[test]
     fn rfc3339_formats_utc() {
         assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(super::rfc3339(1_796_049_346_123), "2026-11-30T14:35:46.123Z");
+        assert_eq!(
+            super::rfc3339(1_796_049_346_123),
+            "2026-11-30T14:35:46.123Z"
+        );
         assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
     }
 }

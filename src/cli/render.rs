@@ -19,11 +19,14 @@ impl Renderer {
     /// A renderer for `run`; draws a bar when stderr is a terminal and `plain` is false.
     pub fn new(run: u64, total: u32, plain: bool) -> Renderer {
         let bar = (!plain && std::io::stderr().is_terminal()).then(|| {
-            let bar = ProgressBar::with_draw_target(Some(u64::from(total)), ProgressDrawTarget::stderr());
+            let bar =
+                ProgressBar::with_draw_target(Some(u64::from(total)), ProgressDrawTarget::stderr());
             bar.set_style(
-                ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {elapsed} {wide_msg}")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar())
-                    .progress_chars("=> "),
+                ProgressStyle::with_template(
+                    "{spinner} [{bar:30}] {pos}/{len} {elapsed} {wide_msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
             );
             bar.enable_steady_tick(std::time::Duration::from_millis(120));
             bar
@@ -45,7 +48,7 @@ impl Renderer {
         match &self.bar {
             Some(bar) => bar.println(s),
             None => {
-                let _ = writeln!(std::io::stdout(), "{s}");
+                let _ = writeln!(std::io::stderr(), "{s}");
             }
         }
     }
@@ -102,7 +105,9 @@ impl Renderer {
                     }
                     let detail = match c.state {
                         ChangeState::Failed => format!(": {}", c.message),
-                        ChangeState::Changed if !c.message.is_empty() => format!(" ({})", c.message),
+                        ChangeState::Changed if !c.message.is_empty() => {
+                            format!(" ({})", c.message)
+                        }
                         _ => String::new(),
                     };
                     let width = n.to_string().len();
@@ -164,7 +169,11 @@ pub fn summary(status: &PlanStatus) -> String {
                     "\n  {} change{} restored to what {} before",
                     c.rolled_back,
                     if c.rolled_back == 1 { "" } else { "s" },
-                    if c.rolled_back == 1 { "it was" } else { "they were" }
+                    if c.rolled_back == 1 {
+                        "it was"
+                    } else {
+                        "they were"
+                    }
                 ));
             }
             s

@@ -142,7 +142,10 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             report.disruption = report.disruption.max(disruption);
             units.extend(change.restart_units());
         }
-        if matches!(result, CheckResultKind::Unsupported | CheckResultKind::Invalid) {
+        if matches!(
+            result,
+            CheckResultKind::Unsupported | CheckResultKind::Invalid
+        ) {
             report.applicable = false;
         }
         report.changes.push(ChangeCheck {

@@ -260,51 +260,7 @@ impl Engine {
 
     /// Checks a validated plan against this node without journaling anything.
     pub fn admit(&self, plan: &Plan) -> Result<steps::Prepared, SubmitError> {
-        let cfg = &self.shared.config;
-        if let Some(node) = &cfg.node_name {
-            match &plan.node_name {
-                Some(n) if n != node => {
-                    return Err(SubmitError::WrongNode {
-                        id: plan.id.clone(),
-                        plan_node: n.clone(),
-                        node: node.clone(),
-                    });
-                }
-                None if cfg.require_node_name => {
-                    return Err(SubmitError::Invalid(InvalidPlan {
-                        source: plan.id.clone(),
-                        errors: vec![FieldError::new(
-                            "nodeName",
-                            format!("is required by this agent (node {node})"),
-                        )],
-                    }));
-                }
-                _ => {}
-            }
-        }
-        let mut reasons = Vec::new();
-        for (i, c) in plan.changes.iter().enumerate() {
-            if let Some(why) = cfg.capabilities.unsupported(c) {
-                reasons.push(format!("changes[{i}] {}: {why}", c.kind()));
-            }
-        }
-        for (i, c) in plan.verify.iter().enumerate() {
-            if let Some(why) = cfg.capabilities.unsupported_check(&c.probe) {
-                reasons.push(format!("verify[{i}] {}: {why}", c.probe.key()));
-            }
-        }
-        if !reasons.is_empty() {
-            return Err(SubmitError::Unsupported {
-                id: plan.id.clone(),
-                reasons,
-            });
-        }
-        steps::preflight(&self.shared.host, plan, &cfg.allow).map_err(|errors| {
-            SubmitError::Invalid(InvalidPlan {
-                source: plan.id.clone(),
-                errors,
-            })
-        })
+        admit(&self.shared.config, &self.shared.host, plan)
     }
 
     /// Submits a plan. The same id + digest returns the existing status (running or
@@ -333,7 +289,13 @@ impl Engine {
         self.accept(plan, digest, attempt, source)
     }
 
-    fn accept(&self, plan: Plan, digest: String, attempt: u32, source: &str) -> Result<Submission, SubmitError> {
+    fn accept(
+        &self,
+        plan: Plan,
+        digest: String,
+        attempt: u32,
+        source: &str,
+    ) -> Result<Submission, SubmitError> {
         let run = {
             let inner = self.shared.lock();
             inner.table.next_run()
@@ -375,11 +337,15 @@ impl Engine {
             if status.phase == Phase::Succeeded {
                 return Ok(Submission::Existing(status));
             }
-            let plan = inner.table.retained_plan(status.run).cloned().ok_or_else(|| {
-                SubmitError::Conflict(format!(
-                    "the content of plan {id} is no longer kept; submit it again with retry"
-                ))
-            })?;
+            let plan = inner
+                .table
+                .retained_plan(status.run)
+                .cloned()
+                .ok_or_else(|| {
+                    SubmitError::Conflict(format!(
+                        "the content of plan {id} is no longer kept; submit it again with retry"
+                    ))
+                })?;
             (status, plan)
         };
         let plan = validate_value(&plan, id, &Limits::replay()).map_err(SubmitError::Invalid)?;
@@ -477,4 +443,53 @@ impl Engine {
             .store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.work.notify_all();
     }
+}
+
+/// Checks a validated plan against a node without journaling anything: the node name,
+/// the kinds this node supports, and the node-dependent facts (owners, symlinks, files).
+pub fn admit(cfg: &EngineConfig, host: &Host, plan: &Plan) -> Result<steps::Prepared, SubmitError> {
+    if let Some(node) = &cfg.node_name {
+        match &plan.node_name {
+            Some(n) if n != node => {
+                return Err(SubmitError::WrongNode {
+                    id: plan.id.clone(),
+                    plan_node: n.clone(),
+                    node: node.clone(),
+                });
+            }
+            None if cfg.require_node_name => {
+                return Err(SubmitError::Invalid(InvalidPlan {
+                    source: plan.id.clone(),
+                    errors: vec![FieldError::new(
+                        "nodeName",
+                        format!("is required by this agent (node {node})"),
+                    )],
+                }));
+            }
+            _ => {}
+        }
+    }
+    let mut reasons = Vec::new();
+    for (i, c) in plan.changes.iter().enumerate() {
+        if let Some(why) = cfg.capabilities.unsupported(c) {
+            reasons.push(format!("changes[{i}] {}: {why}", c.kind()));
+        }
+    }
+    for (i, c) in plan.verify.iter().enumerate() {
+        if let Some(why) = cfg.capabilities.unsupported_check(&c.probe) {
+            reasons.push(format!("verify[{i}] {}: {why}", c.probe.key()));
+        }
+    }
+    if !reasons.is_empty() {
+        return Err(SubmitError::Unsupported {
+            id: plan.id.clone(),
+            reasons,
+        });
+    }
+    steps::preflight(host, plan, &cfg.allow).map_err(|errors| {
+        SubmitError::Invalid(InvalidPlan {
+            source: plan.id.clone(),
+            errors,
+        })
+    })
 }

@@ -159,7 +159,11 @@ impl Runner {
 
     fn id(&self, run: u64) -> String {
         let inner = self.shared.lock();
-        inner.table.by_run(run).map(|s| s.id.clone()).unwrap_or_default()
+        inner
+            .table
+            .by_run(run)
+            .map(|s| s.id.clone())
+            .unwrap_or_default()
     }
 
     fn error_of(&self, run: u64) -> Option<ErrorInfo> {
@@ -317,7 +321,11 @@ impl Runner {
             let change = &plan.changes[i];
             let error = ErrorInfo {
                 kind: e.kind,
-                step: Some(format!("changes[{i}] {} {}", change.kind(), change.target())),
+                step: Some(format!(
+                    "changes[{i}] {} {}",
+                    change.kind(),
+                    change.target()
+                )),
                 detail: e.detail,
             };
             self.record(
@@ -344,7 +352,11 @@ impl Runner {
     ) -> Result<(steps::Diff, Vec<crate::journal::Preimage>), StepError> {
         let host = &self.shared.host;
         let diff = steps::diff(host, change, ctx)?;
-        let known: BTreeSet<String> = in_flight.into_iter().flatten().map(preimage_target).collect();
+        let known: BTreeSet<String> = in_flight
+            .into_iter()
+            .flatten()
+            .map(preimage_target)
+            .collect();
         let mut preimages = Vec::new();
         for m in &diff.mutations {
             let target = mutation_target(m);
@@ -441,10 +453,19 @@ impl Runner {
                     services
                         .daemon_reload()
                         .map_err(|e| systemd_failure("daemon-reload", e))?;
-                    self.record(Record::DaemonReloaded { run, rollback: false }, true)?;
+                    self.record(
+                        Record::DaemonReloaded {
+                            run,
+                            rollback: false,
+                        },
+                        true,
+                    )?;
                 }
                 for unit in units.iter().filter(|u| !rs.restarted.contains(*u)) {
-                    if let Some(stop) = self.boundary(run).filter(|s| matches!(s, Stop::TimedOut(_))) {
+                    if let Some(stop) = self
+                        .boundary(run)
+                        .filter(|s| matches!(s, Stop::TimedOut(_)))
+                    {
                         return Err(Abort::Stop(stop));
                     }
                     let message = services
@@ -486,7 +507,8 @@ impl Runner {
                 let mut inner = self.shared.lock();
                 inner.table.set_message(run, format!("{name}: {msg}"));
             };
-            let outcome = crate::steps::verify::run_check(&self.shared.host, check, &stop, &mut progress);
+            let outcome =
+                crate::steps::verify::run_check(&self.shared.host, check, &stop, &mut progress);
             self.record(
                 Record::CheckDone {
                     run,
@@ -573,7 +595,12 @@ impl Runner {
         let Some((_, rs, _)) = self.state(run) else {
             return Ok(());
         };
-        let end = if rs.cancel_requested && end == Phase::RolledBack && error.as_ref().is_some_and(|e| e.kind == ErrorKind::Cancelled) {
+        let end = if rs.cancel_requested
+            && end == Phase::RolledBack
+            && error
+                .as_ref()
+                .is_some_and(|e| e.kind == ErrorKind::Cancelled)
+        {
             Phase::Cancelled
         } else {
             end
@@ -630,12 +657,25 @@ impl Runner {
                 let reloaded = rs.as_ref().is_some_and(|r| r.reloaded.1);
                 if !reloaded {
                     if let Err(e) = services.daemon_reload() {
-                        return self.finish(run, Phase::Failed, Some(rollback_systemd("daemon-reload", e, &error)));
+                        return self.finish(
+                            run,
+                            Phase::Failed,
+                            Some(rollback_systemd("daemon-reload", e, &error)),
+                        );
                     }
-                    self.record(Record::DaemonReloaded { run, rollback: true }, true)?;
+                    self.record(
+                        Record::DaemonReloaded {
+                            run,
+                            rollback: true,
+                        },
+                        true,
+                    )?;
                 }
                 for unit in units {
-                    if rs.as_ref().is_some_and(|r| r.restarted_rollback.contains(&unit)) {
+                    if rs
+                        .as_ref()
+                        .is_some_and(|r| r.restarted_rollback.contains(&unit))
+                    {
                         continue;
                     }
                     match services.restart(&unit) {
@@ -681,9 +721,16 @@ impl Runner {
                     .backups
                     .retain(&Default::default())
                     .unwrap_or_default();
-                tracing::info!(before, after, backups_removed = removed, "journal compacted");
+                tracing::info!(
+                    before,
+                    after,
+                    backups_removed = removed,
+                    "journal compacted"
+                );
             }
-            Err(e) => tracing::warn!(error = %e, "journal compaction failed; the old journal is kept"),
+            Err(e) => {
+                tracing::warn!(error = %e, "journal compaction failed; the old journal is kept")
+            }
         }
     }
 }
@@ -704,7 +751,9 @@ fn rollback_systemd(what: &str, e: String, after: &Option<ErrorInfo>) -> ErrorIn
     ErrorInfo {
         kind: ErrorKind::RollbackFailed,
         step: Some(what.to_string()),
-        detail: format!("files were restored but {what} failed: {e}; the node needs attention{after}"),
+        detail: format!(
+            "files were restored but {what} failed: {e}; the node needs attention{after}"
+        ),
     }
 }
 
@@ -722,9 +771,8 @@ fn mutation_target(m: &steps::Mutation) -> String {
 
 fn preimage_target(p: &crate::journal::Preimage) -> String {
     match p {
-        crate::journal::Preimage::File { path, .. } | crate::journal::Preimage::Sysctl { path, .. } => {
-            path.to_string()
-        }
+        crate::journal::Preimage::File { path, .. }
+        | crate::journal::Preimage::Sysctl { path, .. } => path.to_string(),
         crate::journal::Preimage::Other { kind, data } => format!("{kind}:{data}"),
     }
 }

@@ -40,13 +40,20 @@ impl Phase {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            Phase::Succeeded | Phase::Failed | Phase::RolledBack | Phase::Superseded | Phase::Cancelled
+            Phase::Succeeded
+                | Phase::Failed
+                | Phase::RolledBack
+                | Phase::Superseded
+                | Phase::Cancelled
         )
     }
 
     /// True when the run ended without reaching its desired state.
     pub fn is_failure(self) -> bool {
-        matches!(self, Phase::Failed | Phase::RolledBack | Phase::Cancelled | Phase::Superseded)
+        matches!(
+            self,
+            Phase::Failed | Phase::RolledBack | Phase::Cancelled | Phase::Superseded
+        )
     }
 
     /// Whether a run may move from `self` to `next`: the state machine of DESIGN §3.
@@ -61,7 +68,9 @@ impl Phase {
             (Verifying, Succeeded) => true,
             (Pending | Preparing | Applying | Restarting | Verifying, RollingBack) => true,
             (Pending | Preparing | Applying | Restarting | Verifying, Failed) => true,
-            (Pending | Preparing | Applying | Restarting | Verifying, Superseded | Cancelled) => true,
+            (Pending | Preparing | Applying | Restarting | Verifying, Superseded | Cancelled) => {
+                true
+            }
             (RollingBack, RolledBack | Failed | Cancelled) => true,
             _ => false,
         }
@@ -304,6 +313,7 @@ pub struct PlanStatus {
 
 /// How many changes ended in each state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Counts {
     /// Changes in the plan.
     pub total: u32,
@@ -395,7 +405,9 @@ mod tests {
     #[test]
     fn phase_transitions_follow_the_design() {
         use Phase::*;
-        let happy = [Pending, Preparing, Applying, Restarting, Verifying, Succeeded];
+        let happy = [
+            Pending, Preparing, Applying, Restarting, Verifying, Succeeded,
+        ];
         for w in happy.windows(2) {
             assert!(w[0].can_become(w[1]), "{:?} -> {:?}", w[0], w[1]);
         }
@@ -404,7 +416,10 @@ mod tests {
         assert!(RollingBack.can_become(RolledBack));
         assert!(Applying.can_become(Superseded));
         assert!(!Succeeded.can_become(Applying), "terminal");
-        assert!(!RolledBack.can_become(Pending), "retry is a new attempt, not a transition");
+        assert!(
+            !RolledBack.can_become(Pending),
+            "retry is a new attempt, not a transition"
+        );
         assert!(!Pending.can_become(Verifying));
         assert!(!RollingBack.can_become(Succeeded));
     }

@@ -69,7 +69,11 @@ fn step_name(index: u32, plan: &Plan) -> String {
 
 /// The name of a gate for messages: `verify[1] httpGet http://...`.
 pub fn check_name(index: u32, check: &Check) -> String {
-    format!("verify[{index}] {} {}", check.probe.key(), check.probe.target())
+    format!(
+        "verify[{index}] {} {}",
+        check.probe.key(),
+        check.probe.target()
+    )
 }
 
 impl Table {
@@ -115,7 +119,16 @@ impl Table {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn accept(&mut self, run: u64, id: &str, digest: &str, attempt: u32, source: &str, plan: &Value, ts: u64) {
+    fn accept(
+        &mut self,
+        run: u64,
+        id: &str,
+        digest: &str,
+        attempt: u32,
+        source: &str,
+        plan: &Value,
+        ts: u64,
+    ) {
         self.next_run = self.next_run.max(run + 1);
         let parsed = validate_value(plan, "journal", &Limits::replay());
         let mut status = PlanStatus {
@@ -226,7 +239,12 @@ impl Table {
                 };
                 rs.last_ts = ts;
             }
-            (Record::StepStarted { index, preimages, .. }, Some(rs)) => {
+            (
+                Record::StepStarted {
+                    index, preimages, ..
+                },
+                Some(rs),
+            ) => {
                 let entry = rs.preimages.entry(*index).or_default();
                 for p in preimages {
                     if !entry.contains(p) {
@@ -300,7 +318,15 @@ impl Table {
                     rs.reloaded.0 = true;
                 }
             }
-            (Record::UnitRestarted { unit, rollback, message, .. }, Some(rs)) => {
+            (
+                Record::UnitRestarted {
+                    unit,
+                    rollback,
+                    message,
+                    ..
+                },
+                Some(rs),
+            ) => {
                 if *rollback {
                     rs.restarted_rollback.insert(unit.clone());
                 } else {

@@ -168,10 +168,12 @@ impl Root {
     fn real_path_of(&self, fd: &OwnedFd) -> io::Result<String> {
         use std::os::fd::AsRawFd;
         let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-        let rel = link.strip_prefix(&self.path).map_err(|_| {
-            io::Error::other(format!("{} is not under the root", link.display()))
-        })?;
-        Ok(format!("/{}", rel.display()).trim_end_matches('/').to_string())
+        let rel = link
+            .strip_prefix(&self.path)
+            .map_err(|_| io::Error::other(format!("{} is not under the root", link.display())))?;
+        Ok(format!("/{}", rel.display())
+            .trim_end_matches('/')
+            .to_string())
     }
 
     /// Checks that `p` may be managed: the deepest existing directory on its way resolves
@@ -179,7 +181,10 @@ impl Root {
     /// component is not a symlink.
     pub fn check_path(&self, p: &NodePath, allow: &AllowList) -> Result<(), FsError> {
         let mut missing: Vec<&str> = vec![p.file_name()];
-        let ancestors: Vec<NodePath> = p.parent().map(|d| d.ancestors_from_top()).unwrap_or_default();
+        let ancestors: Vec<NodePath> = p
+            .parent()
+            .map(|d| d.ancestors_from_top())
+            .unwrap_or_default();
         let mut existing: Option<(OwnedFd, usize)> = None;
         for (depth, dir) in ancestors.iter().enumerate().rev() {
             match self.open_dir(Some(dir)) {
@@ -203,7 +208,10 @@ impl Root {
                         target: target.to_string_lossy().into_owned(),
                     });
                 }
-                (self.real_path_of(&fd).map_err(io_err("resolve", p))?, depth + 1)
+                (
+                    self.real_path_of(&fd).map_err(io_err("resolve", p))?,
+                    depth + 1,
+                )
             }
             None => (String::new(), 0),
         };
@@ -225,9 +233,14 @@ impl Root {
         }
         if first_missing == ancestors.len() {
             // The parent exists: look at the final component without following it.
-            let dir = self.open_dir(p.parent().as_ref()).map_err(io_err("open directory of", p))?;
+            let dir = self
+                .open_dir(p.parent().as_ref())
+                .map_err(io_err("open directory of", p))?;
             match rustix::fs::statat(&dir, p.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(st) if rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Symlink => {
+                Ok(st)
+                    if rustix::fs::FileType::from_raw_mode(st.st_mode)
+                        == rustix::fs::FileType::Symlink =>
+                {
                     let target = rustix::fs::readlinkat(&dir, p.file_name(), Vec::new())
                         .map(|t| t.to_string_lossy().into_owned())
                         .unwrap_or_else(|_| "?".into());
@@ -351,7 +364,12 @@ impl Root {
 
     /// Atomically replaces (or creates) the file at `p` with `content` and `meta`, creating
     /// missing parent directories. Durable when it returns; no temp file survives an error.
-    pub fn write_atomic(&self, p: &NodePath, content: &[u8], meta: FileMeta) -> Result<(), FsError> {
+    pub fn write_atomic(
+        &self,
+        p: &NodePath,
+        content: &[u8],
+        meta: FileMeta,
+    ) -> Result<(), FsError> {
         self.create_dirs(p)?;
         let dir = self
             .open_dir(p.parent().as_ref())
@@ -387,9 +405,9 @@ impl Root {
                 rustix::fs::fsync(&parent).map_err(|e| io_err("sync directory of", p)(rio(e)))?;
                 Ok(true)
             }
-            Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTEMPTY | rustix::io::Errno::EXIST) => {
-                Ok(false)
-            }
+            Err(
+                rustix::io::Errno::NOENT | rustix::io::Errno::NOTEMPTY | rustix::io::Errno::EXIST,
+            ) => Ok(false),
             Err(e) => Err(io_err("remove directory", p)(rio(e))),
         }
     }
@@ -434,7 +452,7 @@ impl Root {
         let fd = rustix::fs::openat2(
             &self.dir,
             p.relative(),
-            OFlags::WRONLY | OFlags::CLOEXEC,
+            OFlags::WRONLY | OFlags::TRUNC | OFlags::CLOEXEC,
             RMode::empty(),
             RESOLVE | ResolveFlags::NO_SYMLINKS,
         )
@@ -499,7 +517,8 @@ pub fn write_in_dir(
         let uid = rustix::fs::Uid::from_raw(meta.uid);
         let gid = rustix::fs::Gid::from_raw(meta.gid);
         rustix::fs::fchown(&f, Some(uid), Some(gid)).map_err(|e| ("chown", rio(e)))?;
-        rustix::fs::fchmod(&f, RMode::from_raw_mode(meta.mode & 0o7777)).map_err(|e| ("chmod", rio(e)))?;
+        rustix::fs::fchmod(&f, RMode::from_raw_mode(meta.mode & 0o7777))
+            .map_err(|e| ("chmod", rio(e)))?;
         rustix::fs::fsync(&f).map_err(|e| ("sync", rio(e)))?;
         failpoint::hit("fs.write.before_rename");
         rustix::fs::renameat(dir, tmp.as_str(), dir, name).map_err(|e| ("rename", rio(e)))?;
@@ -515,8 +534,12 @@ pub fn write_in_dir(
 
 /// Opens a directory on the agent's own filesystem for [`write_in_dir`] (the state dir).
 pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
-    rustix::fs::open(path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, RMode::empty())
-        .map_err(|e| io::Error::new(rio(e).kind(), format!("open {}: {e}", path.display())))
+    rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        RMode::empty(),
+    )
+    .map_err(|e| io::Error::new(rio(e).kind(), format!("open {}: {e}", path.display())))
 }
 
 /// fsyncs a directory on the agent's own filesystem.
@@ -579,24 +602,37 @@ mod tests {
         std::os::unix::fs::symlink("/etc/shadow", t.path().join("etc/kubernetes/shadow")).unwrap();
         let root = Root::open(t.path()).unwrap();
         let allow = AllowList::default();
-        let err = root.check_path(&np("/etc/kubernetes/evil/x"), &allow).unwrap_err();
+        let err = root
+            .check_path(&np("/etc/kubernetes/evil/x"), &allow)
+            .unwrap_err();
         assert!(matches!(err, FsError::Symlink { .. }), "{err}");
-        std::os::unix::fs::symlink("../../../../../../..", t.path().join("etc/kubernetes/up")).unwrap();
-        let err = root.check_path(&np("/etc/kubernetes/up/etc/passwd"), &allow).unwrap_err();
+        std::os::unix::fs::symlink("../../../../../../..", t.path().join("etc/kubernetes/up"))
+            .unwrap();
+        let err = root
+            .check_path(&np("/etc/kubernetes/up/etc/passwd"), &allow)
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "/etc/kubernetes/up/etc/passwd resolves through a symlink to /etc/passwd, \
              which is outside the allow-list"
         );
-        let err = root.check_path(&np("/etc/kubernetes/shadow"), &allow).unwrap_err();
+        let err = root
+            .check_path(&np("/etc/kubernetes/shadow"), &allow)
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "/etc/kubernetes/shadow is a symlink to /etc/shadow; refusing to follow it"
         );
         // Even a write that ignored the check cannot leave the root.
-        assert!(root.write_atomic(&np("/etc/kubernetes/evil/x"), b"x", me()).is_err());
+        assert!(
+            root.write_atomic(&np("/etc/kubernetes/evil/x"), b"x", me())
+                .is_err()
+        );
         assert!(std::fs::read_dir(outside.path()).unwrap().next().is_none());
-        assert!(root.check_path(&np("/etc/kubernetes/new/dir/x"), &allow).is_ok());
+        assert!(
+            root.check_path(&np("/etc/kubernetes/new/dir/x"), &allow)
+                .is_ok()
+        );
     }
 
     #[test]
@@ -605,7 +641,8 @@ mod tests {
         let root = Root::open(t.path()).unwrap();
         std::fs::create_dir_all(t.path().join("etc/kubernetes")).unwrap();
         std::fs::write(t.path().join("etc/kubernetes/.a.inplace-tmp"), "stale").unwrap();
-        root.write_atomic(&np("/etc/kubernetes/a"), b"new", me()).unwrap();
+        root.write_atomic(&np("/etc/kubernetes/a"), b"new", me())
+            .unwrap();
         assert!(!t.path().join("etc/kubernetes/.a.inplace-tmp").exists());
         std::fs::write(t.path().join("etc/kubernetes/.b.inplace-tmp"), "stale").unwrap();
         assert!(root.sweep_temp(&np("/etc/kubernetes/b")).unwrap());

@@ -36,7 +36,9 @@ pub fn split_http_url(url: &str) -> Result<(String, u16, String), String> {
             None => (authority.to_string(), "80"),
         }
     };
-    let port: u16 = port.parse().map_err(|_| format!("{url}: bad port {port:?}"))?;
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("{url}: bad port {port:?}"))?;
     Ok((host, port, path.to_string()))
 }
 
@@ -67,8 +69,12 @@ pub fn get(url: &str, timeout: Duration) -> Result<HttpReply, String> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
-    stream.set_read_timeout(Some(left)).map_err(|e| e.to_string())?;
-    stream.set_write_timeout(Some(left)).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(left))
+        .map_err(|e| e.to_string())?;
+    stream
+        .set_write_timeout(Some(left))
+        .map_err(|e| e.to_string())?;
     let host_header = if host.contains(':') {
         format!("[{host}]:{port}")
     } else {
@@ -142,7 +148,11 @@ mod tests {
             s.write_all(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n\r\nbad!")
                 .unwrap();
         });
-        let reply = get(&format!("http://127.0.0.1:{port}/healthz"), Duration::from_secs(5)).unwrap();
+        let reply = get(
+            &format!("http://127.0.0.1:{port}/healthz"),
+            Duration::from_secs(5),
+        )
+        .unwrap();
         assert_eq!(reply.status, 500);
         assert_eq!(reply.body, "bad!");
         server.join().unwrap();
@@ -154,6 +164,9 @@ mod tests {
         let port = l.local_addr().unwrap().port();
         drop(l);
         let err = get(&format!("http://127.0.0.1:{port}/"), Duration::from_secs(2)).unwrap_err();
-        assert!(err.starts_with(&format!("connect 127.0.0.1:{port}:")), "{err}");
+        assert!(
+            err.starts_with(&format!("connect 127.0.0.1:{port}:")),
+            "{err}"
+        );
     }
 }

@@ -43,7 +43,10 @@ impl Host {
 
     /// A command that runs on the node: chrooted into the root when configured and the
     /// root is not `/`.
-    pub fn command<S: Into<String>>(&self, argv: impl IntoIterator<Item = S>) -> command::CommandSpec {
+    pub fn command<S: Into<String>>(
+        &self,
+        argv: impl IntoIterator<Item = S>,
+    ) -> command::CommandSpec {
         let spec = command::CommandSpec::new(argv);
         if self.settings.commands_in_root {
             spec.in_root(self.root.path())

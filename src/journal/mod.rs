@@ -189,7 +189,10 @@ impl Reader {
         if let Some(want) = self.next_seq
             && env.seq != want
         {
-            return Err(format!("sequence number {} where {want} was expected", env.seq));
+            return Err(format!(
+                "sequence number {} where {want} was expected",
+                env.seq
+            ));
         }
         Ok((env, hash))
     }
@@ -579,7 +582,10 @@ mod tests {
         let (seen, report) = replay_all(t.path());
         assert!(report.torn.is_none());
         assert_eq!(seen.len(), 5);
-        assert_eq!(seen.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+        assert_eq!(
+            seen.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [1, 2, 3, 4, 5]
+        );
         assert_eq!(seen[3].record, rec(3));
         assert_eq!(seen[3].ts, 1003);
     }
@@ -590,7 +596,8 @@ mod tests {
         let (_j, _) = Journal::open(t.path(), |_| {}).unwrap();
         let err = Journal::open(t.path(), |_| {}).err().unwrap();
         assert!(
-            err.to_string().contains(&format!("(pid {})", std::process::id())),
+            err.to_string()
+                .contains(&format!("(pid {})", std::process::id())),
             "{err}"
         );
     }
@@ -669,7 +676,10 @@ mod tests {
         assert_eq!(seen.len(), 3);
         assert!(matches!(
             seen[0].record,
-            Record::Compacted { previous_seq: 10, .. }
+            Record::Compacted {
+                previous_seq: 10,
+                ..
+            }
         ));
         assert_eq!(seen.iter().map(|e| e.seq).collect::<Vec<_>>(), [11, 12, 13]);
         let report = verify(t.path()).unwrap();

@@ -100,7 +100,10 @@ fn change_value(c: &Change) -> Value {
             m.insert("name".into(), json!(u.name));
             opt(&mut m, "content", &u.content);
             if let Some(d) = &u.drop_in {
-                m.insert("dropIn".into(), json!({"name": d.name, "content": d.content}));
+                m.insert(
+                    "dropIn".into(),
+                    json!({"name": d.name, "content": d.content}),
+                );
             }
             opt(&mut m, "enabled", &u.enabled);
             if let Some(s) = u.state {

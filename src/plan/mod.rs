@@ -439,7 +439,17 @@ pub struct ExecChange {
 
 /// How disruptive a change is to the node's workloads, from least to most.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
 )]
 pub enum Disruption {
     /// Nothing restarts.

@@ -71,8 +71,8 @@ pub fn parse_plan(bytes: &[u8], source: &str, limits: &Limits) -> Result<Plan, I
             limits.max_plan_bytes
         )));
     }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| fail(format!("plan is not UTF-8 text: {e}")))?;
+    let text =
+        std::str::from_utf8(bytes).map_err(|e| fail(format!("plan is not UTF-8 text: {e}")))?;
     let value = if text.trim_start().starts_with('{') {
         serde_json::from_str::<Value>(text).map_err(|e| fail(format!("malformed JSON: {e}")))?
     } else {
@@ -220,7 +220,10 @@ impl Cx<'_> {
                 let hint = suggestion(key, allowed);
                 self.err(
                     join(path, key),
-                    format!("unknown field{hint}; expected one of: {}", allowed.join(", ")),
+                    format!(
+                        "unknown field{hint}; expected one of: {}",
+                        allowed.join(", ")
+                    ),
                 );
             }
         }
@@ -429,7 +432,10 @@ impl Cx<'_> {
         }
         match self.string("", m, "kind", true) {
             Some("Plan") | None => {}
-            Some(other) => self.err("kind", format!("{other:?} is not supported; expected \"Plan\"")),
+            Some(other) => self.err(
+                "kind",
+                format!("{other:?} is not supported; expected \"Plan\""),
+            ),
         }
         let id = self.string("", m, "id", true).map(str::to_string);
         if let Some(id) = &id {
@@ -478,7 +484,10 @@ impl Cx<'_> {
                 }
             }
             Some(other) => {
-                self.err("changes", format!("must be a list, got {}", type_name(other)));
+                self.err(
+                    "changes",
+                    format!("must be a list, got {}", type_name(other)),
+                );
                 None
             }
         };
@@ -508,7 +517,10 @@ impl Cx<'_> {
                 }
             }
             Some(other) => {
-                self.err("verify", format!("must be a list, got {}", type_name(other)));
+                self.err(
+                    "verify",
+                    format!("must be a list, got {}", type_name(other)),
+                );
                 None
             }
         };
@@ -558,7 +570,11 @@ impl Cx<'_> {
                     format!(
                         "must name exactly one change kind, got {}: {}",
                         m.len(),
-                        names.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                        names
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     )
                 },
             );
@@ -569,7 +585,10 @@ impl Cx<'_> {
             let hint = suggestion(key, &kinds);
             self.err(
                 &base,
-                format!("unknown change kind {key:?}{hint}; expected one of: {}", kinds.join(", ")),
+                format!(
+                    "unknown change kind {key:?}{hint}; expected one of: {}",
+                    kinds.join(", ")
+                ),
             );
             return None;
         };
@@ -586,16 +605,25 @@ impl Cx<'_> {
             ChangeKind::KubeletConfig => self
                 .kubelet_config(index, &path, m)
                 .map(Change::KubeletConfig),
-            ChangeKind::KubeletFlags => self.kubelet_flags(index, &path, m).map(Change::KubeletFlags),
+            ChangeKind::KubeletFlags => self
+                .kubelet_flags(index, &path, m)
+                .map(Change::KubeletFlags),
             ChangeKind::Sysctl => self.sysctl(index, &path, m).map(Change::Sysctl),
             ChangeKind::Package => self.package(index, &path, m).map(Change::Package),
             ChangeKind::Artifact => self.artifact(index, &path, m).map(Change::Artifact),
             ChangeKind::Unit => self.unit(index, &path, m).map(Change::Unit),
             ChangeKind::KubeadmUpgradeNode => {
                 self.known_keys(&path, m, &["extraArgs"]);
-                self.claim(&path, "kubeadm-upgrade-node".into(), "kubeadm upgrade node", index);
+                self.claim(
+                    &path,
+                    "kubeadm-upgrade-node".into(),
+                    "kubeadm upgrade node",
+                    index,
+                );
                 let extra_args = self.string_list(&path, m, "extraArgs")?;
-                Some(Change::KubeadmUpgradeNode(KubeadmUpgradeNodeChange { extra_args }))
+                Some(Change::KubeadmUpgradeNode(KubeadmUpgradeNodeChange {
+                    extra_args,
+                }))
             }
             ChangeKind::Reboot => {
                 self.known_keys(&path, m, &["reason"]);
@@ -628,7 +656,10 @@ impl Cx<'_> {
             Some(Value::String(s)) => match parse_mode(s) {
                 Some(mode) => Some(mode),
                 None => {
-                    self.err(field, format!("{s:?} is not an octal mode (such as \"0644\")"));
+                    self.err(
+                        field,
+                        format!("{s:?} is not an octal mode (such as \"0644\")"),
+                    );
                     None
                 }
             },
@@ -667,7 +698,15 @@ impl Cx<'_> {
         self.known_keys(
             path,
             m,
-            &["path", "content", "encoding", "mode", "owner", "append", "restartUnits"],
+            &[
+                "path",
+                "content",
+                "encoding",
+                "mode",
+                "owner",
+                "append",
+                "restartUnits",
+            ],
         );
         let p = self
             .string(path, m, "path", true)
@@ -755,7 +794,10 @@ impl Cx<'_> {
                 let mut ok = true;
                 for key in ["apiVersion", "kind"] {
                     if patch.contains_key(key) {
-                        self.err(format!("{field}.{key}"), "cannot be changed by a merge patch");
+                        self.err(
+                            format!("{field}.{key}"),
+                            "cannot be changed by a merge patch",
+                        );
                         ok = false;
                     }
                 }
@@ -872,7 +914,12 @@ impl Cx<'_> {
         Some(SysctlChange { key, value: value? })
     }
 
-    fn package(&mut self, index: usize, path: &str, m: &Map<String, Value>) -> Option<PackageChange> {
+    fn package(
+        &mut self,
+        index: usize,
+        path: &str,
+        m: &Map<String, Value>,
+    ) -> Option<PackageChange> {
         self.known_keys(path, m, &["name", "version", "manager", "hold"]);
         let before = self.errors.len();
         let name = self.string(path, m, "name", true).map(str::to_string);
@@ -882,7 +929,10 @@ impl Cx<'_> {
                 && n.chars()
                     .all(|c| c.is_ascii_alphanumeric() || "+._-".contains(c));
             if !valid {
-                self.err(join(path, "name"), format!("{n:?} is not a valid package name"));
+                self.err(
+                    join(path, "name"),
+                    format!("{n:?} is not a valid package name"),
+                );
             } else {
                 self.claim(&join(path, "name"), format!("package:{n}"), n, index);
             }
@@ -895,7 +945,10 @@ impl Cx<'_> {
                 && v.chars()
                     .all(|c| c.is_ascii_alphanumeric() || ".+~:_^-".contains(c));
             if !valid {
-                self.err(join(path, "version"), format!("{v:?} is not a valid package version"));
+                self.err(
+                    join(path, "version"),
+                    format!("{v:?} is not a valid package version"),
+                );
             }
         }
         let manager = match self.string(path, m, "manager", false) {
@@ -956,7 +1009,9 @@ impl Cx<'_> {
         let mode = self.mode(path, m, Mode::EXEC_DEFAULT);
         let extract = self.string(path, m, "extract", false).map(str::to_string);
         if let Some(x) = &extract
-            && (x.is_empty() || x.starts_with('/') || x.split('/').any(|c| c == ".." || c.is_empty()))
+            && (x.is_empty()
+                || x.starts_with('/')
+                || x.split('/').any(|c| c == ".." || c.is_empty()))
         {
             self.err(
                 join(path, "extract"),
@@ -1037,7 +1092,12 @@ impl Cx<'_> {
                 None
             }
         };
-        if content.is_none() && drop_in.is_none() && enabled.is_none() && state.is_none() && masked.is_none() {
+        if content.is_none()
+            && drop_in.is_none()
+            && enabled.is_none()
+            && state.is_none()
+            && masked.is_none()
+        {
             self.err(
                 path,
                 "must set at least one of content, dropIn, enabled, state, masked",
@@ -1045,7 +1105,10 @@ impl Cx<'_> {
         }
         if masked == Some(true) {
             if content.is_some() {
-                self.err(join(path, "masked"), "a masked unit cannot also have content");
+                self.err(
+                    join(path, "masked"),
+                    "a masked unit cannot also have content",
+                );
             }
             if state == Some(UnitState::Running) || enabled == Some(true) {
                 self.err(
@@ -1062,7 +1125,12 @@ impl Cx<'_> {
         if let Ok(file) = unit_dir.join(&name) {
             if content.is_some() || masked.is_some() {
                 self.node_path(&join(path, "name"), file.as_str())?;
-                self.claim(&join(path, "name"), format!("path:{file}"), file.as_str(), index);
+                self.claim(
+                    &join(path, "name"),
+                    format!("path:{file}"),
+                    file.as_str(),
+                    index,
+                );
             }
             if let Some(d) = &drop_in
                 && let Ok(dp) = unit_dir
@@ -1070,11 +1138,21 @@ impl Cx<'_> {
                     .and_then(|dir| dir.join(&d.name))
             {
                 self.node_path(&join(path, "dropIn"), dp.as_str())?;
-                self.claim(&join(path, "dropIn"), format!("path:{dp}"), dp.as_str(), index);
+                self.claim(
+                    &join(path, "dropIn"),
+                    format!("path:{dp}"),
+                    dp.as_str(),
+                    index,
+                );
             }
         }
         if enabled.is_some() || state.is_some() || masked.is_some() {
-            self.claim(path, format!("unit-state:{name}"), &format!("state of {name}"), index);
+            self.claim(
+                path,
+                format!("unit-state:{name}"),
+                &format!("state of {name}"),
+                index,
+            );
         }
         Some(UnitChange {
             name,
@@ -1136,7 +1214,10 @@ impl Cx<'_> {
             let hint = suggestion(key, &PROBES);
             self.err(
                 &base,
-                format!("unknown check kind {key:?}{hint}; expected one of: {}", PROBES.join(", ")),
+                format!(
+                    "unknown check kind {key:?}{hint}; expected one of: {}",
+                    PROBES.join(", ")
+                ),
             );
             return None;
         }
@@ -1171,7 +1252,9 @@ impl Cx<'_> {
                     self.err(join(&path, "url"), e);
                     return None;
                 }
-                let expect_status = self.uint(&path, m, "expectStatus", 100..=599).unwrap_or(200) as u16;
+                let expect_status = self
+                    .uint(&path, m, "expectStatus", 100..=599)
+                    .unwrap_or(200) as u16;
                 Probe::HttpGet { url, expect_status }
             }
             "kubeletVersion" => {
@@ -1299,8 +1382,17 @@ pub fn decode_content(raw: &str, enc: Encoding, max: usize) -> Result<Vec<u8>, S
 /// Checks a systemd unit name.
 pub fn check_unit_name(name: &str) -> Result<(), String> {
     const SUFFIXES: [&str; 11] = [
-        "service", "socket", "target", "timer", "mount", "path", "slice", "scope", "device",
-        "swap", "automount",
+        "service",
+        "socket",
+        "target",
+        "timer",
+        "mount",
+        "path",
+        "slice",
+        "scope",
+        "device",
+        "swap",
+        "automount",
     ];
     let valid_chars = name
         .chars()
@@ -1325,7 +1417,10 @@ fn check_flag_name(name: &str) -> Result<(), String> {
     }
     let valid = !name.is_empty()
         && name.len() <= 128
-        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric())
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
@@ -1361,8 +1456,9 @@ pub fn sysctl_segments(key: &str) -> Result<Vec<&str>, String> {
             !s.is_empty()
                 && *s != ".."
                 && *s != "."
-                && s.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_-:.".contains(c) && (c != '.' || sep == '/'))
+                && s.chars().all(|c| {
+                    c.is_ascii_alphanumeric() || "_-:.".contains(c) && (c != '.' || sep == '/')
+                })
         });
     if valid {
         Ok(segs)
@@ -1460,7 +1556,10 @@ mod tests {
 
     #[test]
     fn parses_the_design_example() {
-        let plan = parse(include_str!("../../tests/fixtures/plans/design-example.yaml")).unwrap();
+        let plan = parse(include_str!(
+            "../../tests/fixtures/plans/design-example.yaml"
+        ))
+        .unwrap();
         assert_eq!(plan.changes.len(), 10);
         assert_eq!(plan.verify.len(), 3);
         let Change::File(f) = &plan.changes[0] else {
@@ -1500,7 +1599,9 @@ mod tests {
         ));
         assert_eq!(
             errs,
-            ["changes[1].kubeletConfig.mergePatch: /var/lib/kubelet/config.yaml is also managed by changes[0]"]
+            [
+                "changes[1].kubeletConfig.mergePatch: /var/lib/kubelet/config.yaml is also managed by changes[0]"
+            ]
         );
     }
 
@@ -1511,23 +1612,38 @@ mod tests {
         gz.write_all(b"hello").unwrap();
         let gz = gz.finish().unwrap();
         let b64 = base64::engine::general_purpose::STANDARD.encode(&gz);
-        assert_eq!(decode_content(&b64, Encoding::GzipBase64, 100).unwrap(), b"hello");
-        assert_eq!(decode_content("aGk=\n", Encoding::Base64, 100).unwrap(), b"hi");
+        assert_eq!(
+            decode_content(&b64, Encoding::GzipBase64, 100).unwrap(),
+            b"hello"
+        );
+        assert_eq!(
+            decode_content("aGk=\n", Encoding::Base64, 100).unwrap(),
+            b"hi"
+        );
         let latin1: String = gz.iter().map(|b| char::from(*b)).collect();
-        assert_eq!(decode_content(&latin1, Encoding::Gzip, 100).unwrap(), b"hello");
+        assert_eq!(
+            decode_content(&latin1, Encoding::Gzip, 100).unwrap(),
+            b"hello"
+        );
         assert!(decode_content(&b64, Encoding::GzipBase64, 3).is_err());
         assert!(decode_content("!!", Encoding::Base64, 100).is_err());
     }
 
     #[test]
     fn digest_ignores_encoding_and_id_but_not_content() {
-        let a = parse(&format!("{HEAD}changes:\n- file: {{path: /etc/kubernetes/a, content: hi}}\n")).unwrap();
+        let a = parse(&format!(
+            "{HEAD}changes:\n- file: {{path: /etc/kubernetes/a, content: hi}}\n"
+        ))
+        .unwrap();
         let b = parse(
             "apiVersion: inplace.agent/v1\nkind: Plan\nid: other\nchanges:\n\
              - file: {path: /etc/kubernetes/a, content: aGk=, encoding: base64, mode: \"644\"}\n",
         )
         .unwrap();
-        let c = parse(&format!("{HEAD}changes:\n- file: {{path: /etc/kubernetes/a, content: ho}}\n")).unwrap();
+        let c = parse(&format!(
+            "{HEAD}changes:\n- file: {{path: /etc/kubernetes/a, content: ho}}\n"
+        ))
+        .unwrap();
         assert_eq!(a.digest(), b.digest());
         assert_ne!(a.digest(), c.digest());
         assert!(a.digest().starts_with("sha256:"));
@@ -1535,7 +1651,10 @@ mod tests {
 
     #[test]
     fn canonical_json_round_trips() {
-        let plan = parse(include_str!("../../tests/fixtures/plans/design-example.yaml")).unwrap();
+        let plan = parse(include_str!(
+            "../../tests/fixtures/plans/design-example.yaml"
+        ))
+        .unwrap();
         let again = validate_value(&plan.canonical_json(), "journal", &Limits::replay()).unwrap();
         assert_eq!(plan, again);
         assert_eq!(plan.digest(), again.digest());
@@ -1547,17 +1666,22 @@ mod tests {
         assert_eq!(parse_mode("4755"), Some(Mode(0o4755)));
         assert_eq!(parse_mode("0999"), None);
         assert_eq!(parse_mode("64"), None);
-        assert_eq!(
-            parse_owner("root:adm").unwrap().to_string(),
-            "root:adm"
-        );
+        assert_eq!(parse_owner("root:adm").unwrap().to_string(), "root:adm");
         assert!(parse_owner(":x").is_err());
         assert!(parse_owner("Root").is_err());
         assert_eq!(normalize_kube_version("1.31.2").as_deref(), Some("v1.31.2"));
-        assert_eq!(normalize_kube_version("v1.31.0-rc.1").as_deref(), Some("v1.31.0-rc.1"));
+        assert_eq!(
+            normalize_kube_version("v1.31.0-rc.1").as_deref(),
+            Some("v1.31.0-rc.1")
+        );
         assert_eq!(normalize_kube_version("v1.31"), None);
         assert!(sysctl_segments("net.ipv4.ip_forward").is_ok());
-        assert_eq!(sysctl_segments("net/ipv4/conf/eth0.1/rp_filter").unwrap().len(), 5);
+        assert_eq!(
+            sysctl_segments("net/ipv4/conf/eth0.1/rp_filter")
+                .unwrap()
+                .len(),
+            5
+        );
         assert!(sysctl_segments("net..x").is_err());
         assert!(sysctl_segments("../../etc").is_err());
         assert!(check_unit_name("kubelet.service").is_ok());

@@ -200,16 +200,20 @@ mod tests {
             .iter()
             .map(|p| p.to_string())
             .collect();
-        assert_eq!(
-            anc,
-            ["/etc", "/etc/kubernetes", "/etc/kubernetes/x.conf"]
-        );
+        assert_eq!(anc, ["/etc", "/etc/kubernetes", "/etc/kubernetes/x.conf"]);
     }
 
     #[test]
     fn rejects_bad_paths() {
         for bad in [
-            "", "etc/x", "/", "/etc/../x", "/etc/./x", "/etc//x", "/etc/x/", "/a\0b",
+            "",
+            "etc/x",
+            "/",
+            "/etc/../x",
+            "/etc/./x",
+            "/etc//x",
+            "/etc/x/",
+            "/a\0b",
         ] {
             assert!(NodePath::parse(bad).is_err(), "{bad:?} accepted");
         }

@@ -110,18 +110,41 @@ mod tests {
     fn file(content: &str, mode: u32) -> Existing {
         Existing::File {
             content: content.as_bytes().to_vec(),
-            meta: FileMeta { mode, uid: 0, gid: 0 },
+            meta: FileMeta {
+                mode,
+                uid: 0,
+                gid: 0,
+            },
         }
     }
 
     #[test]
     fn unchanged_only_when_bytes_mode_and_owner_match() {
         let c = change("a\n", false);
-        assert_eq!(file_mutation(&file("a\n", 0o640), &c, (0, 0)).unwrap(), None);
-        assert!(file_mutation(&file("a\n", 0o644), &c, (0, 0)).unwrap().is_some());
-        assert!(file_mutation(&file("a\n", 0o640), &c, (0, 5)).unwrap().is_some());
-        assert!(file_mutation(&file("b\n", 0o640), &c, (0, 0)).unwrap().is_some());
-        assert!(file_mutation(&Existing::Absent, &c, (0, 0)).unwrap().is_some());
+        assert_eq!(
+            file_mutation(&file("a\n", 0o640), &c, (0, 0)).unwrap(),
+            None
+        );
+        assert!(
+            file_mutation(&file("a\n", 0o644), &c, (0, 0))
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            file_mutation(&file("a\n", 0o640), &c, (0, 5))
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            file_mutation(&file("b\n", 0o640), &c, (0, 0))
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            file_mutation(&Existing::Absent, &c, (0, 0))
+                .unwrap()
+                .is_some()
+        );
         assert!(file_mutation(&Existing::Other { kind: "directory" }, &c, (0, 0)).is_err());
     }
 
@@ -129,7 +152,10 @@ mod tests {
     fn append_is_idempotent() {
         let c = change("line2\n", true);
         assert_eq!(desired_content(Some(b"line1\n"), &c), b"line1\nline2\n");
-        assert_eq!(desired_content(Some(b"line1\nline2\n"), &c), b"line1\nline2\n");
+        assert_eq!(
+            desired_content(Some(b"line1\nline2\n"), &c),
+            b"line1\nline2\n"
+        );
         assert_eq!(desired_content(None, &c), b"line2\n");
     }
 }

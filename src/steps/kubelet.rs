@@ -10,7 +10,9 @@ use super::{Diff, Mutation, StepError};
 use crate::engine::status::ErrorKind;
 use crate::host::Host;
 use crate::host::fs::{Existing, FileMeta};
-use crate::plan::{KUBEADM_FLAGS_PATH, KUBELET_CONFIG_PATH, KubeletConfigChange, KubeletFlagsChange, NodePath};
+use crate::plan::{
+    KUBEADM_FLAGS_PATH, KUBELET_CONFIG_PATH, KubeletConfigChange, KubeletFlagsChange, NodePath,
+};
 
 /// `/var/lib/kubelet/config.yaml`.
 pub fn config_path() -> NodePath {
@@ -233,7 +235,12 @@ pub fn edit_flags_env(
             if lines[i] == line {
                 return None;
             }
-            if tokenize(&current).into_iter().flat_map(|t| t.words).collect::<Vec<_>>() == joined {
+            if tokenize(&current)
+                .into_iter()
+                .flat_map(|t| t.words)
+                .collect::<Vec<_>>()
+                == joined
+            {
                 return None;
             }
             lines[i] = line;
@@ -258,7 +265,9 @@ pub fn diff_flags(
 ) -> Result<Diff, StepError> {
     let path = flags_path();
     let (text, meta) = match host.root.read(&path)? {
-        Existing::File { content, meta } => (Some(String::from_utf8_lossy(&content).into_owned()), meta),
+        Existing::File { content, meta } => {
+            (Some(String::from_utf8_lossy(&content).into_owned()), meta)
+        }
         Existing::Absent => (
             None,
             FileMeta {
@@ -296,7 +305,10 @@ mod tests {
     const KUBEADM_ENV: &str = "KUBELET_KUBEADM_ARGS=\"--container-runtime-endpoint=unix:///var/run/containerd/containerd.sock --pod-infra-container-image=registry.k8s.io/pause:3.9 --node-ip=10.0.0.5\"\n";
 
     fn set(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -354,13 +366,18 @@ mod tests {
         )
         .unwrap();
         let patch = json!({"maxPods": 150, "evictionHard": {"nodefs.available": null, "imagefs.available": "15%"}, "serializeImagePulls": null});
-        let out = patched_config(&doc, patch.as_object().unwrap()).unwrap().unwrap();
+        let out = patched_config(&doc, patch.as_object().unwrap())
+            .unwrap()
+            .unwrap();
         assert_eq!(
             out,
             "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\nmaxPods: 150\n\
              evictionHard:\n  memory.available: 100Mi\n  imagefs.available: 15%\n"
         );
         let reparsed: Yaml = serde_yaml_ng::from_str(&out).unwrap();
-        assert_eq!(patched_config(&reparsed, patch.as_object().unwrap()).unwrap(), None);
+        assert_eq!(
+            patched_config(&reparsed, patch.as_object().unwrap()).unwrap(),
+            None
+        );
     }
 }

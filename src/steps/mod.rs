@@ -224,12 +224,19 @@ pub struct StepCtx {
 
 /// Checks a plan against this node (owners exist, paths do not escape through symlinks,
 /// the kubelet files are usable) without changing anything. Errors name the field.
-pub fn preflight(host: &Host, plan: &Plan, allow: &crate::plan::AllowList) -> Result<Prepared, Vec<FieldError>> {
+pub fn preflight(
+    host: &Host,
+    plan: &Plan,
+    allow: &crate::plan::AllowList,
+) -> Result<Prepared, Vec<FieldError>> {
     let mut errors = Vec::new();
     let accounts = match Accounts::load(&host.root) {
         Ok(a) => a,
         Err(e) => {
-            errors.push(FieldError::new("", format!("read the node's accounts: {e}")));
+            errors.push(FieldError::new(
+                "",
+                format!("read the node's accounts: {e}"),
+            ));
             Accounts::default()
         }
     };
@@ -264,7 +271,10 @@ pub fn preflight(host: &Host, plan: &Plan, allow: &crate::plan::AllowList) -> Re
                 if let Ok(Existing::Other { kind }) = host.root.read(&a.path) {
                     errors.push(FieldError::new(
                         format!("{base}.path"),
-                        format!("{} is a {kind} on the node; absent removes files only", a.path),
+                        format!(
+                            "{} is a {kind} on the node; absent removes files only",
+                            a.path
+                        ),
                     ));
                 }
             }
@@ -305,7 +315,10 @@ pub fn diff(host: &Host, change: &Change, ctx: StepCtx) -> Result<Diff, StepErro
         Change::Sysctl(s) => sysctl::diff(host, s, ctx.root_ids),
         other => Err(StepError::new(
             ErrorKind::Unsupported,
-            format!("{} changes are not supported by this agent yet", other.kind()),
+            format!(
+                "{} changes are not supported by this agent yet",
+                other.kind()
+            ),
         )),
     }
 }
@@ -359,9 +372,9 @@ pub fn execute(host: &Host, m: &Mutation) -> Result<(), StepError> {
         Mutation::Remove { path } => {
             host.root.remove(path)?;
         }
-        Mutation::SysctlLive { path, value } => {
-            host.root.write_special(path, format!("{value}\n").as_bytes())?
-        }
+        Mutation::SysctlLive { path, value } => host
+            .root
+            .write_special(path, format!("{value}\n").as_bytes())?,
     }
     Ok(())
 }
@@ -395,7 +408,8 @@ pub fn restore(host: &Host, backups: &BackupStore, p: &Preimage) -> Result<(), S
         }
         Preimage::Sysctl { path, before } => {
             if !before.is_empty() {
-                host.root.write_special(path, format!("{before}\n").as_bytes())?;
+                host.root
+                    .write_special(path, format!("{before}\n").as_bytes())?;
             }
             Ok(())
         }

@@ -10,7 +10,8 @@ use crate::plan::{NodePath, SysctlChange, sysctl_segments};
 /// The persisted file for a key.
 pub fn conf_path(key: &str) -> Result<NodePath, String> {
     let name = key.replace('/', ".");
-    NodePath::parse(&format!("/etc/sysctl.d/90-inplace-agent-{name}.conf")).map_err(|e| e.to_string())
+    NodePath::parse(&format!("/etc/sysctl.d/90-inplace-agent-{name}.conf"))
+        .map_err(|e| e.to_string())
 }
 
 /// The live file for a key.
@@ -34,7 +35,8 @@ pub fn same_value(live: &str, desired: &str) -> bool {
 }
 
 fn has_proc_sys(host: &Host) -> bool {
-    host.root.dir_exists(&NodePath::parse("/proc/sys").expect("constant path"))
+    host.root
+        .dir_exists(&NodePath::parse("/proc/sys").expect("constant path"))
 }
 
 /// Checks that the kernel knows the key when it can be applied live.
@@ -106,7 +108,9 @@ mod tests {
             "/proc/sys/net/ipv4/ip_forward"
         );
         assert_eq!(
-            proc_path("net/ipv4/conf/eth0.1/rp_filter").unwrap().as_str(),
+            proc_path("net/ipv4/conf/eth0.1/rp_filter")
+                .unwrap()
+                .as_str(),
             "/proc/sys/net/ipv4/conf/eth0.1/rp_filter"
         );
         assert!(same_value("32768\t60999\n", "32768 60999"));

@@ -23,7 +23,9 @@ pub fn unsupported(probe: &Probe) -> Option<String> {
         Probe::HttpGet { url, .. } if !url.starts_with("http://") => {
             Some("httpGet over https is not supported by this agent yet".into())
         }
-        Probe::UnitActive { .. } => Some("unitActive checks are not supported by this agent yet".into()),
+        Probe::UnitActive { .. } => {
+            Some("unitActive checks are not supported by this agent yet".into())
+        }
         _ => None,
     }
 }
@@ -58,7 +60,11 @@ pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String
                     } else {
                         Err(format!(
                             "kubelet reports {} (expected {version})",
-                            if seen.is_empty() { out.stdout.trim() } else { &seen }
+                            if seen.is_empty() {
+                                out.stdout.trim()
+                            } else {
+                                &seen
+                            }
                         ))
                     }
                 }
@@ -71,7 +77,11 @@ pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String
 }
 
 fn body_hint(body: &str) -> String {
-    let line = body.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+    let line = body
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
     if line.is_empty() {
         String::new()
     } else {
