@@ -1438,6 +1438,13 @@ mod tests {
     }
 
     #[test]
+    fn a_connection_can_be_shared_between_threads() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<Systemd>();
+        shareable::<SystemdError>();
+    }
+
+    #[test]
     fn invocation_ids_print_as_hex() {
         let id = InvocationId([
             0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0, 1, 2, 3, 4, 5, 6, 7,
