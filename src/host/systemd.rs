@@ -547,8 +547,8 @@ pub struct UnitState {
     pub result: Option<String>,
     /// `InvocationID`; `None` when the unit has not run in this boot.
     pub invocation_id: Option<InvocationId>,
-    /// `NRestarts`: automatic restarts (by `Restart=`) since the unit was last started by
-    /// hand; services only.
+    /// `NRestarts`: automatic restarts (by `Restart=`) since the unit was last started or
+    /// restarted by hand, which resets it to 0; services only.
     pub n_restarts: Option<u32>,
     /// `StatusText` the service sent with `sd_notify(STATUS=...)`; `None` when empty.
     pub status_text: Option<String>,
