@@ -4,6 +4,7 @@
 pub mod command;
 pub mod fs;
 pub mod http;
+pub mod systemd;
 pub mod users;
 
 use std::io;
