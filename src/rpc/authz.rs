@@ -428,7 +428,11 @@ where
             .get::<TlsConnectInfo>()
             .and_then(|info| info.identity.clone());
         let method = request.uri().path();
-        let outcome = authorize(identity.as_ref().map(|i| i.value.as_str()), method, &self.rules);
+        let outcome = authorize(
+            identity.as_ref().map(|i| i.value.as_str()),
+            method,
+            &self.rules,
+        );
         self.counters.record(&outcome);
         match (outcome, identity) {
             (Ok(role), Some(identity)) => {
@@ -504,7 +508,11 @@ mod tests {
         let reader = Some("spiffe://inplace-agent/reader");
         for method in ["GetNodeInfo", "CheckPlan", "GetPlanStatus", "WatchPlan"] {
             let path = format!("/inplace.agent.v1.NodeAgent/{method}");
-            assert_eq!(authorize(reader, &path, &rules), Ok(Role::Reader), "{method}");
+            assert_eq!(
+                authorize(reader, &path, &rules),
+                Ok(Role::Reader),
+                "{method}"
+            );
         }
         for method in [APPLY, CANCEL, RETRY] {
             assert_eq!(
@@ -546,7 +554,11 @@ mod tests {
             "/",
             "",
         ] {
-            assert_eq!(authorize(admin, method, &rules), Err(Denied::UnknownMethod), "{method:?}");
+            assert_eq!(
+                authorize(admin, method, &rules),
+                Err(Denied::UnknownMethod),
+                "{method:?}"
+            );
         }
     }
 
@@ -600,7 +612,10 @@ mod tests {
         assert_eq!(service.method.len(), 7);
         for method in &service.method {
             let path = format!("/{NODE_AGENT_SERVICE}/{}", method.name());
-            assert!(required_role(&path).is_some(), "{path} has no role in the method table");
+            assert!(
+                required_role(&path).is_some(),
+                "{path} has no role in the method table"
+            );
         }
     }
 
@@ -641,7 +656,10 @@ mod tests {
         let uri = |s: &str| SanType::URI(s.try_into().unwrap());
         let dns = |s: &str| SanType::DnsName(s.try_into().unwrap());
 
-        let both = cert_with(vec![dns("updater.example"), uri("spiffe://td/updater")], Some("cn"));
+        let both = cert_with(
+            vec![dns("updater.example"), uri("spiffe://td/updater")],
+            Some("cn"),
+        );
         assert_eq!(
             identity_from_certificate(&both),
             Ok(Identity {
@@ -666,7 +684,13 @@ mod tests {
             })
         );
         let nameless = cert_with(vec![], None);
-        assert_eq!(identity_from_certificate(&nameless), Err(IdentityError::NoName));
-        assert_eq!(identity_from_certificate(b"junk"), Err(IdentityError::Unparsable));
+        assert_eq!(
+            identity_from_certificate(&nameless),
+            Err(IdentityError::NoName)
+        );
+        assert_eq!(
+            identity_from_certificate(b"junk"),
+            Err(IdentityError::Unparsable)
+        );
     }
 }

@@ -8,7 +8,8 @@ pub mod pb {
 
 /// Encoded `FileDescriptorSet` of the agent's protos (with imports and comments) for
 /// server reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("inplace_agent_descriptor");
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    tonic::include_file_descriptor_set!("inplace_agent_descriptor");
 
 pub mod authz;
 pub mod pki;

@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
-    IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 
 /// Default identity of the updater's certificate (the admin).
@@ -213,7 +213,12 @@ pub fn init(options: &PkiInitOptions) -> Result<PkiFiles, PkiError> {
         path: options.dir.clone(),
         source,
     })?;
-    write(&files.ca_cert, ca_cert.pem().as_bytes(), 0o644, options.overwrite)?;
+    write(
+        &files.ca_cert,
+        ca_cert.pem().as_bytes(),
+        0o644,
+        options.overwrite,
+    )?;
     write(
         &files.ca_key,
         issuer.key().serialize_pem().as_bytes(),
@@ -323,7 +328,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let files = init(&PkiInitOptions::new(dir.path().join("pki"), "worker-1")).unwrap();
 
-        for key in [&files.ca_key, &files.server_key, &files.updater_key, &files.reader_key] {
+        for key in [
+            &files.ca_key,
+            &files.server_key,
+            &files.updater_key,
+            &files.reader_key,
+        ] {
             let mode = std::fs::metadata(key).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o600, "{}", key.display());
         }
@@ -339,14 +349,17 @@ mod tests {
             .unwrap()
             .value
             .general_names;
-        assert!(matches!(
-            sans.as_slice(),
-            [
-                GeneralName::DNSName("worker-1"),
-                GeneralName::DNSName("localhost"),
-                GeneralName::IPAddress([127, 0, 0, 1]),
-            ]
-        ), "{sans:?}");
+        assert!(
+            matches!(
+                sans.as_slice(),
+                [
+                    GeneralName::DNSName("worker-1"),
+                    GeneralName::DNSName("localhost"),
+                    GeneralName::IPAddress([127, 0, 0, 1]),
+                ]
+            ),
+            "{sans:?}"
+        );
 
         let updater = identity_from_certificate(&der(&files.updater_cert)).unwrap();
         assert_eq!(updater.source, IdentitySource::UriSan);

@@ -10,8 +10,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::{HealthReporter, HealthService};
 
 use super::FILE_DESCRIPTOR_SET;
 use super::authz::{AuthzCounters, AuthzLayer, AuthzRules};
@@ -31,6 +31,13 @@ pub struct ServeOptions {
     pub request_timeout: Duration,
     /// Interval of HTTP/2 pings that detect dead peers on idle connections.
     pub keepalive_interval: Duration,
+    /// Connections are closed (HTTP/2 GOAWAY, calls in flight may finish) after this long,
+    /// so a client whose certificate was authenticated against rotated-out material cannot
+    /// keep using an old connection indefinitely. gRPC clients reconnect transparently.
+    pub max_connection_age: Duration,
+    /// After `max_connection_age`, calls in flight (e.g. a WatchPlan stream) get this long
+    /// before the connection is closed; a watcher then re-watches on a new connection.
+    pub max_connection_age_grace: Duration,
     /// Limits of the TLS accept loop.
     pub accept: AcceptOptions,
 }
@@ -42,6 +49,8 @@ impl Default for ServeOptions {
             max_concurrent_streams: 32,
             request_timeout: Duration::from_secs(30),
             keepalive_interval: Duration::from_secs(60),
+            max_connection_age: Duration::from_secs(30 * 60),
+            max_connection_age_grace: Duration::from_secs(5 * 60),
             accept: AcceptOptions::default(),
         }
     }
@@ -107,6 +116,8 @@ where
         .max_concurrent_streams(Some(options.max_concurrent_streams))
         .timeout(options.request_timeout)
         .http2_keepalive_interval(Some(options.keepalive_interval))
+        .max_connection_age(options.max_connection_age)
+        .max_connection_age_grace(options.max_connection_age_grace)
         .layer(layers)
         .add_service(node_agent)
         .add_service(health)
@@ -175,8 +186,7 @@ fn rewrite_oversize_status(headers: &mut http::HeaderMap, limit: usize) {
     let Some(status) = tonic::Status::from_header_map(headers) else {
         return;
     };
-    if status.code() != tonic::Code::OutOfRange || !status.message().starts_with(TONIC_TOO_LARGE)
-    {
+    if status.code() != tonic::Code::OutOfRange || !status.message().starts_with(TONIC_TOO_LARGE) {
         return;
     }
     let status = tonic::Status::resource_exhausted(format!(

@@ -189,8 +189,8 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 pub fn server_config(paths: &ServerTlsPaths) -> Result<ServerConfig, TlsError> {
     let provider = provider();
     let roots = load_roots(&paths.client_ca)?;
-    let webpki = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()?;
+    let webpki =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build()?;
     let verifier = Arc::new(RequireClientAuthEku { inner: webpki });
     let chain = load_certificates(&paths.cert)?;
     let key = load_private_key(&paths.key)?;
@@ -388,7 +388,9 @@ impl ReloadingServerConfig {
             }
             Err(error) => {
                 state.rejected = Some(stamp);
-                self.counters.reload_failures.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .reload_failures
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%error, "new tls material rejected, keeping the previous one");
             }
         }
@@ -481,9 +483,8 @@ impl HandshakeFailure {
                 CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
                     Self::NotYetValid
                 }
-                CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => {
-                    Self::WrongKeyUsage
-                }
+                CertificateError::InvalidPurpose
+                | CertificateError::InvalidPurposeContext { .. } => Self::WrongKeyUsage,
                 _ => Self::BadCertificate,
             },
             rustls::Error::PeerIncompatible(_) => Self::Incompatible,
@@ -720,21 +721,22 @@ async fn accept_loop(
         tokio::spawn(async move {
             let _handshake_permit = handshake_permit;
             let acceptor = tokio_rustls::TlsAcceptor::from(config);
-            let stream =
-                match tokio::time::timeout(options.handshake_timeout, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(error)) => {
-                        let reason = HandshakeFailure::classify(&error);
-                        counters.record_failure(reason);
-                        tracing::warn!(peer = %remote_addr, %reason, %error, "tls handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        counters.record_failure(HandshakeFailure::Timeout);
-                        tracing::warn!(peer = %remote_addr, reason = %HandshakeFailure::Timeout, "tls handshake failed");
-                        return;
-                    }
-                };
+            let stream = match tokio::time::timeout(options.handshake_timeout, acceptor.accept(tcp))
+                .await
+            {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(error)) => {
+                    let reason = HandshakeFailure::classify(&error);
+                    counters.record_failure(reason);
+                    tracing::warn!(peer = %remote_addr, %reason, %error, "tls handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    counters.record_failure(HandshakeFailure::Timeout);
+                    tracing::warn!(peer = %remote_addr, reason = %HandshakeFailure::Timeout, "tls handshake failed");
+                    return;
+                }
+            };
             counters.handshakes.fetch_add(1, Ordering::Relaxed);
             let peer_certificate = stream
                 .get_ref()
@@ -921,6 +923,9 @@ mod tests {
     fn missing_files_name_the_path() {
         let paths = ServerTlsPaths::in_dir(Path::new("/nonexistent/inplace-agent-pki"));
         let err = server_config(&paths).unwrap_err().to_string();
-        assert!(err.starts_with("read /nonexistent/inplace-agent-pki/"), "{err}");
+        assert!(
+            err.starts_with("read /nonexistent/inplace-agent-pki/"),
+            "{err}"
+        );
     }
 }
