@@ -864,6 +864,27 @@ async fn plain_http2_without_tls_is_rejected() {
     server.shutdown().await;
 }
 
+#[tokio::test]
+async fn silent_client_times_out_in_the_handshake() {
+    let s = setup();
+    let mut options = ServeOptions::default();
+    options.accept.handshake_timeout = Duration::from_millis(200);
+    let server = start(s.server_paths.clone(), options).await;
+    // Opens TCP and never says anything.
+    let _silent = TcpStream::connect(server.addr).await.unwrap();
+    eventually("handshake timeout", || {
+        server.tls_counters.failures(HandshakeFailure::Timeout) == 1
+    })
+    .await;
+    // The listener keeps serving others.
+    let mut reader = node_agent(&server, &s.client("reader", READER)).await;
+    reader
+        .get_node_info(pb::GetNodeInfoRequest {})
+        .await
+        .unwrap();
+    server.shutdown().await;
+}
+
 // === Tests: rotation ===
 
 #[tokio::test]

@@ -255,8 +255,8 @@ pub fn required_role(path: &str) -> Option<Role> {
 /// Why a request was denied; a bounded set usable as a metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 pub enum Denied {
-    /// The connection carries no client identity.
-    #[error("no client identity")]
+    /// The connection carries no client identity (the certificate has no usable name).
+    #[error("client certificate has no uri san, dns san or common name")]
     NoIdentity,
     /// The identity matches no rule.
     #[error("identity has no role")]

@@ -15,7 +15,7 @@
 //! never overwritten unless asked.
 
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -33,7 +33,8 @@ pub const DEFAULT_READER_IDENTITY: &str = "spiffe://inplace-agent/reader";
 /// What `pki init` creates.
 #[derive(Debug, Clone)]
 pub struct PkiInitOptions {
-    /// Directory to write into; created (mode 0700) if missing.
+    /// Directory to write into; created with mode 0700 if missing (an existing directory
+    /// keeps its mode).
     pub dir: PathBuf,
     /// The node's name, put into the server certificate's SANs.
     pub node_name: String,
@@ -178,12 +179,12 @@ pub fn init(options: &PkiInitOptions) -> Result<PkiFiles, PkiError> {
     let issuer = Issuer::new(ca_params, ca_key);
 
     // Server: the node name plus loopback, serverAuth only (it cannot act as a client).
-    let mut sans = vec![
-        options.node_name.clone(),
-        "localhost".to_owned(),
-        "127.0.0.1".to_owned(),
-    ];
-    sans.dedup();
+    let mut sans = vec![options.node_name.clone()];
+    for extra in ["localhost", "127.0.0.1"] {
+        if !sans.iter().any(|s| s == extra) {
+            sans.push(extra.to_owned());
+        }
+    }
     let mut server = CertificateParams::new(sans).map_err(|source| PkiError::Generate {
         what: "server certificate",
         source,
@@ -209,10 +210,14 @@ pub fn init(options: &PkiInitOptions) -> Result<PkiFiles, PkiError> {
         &issuer,
     )?;
 
-    std::fs::create_dir_all(&options.dir).map_err(|source| PkiError::Write {
-        path: options.dir.clone(),
-        source,
-    })?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&options.dir)
+        .map_err(|source| PkiError::Write {
+            path: options.dir.clone(),
+            source,
+        })?;
     write(
         &files.ca_cert,
         ca_cert.pem().as_bytes(),

@@ -13,9 +13,10 @@
 //! not load (unreadable, mismatched key and certificate, half-written file) is logged and
 //! the previous config kept until the files change again.
 //!
-//! Session resumption is disabled so every connection's client certificate is verified
-//! against the CA that is current at that moment: a client whose certificate came from a
-//! rotated-out CA cannot slip back in on an old session.
+//! Session resumption is disabled so every connection verifies the full client chain at
+//! that moment: a certificate that has expired since, or whose CA was rotated out, cannot
+//! ride on an earlier session. (Connections already open are bounded by the server's
+//! maximum connection age, see `server::ServeOptions`.)
 //!
 //! [`tls_incoming`] turns a `TcpListener` into the stream of authenticated connections that
 //! `tonic`'s `serve_with_incoming` takes; each connection carries [`TlsConnectInfo`] (peer
@@ -48,6 +49,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
 use super::authz::{Identity, identity_from_certificate};
+
+/// Upper bound for TCP connect plus TLS handshake of a client connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// ALPN protocol id of HTTP/2, required by gRPC clients (grpc-go refuses TLS without it).
 const ALPN_H2: &[u8] = b"h2";
@@ -845,7 +849,8 @@ pub async fn connect(
 
     // The scheme only fills the :scheme pseudo-header; TLS is done by the connector.
     let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{authority}"))
-        .map_err(|e| bad(&e.to_string()))?;
+        .map_err(|e| bad(&e.to_string()))?
+        .connect_timeout(CONNECT_TIMEOUT);
     let connector = tower::service_fn(move |_: http::Uri| {
         let config = config.clone();
         let server_name = server_name.clone();
