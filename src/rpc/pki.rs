@@ -333,6 +333,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let files = init(&PkiInitOptions::new(dir.path().join("pki"), "worker-1")).unwrap();
 
+        let dir_mode = std::fs::metadata(dir.path().join("pki"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(dir_mode & 0o777, 0o700);
         for key in [
             &files.ca_key,
             &files.server_key,
