@@ -146,10 +146,10 @@ pub enum PkiError {
 /// Creates a CA and server, updater and reader certificates in `options.dir`.
 pub fn init(options: &PkiInitOptions) -> Result<PkiFiles, PkiError> {
     let files = PkiFiles::in_dir(&options.dir);
-    if !options.overwrite
-        && let Some(existing) = files.all().into_iter().find(|p| p.exists())
-    {
-        return Err(PkiError::Exists(existing.to_owned()));
+    if !options.overwrite {
+        if let Some(existing) = files.all().into_iter().find(|p| p.exists()) {
+            return Err(PkiError::Exists(existing.to_owned()));
+        }
     }
     if options.node_name.is_empty() {
         return Err(PkiError::Invalid {
