@@ -220,7 +220,7 @@ impl NodeAgent for FakeAgent {
         let plan = request.into_inner().plan.unwrap_or_default();
         Ok(Response::new(pb::CheckPlanResponse {
             digest: "0".repeat(64),
-            supported: true,
+            applicable: true,
             would_change: !plan.changes.is_empty(),
             ..Default::default()
         }))
@@ -440,6 +440,13 @@ fn plan(id: &str) -> pb::Plan {
     }
 }
 
+fn apply_request(plan: pb::Plan) -> pb::ApplyPlanRequest {
+    pb::ApplyPlanRequest {
+        plan: Some(plan),
+        retry: false,
+    }
+}
+
 /// One CA, the server's material installed in a fresh directory.
 struct Setup {
     dir: tempfile::TempDir,
@@ -477,9 +484,7 @@ async fn admin_may_mutate_and_reader_may_only_read() {
 
     // Admin: every mutating call reaches the handler, with the caller attached.
     let applied = admin
-        .apply_plan(pb::ApplyPlanRequest {
-            plan: Some(plan("p1")),
-        })
+        .apply_plan(apply_request(plan("p1")))
         .await
         .unwrap()
         .into_inner();
@@ -508,9 +513,7 @@ async fn admin_may_mutate_and_reader_may_only_read() {
     // Reader: the three mutating calls are denied before reaching the handler.
     let denied = [
         reader
-            .apply_plan(pb::ApplyPlanRequest {
-                plan: Some(plan("p2")),
-            })
+            .apply_plan(apply_request(plan("p2")))
             .await
             .unwrap_err(),
         reader
@@ -549,7 +552,7 @@ async fn admin_may_mutate_and_reader_may_only_read() {
         .await
         .unwrap()
         .into_inner();
-    assert!(check.supported && check.would_change);
+    assert!(check.applicable && check.would_change);
     let got = reader
         .get_plan_status(pb::GetPlanStatusRequest { id: "p1".into() })
         .await
@@ -612,9 +615,7 @@ async fn valid_certificate_with_unknown_identity_is_permission_denied() {
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(status.message().contains(STRANGER), "{status:?}");
     let status = client
-        .apply_plan(pb::ApplyPlanRequest {
-            plan: Some(plan("p")),
-        })
+        .apply_plan(apply_request(plan("p")))
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied);
@@ -659,18 +660,13 @@ async fn oversize_request_is_resource_exhausted() {
             ..Default::default()
         })),
     });
-    let status = admin
-        .apply_plan(pb::ApplyPlanRequest { plan: Some(big) })
-        .await
-        .unwrap_err();
+    let status = admin.apply_plan(apply_request(big)).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains("65536"), "{status:?}");
 
     // A plan under the limit on the same connection still goes through.
     admin
-        .apply_plan(pb::ApplyPlanRequest {
-            plan: Some(plan("small")),
-        })
+        .apply_plan(apply_request(plan("small")))
         .await
         .unwrap();
     server.shutdown().await;
@@ -928,9 +924,7 @@ async fn rotated_material_is_used_without_restarting_the_server() {
     assert_eq!(seen, new_server_cert);
     let mut new_admin = node_agent(&server, &new_admin_paths).await;
     new_admin
-        .apply_plan(pb::ApplyPlanRequest {
-            plan: Some(plan("after-rotation")),
-        })
+        .apply_plan(apply_request(plan("after-rotation")))
         .await
         .unwrap();
     assert_eq!(server.tls_counters.reloads(), 1);
@@ -1142,9 +1136,7 @@ async fn openssl_generated_material_works() {
 
     let mut admin = node_agent(&server, &client_paths("updater")).await;
     let applied = admin
-        .apply_plan(pb::ApplyPlanRequest {
-            plan: Some(plan("openssl")),
-        })
+        .apply_plan(apply_request(plan("openssl")))
         .await
         .unwrap()
         .into_inner();
@@ -1161,9 +1153,7 @@ async fn openssl_generated_material_works() {
         .into_inner();
     assert_eq!(info.agent_version, "openssl-reader as reader");
     let denied = reader
-        .apply_plan(pb::ApplyPlanRequest {
-            plan: Some(plan("openssl")),
-        })
+        .apply_plan(apply_request(plan("openssl")))
         .await
         .unwrap_err();
     assert_eq!(denied.code(), Code::PermissionDenied);

@@ -45,7 +45,8 @@ pub struct ServeOptions {
 impl Default for ServeOptions {
     fn default() -> Self {
         Self {
-            max_message_bytes: 4 * 1024 * 1024,
+            // The plan-file limit (plan::Limits::max_plan_bytes) is 16 MiB as well.
+            max_message_bytes: 16 * 1024 * 1024,
             max_concurrent_streams: 32,
             request_timeout: Duration::from_secs(30),
             keepalive_interval: Duration::from_secs(60),
