@@ -6,6 +6,8 @@
 //!   its files change; the accept loop that feeds tonic; the client config and `connect`.
 //! - [`authz`]: identity from the client certificate, identity → role rules, the per-method
 //!   decision and the tower layer enforcing it.
+//! - [`convert`]: a wire plan through the plan-file validator, and the INVALID_ARGUMENT
+//!   status for its errors.
 //! - [`server`]: `serve()`, wiring NodeAgent, health and reflection behind the two above,
 //!   with the transport limits.
 //! - [`pki`]: `pki init`, a throwaway CA for trying the agent out.
@@ -34,6 +36,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
     tonic::include_file_descriptor_set!("inplace_agent_descriptor");
 
 pub mod authz;
+pub mod convert;
 pub mod pki;
 pub mod server;
 pub mod tls;
