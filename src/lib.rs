@@ -13,4 +13,5 @@ pub mod failpoint;
 pub mod host;
 pub mod journal;
 pub mod plan;
+pub mod rpc;
 pub mod steps;
