@@ -2,3 +2,4 @@
 //! being updated. Everything here is root-relative (see `fs`).
 
 pub mod command;
+pub mod pkgversion;
