@@ -2,4 +2,5 @@
 //! being updated. Everything here is root-relative (see `fs`).
 
 pub mod command;
+pub mod locks;
 pub mod pkgversion;
