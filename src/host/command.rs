@@ -233,7 +233,12 @@ mod tests {
 
     #[test]
     fn captures_exit_code_and_output() {
-        let out = run(&CommandSpec::new(["sh", "-c", "echo hello; echo oops >&2; exit 3"])).unwrap();
+        let out = run(&CommandSpec::new([
+            "sh",
+            "-c",
+            "echo hello; echo oops >&2; exit 3",
+        ]))
+        .unwrap();
         assert_eq!(out.code, Some(3));
         assert_eq!(out.stdout, "hello\n");
         assert_eq!(out.summary(), "exit status 3: oops");
@@ -262,6 +267,9 @@ mod tests {
     #[test]
     fn missing_program_is_a_spawn_error() {
         let err = run(&CommandSpec::new(["/nonexistent/program"])).unwrap_err();
-        assert!(err.to_string().starts_with("start /nonexistent/program:"), "{err}");
+        assert!(
+            err.to_string().starts_with("start /nonexistent/program:"),
+            "{err}"
+        );
     }
 }

@@ -55,10 +55,16 @@ pub(crate) fn open_in_root(root: &Path, rel: &Path, flags: OFlags) -> io::Result
         Mode::empty(),
     )?;
     let rel = rel.strip_prefix("/").unwrap_or(rel);
+    // openat2 refuses O_NOCTTY next to O_PATH.
+    let extra = if flags.contains(OFlags::PATH) {
+        OFlags::CLOEXEC
+    } else {
+        OFlags::CLOEXEC | OFlags::NOCTTY
+    };
     Ok(rustix::fs::openat2(
         &dir,
         rel,
-        flags | OFlags::CLOEXEC | OFlags::NOCTTY,
+        flags | extra,
         Mode::empty(),
         ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
     )?)
@@ -389,7 +395,8 @@ mod tests {
                 }
                 line.clear();
             }
-            panic!("lock holder exited without taking the lock");
+            let status = child.wait();
+            panic!("lock holder exited without taking the lock: {status:?}");
         }
         fn pid(&self) -> u32 {
             self.0.id()
