@@ -4,6 +4,7 @@
 pub mod apt;
 pub mod command;
 pub mod dnf;
+pub mod download;
 pub mod locks;
 pub mod packages;
 pub mod pkgversion;
