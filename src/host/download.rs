@@ -39,7 +39,7 @@ pub struct DownloadConfig {
     pub max_backoff: Duration,
     /// Timeout of connecting.
     pub connect_timeout: Duration,
-    /// Timeout of each read or write on the connection.
+    /// Timeout until the response headers arrive, and of each read of the body.
     pub io_timeout: Duration,
     /// Hosts that may be fetched over plain `http://` (e.g. a local mirror). Empty: HTTPS only.
     pub http_allowed_hosts: Vec<String>,
