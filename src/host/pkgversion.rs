@@ -683,6 +683,14 @@ mod tests {
         std::env::var("CI").is_ok_and(|v| v == "true")
     }
 
+    /// Straight to the stderr handle: libtest captures eprintln! of passing tests.
+    fn skip_loudly(what: &str) {
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!("\n*** SKIPPED {what} ***\n").as_bytes(),
+        );
+    }
+
     fn have(program: &str) -> bool {
         std::process::Command::new(program)
             .arg("--version")
@@ -752,7 +760,7 @@ mod tests {
     fn deb_matches_real_dpkg() {
         if !have("dpkg") {
             assert!(!ci(), "dpkg is required when CI=true");
-            eprintln!("SKIPPED deb_matches_real_dpkg: dpkg is not installed");
+            skip_loudly("deb_matches_real_dpkg: dpkg is not installed");
             return;
         }
         let mut pairs: Vec<(String, String)> = DEB_CASES
@@ -778,7 +786,7 @@ mod tests {
     fn rpm_matches_real_rpm() {
         if !have("rpm") {
             assert!(!ci(), "rpm is required when CI=true (Debian package rpm)");
-            eprintln!("SKIPPED rpm_matches_real_rpm: rpm is not installed");
+            skip_loudly("rpm_matches_real_rpm: rpm is not installed");
             return;
         }
         let mut pairs: Vec<(String, String)> = RPM_CASES

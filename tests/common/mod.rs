@@ -15,7 +15,11 @@ pub fn require_root(test: &str) -> bool {
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("{test}: must run as root when CI=true");
     }
-    eprintln!("\n*** SKIPPED {test}: needs root (mounts an overlay root) ***\n");
+    // Straight to the stderr handle: libtest captures eprintln! of passing tests.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("\n*** SKIPPED {test}: needs root (mounts an overlay root) ***\n").as_bytes(),
+    );
     false
 }
 
