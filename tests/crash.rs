@@ -3,6 +3,8 @@
 //! verifies. Needs the `failpoints` feature (the test command enables it); SIGKILL at random
 //! moments needs nothing.
 
+#![cfg_attr(not(feature = "failpoints"), allow(dead_code))]
+
 mod common;
 
 use std::process::{Command, Stdio};
@@ -35,7 +37,10 @@ verify:
 /// A node with a fake `/proc/sys`, so live sysctl writes (and their rollback) happen too.
 fn node() -> Node {
     let node = Node::new();
-    for (key, value) in [("net/ipv4/ip_forward", "0\n"), ("vm/max_map_count", "65530\n")] {
+    for (key, value) in [
+        ("net/ipv4/ip_forward", "0\n"),
+        ("vm/max_map_count", "65530\n"),
+    ] {
         let p = node.path(&format!("proc/sys/{key}"));
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::write(p, value).unwrap();
@@ -70,7 +75,11 @@ fn crash_everywhere(gate: &str, want_success: bool) -> u64 {
     if !want_success {
         // The reference run rolled back: its tree is the original one.
         let original = node().snapshot_without_state();
-        assert_eq!(common::diff(&original, &want), Vec::<String>::new(), "rollback is not exact");
+        assert_eq!(
+            common::diff(&original, &want),
+            Vec::<String>::new(),
+            "rollback is not exact"
+        );
     }
 
     let mut n = 1;
@@ -96,8 +105,16 @@ fn crash_everywhere(gate: &str, want_success: bool) -> u64 {
             text(&resumed)
         );
         let got = node.snapshot_without_state();
-        assert_eq!(common::diff(&want, &got), Vec::<String>::new(), "hit {n}: tree differs");
-        assert_eq!(temp_files(&node), Vec::<String>::new(), "hit {n}: temp files left");
+        assert_eq!(
+            common::diff(&want, &got),
+            Vec::<String>::new(),
+            "hit {n}: tree differs"
+        );
+        assert_eq!(
+            temp_files(&node),
+            Vec::<String>::new(),
+            "hit {n}: temp files left"
+        );
         let verify = node.agent(&["journal", "--verify"]);
         assert!(verify.status.success(), "hit {n}: {}", text(&verify));
         n += 1;

@@ -73,7 +73,7 @@ impl CommandOutput {
         self.code == Some(0) && !self.timed_out
     }
 
-    /// A one-line summary: "exit status 1: <last line of stderr>".
+    /// A one-line summary: "exit status 1: last line of stderr".
     pub fn summary(&self) -> String {
         let status = if self.timed_out {
             format!("timed out after {:.1}s", self.elapsed.as_secs_f64())

@@ -1,9 +1,15 @@
 //! The node: the only module that touches files, processes and services of the machine
 //! being updated. Everything here is root-relative (see `fs`).
 
+pub mod apt;
 pub mod command;
+pub mod dnf;
+pub mod download;
 pub mod fs;
 pub mod http;
+pub mod locks;
+pub mod packages;
+pub mod pkgversion;
 pub mod systemd;
 pub mod users;
 

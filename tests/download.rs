@@ -1,0 +1,614 @@
+//! Artifact downloads against a local HTTPS server (test CA generated here, 127.0.0.1 only)
+//! that misbehaves on purpose: cut bodies, 5xx, oversized bodies, plain http, redirects.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use inplace_agent::host::download::{
+    DownloadConfig, DownloadEvent, Downloader, ExtractLimits, extract_tar_gz_member,
+};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use sha2::{Digest, Sha256};
+
+/// What the server does for one request.
+enum Reply {
+    /// A complete response.
+    Full {
+        status: u16,
+        headers: Vec<(&'static str, String)>,
+        body: Vec<u8>,
+    },
+    /// Announces `body.len()` bytes, sends the first `send`, then drops the connection.
+    Cut { body: Vec<u8>, send: usize },
+    /// Announces a length but sends only a little.
+    Announce { length: u64 },
+    /// No Content-Length: the body runs until the connection closes.
+    Unannounced { body: Vec<u8> },
+}
+
+fn ok(body: &[u8]) -> Reply {
+    Reply::Full {
+        status: 200,
+        headers: vec![],
+        body: body.to_vec(),
+    }
+}
+
+fn status(code: u16) -> Reply {
+    Reply::Full {
+        status: code,
+        headers: vec![],
+        body: b"error page".to_vec(),
+    }
+}
+
+type Routes = dyn Fn(&str, usize) -> Reply + Send + Sync;
+
+/// A tiny HTTP/1.1 server on 127.0.0.1, one connection per request, optionally over TLS.
+struct Server {
+    addr: SocketAddr,
+    hits: Arc<Mutex<HashMap<String, usize>>>,
+    scheme: &'static str,
+}
+
+impl Server {
+    fn start(tls: Option<Arc<rustls::ServerConfig>>, routes: Arc<Routes>) -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let counter = hits.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                let (tls, routes, counter) = (tls.clone(), routes.clone(), counter.clone());
+                std::thread::spawn(move || {
+                    let _ = serve(stream, tls, &*routes, &counter);
+                });
+            }
+        });
+        Server { addr, hits, scheme }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}://{}{path}", self.scheme, self.addr)
+    }
+
+    fn hits(&self, path: &str) -> usize {
+        self.hits.lock().unwrap().get(path).copied().unwrap_or(0)
+    }
+}
+
+fn serve(
+    stream: TcpStream,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    routes: &Routes,
+    hits: &Mutex<HashMap<String, usize>>,
+) -> std::io::Result<()> {
+    match tls {
+        Some(config) => {
+            let conn = rustls::ServerConnection::new(config).map_err(std::io::Error::other)?;
+            let mut tls = rustls::StreamOwned::new(conn, stream);
+            let cut = respond(&mut tls, routes, hits)?;
+            if !cut {
+                tls.conn.send_close_notify();
+                tls.flush()?;
+            }
+            Ok(())
+        }
+        None => {
+            let mut plain = stream;
+            respond(&mut plain, routes, hits).map(drop)
+        }
+    }
+}
+
+/// Reads one request and writes the reply; true when the connection was cut on purpose.
+fn respond(
+    stream: &mut (impl Read + Write),
+    routes: &Routes,
+    hits: &Mutex<HashMap<String, usize>>,
+) -> std::io::Result<bool> {
+    let mut reader = BufReader::new(&mut *stream);
+    let mut request_line = String::new();
+    reader.read_line(&mut request_line)?;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 || line == "\r\n" {
+            break;
+        }
+    }
+    let path = request_line
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or("/")
+        .to_string();
+    let n = {
+        let mut hits = hits.lock().unwrap();
+        let n = hits.entry(path.clone()).or_default();
+        *n += 1;
+        *n
+    };
+    let head = |code: u16, length: Option<u64>, extra: &[(&str, String)]| {
+        let mut h = format!("HTTP/1.1 {code} X\r\nConnection: close\r\n");
+        if let Some(len) = length {
+            h.push_str(&format!("Content-Length: {len}\r\n"));
+        }
+        for (k, v) in extra {
+            h.push_str(&format!("{k}: {v}\r\n"));
+        }
+        h.push_str("\r\n");
+        h.into_bytes()
+    };
+    match routes(&path, n) {
+        Reply::Full {
+            status,
+            headers,
+            body,
+        } => {
+            stream.write_all(&head(status, Some(body.len() as u64), &headers))?;
+            stream.write_all(&body)?;
+        }
+        Reply::Cut { body, send } => {
+            stream.write_all(&head(200, Some(body.len() as u64), &[]))?;
+            stream.write_all(&body[..send])?;
+            stream.flush()?;
+            return Ok(true);
+        }
+        Reply::Announce { length } => {
+            stream.write_all(&head(200, Some(length), &[]))?;
+            stream.write_all(b"just a little")?;
+            stream.flush()?;
+            return Ok(true);
+        }
+        Reply::Unannounced { body } => {
+            stream.write_all(&head(200, None, &[]))?;
+            stream.write_all(&body)?;
+        }
+    }
+    stream.flush()?;
+    Ok(false)
+}
+
+/// A test CA and a server certificate for 127.0.0.1 and localhost signed by it.
+struct Pki {
+    ca_pem: String,
+    server: Arc<rustls::ServerConfig>,
+}
+
+fn pki() -> Pki {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "inplace-agent test CA");
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf_params =
+        rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+            .unwrap();
+    let leaf = leaf_params.signed_by(&leaf_key, &issuer).unwrap();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
+    let certs: Vec<CertificateDer<'static>> = vec![leaf.der().clone()];
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let server = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    Pki {
+        ca_pem: ca_cert.pem(),
+        server: Arc::new(server),
+    }
+}
+
+fn sha(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+/// A body that is not all one byte, so a cut or a mix-up shows in the digest.
+fn artifact(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 31 % 251) as u8).collect()
+}
+
+fn config(state: &Path, pki: &Pki) -> DownloadConfig {
+    let mut c = DownloadConfig::new(state);
+    c.extra_ca_pem = vec![pki.ca_pem.as_bytes().to_vec()];
+    c.system_roots = false;
+    c.first_backoff = Duration::from_millis(200);
+    c.max_backoff = Duration::from_millis(400);
+    c.retries = 3;
+    c.max_size = 1 << 20;
+    c.io_timeout = Duration::from_secs(10);
+    c
+}
+
+/// Every file in the cache directory (there must be no leftovers).
+fn cache_files(state: &Path) -> Vec<String> {
+    let dir = state.join("cache/sha256");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+fn standard_routes(body: Vec<u8>) -> Arc<Routes> {
+    Arc::new(move |path, n| match path {
+        "/ok" => ok(&body),
+        "/cut" if n == 1 => Reply::Cut {
+            body: body.clone(),
+            send: body.len() / 3,
+        },
+        "/cut" => ok(&body),
+        "/flaky" if n == 1 => status(500),
+        "/flaky" => ok(&body),
+        "/busy" if n == 1 => Reply::Full {
+            status: 429,
+            headers: vec![("Retry-After", "0".to_string())],
+            body: vec![],
+        },
+        "/busy" => ok(&body),
+        "/down" => status(503),
+        "/missing" => status(404),
+        "/announced-huge" => Reply::Announce { length: 10 << 20 },
+        "/unannounced-huge" => Reply::Unannounced {
+            body: artifact(2 << 20),
+        },
+        _ => status(404),
+    })
+}
+
+#[test]
+fn downloads_verify_and_cache_hits_do_no_request() {
+    let pki = pki();
+    let body = artifact(700 * 1024);
+    let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
+    let state = tempfile::tempdir().unwrap();
+    let dl = Downloader::new(config(state.path(), &pki)).unwrap();
+
+    let mut events = Vec::new();
+    let started = Instant::now();
+    let got = dl
+        .fetch(&server.url("/ok"), &sha(&body), &mut |e| {
+            events.push(e.clone())
+        })
+        .unwrap();
+    assert!(!got.from_cache);
+    assert_eq!((got.attempts, got.size), (1, body.len() as u64));
+    assert_eq!(got.path, state.path().join("cache/sha256").join(sha(&body)));
+    assert_eq!(std::fs::read(&got.path).unwrap(), body);
+    assert_eq!(
+        events.last(),
+        Some(&DownloadEvent::Progress {
+            bytes: body.len() as u64,
+            total: Some(body.len() as u64)
+        })
+    );
+    assert!(events.len() >= 3, "progress along the way: {events:?}");
+    assert_eq!(cache_files(state.path()), [sha(&body)]);
+    eprintln!("700 KiB over TLS in {:?}", started.elapsed());
+
+    // Again: from the cache, without a request.
+    let again = dl
+        .fetch(&server.url("/ok"), &sha(&body), &mut |_| {
+            panic!("no events")
+        })
+        .unwrap();
+    assert!(again.from_cache);
+    assert_eq!(again.attempts, 0);
+    assert_eq!(server.hits("/ok"), 1);
+    // Even under another URL: the cache is by content.
+    assert!(
+        dl.fetch(&server.url("/other"), &sha(&body), &mut |_| {})
+            .unwrap()
+            .from_cache
+    );
+    assert_eq!(server.hits("/other"), 0);
+
+    // A corrupted cache entry is noticed and replaced.
+    std::fs::write(&got.path, b"bit rot").unwrap();
+    let fixed = dl
+        .fetch(&server.url("/ok"), &sha(&body), &mut |_| {})
+        .unwrap();
+    assert!(!fixed.from_cache);
+    assert_eq!(std::fs::read(&fixed.path).unwrap(), body);
+    assert_eq!(server.hits("/ok"), 2);
+}
+
+#[test]
+fn a_wrong_sha256_leaves_nothing_behind() {
+    let pki = pki();
+    let body = artifact(100 * 1024);
+    let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
+    let state = tempfile::tempdir().unwrap();
+    let dl = Downloader::new(config(state.path(), &pki)).unwrap();
+    let wrong = sha(b"something else");
+    let err = dl
+        .fetch(&server.url("/ok"), &wrong, &mut |_| {})
+        .unwrap_err();
+    assert_eq!(err.kind(), "digest_mismatch", "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "download {}: sha256 mismatch: expected {wrong}, got {}",
+            server.url("/ok"),
+            sha(&body)
+        )
+    );
+    assert_eq!(cache_files(state.path()), Vec::<String>::new());
+    assert!(!dl.cache_path(&wrong).exists());
+    assert_eq!(server.hits("/ok"), 1, "a mismatch is not retried");
+}
+
+#[test]
+fn a_cut_connection_is_retried_and_completed() {
+    let pki = pki();
+    let body = artifact(600 * 1024);
+    let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
+    let state = tempfile::tempdir().unwrap();
+    let dl = Downloader::new(config(state.path(), &pki)).unwrap();
+    let mut events = Vec::new();
+    let got = dl
+        .fetch(&server.url("/cut"), &sha(&body), &mut |e| {
+            events.push(e.clone())
+        })
+        .unwrap();
+    assert_eq!(got.attempts, 2);
+    assert_eq!(std::fs::read(&got.path).unwrap(), body);
+    assert_eq!(server.hits("/cut"), 2);
+    let retry = events
+        .iter()
+        .find_map(|e| match e {
+            DownloadEvent::Retrying {
+                attempt, reason, ..
+            } => Some((*attempt, reason.clone())),
+            _ => None,
+        })
+        .expect("a retry event");
+    assert_eq!(retry.0, 1);
+    assert!(
+        retry.1.contains("cut") || retry.1.contains("error"),
+        "{}",
+        retry.1
+    );
+    assert_eq!(cache_files(state.path()), [sha(&body)]);
+}
+
+#[test]
+fn server_errors_back_off_and_client_errors_do_not_retry() {
+    let pki = pki();
+    let body = artifact(10 * 1024);
+    let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
+    let state = tempfile::tempdir().unwrap();
+    let dl = Downloader::new(config(state.path(), &pki)).unwrap();
+
+    let mut events = Vec::new();
+    let started = Instant::now();
+    let got = dl
+        .fetch(&server.url("/flaky"), &sha(&body), &mut |e| {
+            events.push(e.clone())
+        })
+        .unwrap();
+    let elapsed = started.elapsed();
+    assert_eq!(got.attempts, 2);
+    assert!(events.contains(&DownloadEvent::Retrying {
+        attempt: 1,
+        delay: Duration::from_millis(200),
+        reason: "HTTP 500".to_string()
+    }));
+    assert!(
+        elapsed >= Duration::from_millis(200),
+        "backed off: {elapsed:?}"
+    );
+
+    // 429 with Retry-After: 0 is retried at once (same content: empty the cache first).
+    std::fs::remove_file(&got.path).unwrap();
+    let got = dl.fetch(&server.url("/busy"), &sha(&body), &mut |_| {});
+    assert!(got.is_ok(), "{got:?}");
+    assert_eq!(server.hits("/busy"), 2);
+
+    // 404 is final at once.
+    let other = sha(b"other");
+    let err = dl
+        .fetch(&server.url("/missing"), &other, &mut |_| {})
+        .unwrap_err();
+    assert_eq!(err.kind(), "http_status");
+    assert_eq!(
+        err.to_string(),
+        format!("download {}: HTTP 404", server.url("/missing"))
+    );
+    assert_eq!(server.hits("/missing"), 1);
+
+    // A 503 that never ends: 1 + 3 retries with growing pauses, then a transfer error.
+    let mut pauses = Vec::new();
+    let err = dl
+        .fetch(&server.url("/down"), &other, &mut |e| {
+            if let DownloadEvent::Retrying { delay, .. } = e {
+                pauses.push(*delay);
+            }
+        })
+        .unwrap_err();
+    assert_eq!(err.kind(), "transfer", "{err}");
+    assert!(
+        err.to_string().ends_with("HTTP 503 (after 4 attempts)"),
+        "{err}"
+    );
+    assert_eq!(server.hits("/down"), 4);
+    assert_eq!(
+        pauses,
+        [200, 400, 400].map(Duration::from_millis),
+        "exponential, capped"
+    );
+    assert_eq!(cache_files(state.path()), [sha(&body)]);
+}
+
+#[test]
+fn bodies_over_the_cap_are_aborted() {
+    let pki = pki();
+    let server = Server::start(Some(pki.server.clone()), standard_routes(artifact(10)));
+    let state = tempfile::tempdir().unwrap();
+    let dl = Downloader::new(config(state.path(), &pki)).unwrap();
+    let any = sha(b"whatever");
+
+    let err = dl
+        .fetch(&server.url("/announced-huge"), &any, &mut |_| {})
+        .unwrap_err();
+    assert_eq!(err.kind(), "too_large");
+    assert!(
+        err.to_string()
+            .ends_with("body exceeds the limit of 1048576 bytes (announced 10485760)"),
+        "{err}"
+    );
+
+    let mut seen = 0;
+    let err = dl
+        .fetch(&server.url("/unannounced-huge"), &any, &mut |e| {
+            if let DownloadEvent::Progress { bytes, .. } = e {
+                seen = *bytes;
+            }
+        })
+        .unwrap_err();
+    assert_eq!(err.kind(), "too_large");
+    assert!(
+        err.to_string()
+            .ends_with("body exceeds the limit of 1048576 bytes"),
+        "{err}"
+    );
+    assert!(seen <= 1 << 20, "stopped at the cap, saw {seen}");
+    assert_eq!(server.hits("/announced-huge"), 1);
+    assert_eq!(server.hits("/unannounced-huge"), 1);
+    assert_eq!(cache_files(state.path()), Vec::<String>::new());
+}
+
+#[test]
+fn plain_http_is_refused_unless_the_host_is_allowed() {
+    let pki = pki();
+    let body = artifact(4096);
+    let plain = Server::start(None, standard_routes(body.clone()));
+    let redirect_to = plain.url("/ok");
+    let secure = Server::start(
+        Some(pki.server.clone()),
+        Arc::new(move |_, _| Reply::Full {
+            status: 302,
+            headers: vec![("Location", redirect_to.clone())],
+            body: vec![],
+        }),
+    );
+    let state = tempfile::tempdir().unwrap();
+    let dl = Downloader::new(config(state.path(), &pki)).unwrap();
+
+    let err = dl
+        .fetch(&plain.url("/ok"), &sha(&body), &mut |_| {})
+        .unwrap_err();
+    assert_eq!(err.kind(), "insecure_url");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "download {}: plain http to 127.0.0.1 is not allowed (https only)",
+            plain.url("/ok")
+        )
+    );
+    // Nor through a redirect from https.
+    let err = dl
+        .fetch(&secure.url("/start"), &sha(&body), &mut |_| {})
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("plain http to 127.0.0.1 is not allowed"),
+        "{err}"
+    );
+    assert_eq!(
+        secure.hits("/start"),
+        1,
+        "a refused redirect is not retried"
+    );
+    assert_eq!(plain.hits("/ok"), 0, "no plain request was made");
+
+    let mut allowed = config(state.path(), &pki);
+    allowed.http_allowed_hosts = vec!["127.0.0.1".to_string()];
+    let dl = Downloader::new(allowed).unwrap();
+    let got = dl
+        .fetch(&plain.url("/ok"), &sha(&body), &mut |_| {})
+        .unwrap();
+    assert_eq!(std::fs::read(got.path).unwrap(), body);
+    assert_eq!(plain.hits("/ok"), 1);
+}
+
+#[test]
+fn an_untrusted_server_certificate_is_refused() {
+    let pki = pki();
+    let other = crate::pki(); // a different CA
+    let body = artifact(100);
+    let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
+    let state = tempfile::tempdir().unwrap();
+    let mut c = config(state.path(), &other);
+    c.retries = 0;
+    let dl = Downloader::new(c).unwrap();
+    let err = dl
+        .fetch(&server.url("/ok"), &sha(&body), &mut |_| {})
+        .unwrap_err();
+    assert_eq!(err.kind(), "transfer");
+    assert!(
+        err.to_string().to_lowercase().contains("certificate"),
+        "{err}"
+    );
+    assert_eq!(cache_files(state.path()), Vec::<String>::new());
+
+    let mut bad = DownloadConfig::new(state.path());
+    bad.system_roots = false;
+    bad.extra_ca_pem = vec![b"not a certificate".to_vec()];
+    assert_eq!(Downloader::new(bad).unwrap_err().kind(), "tls_config");
+}
+
+#[test]
+fn a_member_of_a_downloaded_tarball_is_extracted() {
+    let pki = pki();
+    let kubelet = artifact(300 * 1024);
+    let archive = {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        {
+            let mut tar = tar::Builder::new(&mut gz);
+            for (path, data) in [
+                ("kubernetes/node/bin/kubeadm", &b"kubeadm"[..]),
+                ("kubernetes/node/bin/kubelet", &kubelet[..]),
+            ] {
+                let mut header = tar::Header::new_gnu();
+                header.set_size(data.len() as u64);
+                header.set_mode(0o755);
+                header.set_entry_type(tar::EntryType::Regular);
+                tar.append_data(&mut header, path, data).unwrap();
+            }
+            tar.finish().unwrap();
+        }
+        gz.finish().unwrap()
+    };
+    let served = archive.clone();
+    let server = Server::start(Some(pki.server.clone()), Arc::new(move |_, _| ok(&served)));
+    let state = tempfile::tempdir().unwrap();
+    let dl = Downloader::new(config(state.path(), &pki)).unwrap();
+    let got = dl
+        .fetch(
+            &server.url("/kubernetes-node-linux-amd64.tar.gz"),
+            &sha(&archive),
+            &mut |_| {},
+        )
+        .unwrap();
+    let bytes = extract_tar_gz_member(
+        &got.path,
+        "kubernetes/node/bin/kubelet",
+        ExtractLimits::default(),
+    )
+    .unwrap();
+    assert_eq!(sha(&bytes), sha(&kubelet));
+}

@@ -1,0 +1,204 @@
+//! Shared pieces of the host-level package tests: a disposable copy-on-write root, root checks
+//! and a child process that holds an fcntl lock.
+#![allow(dead_code)]
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+
+/// True when tests that need root must run: we are root, or CI=true (where skipping is a
+/// failure). Otherwise prints a loud skip notice and returns false.
+pub fn require_root(test: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{test}: must run as root when CI=true");
+    }
+    // Straight to the stderr handle: libtest captures eprintln! of passing tests.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr(),
+        format!("\n*** SKIPPED {test}: needs root (mounts an overlay root) ***\n").as_bytes(),
+    );
+    false
+}
+
+/// Runs a command on the host and panics with its output when it fails.
+pub fn sh(argv: &[&str]) -> String {
+    let out = Command::new(argv[0])
+        .args(&argv[1..])
+        .env("LC_ALL", "C")
+        .output()
+        .unwrap_or_else(|e| panic!("start {}: {e}", argv[0]));
+    assert!(
+        out.status.success(),
+        "{} failed: {}\n{}\n{}",
+        argv.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A copy-on-write overlay of `/` on a tmpfs, with /proc and /dev inside so apt and dnf work
+/// in a chroot. Writes land on the tmpfs; the real system is never modified. Unmounted on drop.
+pub struct Overlay {
+    base: tempfile::TempDir,
+    root: PathBuf,
+    mounts: Vec<PathBuf>,
+}
+
+impl Overlay {
+    pub fn new() -> Overlay {
+        let base = tempfile::Builder::new()
+            .prefix("inplace-overlay-")
+            .tempdir()
+            .unwrap();
+        let mut overlay = Overlay {
+            root: base.path().join("root"),
+            base,
+            mounts: Vec::new(),
+        };
+        let tmpfs = overlay.base.path().join("rw");
+        std::fs::create_dir(&tmpfs).unwrap();
+        std::fs::create_dir(&overlay.root).unwrap();
+        overlay.mount(&["-t", "tmpfs", "-o", "size=512m", "tmpfs"], &tmpfs);
+        let (upper, work) = (tmpfs.join("upper"), tmpfs.join("work"));
+        std::fs::create_dir(&upper).unwrap();
+        std::fs::create_dir(&work).unwrap();
+        let opts = format!(
+            "lowerdir=/,upperdir={},workdir={}",
+            upper.display(),
+            work.display()
+        );
+        let root = overlay.root.clone();
+        overlay.mount(&["-t", "overlay", "-o", &opts, "overlay"], &root);
+        overlay.mount(&["-t", "proc", "proc"], &root.join("proc"));
+        overlay.mount(&["--bind", "/dev"], &root.join("dev"));
+        overlay.mount(&["-t", "tmpfs", "tmpfs"], &root.join("tmp"));
+        overlay.mount(&["-t", "tmpfs", "tmpfs"], &root.join("run"));
+        overlay
+    }
+
+    fn mount(&mut self, args: &[&str], target: &Path) {
+        let mut argv = vec!["mount"];
+        argv.extend_from_slice(args);
+        let target_str = target.to_str().unwrap().to_string();
+        argv.push(&target_str);
+        sh(&argv);
+        self.mounts.push(target.to_path_buf());
+    }
+
+    /// The overlay's root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// A path inside the overlay.
+    pub fn path(&self, abs: &str) -> PathBuf {
+        self.root.join(abs.trim_start_matches('/'))
+    }
+
+    /// Writes a file inside the overlay, creating its directory.
+    pub fn write(&self, abs: &str, content: &str) {
+        let path = self.path(abs);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, content).unwrap();
+    }
+
+    /// Runs a command inside the overlay (chroot) and returns its stdout.
+    pub fn chroot(&self, argv: &[&str]) -> String {
+        let mut all = vec!["chroot", self.root.to_str().unwrap()];
+        all.extend_from_slice(argv);
+        sh(&all)
+    }
+}
+
+impl Drop for Overlay {
+    fn drop(&mut self) {
+        for target in self.mounts.iter().rev() {
+            let ok = Command::new("umount")
+                .arg(target)
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                let _ = Command::new("umount").arg("-l").arg(target).status();
+            }
+        }
+    }
+}
+
+const HOLD_ENV: &str = "INPLACE_AGENT_TEST_HOLD_LOCK";
+
+/// Body of the `lock_holder_process` helper test of each test binary: takes an fcntl write
+/// lock on the file named by the environment (as dpkg, apt and rpm do), says so, and keeps it
+/// until stdin closes. Does nothing when not started by [`LockHolder::start`].
+pub fn lock_holder_main() {
+    let Ok(path) = std::env::var(HOLD_ENV) else {
+        return;
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap();
+    rustix::fs::fcntl_lock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
+    println!("\nLOCK-HELD");
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new()).unwrap();
+}
+
+/// Another process holding an fcntl lock on a file until dropped (or [`LockHolder::release`]).
+pub struct LockHolder {
+    child: Child,
+    _stdout: std::io::BufReader<ChildStdout>,
+}
+
+impl LockHolder {
+    /// Starts this test binary's `lock_holder_process` test as a child holding `path`.
+    pub fn start(path: &Path) -> LockHolder {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["lock_holder_process", "--exact", "--ignored", "--nocapture"])
+            .env(HOLD_ENV, path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while out.read_line(&mut line).unwrap() > 0 {
+            if line.contains("LOCK-HELD") {
+                return LockHolder {
+                    child,
+                    _stdout: out,
+                };
+            }
+            line.clear();
+        }
+        let status = child.wait();
+        panic!("lock holder exited without taking the lock: {status:?}");
+    }
+
+    /// Its PID.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Releases the lock and waits for the process to exit.
+    pub fn release(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for LockHolder {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
