@@ -78,14 +78,8 @@ impl Renderer {
                 ));
                 None
             }
-            Event::Progress {
-                run,
-                progress,
-                change,
-                check,
-                restart,
-                ..
-            } if *run == self.run => {
+            Event::Progress(p) if p.run == self.run => {
+                let (progress, change, check, restart) = (&p.progress, &p.change, &p.check, &p.restart);
                 if let Some(bar) = &self.bar {
                     bar.set_position(u64::from(progress.current));
                     bar.set_message(progress.message.clone());
@@ -135,7 +129,7 @@ impl Renderer {
                 }
                 None
             }
-            Event::Progress { .. } => None,
+            Event::Progress(_) => None,
         }
     }
 }

@@ -124,20 +124,24 @@ pub enum Event {
     /// The run's phase changed (or it was accepted): full status.
     Status(Arc<PlanStatus>),
     /// A step of the run progressed.
-    Progress {
-        /// Run number.
-        run: u64,
-        /// Journal sequence number of the record.
-        seq: u64,
-        /// Step i of n.
-        progress: status::Progress,
-        /// The change the record was about, as it is now.
-        change: Option<status::ChangeStatus>,
-        /// The gate the record was about, as it is now.
-        check: Option<status::CheckStatus>,
-        /// A unit restart the record was about (`message`).
-        restart: Option<String>,
-    },
+    Progress(Arc<ProgressEvent>),
+}
+
+/// One step of a run progressed.
+#[derive(Debug, Clone)]
+pub struct ProgressEvent {
+    /// Run number.
+    pub run: u64,
+    /// Journal sequence number of the record.
+    pub seq: u64,
+    /// Step i of n.
+    pub progress: status::Progress,
+    /// The change the record was about, as it is now.
+    pub change: Option<status::ChangeStatus>,
+    /// The gate the record was about, as it is now.
+    pub check: Option<status::CheckStatus>,
+    /// A unit restart the record was about (`message`).
+    pub restart: Option<String>,
 }
 
 pub(crate) struct Inner {
@@ -201,14 +205,14 @@ impl Shared {
             let event = if phase_change {
                 Event::Status(Arc::new(status.clone()))
             } else {
-                Event::Progress {
+                Event::Progress(Arc::new(ProgressEvent {
                     run,
                     seq: entry.seq,
                     progress: status.progress.clone(),
                     change: change_index.and_then(|i| status.changes.get(i as usize).cloned()),
                     check: check_index.and_then(|i| status.checks.get(i as usize).cloned()),
                     restart,
-                }
+                }))
             };
             let _ = self.events.send(event);
         }
