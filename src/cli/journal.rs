@@ -59,10 +59,10 @@ pub fn describe(record: &Record) -> String {
             digest,
             attempt,
             source,
-            plan,
+            changes,
             ..
         } => {
-            let n = plan["changes"].as_array().map_or(0, Vec::len);
+            let n = changes.len();
             format!(
                 "{id} {} attempt {attempt} from {source}: {n} changes",
                 short(digest)
@@ -239,7 +239,7 @@ pub fn run(args: &JournalArgs) -> u8 {
                     serde_json::json!({
                         "seq": e.seq,
                         "time": rfc3339(e.ts),
-                        "hash": e.hash,
+                        "hash": e.hash_hex(),
                         "run": e.record.run(),
                         "type": e.record.name(),
                         "record": e.record,

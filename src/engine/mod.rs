@@ -183,6 +183,16 @@ impl Shared {
 
     /// Journals a record, folds it into the table and tells watchers.
     fn record(&self, record: Record, sync: bool) -> Result<(), JournalError> {
+        self.record_with_plan(record, sync, None)
+    }
+
+    /// As `record`; for `PlanAccepted`, the validated plan it carries.
+    fn record_with_plan(
+        &self,
+        record: Record,
+        sync: bool,
+        plan: Option<Arc<Plan>>,
+    ) -> Result<(), JournalError> {
         let mut inner = self.lock();
         let run = record.run();
         let phase_change = matches!(
@@ -198,7 +208,8 @@ impl Shared {
             _ => (None, None, None),
         };
         let entry = inner.journal.append(now_ms(), record, sync)?;
-        inner.table.apply(&entry);
+        let seq = entry.seq;
+        inner.table.apply_with_plan(entry, plan);
         if let Some(run) = run
             && let Some(status) = inner.table.by_run(run)
         {
@@ -207,7 +218,7 @@ impl Shared {
             } else {
                 Event::Progress(Arc::new(ProgressEvent {
                     run,
-                    seq: entry.seq,
+                    seq,
                     progress: status.progress.clone(),
                     change: change_index.and_then(|i| status.changes.get(i as usize).cloned()),
                     check: check_index.and_then(|i| status.checks.get(i as usize).cloned()),
@@ -230,6 +241,7 @@ impl Engine {
     ) -> Result<(Engine, OpenReport), JournalError> {
         let mut table = Table::new(config.keep_plans);
         let (journal, report) = Journal::open(&config.state_dir, |e| table.apply(e))?;
+        table.finish_replay();
         let (events, _) = broadcast::channel(4096);
         let backups = BackupStore::at(&config.state_dir);
         let engine = Engine {
@@ -304,15 +316,19 @@ impl Engine {
             let inner = self.shared.lock();
             inner.table.next_run()
         };
+        let (changes, checks) = table::summaries(&plan);
         let record = Record::PlanAccepted {
             run,
             id: plan.id.clone(),
             digest,
             attempt,
             source: source.to_string(),
-            plan: plan.canonical_json(),
+            plan: crate::journal::PlanDoc::from_value(&plan.canonical_json()),
+            changes,
+            checks,
         };
-        self.shared.record(record, true)?;
+        self.shared
+            .record_with_plan(record, true, Some(Arc::new(plan)))?;
         self.shared.work.notify_all();
         let inner = self.shared.lock();
         let status = inner
@@ -352,7 +368,8 @@ impl Engine {
                 })?;
             (status, plan)
         };
-        let plan = validate_value(&plan, id, &Limits::replay()).map_err(SubmitError::Invalid)?;
+        let plan = validate_value(&plan.to_value(), id, &Limits::replay())
+            .map_err(SubmitError::Invalid)?;
         self.admit(&plan)?;
         self.accept(plan, status.digest.clone(), status.attempt + 1, source)
     }

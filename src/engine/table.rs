@@ -5,11 +5,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use serde_json::Value;
-
 use super::status::*;
-use crate::journal::{Entry, Preimage, Record};
-use crate::plan::{Check, Limits, Plan, validate_value};
+use crate::journal::{ChangeSummary, CheckSummary, Entry, PlanDoc, Preimage, Record};
+use crate::plan::{Check, Limits, Plan, PlanOptions, validate_value};
 use crate::steps;
 
 /// How many finished plans keep their per-change results.
@@ -18,7 +16,8 @@ pub const KEEP_FULL: usize = 16;
 /// What a run needs to resume, beyond its status.
 #[derive(Debug, Clone)]
 pub struct RunState {
-    /// The plan.
+    /// The plan. While the journal is replayed this is an empty placeholder: plans are only
+    /// read back (from [`Table`]'s documents) for runs still unfinished when replay ends.
     pub plan: Arc<Plan>,
     /// Pre-images of changes that started mutating, by change index.
     pub preimages: BTreeMap<u32, Vec<Preimage>>,
@@ -54,10 +53,15 @@ impl RunState {
 pub struct Table {
     plans: Vec<PlanStatus>,
     runs: BTreeMap<u64, RunState>,
-    retained: BTreeMap<u64, Value>,
+    /// The plan documents of unfinished runs.
+    docs: BTreeMap<u64, PlanDoc>,
+    retained: BTreeMap<u64, PlanDoc>,
     next_run: u64,
     /// How many finished plans to remember at all.
     pub keep_plans: usize,
+    /// False while the journal is replayed: per-step progress messages are only built for
+    /// live records (a replay of a million records would format them all for nothing).
+    live: bool,
 }
 
 fn step_name(index: u32, plan: &Plan) -> String {
@@ -65,6 +69,56 @@ fn step_name(index: u32, plan: &Plan) -> String {
         Some(c) => format!("changes[{index}] {} {}", c.kind(), c.target()),
         None => format!("changes[{index}]"),
     }
+}
+
+fn phase_message(phase: Phase) -> String {
+    match phase {
+        Phase::Preparing => "checking the plan against the node".into(),
+        Phase::Applying => "applying changes".into(),
+        Phase::Restarting => "restarting units".into(),
+        Phase::Verifying => "running health gates".into(),
+        Phase::RollingBack => "rolling back".into(),
+        other => other.to_string(),
+    }
+}
+
+/// An empty plan standing in for one not read back yet (during replay).
+fn placeholder() -> Arc<Plan> {
+    static EMPTY: std::sync::OnceLock<Arc<Plan>> = std::sync::OnceLock::new();
+    EMPTY
+        .get_or_init(|| {
+            Arc::new(Plan {
+                id: String::new(),
+                node_name: None,
+                options: PlanOptions::default(),
+                changes: Vec::new(),
+                verify: Vec::new(),
+            })
+        })
+        .clone()
+}
+
+/// Kind, target and disruption of each change, kind and target of each gate, for the
+/// `PlanAccepted` record.
+pub fn summaries(plan: &Plan) -> (Vec<ChangeSummary>, Vec<CheckSummary>) {
+    let changes = plan
+        .changes
+        .iter()
+        .map(|c| ChangeSummary {
+            kind: c.kind(),
+            target: c.target(),
+            disruption: steps::disruption(c),
+        })
+        .collect();
+    let checks = plan
+        .verify
+        .iter()
+        .map(|c| CheckSummary {
+            kind: c.probe.key().to_string(),
+            target: c.probe.target(),
+        })
+        .collect();
+    (changes, checks)
 }
 
 /// The name of a gate for messages: `verify[1] httpGet http://...`.
@@ -92,9 +146,15 @@ impl Table {
     }
 
     /// Applies one record. Unknown runs are ignored (their plan was compacted away).
-    pub fn apply(&mut self, entry: &Entry) {
+    pub fn apply(&mut self, entry: Entry) {
+        self.apply_with_plan(entry, None);
+    }
+
+    /// Applies one record; for a `PlanAccepted` written by this process, `plan` is the
+    /// already validated plan, so it is not read back from the document.
+    pub fn apply_with_plan(&mut self, entry: Entry, plan: Option<Arc<Plan>>) {
         let ts = entry.ts;
-        match &entry.record {
+        match entry.record {
             Record::Compacted { .. } => {}
             Record::PlanAccepted {
                 run,
@@ -102,14 +162,35 @@ impl Table {
                 digest,
                 attempt,
                 source,
-                plan,
-            } => self.accept(*run, id, digest, *attempt, source, plan, ts),
+                plan: doc,
+                changes,
+                checks,
+            } => {
+                let status = PlanStatus {
+                    id,
+                    digest,
+                    attempt,
+                    run,
+                    source,
+                    phase: Phase::Pending,
+                    progress: Progress::default(),
+                    changes: Vec::new(),
+                    checks: Vec::new(),
+                    error: None,
+                    rebooting: false,
+                    accepted_at_ms: ts,
+                    started_at_ms: None,
+                    finished_at_ms: None,
+                    counts: Counts::default(),
+                };
+                self.accept(status, doc, changes, checks, plan);
+            }
             Record::Summary { status, plan } => {
                 self.next_run = self.next_run.max(status.run + 1);
                 if let Some(p) = plan {
-                    self.retained.insert(status.run, p.clone());
+                    self.retained.insert(status.run, p);
                 }
-                self.plans.push((**status).clone());
+                self.plans.push(*status);
             }
             rec => {
                 let Some(run) = rec.run() else { return };
@@ -118,125 +199,149 @@ impl Table {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn accept(
-        &mut self,
-        run: u64,
-        id: &str,
-        digest: &str,
-        attempt: u32,
-        source: &str,
-        plan: &Value,
-        ts: u64,
-    ) {
-        self.next_run = self.next_run.max(run + 1);
-        let parsed = validate_value(plan, "journal", &Limits::replay());
-        let mut status = PlanStatus {
-            id: id.to_string(),
-            digest: digest.to_string(),
-            attempt,
-            run,
-            source: source.to_string(),
-            phase: Phase::Pending,
-            progress: Progress::default(),
-            changes: Vec::new(),
-            checks: Vec::new(),
-            error: None,
-            rebooting: false,
-            accepted_at_ms: ts,
-            started_at_ms: None,
-            finished_at_ms: None,
-            counts: Counts::default(),
-        };
-        match parsed {
-            Ok(plan) => {
-                status.changes = plan
-                    .changes
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| ChangeStatus {
-                        index: i as u32,
-                        kind: c.kind(),
-                        target: c.target(),
-                        state: ChangeState::Pending,
-                        message: String::new(),
-                        disruption: steps::disruption(c),
-                        duration_ms: None,
-                    })
-                    .collect();
-                status.checks = plan
-                    .verify
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| CheckStatus {
-                        index: i as u32,
-                        kind: c.probe.key().to_string(),
-                        target: c.probe.target(),
-                        state: CheckState::Pending,
-                        message: String::new(),
-                    })
-                    .collect();
-                status.counts.total = plan.changes.len() as u32;
-                status.progress = Progress {
-                    current: 0,
-                    total: (plan.changes.len() + plan.verify.len()) as u32,
-                    message: "accepted".into(),
-                };
-                self.runs.insert(
-                    run,
-                    RunState {
-                        plan: Arc::new(plan),
-                        preimages: BTreeMap::new(),
-                        done: BTreeSet::new(),
-                        rolled_back: BTreeSet::new(),
-                        checks_passed: BTreeSet::new(),
-                        restarted: BTreeSet::new(),
-                        restarted_rollback: BTreeSet::new(),
-                        reloaded: (false, false),
-                        reboot: None,
-                        cancel_requested: false,
-                        last_ts: ts,
-                    },
-                );
+    /// Ends the replay: from now on records are live, and unfinished runs get the progress
+    /// message their last record implies.
+    pub fn finish_replay(&mut self) {
+        self.live = true;
+        let runs: Vec<u64> = self.runs.keys().copied().collect();
+        for run in runs {
+            let parsed = match self.docs.get(&run) {
+                Some(doc) => validate_value(&doc.to_value(), "journal", &Limits::replay()),
+                None => continue,
+            };
+            let plan = match parsed {
+                Ok(p) => Arc::new(p),
+                Err(e) => {
+                    // Cannot happen for plans this agent wrote; keep the run visible and failed.
+                    self.runs.remove(&run);
+                    if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) {
+                        status.phase = Phase::Failed;
+                        status.error = Some(ErrorInfo {
+                            kind: ErrorKind::Internal,
+                            step: None,
+                            detail: format!("journaled plan cannot be read back: {e}"),
+                        });
+                    }
+                    continue;
+                }
+            };
+            if let Some(rs) = self.runs.get_mut(&run) {
+                rs.plan = plan.clone();
             }
-            Err(e) => {
-                // Cannot happen for plans this agent wrote; keep the run visible and failed.
-                status.phase = Phase::Failed;
-                status.finished_at_ms = Some(ts);
-                status.error = Some(ErrorInfo {
-                    kind: ErrorKind::Internal,
-                    step: None,
-                    detail: format!("journaled plan cannot be read back: {e}"),
-                });
+            if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) {
+                status.progress.message = match status.phase {
+                    Phase::Applying if status.progress.current > 0 => {
+                        step_name(status.progress.current - 1, &plan)
+                    }
+                    phase => phase_message(phase),
+                };
             }
         }
+    }
+
+    fn accept(
+        &mut self,
+        mut status: PlanStatus,
+        doc: PlanDoc,
+        mut changes: Vec<ChangeSummary>,
+        mut checks: Vec<CheckSummary>,
+        plan: Option<Arc<Plan>>,
+    ) {
+        let run = status.run;
+        self.next_run = self.next_run.max(run + 1);
+        // Records written before summaries existed (or an empty plan): read the plan now.
+        let mut plan = plan;
+        if plan.is_none() && (self.live || (changes.is_empty() && checks.is_empty())) {
+            match validate_value(&doc.to_value(), "journal", &Limits::replay()) {
+                Ok(p) => plan = Some(Arc::new(p)),
+                Err(e) => {
+                    status.phase = Phase::Failed;
+                    status.finished_at_ms = Some(status.accepted_at_ms);
+                    status.error = Some(ErrorInfo {
+                        kind: ErrorKind::Internal,
+                        step: None,
+                        detail: format!("journaled plan cannot be read back: {e}"),
+                    });
+                    self.plans.push(status);
+                    return;
+                }
+            }
+        }
+        if let Some(p) = &plan
+            && changes.is_empty()
+            && checks.is_empty()
+        {
+            (changes, checks) = summaries(p);
+        }
+        status.changes = changes
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| ChangeStatus {
+                index: i as u32,
+                kind: c.kind,
+                target: c.target,
+                state: ChangeState::Pending,
+                message: String::new(),
+                disruption: c.disruption,
+                duration_ms: None,
+            })
+            .collect();
+        status.checks = checks
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| CheckStatus {
+                index: i as u32,
+                kind: c.kind,
+                target: c.target,
+                state: CheckState::Pending,
+                message: String::new(),
+            })
+            .collect();
+        status.counts.total = status.changes.len() as u32;
+        status.progress = Progress {
+            current: 0,
+            total: (status.changes.len() + status.checks.len()) as u32,
+            message: "accepted".into(),
+        };
+        let last_ts = status.accepted_at_ms;
+        self.runs.insert(
+            run,
+            RunState {
+                plan: plan.unwrap_or_else(placeholder),
+                preimages: BTreeMap::new(),
+                done: BTreeSet::new(),
+                rolled_back: BTreeSet::new(),
+                checks_passed: BTreeSet::new(),
+                restarted: BTreeSet::new(),
+                restarted_rollback: BTreeSet::new(),
+                reloaded: (false, false),
+                reboot: None,
+                cancel_requested: false,
+                last_ts,
+            },
+        );
+        self.docs.insert(run, doc);
         self.plans.push(status);
     }
 
-    fn apply_run(&mut self, run: u64, rec: &Record, ts: u64) {
+    fn apply_run(&mut self, run: u64, rec: Record, ts: u64) {
         let Some(pos) = self.plans.iter().rposition(|p| p.run == run) else {
             return;
         };
+        let live = self.live;
         let status = &mut self.plans[pos];
         let state = self.runs.get_mut(&run);
         let mut finished = false;
         match (rec, state) {
             (Record::Phase { phase, error, .. }, Some(rs)) => {
-                if status.phase == Phase::Pending && *phase != Phase::Pending {
+                if status.phase == Phase::Pending && phase != Phase::Pending {
                     status.started_at_ms = Some(ts);
                 }
-                status.phase = *phase;
+                status.phase = phase;
                 if error.is_some() {
-                    status.error = error.clone();
+                    status.error = error;
                 }
-                status.progress.message = match phase {
-                    Phase::Preparing => "checking the plan against the node".into(),
-                    Phase::Applying => "applying changes".into(),
-                    Phase::Restarting => "restarting units".into(),
-                    Phase::Verifying => "running health gates".into(),
-                    Phase::RollingBack => "rolling back".into(),
-                    other => other.to_string(),
-                };
+                status.progress.message = phase_message(phase);
                 rs.last_ts = ts;
             }
             (
@@ -245,17 +350,19 @@ impl Table {
                 },
                 Some(rs),
             ) => {
-                let entry = rs.preimages.entry(*index).or_default();
+                let entry = rs.preimages.entry(index).or_default();
                 for p in preimages {
-                    if !entry.contains(p) {
-                        entry.push(p.clone());
+                    if !entry.contains(&p) {
+                        entry.push(p);
                     }
                 }
-                if let Some(c) = status.changes.get_mut(*index as usize) {
+                if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Running;
                 }
                 status.progress.current = index + 1;
-                status.progress.message = step_name(*index, &rs.plan);
+                if live {
+                    status.progress.message = step_name(index, &rs.plan);
+                }
             }
             (
                 Record::StepDone {
@@ -266,53 +373,57 @@ impl Table {
                 },
                 Some(rs),
             ) => {
-                if rs.done.insert(*index) {
-                    if *changed {
+                if rs.done.insert(index) {
+                    if changed {
                         status.counts.changed += 1;
                     } else {
                         status.counts.unchanged += 1;
                     }
                 }
-                if let Some(c) = status.changes.get_mut(*index as usize) {
-                    c.state = if *changed {
+                if let Some(c) = status.changes.get_mut(index as usize) {
+                    c.state = if changed {
                         ChangeState::Changed
                     } else {
                         ChangeState::Unchanged
                     };
-                    c.message = message.clone();
+                    c.message = message;
                     c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
                 }
                 status.progress.current = index + 1;
-                status.progress.message = step_name(*index, &rs.plan);
+                if live {
+                    status.progress.message = step_name(index, &rs.plan);
+                }
                 rs.last_ts = ts;
             }
             (Record::StepFailed { index, error, .. }, Some(rs)) => {
-                if let Some(c) = status.changes.get_mut(*index as usize) {
+                if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Failed;
                     c.message = error.detail.clone();
                     c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
                 }
-                status.error = Some(error.clone());
+                status.error = Some(error);
                 rs.last_ts = ts;
             }
             (Record::StepAbandoned { index, .. }, Some(rs)) => {
-                rs.preimages.remove(index);
-                if let Some(c) = status.changes.get_mut(*index as usize) {
+                rs.preimages.remove(&index);
+                if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Pending;
                 }
             }
             (Record::StepRolledBack { index, .. }, Some(rs)) => {
-                if rs.rolled_back.insert(*index) {
+                if rs.rolled_back.insert(index) {
                     status.counts.rolled_back += 1;
                 }
-                if let Some(c) = status.changes.get_mut(*index as usize) {
+                if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::RolledBack;
                 }
-                status.progress.message = format!("rolled back {}", step_name(*index, &rs.plan));
+                if live {
+                    status.progress.message = format!("rolled back {}", step_name(index, &rs.plan));
+                }
                 rs.last_ts = ts;
             }
             (Record::DaemonReloaded { rollback, .. }, Some(rs)) => {
-                if *rollback {
+                if rollback {
                     rs.reloaded.1 = true;
                 } else {
                     rs.reloaded.0 = true;
@@ -327,15 +438,15 @@ impl Table {
                 },
                 Some(rs),
             ) => {
-                if *rollback {
-                    rs.restarted_rollback.insert(unit.clone());
+                if rollback {
+                    rs.restarted_rollback.insert(unit);
                 } else {
-                    rs.restarted.insert(unit.clone());
+                    rs.restarted.insert(unit);
                 }
-                status.progress.message = message.clone();
+                status.progress.message = message;
             }
             (Record::RebootRequested { index, boot_id, .. }, Some(rs)) => {
-                rs.reboot = Some((*index, boot_id.clone()));
+                rs.reboot = Some((index, boot_id));
                 status.rebooting = true;
             }
             (
@@ -347,34 +458,34 @@ impl Table {
                 },
                 Some(rs),
             ) => {
-                if let Some(c) = status.checks.get_mut(*index as usize) {
-                    c.state = if *passed {
+                if passed {
+                    rs.checks_passed.insert(index);
+                } else if let Some(check) = status.checks.get(index as usize) {
+                    status.error = Some(ErrorInfo {
+                        kind: ErrorKind::Verification,
+                        step: Some(format!("verify[{index}] {} {}", check.kind, check.target)),
+                        detail: message.clone(),
+                    });
+                }
+                if let Some(c) = status.checks.get_mut(index as usize) {
+                    c.state = if passed {
                         CheckState::Passed
                     } else {
                         CheckState::Failed
                     };
-                    c.message = message.clone();
+                    c.message = message;
                 }
-                if *passed {
-                    rs.checks_passed.insert(*index);
-                } else if let Some(check) = rs.plan.verify.get(*index as usize) {
-                    status.error = Some(ErrorInfo {
-                        kind: ErrorKind::Verification,
-                        step: Some(check_name(*index, check)),
-                        detail: message.clone(),
-                    });
-                }
-                status.progress.current = rs.plan.changes.len() as u32 + index + 1;
+                status.progress.current = status.changes.len() as u32 + index + 1;
                 status.progress.message = format!("verify[{index}]");
                 rs.last_ts = ts;
             }
             (Record::CancelRequested { .. }, Some(rs)) => rs.cancel_requested = true,
             (Record::PlanFinished { phase, error, .. }, _) => {
-                status.phase = *phase;
+                status.phase = phase;
                 status.finished_at_ms = Some(ts);
                 status.rebooting = false;
                 if error.is_some() {
-                    status.error = error.clone();
+                    status.error = error;
                 }
                 status.progress.message = phase.to_string();
                 for c in &mut status.changes {
@@ -393,10 +504,11 @@ impl Table {
         }
         if finished {
             let phase = status.phase;
-            if let Some(rs) = self.runs.remove(&run)
+            self.runs.remove(&run);
+            if let Some(doc) = self.docs.remove(&run)
                 && phase != Phase::Succeeded
             {
-                self.retained.insert(run, rs.plan.canonical_json());
+                self.retained.insert(run, doc);
             }
             self.trim();
         }
@@ -485,7 +597,7 @@ impl Table {
     }
 
     /// The canonical plan of a finished, unsuccessful run, kept for retries.
-    pub fn retained_plan(&self, run: u64) -> Option<&Value> {
+    pub fn retained_plan(&self, run: u64) -> Option<&PlanDoc> {
         self.retained.get(&run)
     }
 

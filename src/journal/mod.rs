@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-pub use record::{FileBefore, Preimage, Record};
+pub use record::{ChangeSummary, CheckSummary, FileBefore, PlanDoc, Preimage, Record};
 
 use crate::failpoint;
 
@@ -45,8 +45,47 @@ pub struct Entry {
     pub record: Record,
     /// Byte offset of the line.
     pub offset: u64,
-    /// Its chain hash, hex.
-    pub hash: String,
+    /// Its chain hash.
+    pub hash: [u8; 32],
+}
+
+impl Entry {
+    /// The chain hash in hex, as written in the file.
+    pub fn hash_hex(&self) -> String {
+        hex::encode(self.hash)
+    }
+}
+
+/// Decodes 64 hex digits; `None` on anything else. (A table-free decoder: `hex` builds a
+/// string per call, which shows up when replaying a million records.)
+fn decode_hash(text: &[u8]) -> Option<[u8; 32]> {
+    const INVALID: u8 = 0xff;
+    const TABLE: [u8; 256] = {
+        let mut t = [INVALID; 256];
+        let mut i = 0;
+        while i < 10 {
+            t[b'0' as usize + i] = i as u8;
+            i += 1;
+        }
+        let mut i = 0;
+        while i < 6 {
+            t[b'a' as usize + i] = 10 + i as u8;
+            t[b'A' as usize + i] = 10 + i as u8;
+            i += 1;
+        }
+        t
+    };
+    if text.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    let mut bad = 0u8;
+    for (i, pair) in text.chunks_exact(2).enumerate() {
+        let (hi, lo) = (TABLE[pair[0] as usize], TABLE[pair[1] as usize]);
+        bad |= (hi | lo) & 0xf0;
+        out[i] = (hi << 4) | (lo & 0x0f);
+    }
+    (bad == 0).then_some(out)
 }
 
 #[derive(Serialize)]
@@ -175,8 +214,7 @@ impl Reader {
         if body.len() < 66 || body[64] != b' ' {
             return Err("record is not '<hash> <json>'".into());
         }
-        let mut hash = [0u8; 32];
-        hex::decode_to_slice(&body[..64], &mut hash).map_err(|e| format!("bad hash: {e}"))?;
+        let hash = decode_hash(&body[..64]).ok_or_else(|| "bad hash".to_string())?;
         let json = &body[65..];
         let mut h = Sha256::new();
         h.update(self.prev);
@@ -227,7 +265,7 @@ impl Iterator for Reader {
                     ts: env.ts,
                     record: env.rec,
                     offset: self.offset,
-                    hash: hex::encode(hash),
+                    hash,
                 };
                 self.offset += n as u64;
                 self.prev = hash;
@@ -286,7 +324,7 @@ impl Journal {
     /// `replay`, truncates a torn tail, and refuses on corruption.
     pub fn open(
         state_dir: &Path,
-        mut replay: impl FnMut(&Entry),
+        mut replay: impl FnMut(Entry),
     ) -> Result<(Journal, OpenReport), JournalError> {
         let dir = state_dir.join("journal");
         create_private_dir(&dir).map_err(io_at(&dir))?;
@@ -319,12 +357,13 @@ impl Journal {
 
         let _ = std::fs::remove_file(dir.join(COMPACT_TMP));
         let path = dir.join(JOURNAL_FILE);
+        let existed = path.exists();
         let mut report = OpenReport::default();
         let (next_seq, last_hash, valid_len) = match Reader::open(&path)? {
             None => (1, [0; 32], 0),
             Some(mut reader) => {
                 for entry in reader.by_ref() {
-                    replay(&entry?);
+                    replay(entry?);
                     report.records += 1;
                 }
                 report.torn = reader.torn.clone();
@@ -343,7 +382,10 @@ impl Journal {
             rustix::fs::fsync(&file).map_err(|e| io_at(&path)(e.into()))?;
         }
         file.seek(SeekFrom::End(0)).map_err(io_at(&path))?;
-        crate::host::fs::sync_dir(&dir).map_err(io_at(&dir))?;
+        if !existed {
+            // A new journal file must survive a crash together with its first records.
+            crate::host::fs::sync_dir(&dir).map_err(io_at(&dir))?;
+        }
         Ok((
             Journal {
                 dir,
@@ -393,7 +435,7 @@ impl Journal {
             ts,
             record,
             offset: self.size,
-            hash: hex::encode(hash),
+            hash,
         };
         self.size += self.line.len() as u64;
         self.next_seq += 1;
@@ -565,7 +607,7 @@ mod tests {
 
     fn replay_all(dir: &Path) -> (Vec<Entry>, OpenReport) {
         let mut seen = Vec::new();
-        let (_j, report) = Journal::open(dir, |e| seen.push(e.clone())).unwrap();
+        let (_j, report) = Journal::open(dir, |e| seen.push(e)).unwrap();
         (seen, report)
     }
 

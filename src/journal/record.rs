@@ -2,9 +2,64 @@
 
 use serde::{Deserialize, Serialize};
 
+use serde_json::value::RawValue;
+
 use crate::engine::status::{ErrorInfo, Phase, PlanStatus};
 use crate::host::fs::FileMeta;
-use crate::plan::NodePath;
+use crate::plan::{ChangeKind, Disruption, NodePath};
+
+/// A plan document kept as JSON text: replaying a journal does not parse the plans of runs
+/// that finished; only an unfinished run's plan is read back into a `Plan`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct PlanDoc(Box<RawValue>);
+
+impl PlanDoc {
+    /// Wraps a plan document.
+    pub fn from_value(v: &serde_json::Value) -> PlanDoc {
+        let text = serde_json::to_string(v).unwrap_or_else(|_| "null".into());
+        PlanDoc(
+            RawValue::from_string(text)
+                .unwrap_or_else(|_| RawValue::from_string("null".into()).expect("null is JSON")),
+        )
+    }
+
+    /// Parses the document.
+    pub fn to_value(&self) -> serde_json::Value {
+        serde_json::from_str(self.0.get()).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The JSON text.
+    pub fn text(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl PartialEq for PlanDoc {
+    fn eq(&self, other: &PlanDoc) -> bool {
+        self.0.get() == other.0.get()
+    }
+}
+
+/// What status needs of one change without reading the plan: kind, target, disruption.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangeSummary {
+    /// Kind.
+    pub kind: ChangeKind,
+    /// What it is about.
+    pub target: String,
+    /// Disruption when it changes something.
+    pub disruption: Disruption,
+}
+
+/// What status needs of one gate without reading the plan.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckSummary {
+    /// Kind (`httpGet`).
+    pub kind: String,
+    /// What it checks.
+    pub target: String,
+}
 
 /// One journal record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,7 +87,13 @@ pub enum Record {
         /// `cli` or `grpc`.
         source: String,
         /// The canonical plan document.
-        plan: serde_json::Value,
+        plan: PlanDoc,
+        /// Kind, target and disruption of each change (so a replay need not read `plan`).
+        #[serde(default)]
+        changes: Vec<ChangeSummary>,
+        /// Kind and target of each gate.
+        #[serde(default)]
+        checks: Vec<CheckSummary>,
     },
     /// The run entered a phase.
     Phase {
@@ -153,7 +214,7 @@ pub enum Record {
         /// Its final status (per-change results may be trimmed for old plans).
         status: Box<PlanStatus>,
         /// The canonical plan, kept for recent unsuccessful plans so they can be retried.
-        plan: Option<serde_json::Value>,
+        plan: Option<PlanDoc>,
     },
 }
 

@@ -30,7 +30,7 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_plan_bytes: 16 << 20,
+            max_plan_bytes: 64 << 20,
             max_changes: 10_000,
             max_checks: 100,
             max_content_bytes: 4 << 20,
