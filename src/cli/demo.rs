@@ -264,6 +264,7 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     let settings = SettingsInput {
         root: Some(dir.clone()),
         no_chroot: true,
+        services_off: true,
         ..SettingsInput::default()
     }
     .resolve()?;
@@ -291,7 +292,7 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     );
 
     let (engine, _) =
-        Engine::open(settings.engine.clone(), host.clone(), None).map_err(|e| e.to_string())?;
+        Engine::open(settings.engine.clone(), host.clone()).map_err(|e| e.to_string())?;
     heading(2, "apply it");
     let first =
         run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "apply failed")?;

@@ -28,24 +28,51 @@ pub struct RunState {
     pub rolled_back: BTreeSet<u32>,
     /// Gates that passed.
     pub checks_passed: BTreeSet<u32>,
-    /// Units restarted (forward), and during rollback.
-    pub restarted: BTreeSet<String>,
-    /// Units restarted during rollback.
-    pub restarted_rollback: BTreeSet<String>,
+    /// Unit jobs (restarts, starts, stops; forward and rollback), in journal order.
+    pub unit_jobs: Vec<super::units::JobRecord>,
     /// daemon-reload done (forward, rollback).
     pub reloaded: (bool, bool),
-    /// A reboot requested by change `index` from boot `boot_id`.
-    pub reboot: Option<(u32, String)>,
+    /// The last reboot requested, not yet seen to have happened.
+    pub reboot: Option<RebootRequest>,
+    /// The last reboot change after which the node did reboot: changes before it are live.
+    pub rebooted_at: Option<u32>,
     /// Somebody asked to cancel.
     pub cancel_requested: bool,
     /// Timestamp of the last record of this run (step durations).
     pub last_ts: u64,
 }
 
+/// A reboot a run asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RebootRequest {
+    /// The reboot change.
+    pub index: u32,
+    /// The boot id when it was first requested.
+    pub boot_id: String,
+    /// When it was first requested (Unix ms).
+    pub requested_at_ms: u64,
+}
+
 impl RunState {
     /// True when some change of this run mutated the node.
     pub fn changed_anything(&self) -> bool {
         !self.preimages.is_empty()
+    }
+
+    /// The forward (not rollback) job record of `unit`, if any.
+    pub fn forward_job(&self, unit: &str) -> Option<&super::units::JobRecord> {
+        self.unit_jobs
+            .iter()
+            .rev()
+            .find(|j| !j.rollback && j.unit == unit)
+    }
+
+    /// The rollback job record of `unit`, if any.
+    pub fn rollback_job(&self, unit: &str) -> Option<&super::units::JobRecord> {
+        self.unit_jobs
+            .iter()
+            .rev()
+            .find(|j| j.rollback && j.unit == unit)
     }
 }
 
@@ -143,6 +170,7 @@ impl Table {
             checks: Vec::new(),
             error: None,
             rebooting: false,
+            services: String::new(),
             accepted_at_ms: ts,
             started_at_ms: None,
             finished_at_ms: None,
@@ -190,10 +218,10 @@ impl Table {
                         done: BTreeSet::new(),
                         rolled_back: BTreeSet::new(),
                         checks_passed: BTreeSet::new(),
-                        restarted: BTreeSet::new(),
-                        restarted_rollback: BTreeSet::new(),
+                        unit_jobs: Vec::new(),
                         reloaded: (false, false),
                         reboot: None,
+                        rebooted_at: None,
                         cancel_requested: false,
                         last_ts: ts,
                     },
@@ -285,6 +313,13 @@ impl Table {
                 status.progress.current = index + 1;
                 status.progress.message = step_name(*index, &rs.plan);
                 rs.last_ts = ts;
+                if let Some(crate::plan::Change::Reboot(_)) = rs.plan.changes.get(*index as usize) {
+                    status.rebooting = false;
+                    rs.reboot = None;
+                    if *changed {
+                        rs.rebooted_at = Some(*index);
+                    }
+                }
             }
             (Record::StepFailed { index, error, .. }, Some(rs)) => {
                 if let Some(c) = status.changes.get_mut(*index as usize) {
@@ -322,21 +357,112 @@ impl Table {
                 Record::UnitRestarted {
                     unit,
                     rollback,
+                    skipped,
                     message,
                     ..
                 },
                 Some(rs),
             ) => {
-                if *rollback {
-                    rs.restarted_rollback.insert(unit.clone());
-                } else {
-                    rs.restarted.insert(unit.clone());
+                // Written by earlier versions: a restart, done or skipped.
+                rs.unit_jobs.push(super::units::JobRecord {
+                    unit: unit.clone(),
+                    job: crate::host::systemd::UnitJob::Restart,
+                    rollback: *rollback,
+                    before: Default::default(),
+                    outcome: Some(if *skipped {
+                        crate::journal::UnitJobOutcome::Skipped
+                    } else {
+                        crate::journal::UnitJobOutcome::Done
+                    }),
+                    message: message.clone(),
+                    queued: !*skipped,
+                });
+                status.progress.message = message.clone();
+            }
+            (
+                Record::UnitJobStarted {
+                    unit,
+                    job,
+                    rollback,
+                    before,
+                    ..
+                },
+                Some(rs),
+            ) => {
+                rs.unit_jobs.push(super::units::JobRecord {
+                    unit: unit.clone(),
+                    job: *job,
+                    rollback: *rollback,
+                    before: before.clone(),
+                    outcome: None,
+                    message: String::new(),
+                    queued: true,
+                });
+                status.progress.message = format!(
+                    "{} {unit}{}",
+                    match job {
+                        crate::host::systemd::UnitJob::Start => "starting",
+                        crate::host::systemd::UnitJob::Stop => "stopping",
+                        crate::host::systemd::UnitJob::Restart => "restarting",
+                    },
+                    if *rollback { " (rollback)" } else { "" }
+                );
+            }
+            (
+                Record::UnitJobDone {
+                    unit,
+                    job,
+                    rollback,
+                    outcome,
+                    message,
+                    ..
+                },
+                Some(rs),
+            ) => {
+                let open =
+                    rs.unit_jobs.iter_mut().rev().find(|j| {
+                        j.unit == *unit && j.rollback == *rollback && j.outcome.is_none()
+                    });
+                match open {
+                    Some(j) => {
+                        j.outcome = Some(*outcome);
+                        j.message = message.clone();
+                    }
+                    None => rs.unit_jobs.push(super::units::JobRecord {
+                        unit: unit.clone(),
+                        job: *job,
+                        rollback: *rollback,
+                        before: Default::default(),
+                        outcome: Some(*outcome),
+                        message: message.clone(),
+                        queued: false,
+                    }),
                 }
                 status.progress.message = message.clone();
             }
+            (Record::SystemdUnreachable { message, .. }, Some(_)) => {
+                status.progress.message = message.clone();
+            }
+            (Record::ServiceManager { description, .. }, Some(_)) => {
+                status.services = description.clone();
+            }
             (Record::RebootRequested { index, boot_id, .. }, Some(rs)) => {
-                rs.reboot = Some((*index, boot_id.clone()));
+                let same = rs
+                    .reboot
+                    .as_ref()
+                    .is_some_and(|r| r.index == *index && r.boot_id == *boot_id);
+                if !same {
+                    rs.reboot = Some(RebootRequest {
+                        index: *index,
+                        boot_id: boot_id.clone(),
+                        requested_at_ms: ts,
+                    });
+                }
                 status.rebooting = true;
+                status.progress.message = format!(
+                    "waiting for the node to reboot ({})",
+                    step_name(*index, &rs.plan)
+                );
             }
             (
                 Record::CheckDone {

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-pub use record::{FileBefore, Preimage, Record};
+pub use record::{FileBefore, Preimage, Record, UnitJobOutcome};
 
 use crate::failpoint;
 
