@@ -46,6 +46,14 @@ enum Command {
     Version(OutputArgs),
     /// A guided tour in a sandbox node tree: apply, re-apply, roll back
     Demo(demo::DemoArgs),
+    /// DEMO STAND-IN for the kubelet, run by `demo --systemd` inside its sandboxed node (not
+    /// a kubelet; see inplace_agent::sandbox::standin)
+    #[command(hide = true, disable_help_flag = true)]
+    KubeletStandin {
+        /// kubelet arguments
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Output format.
@@ -163,6 +171,7 @@ pub fn main() -> ExitCode {
         Command::Journal(a) => journal::run(&a),
         Command::Version(a) => version(a.output),
         Command::Demo(a) => demo::run(&a),
+        Command::KubeletStandin { args } => return crate::sandbox::standin::run(&args),
     };
     ExitCode::from(code)
 }
