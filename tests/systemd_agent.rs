@@ -79,7 +79,10 @@ fn text(o: &Output) -> String {
 fn apply(node: &SandboxNode, plan: &Path, extra: &[&str]) -> (i32, Value, String) {
     let mut args = vec!["apply", "--no-progress", "-o", "json"];
     args.extend_from_slice(extra);
-    let out = agent(node, &args).arg(plan).output().expect("run the agent");
+    let out = agent(node, &args)
+        .arg(plan)
+        .output()
+        .expect("run the agent");
     let all = text(&out);
     let status = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
     (out.status.code().unwrap_or(-1), status, all)
@@ -113,20 +116,14 @@ fn journal(node: &SandboxNode, run: u64) -> Vec<(String, Value)> {
 }
 
 fn count(records: &[(String, Value)], kind: &str, pred: impl Fn(&Value) -> bool) -> usize {
-    records
-        .iter()
-        .filter(|(k, v)| k == kind && pred(v))
-        .count()
+    records.iter().filter(|(k, v)| k == kind && pred(v)).count()
 }
 
 fn jobs(records: &[(String, Value)], unit: &str, job: &str, rollback: bool) -> Vec<Value> {
     records
         .iter()
         .filter(|(k, v)| {
-            k == "unitJobDone"
-                && v["unit"] == unit
-                && v["job"] == job
-                && v["rollback"] == rollback
+            k == "unitJobDone" && v["unit"] == unit && v["job"] == job && v["rollback"] == rollback
         })
         .map(|(_, v)| v.clone())
         .collect()
@@ -190,7 +187,10 @@ fn kubelet_config_and_flags_restart_the_kubelet_once_and_pass_the_gates() {
     assert_eq!(report["daemonReload"], false);
     assert_eq!(report["applicable"], true, "{report:#}");
     assert!(
-        report["services"].as_str().unwrap_or_default().starts_with("systemd on unix:path=/proc/"),
+        report["services"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("systemd on unix:path=/proc/"),
         "{report:#}"
     );
 
@@ -200,13 +200,17 @@ fn kubelet_config_and_flags_restart_the_kubelet_once_and_pass_the_gates() {
     assert_eq!(code, 0, "{out}");
     assert_eq!(status["phase"], "Succeeded", "{status:#}");
     assert_eq!(status["hookResponse"]["retryAfterSeconds"], 0);
-    assert!(status["services"].as_str().unwrap_or_default().starts_with("systemd on "));
+    assert!(
+        status["services"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("systemd on ")
+    );
     for gate in status["checks"].as_array().unwrap() {
         assert_eq!(gate["state"], "Passed", "{gate:#}");
     }
     assert_eq!(
-        status["checks"][2]["message"],
-        "/usr/local/bin/kubelet reports v1.30.4",
+        status["checks"][2]["message"], "/usr/local/bin/kubelet reports v1.30.4",
         "the root's kubelet ran"
     );
 
@@ -215,14 +219,21 @@ fn kubelet_config_and_flags_restart_the_kubelet_once_and_pass_the_gates() {
     assert_ne!(after, before);
     let log = starts(&node);
     assert_eq!(log.len(), starts_before + 1, "{log:#?}");
-    assert!(log[starts_before].starts_with(&format!("{after} ok ")), "{log:#?}");
+    assert!(
+        log[starts_before].starts_with(&format!("{after} ok ")),
+        "{log:#?}"
+    );
     assert!(log[starts_before].contains("maxPods 150"), "{log:#?}");
     let records = journal(&node, run_of(&status));
     let restarts = jobs(&records, KUBELET, "restart", false);
     assert_eq!(restarts.len(), 1, "{records:#?}");
     assert_eq!(restarts[0]["outcome"], "done");
     assert_eq!(count(&records, "unitJobStarted", |_| true), 1);
-    assert_eq!(count(&records, "daemonReloaded", |_| true), 0, "no unit file changed");
+    assert_eq!(
+        count(&records, "daemonReloaded", |_| true),
+        0,
+        "no unit file changed"
+    );
     let state = systemd.unit_state(KUBELET).unwrap();
     assert!(state.is_active(), "{state}");
     assert_eq!(node.http_get(10248, "/healthz"), Ok((200, "ok".into())));
@@ -241,7 +252,11 @@ fn kubelet_config_and_flags_restart_the_kubelet_once_and_pass_the_gates() {
     assert_eq!(invocation(&systemd, KUBELET), after);
     assert_eq!(starts(&node).len(), starts_before + 1);
     let records = journal(&node, run_of(&noop));
-    assert_eq!(count(&records, "unitJobStarted", |_| true), 0, "{records:#?}");
+    assert_eq!(
+        count(&records, "unitJobStarted", |_| true),
+        0,
+        "{records:#?}"
+    );
     assert_eq!(count(&records, "unitJobDone", |_| true), 0, "{records:#?}");
 }
 
@@ -276,7 +291,10 @@ verify:
         "{error:#}"
     );
     let detail = error["detail"].as_str().unwrap();
-    assert!(detail.contains("earlier: restart kubelet.service: job failed"), "{detail}");
+    assert!(
+        detail.contains("earlier: restart kubelet.service: job failed"),
+        "{detail}"
+    );
     assert!(detail.contains("maxPods"), "{detail}");
     let hook = &status["hookResponse"];
     assert_eq!(hook["status"], "Failure");
@@ -294,18 +312,30 @@ verify:
     let state = systemd.unit_state(KUBELET).unwrap();
     assert!(state.is_active(), "{state}");
     assert!(
-        state.status_text.unwrap_or_default().contains("maxPods 110"),
+        state
+            .status_text
+            .unwrap_or_default()
+            .contains("maxPods 110"),
         "runs the old config"
     );
     let now = invocation(&systemd, KUBELET);
     assert_ne!(now, before);
     let log = starts(&node);
     let new = &log[starts_before..];
-    assert!(new[0].contains("refused") && new[0].contains("maxPods"), "{new:#?}");
-    assert!(new.last().unwrap().starts_with(&format!("{now} ok ")), "{new:#?}");
+    assert!(
+        new[0].contains("refused") && new[0].contains("maxPods"),
+        "{new:#?}"
+    );
+    assert!(
+        new.last().unwrap().starts_with(&format!("{now} ok ")),
+        "{new:#?}"
+    );
     assert_eq!(node.http_get(10248, "/healthz"), Ok((200, "ok".into())));
     let records = journal(&node, run_of(&status));
-    assert_eq!(jobs(&records, KUBELET, "restart", false)[0]["outcome"], "failed");
+    assert_eq!(
+        jobs(&records, KUBELET, "restart", false)[0]["outcome"],
+        "failed"
+    );
     let back = jobs(&records, KUBELET, "restart", true);
     assert_eq!(back.len(), 1, "{records:#?}");
     assert_eq!(back[0]["outcome"], "done");
@@ -337,7 +367,11 @@ verify:
     assert_eq!(code, 0, "{out}");
     assert_eq!(status["phase"], "Succeeded", "{status:#}");
     let records = journal(&node, run_of(&status));
-    assert_eq!(count(&records, "daemonReloaded", |_| true), 1, "{records:#?}");
+    assert_eq!(
+        count(&records, "daemonReloaded", |_| true),
+        1,
+        "{records:#?}"
+    );
     assert_eq!(jobs(&records, "hello.service", "start", false).len(), 1);
     assert_eq!(count(&records, "unitJobDone", |_| true), 1, "{records:#?}");
     assert!(
@@ -352,10 +386,14 @@ verify:
     );
     assert!(systemd.unit_state("hello.service").unwrap().is_active());
     let greeting = || node.read_file("/run/hello.env");
-    assert_eq!(eventually(Duration::from_secs(5), || {
-        let g = greeting();
-        (!g.is_empty()).then_some(g)
-    }).as_deref(), Some("greeting=none\n"));
+    assert_eq!(
+        eventually(Duration::from_secs(5), || {
+            let g = greeting();
+            (!g.is_empty()).then_some(g)
+        })
+        .as_deref(),
+        Some("greeting=none\n")
+    );
     let first = invocation(&systemd, "hello.service");
     let report = check(&node, &plan);
     assert_eq!(report["changes"][0]["result"], "unchanged", "{report:#}");
@@ -375,8 +413,16 @@ verify:
     assert_eq!(code, 0, "{out}");
     assert_eq!(status["phase"], "Succeeded", "{status:#}");
     let records = journal(&node, run_of(&status));
-    assert_eq!(count(&records, "daemonReloaded", |_| true), 1, "{records:#?}");
-    assert_eq!(count(&records, "unitJobStarted", |_| true), 1, "{records:#?}");
+    assert_eq!(
+        count(&records, "daemonReloaded", |_| true),
+        1,
+        "{records:#?}"
+    );
+    assert_eq!(
+        count(&records, "unitJobStarted", |_| true),
+        1,
+        "{records:#?}"
+    );
     assert_eq!(jobs(&records, "hello.service", "restart", false).len(), 1);
     assert_ne!(invocation(&systemd, "hello.service"), first);
     assert_eq!(
@@ -434,8 +480,14 @@ fn a_unit_that_fails_to_start_is_a_clear_error_and_everything_is_undone() {
     assert_eq!(error["kind"], "systemd", "{error:#}");
     assert_eq!(error["step"], "start broken.service", "{error:#}");
     let detail = error["detail"].as_str().unwrap();
-    assert!(detail.starts_with("job failed; unit is failed/failed (result exit-code)"), "{detail}");
-    assert!(detail.contains("broken.service is still not running"), "{detail}");
+    assert!(
+        detail.starts_with("job failed; unit is failed/failed (result exit-code)"),
+        "{detail}"
+    );
+    assert!(
+        detail.contains("broken.service is still not running"),
+        "{detail}"
+    );
 
     // Nothing half-done: no file, no unit file, no enablement link, unit not running or
     // failed, and systemd reloaded after the unit file was removed.
@@ -453,8 +505,15 @@ fn a_unit_that_fails_to_start_is_a_clear_error_and_everything_is_undone() {
         Err(SystemdError::NoSuchUnit { .. })
     ));
     let records = journal(&node, run_of(&status));
-    assert_eq!(count(&records, "daemonReloaded", |v| v["rollback"] == true), 1);
-    assert_eq!(jobs(&records, "broken.service", "stop", true).len(), 1, "{records:#?}");
+    assert_eq!(
+        count(&records, "daemonReloaded", |v| v["rollback"] == true),
+        1
+    );
+    assert_eq!(
+        jobs(&records, "broken.service", "stop", true).len(),
+        1,
+        "{records:#?}"
+    );
 }
 
 /// Starts `apply` in the background (its pid is the agent's: nsenter execs it).
@@ -519,7 +578,10 @@ fn a_reboot_in_the_middle_resumes_after_it_and_runs_later_changes_once() {
     // It waits to be taken down, with the changes before the reboot applied, nothing
     // restarted, and nothing after the reboot done yet.
     std::thread::sleep(Duration::from_millis(300));
-    assert!(child.try_wait().unwrap().is_none(), "the agent should wait for the reboot");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the agent should wait for the reboot"
+    );
     assert!(node.path("/etc/kubernetes/before.conf").exists());
     assert!(!node.path("/etc/kubernetes/after.conf").exists());
     assert_eq!(invocation(&systemd, KUBELET), before);
@@ -530,7 +592,10 @@ fn a_reboot_in_the_middle_resumes_after_it_and_runs_later_changes_once() {
         .map(|(_, v)| v)
         .collect();
     assert_eq!(requests.len(), 1, "{records:#?}");
-    assert_eq!(requests[0]["bootId"], "11111111-aaaa-4aaa-8aaa-111111111111");
+    assert_eq!(
+        requests[0]["bootId"],
+        "11111111-aaaa-4aaa-8aaa-111111111111"
+    );
     // The reboot kills the agent...
     child.kill().expect("kill the agent");
     let _ = child.wait();
@@ -543,10 +608,9 @@ fn a_reboot_in_the_middle_resumes_after_it_and_runs_later_changes_once() {
     assert_eq!(status["rebooting"], false);
     assert_eq!(status["changes"][2]["state"], "Changed");
     assert!(
-        status["changes"][2]["message"]
-            .as_str()
-            .unwrap()
-            .contains("11111111-aaaa-4aaa-8aaa-111111111111 → 22222222-bbbb-4bbb-8bbb-222222222222"),
+        status["changes"][2]["message"].as_str().unwrap().contains(
+            "11111111-aaaa-4aaa-8aaa-111111111111 → 22222222-bbbb-4bbb-8bbb-222222222222"
+        ),
         "{status:#}"
     );
     let records = journal(&node, 1);
@@ -561,10 +625,17 @@ fn a_reboot_in_the_middle_resumes_after_it_and_runs_later_changes_once() {
     assert_eq!(count(&records, "rebootRequested", |_| true), 1);
     assert_eq!(count(&records, "stepDone", |v| v["index"] == 2), 1);
     // One restart, for the kubelet flags changed after the reboot.
-    assert_eq!(jobs(&records, KUBELET, "restart", false).len(), 1, "{records:#?}");
+    assert_eq!(
+        jobs(&records, KUBELET, "restart", false).len(),
+        1,
+        "{records:#?}"
+    );
     assert_eq!(starts(&node).len(), starts_before + 1);
     assert!(node.path("/etc/kubernetes/after.conf").exists());
-    assert!(node.read_file("/var/lib/kubelet/kubeadm-flags.env").contains("tier=after"));
+    assert!(
+        node.read_file("/var/lib/kubelet/kubeadm-flags.env")
+            .contains("tier=after")
+    );
 }
 
 #[test]
@@ -666,19 +737,33 @@ fn the_bus_dying_mid_restart_is_reported_and_the_restart_is_done_once() {
     assert_eq!(status["phase"], "Succeeded", "{status:#}");
     let records = journal(&node, run_of(&status));
     let lost = count(&records, "systemdUnreachable", |v| {
-        v["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("lost the connection to systemd") && m.contains("reconnecting in"))
+        v["message"].as_str().is_some_and(|m| {
+            m.contains("lost the connection to systemd") && m.contains("reconnecting in")
+        })
     });
     assert!(lost >= 1, "the lost connection is journaled: {records:#?}");
-    assert_eq!(count(&records, "unitJobStarted", |_| true), 1, "{records:#?}");
+    assert_eq!(
+        count(&records, "unitJobStarted", |_| true),
+        1,
+        "{records:#?}"
+    );
     let restarts = jobs(&records, KUBELET, "restart", false);
     assert_eq!(restarts.len(), 1, "{records:#?}");
     assert_eq!(restarts[0]["outcome"], "done");
     let log = starts(&node);
-    assert_eq!(log.len(), starts_before + 1, "restarted exactly once: {log:#?}");
-    let systemd = node.wait_for_bus(Duration::from_secs(10)).expect("bus back");
-    assert!(log.last().unwrap().starts_with(&format!("{} ok ", invocation(&systemd, KUBELET))));
+    assert_eq!(
+        log.len(),
+        starts_before + 1,
+        "restarted exactly once: {log:#?}"
+    );
+    let systemd = node
+        .wait_for_bus(Duration::from_secs(10))
+        .expect("bus back");
+    assert!(
+        log.last()
+            .unwrap()
+            .starts_with(&format!("{} ok ", invocation(&systemd, KUBELET)))
+    );
     assert!(log.last().unwrap().contains("maxPods 130"));
 }
 
@@ -718,12 +803,92 @@ fn a_bus_that_stays_down_never_lets_the_plan_succeed() {
     assert!(detail.contains("systemd unreachable"), "{detail}");
     assert!(detail.contains("the node needs attention"), "{detail}");
     // The files were restored all the same.
-    assert!(!node.read_file("/var/lib/kubelet/config.yaml").contains("maxPods: 130"));
+    assert!(
+        !node
+            .read_file("/var/lib/kubelet/config.yaml")
+            .contains("maxPods: 130")
+    );
     let records = journal(&node, run_of(&status));
-    assert!(count(&records, "systemdUnreachable", |_| true) >= 2, "{records:#?}");
+    assert!(
+        count(&records, "systemdUnreachable", |_| true) >= 2,
+        "{records:#?}"
+    );
     assert_eq!(
         jobs(&records, KUBELET, "restart", false)[0]["outcome"],
         "failed",
         "{records:#?}"
     );
+}
+
+/// True when the agent binary was built with the crash-test failpoints (`tests/run` does).
+fn has_failpoints() -> bool {
+    let out = Command::new(BIN)
+        .args(["version", "-o", "json"])
+        .output()
+        .expect("run version");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("version json");
+    v["failpoints"] == true
+}
+
+#[test]
+fn a_crash_around_a_restart_never_restarts_twice() {
+    if !has_failpoints() {
+        eprintln!("SKIP a_crash_around_a_restart_never_restarts_twice: built without failpoints");
+        return;
+    }
+    let Some(node) = SandboxNode::boot() else {
+        return;
+    };
+    let systemd = node.install_kubelet_standin();
+    let work = Work::new();
+    // Aborted after the restart was journaled but before it was queued, and after it was
+    // done but before that was journaled: each resume ends with exactly one restart.
+    for (n, point) in ["unit.before_job", "unit.after_job"].iter().enumerate() {
+        let plan = work.plan(
+            &format!("crash{n}.yaml"),
+            &format!("crash@{n}"),
+            &format!(
+                "changes:\n  - kubeletConfig: {{mergePatch: {{maxPods: {}}}}}\n{GATES}",
+                140 + n
+            ),
+        );
+        let starts_before = starts(&node).len();
+        let before = invocation(&systemd, KUBELET);
+        let out = agent(&node, &["apply", "--no-progress"])
+            .arg(&plan)
+            .env("INPLACE_AGENT_CRASH_AT", point)
+            .output()
+            .expect("run the agent");
+        assert!(
+            out.status.code().is_none(),
+            "aborted at {point}: {}",
+            text(&out)
+        );
+        let (code, status, out) = apply(&node, &plan, &[]);
+        assert_eq!(code, 0, "{point}: {out}");
+        assert_eq!(status["phase"], "Succeeded", "{point}: {status:#}");
+        let records = journal(&node, run_of(&status));
+        assert_eq!(
+            count(&records, "unitJobStarted", |_| true),
+            1,
+            "{point}: {records:#?}"
+        );
+        assert_eq!(
+            jobs(&records, KUBELET, "restart", false).len(),
+            1,
+            "{point}"
+        );
+        let log = starts(&node);
+        assert_eq!(
+            log.len(),
+            starts_before + 1,
+            "{point}: restarted once: {log:#?}"
+        );
+        assert_ne!(invocation(&systemd, KUBELET), before);
+        assert!(
+            log.last()
+                .unwrap()
+                .contains(&format!("maxPods {}", 140 + n))
+        );
+    }
 }

@@ -31,6 +31,10 @@ pub struct DemoArgs {
     /// Print lines instead of progress bars
     #[arg(long)]
     plain: bool,
+    /// The tour against a real systemd: boots this machine's systemd in a sandbox on an
+    /// overlay of / and shows a kubelet restart and a rolled-back bad config (needs root)
+    #[arg(long)]
+    systemd: bool,
 }
 
 const TUNING: &str = include_str!("../../examples/plans/kubelet-tuning.yaml");
@@ -215,6 +219,9 @@ fn plan_for(text: &str, port: u16) -> Result<Plan, String> {
 
 /// Runs the demo.
 pub fn run(args: &DemoArgs) -> u8 {
+    if args.systemd {
+        return super::demo_systemd::run(args.plain);
+    }
     match tour(args) {
         Ok(code) => code,
         Err(e) => {
@@ -378,6 +385,15 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     } else {
         println!("The sandbox is removed now (use --keep to look around).");
         drop(temp);
+    }
+    if rustix::process::geteuid().is_root() {
+        println!(
+            "\nWith a real systemd (restarts done, not only journaled): inplace-agent demo --systemd"
+        );
+    } else {
+        println!(
+            "\n(inplace-agent demo --systemd shows restarts on a real systemd; it needs root)"
+        );
     }
     let ok = first.phase == Phase::Succeeded
         && noop.counts.changed == 0

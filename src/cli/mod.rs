@@ -4,6 +4,7 @@
 
 mod apply;
 pub mod demo;
+mod demo_systemd;
 mod journal;
 mod render;
 

@@ -244,12 +244,13 @@ impl Runner {
         failpoint::hit("unit.after_job");
         match result {
             Ok(outcome) => {
-                let message = format!(
-                    "{} {unit} in {:.1}s: {}",
-                    job.past(),
-                    outcome.elapsed.as_secs_f64(),
-                    outcome.state
-                );
+                let took = outcome.elapsed;
+                let took = if took < Duration::from_secs(1) {
+                    format!("{} ms", took.as_millis())
+                } else {
+                    format!("{:.1}s", took.as_secs_f64())
+                };
+                let message = format!("{} {unit} in {took}: {}", job.past(), outcome.state);
                 self.record(done(UnitJobOutcome::Done, message.clone()), true)?;
                 Ok(Ok(message))
             }
