@@ -120,6 +120,28 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
         Ok(p) => (Some(p), Vec::new()),
         Err(errors) => (None, errors),
     };
+    // Ask systemd once, up front, when the plan needs it: a unit change is not diffed
+    // against an unreachable bus (each call would keep reconnecting for a minute).
+    let needs_bus = plan
+        .changes
+        .iter()
+        .any(|c| steps::needs_services(c) || !c.restart_units().is_empty())
+        || plan
+            .verify
+            .iter()
+            .any(|c| steps::verify::unsupported_without_services(&c.probe).is_some());
+    let bus_down = match host.services() {
+        Some(services) if needs_bus => services.ping().err().map(|e| {
+            format!(
+                "the plan needs systemd but it is not reachable: {e} (use --services off to \
+                 apply without service management)"
+            )
+        }),
+        _ => None,
+    };
+    if let Some(why) = &bus_down {
+        report.errors.push(FieldError::new("", why.clone()));
+    }
     let mut effects: BTreeMap<usize, units::Effect> = BTreeMap::new();
     let mut would_change: BTreeSet<usize> = BTreeSet::new();
     let mut last_reboot: Option<usize> = None;
@@ -141,6 +163,8 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             (CheckResultKind::Unsupported, why)
         } else if !mine.is_empty() {
             (CheckResultKind::Invalid, mine.join("; "))
+        } else if let (Change::Unit(_), Some(why)) = (change, &bus_down) {
+            (CheckResultKind::Invalid, why.clone())
         } else if let Change::Reboot(_) = change {
             if units::reboot_needed(plan, i, &would_change) {
                 last_reboot = Some(i);
@@ -193,18 +217,6 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
     let up = units::plan_units(plan, &effects, last_reboot);
     report.daemon_reload = up.reload;
     report.restart_units = up.restarts();
-    if !up.is_empty()
-        && let Some(services) = host.services()
-        && let Err(e) = services.ping()
-    {
-        report.errors.push(FieldError::new(
-            "",
-            format!(
-                "the plan restarts or changes units but systemd is not reachable: {e} (use \
-                 --services off to apply without service management)"
-            ),
-        ));
-    }
     report.errors.extend(
         field_errors
             .into_iter()

@@ -633,3 +633,102 @@ impl Table {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::status::{HookStatus, RETRY_IN_PROGRESS, RETRY_REBOOTING};
+    use crate::plan::parse_plan;
+
+    fn entry(seq: u64, ts: u64, record: Record) -> Entry {
+        Entry {
+            seq,
+            ts,
+            record,
+            offset: 0,
+            hash: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_reboot_asks_capi_to_come_back_later_until_the_node_is_back() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n  - reboot: {reason: kernel}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        let records = [
+            Record::PlanAccepted {
+                run: 1,
+                id: "p".into(),
+                digest: plan.digest(),
+                attempt: 1,
+                source: "cli".into(),
+                plan: plan.canonical_json(),
+            },
+            Record::Phase {
+                run: 1,
+                phase: Phase::Applying,
+                error: None,
+            },
+            Record::RebootRequested {
+                run: 1,
+                index: 1,
+                boot_id: "b1".into(),
+            },
+        ];
+        for (i, r) in records.into_iter().enumerate() {
+            table.apply(&entry(i as u64 + 1, 1000 + i as u64, r));
+        }
+        let status = table.by_run(1).unwrap();
+        assert!(status.rebooting);
+        let hook = status.hook_response();
+        assert_eq!(hook.status, HookStatus::Success);
+        assert_eq!(hook.retry_after_seconds, RETRY_REBOOTING);
+        assert_eq!(hook.message, "plan p: waiting for the node to reboot");
+        let request = table.run_state(1).unwrap().reboot.clone().unwrap();
+        assert_eq!((request.index, request.requested_at_ms), (1, 1002));
+        // Asked again from the same boot (after a restart of the agent): the first request
+        // time stays, so the step timeout is not extended.
+        table.apply(&entry(
+            4,
+            5000,
+            Record::RebootRequested {
+                run: 1,
+                index: 1,
+                boot_id: "b1".into(),
+            },
+        ));
+        assert_eq!(
+            table
+                .run_state(1)
+                .unwrap()
+                .reboot
+                .as_ref()
+                .unwrap()
+                .requested_at_ms,
+            1002
+        );
+        table.apply(&entry(
+            5,
+            9000,
+            Record::StepDone {
+                run: 1,
+                index: 1,
+                changed: true,
+                message: "the node rebooted".into(),
+            },
+        ));
+        let status = table.by_run(1).unwrap();
+        assert!(!status.rebooting);
+        assert_eq!(
+            status.hook_response().retry_after_seconds,
+            RETRY_IN_PROGRESS
+        );
+        let rs = table.run_state(1).unwrap();
+        assert_eq!(rs.rebooted_at, Some(1));
+        assert!(rs.reboot.is_none());
+    }
+}

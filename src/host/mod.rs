@@ -134,12 +134,23 @@ impl Host {
         }
     }
 
-    /// The current boot id, if the node exposes one.
+    /// The current boot id, if the node exposes one. Without `boot_id_path`, a root whose
+    /// `/proc` is not mounted (`/host` in a container) falls back to the agent's own
+    /// `/proc/sys/kernel/random/boot_id`: the boot id is the kernel's, the same everywhere.
     pub fn boot_id(&self) -> Option<String> {
-        std::fs::read_to_string(self.boot_id_path())
-            .ok()
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
+        let read = |p: &Path| {
+            std::fs::read_to_string(p)
+                .ok()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+        };
+        read(&self.boot_id_path()).or_else(|| {
+            self.settings
+                .boot_id_path
+                .is_none()
+                .then(|| read(Path::new("/proc/sys/kernel/random/boot_id")))
+                .flatten()
+        })
     }
 
     /// Where the boot id is read: `boot_id_path`, or `<root>/proc/sys/kernel/random/boot_id`.
