@@ -8,9 +8,10 @@
 //! - a unit is restarted when something it depends on changed: a `file`/`absent`/`artifact`
 //!   change naming it in `restartUnits`, `kubeletConfig`/`kubeletFlags` (kubelet.service),
 //!   a `package` or `kubeadmUpgradeNode` that names it, or its own unit file or drop-in;
-//! - a unit change's `state` is enforced: `stopped` stops it (and it is never restarted),
-//!   `running` starts it when it is not running (a start loads the new files, so no restart
-//!   follows);
+//! - a unit change's `state` is enforced when the change found the unit in another state (and
+//!   for every unit change after a reboot): `stopped` stops it (a unit that must be stopped is
+//!   never restarted), `running` starts it when it is not running (a start loads the new
+//!   files, so no restart follows);
 //! - a unit with no desired state that is not running is left alone (a restart would start
 //!   it); a failed one is restarted;
 //! - each unit gets at most one job, stops first, then the rest in the order the plan first
@@ -151,6 +152,9 @@ pub fn plan_units(
     let mut desired: BTreeMap<String, UnitState> = BTreeMap::new();
     let mut why: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let mut reload = false;
+    // Units whose change found them in the wrong run state (before or after a reboot: the
+    // state is checked again when the job is decided).
+    let mut run_state: BTreeSet<String> = BTreeSet::new();
     for (i, change) in plan.changes.iter().enumerate() {
         for u in fed_units(change) {
             if !order.contains(&u) {
@@ -165,6 +169,9 @@ pub fn plan_units(
         let Some(effect) = effects.get(&i).filter(|e| e.changed) else {
             continue;
         };
+        if let (Change::Unit(u), true) = (change, effect.run_state) {
+            run_state.insert(u.name.clone());
+        }
         if !after_reboot(i) {
             continue;
         }
@@ -183,16 +190,19 @@ pub fn plan_units(
     let mut rest = Vec::new();
     for u in order {
         let reasons = why.remove(&u).unwrap_or_default();
-        let want = match (desired.get(&u), reasons.is_empty()) {
-            (Some(UnitState::Stopped), _) => Want::Stopped,
-            (Some(UnitState::Running), true) => Want::Running,
-            (Some(UnitState::Running), false) => Want::Restart {
+        // After a reboot every desired state is checked again: the boot reset them.
+        let asked = run_state.contains(&u) || rebooted_at.is_some();
+        let want = match desired.get(&u) {
+            // A unit that must stay stopped is never restarted.
+            Some(UnitState::Stopped) if asked || !reasons.is_empty() => Want::Stopped,
+            Some(UnitState::Running) if !reasons.is_empty() => Want::Restart {
                 start_if_stopped: true,
             },
-            (None, false) => Want::Restart {
+            Some(UnitState::Running) if asked => Want::Running,
+            None if !reasons.is_empty() => Want::Restart {
                 start_if_stopped: false,
             },
-            (None, true) => continue,
+            _ => continue,
         };
         let entry = UnitWant {
             unit: u,
@@ -422,7 +432,8 @@ mod tests {
             "  - unit: {name: b.service, content: '[Service]\\nExecStart=/bin/true\\n', state: running}\n\
              \x20 - unit: {name: a.service, dropIn: {name: 10-x.conf, content: x}, state: stopped}\n\
              \x20 - unit: {name: c.service, enabled: true}\n\
-             \x20 - unit: {name: d.service, state: running}\n",
+             \x20 - unit: {name: d.service, state: running}\n\
+             \x20 - unit: {name: e.service, state: stopped}\n",
         );
         let mut effects = changed(&[0, 1], UNIT_FILE);
         effects.insert(
@@ -432,6 +443,14 @@ mod tests {
                 reload: true,
                 restart: false,
                 run_state: false,
+            },
+        );
+        effects.insert(
+            3,
+            Effect {
+                changed: true,
+                run_state: true,
+                ..Effect::default()
             },
         );
         let up = plan_units(&p, &effects, None);
@@ -448,7 +467,7 @@ mod tests {
                 ),
                 ("d.service".to_string(), Want::Running),
             ],
-            "enabling c.service restarts nothing; stops come first"
+            "enabling c.service restarts nothing; stops come first; e.service was stopped already"
         );
     }
 

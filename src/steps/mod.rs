@@ -341,13 +341,17 @@ pub fn preflight(
             }
             Change::KubeletFlags(_) => check_path("set", &kubelet::flags_path(), &mut errors),
             Change::Unit(u) => {
-                for p in unit::paths(u) {
-                    let field = if u.drop_in.is_some() && p.as_str().contains(".d/") {
-                        "dropIn"
-                    } else {
-                        "name"
-                    };
-                    check_path(field, &p, &mut errors);
+                if u.content.is_some()
+                    && let Some(p) = unit::unit_file_path(&u.name)
+                {
+                    check_path("name", &p, &mut errors);
+                }
+                if let Some(p) = u
+                    .drop_in
+                    .as_ref()
+                    .and_then(|d| unit::drop_in_path(&u.name, &d.name))
+                {
+                    check_path("dropIn", &p, &mut errors);
                 }
             }
             Change::Sysctl(s) => {

@@ -108,7 +108,7 @@ impl Runner {
                             rollback: false,
                             outcome: UnitJobOutcome::Skipped,
                             message: format!(
-                                "{} not restarted: service management is {how} on this agent",
+                                "{} not restarted: this agent's service management is {how}",
                                 u.unit
                             ),
                         },
