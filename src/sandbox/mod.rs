@@ -193,7 +193,7 @@ impl SandboxNode {
     pub fn try_boot() -> Result<SandboxNode, BootError> {
         if !rustix::process::geteuid().is_root() {
             return Err(BootError::Unavailable(
-                "needs root (run the tests as root, as CI does)".into(),
+                "needs root (it creates namespaces, mounts and cgroups)".into(),
             ));
         }
         let systemd_bin = check_prerequisites().map_err(BootError::Unavailable)?;
