@@ -324,6 +324,7 @@ fn replay(r: &mut Report, records: u64, runs: usize) {
             root,
             commands_in_root: false,
             boot_id_path: None,
+            services: inplace_agent::host::ServiceSettings::Off,
         })
         .expect("host"),
     );
@@ -331,7 +332,7 @@ fn replay(r: &mut Report, records: u64, runs: usize) {
     for _ in 0..runs {
         let cfg = EngineConfig::new(state.clone());
         let start = Instant::now();
-        let (engine, report) = Engine::open(cfg, host.clone(), None).expect("open");
+        let (engine, report) = Engine::open(cfg, host.clone()).expect("open");
         times.push(start.elapsed());
         assert_eq!(report.records, written);
         drop(engine);

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::engine::EngineConfig;
-use crate::host::HostSettings;
+use crate::host::systemd::system_bus_address;
+use crate::host::{HostSettings, ServiceSettings};
 use crate::plan::{AllowList, Limits, NodePath};
 use crate::steps::Capabilities;
 
@@ -41,6 +42,15 @@ pub struct SettingsInput {
     pub allow_exec: bool,
     /// Hosts artifacts may be fetched from over plain http.
     pub allow_http_hosts: Vec<String>,
+    /// Manage no units at all (`--services off`): restarts are journaled as skipped, unit
+    /// and reboot changes and `unitActive` gates are refused. For plain directory trees.
+    pub services_off: bool,
+    /// The D-Bus address of the node's system bus (default
+    /// `unix:path=<root>/run/dbus/system_bus_socket`).
+    pub bus: Option<String>,
+    /// Read the boot id here instead of `<root>/proc/sys/kernel/random/boot_id` (tests
+    /// simulate a reboot by changing this file).
+    pub boot_id_file: Option<PathBuf>,
 }
 
 impl SettingsInput {
@@ -72,6 +82,21 @@ impl SettingsInput {
             exec_allowed: self.allow_exec,
             kinds: Capabilities::implemented(),
         };
+        let services = match (self.services_off, self.bus) {
+            (true, Some(bus)) => {
+                return Err(format!(
+                    "bus {bus:?}: a bus address makes no sense with service management off"
+                ));
+            }
+            (true, None) => ServiceSettings::Off,
+            (false, Some(bus)) if bus.trim().is_empty() => {
+                return Err("bus: empty D-Bus address".to_string());
+            }
+            (false, Some(bus)) => ServiceSettings::Systemd { bus },
+            (false, None) => ServiceSettings::Systemd {
+                bus: system_bus_address(&root),
+            },
+        };
         let limits = Limits {
             allow,
             allow_http_hosts: self.allow_http_hosts,
@@ -81,7 +106,8 @@ impl SettingsInput {
             host: HostSettings {
                 root,
                 commands_in_root: !self.no_chroot,
-                boot_id_path: None,
+                boot_id_path: self.boot_id_file,
+                services,
             },
             engine,
             limits,

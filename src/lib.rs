@@ -14,4 +14,5 @@ pub mod host;
 pub mod journal;
 pub mod plan;
 pub mod rpc;
+pub mod sandbox;
 pub mod steps;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use inplace_agent::host::systemd::{
     ActiveState, LoadState, Systemd, UnitFileState, unix_path_address,
 };
-use sandbox::SandboxNode;
+use sandbox::{SandboxNode, StandinExt};
 
 const JOB: Duration = Duration::from_secs(30);
 const KUBELET: &str = "kubelet.service";

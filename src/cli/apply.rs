@@ -123,7 +123,13 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
             } else {
                 format!(" (restarts {})", report.restart_units.join(", "))
             };
-            println!("disruption: {}{units}", report.disruption);
+            let reload = if report.daemon_reload {
+                " (one daemon-reload)"
+            } else {
+                ""
+            };
+            println!("disruption: {}{units}{reload}", report.disruption);
+            println!("service management: {}", report.services);
             if !report.applicable {
                 println!("this node cannot apply the plan as it is");
             }
@@ -172,7 +178,11 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
         }
         return EXIT_INVALID;
     }
-    let (engine, report) = match Engine::open(settings.engine.clone(), host, None) {
+    if let Err(e) = services_ready(&host, &plan) {
+        eprintln!("error: {e}");
+        return EXIT_FAILED;
+    }
+    let (engine, report) = match Engine::open(settings.engine.clone(), host) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("error: {e}");
@@ -196,6 +206,34 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
         }
         Err(code) => code,
     }
+}
+
+/// Checks that systemd answers when the plan will need it (units, reboots, restarts,
+/// `unitActive` gates), so that `apply` says so at once instead of retrying until the step
+/// timeout. Nothing is journaled before this.
+pub fn services_ready(host: &Host, plan: &Plan) -> Result<(), String> {
+    let Some(services) = host.services() else {
+        return Ok(());
+    };
+    let needs = plan
+        .changes
+        .iter()
+        .any(|c| crate::steps::needs_services(c) || !c.restart_units().is_empty())
+        || plan
+            .verify
+            .iter()
+            .any(|c| matches!(c.probe, crate::plan::Probe::UnitActive { .. }));
+    if !needs {
+        return Ok(());
+    }
+    services.ping().map(|_| ()).map_err(|e| {
+        format!(
+            "plan {} needs systemd (restarts, units, reboots or unitActive gates) but it is not \
+             reachable: {e}; to apply it to a plain directory tree without managing units, pass \
+             --services off",
+            plan.id
+        )
+    })
 }
 
 /// Submits a plan to a local engine and runs it on this thread to its end, showing progress

@@ -31,6 +31,10 @@ pub struct DemoArgs {
     /// Print lines instead of progress bars
     #[arg(long)]
     plain: bool,
+    /// The tour against a real systemd: boots this machine's systemd in a sandbox on an
+    /// overlay of / and shows a kubelet restart and a rolled-back bad config (needs root)
+    #[arg(long)]
+    systemd: bool,
 }
 
 const TUNING: &str = include_str!("../../examples/plans/kubelet-tuning.yaml");
@@ -215,6 +219,9 @@ fn plan_for(text: &str, port: u16) -> Result<Plan, String> {
 
 /// Runs the demo.
 pub fn run(args: &DemoArgs) -> u8 {
+    if args.systemd {
+        return super::demo_systemd::run(args.plain);
+    }
     match tour(args) {
         Ok(code) => code,
         Err(e) => {
@@ -264,6 +271,7 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     let settings = SettingsInput {
         root: Some(dir.clone()),
         no_chroot: true,
+        services_off: true,
         ..SettingsInput::default()
     }
     .resolve()?;
@@ -291,7 +299,7 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     );
 
     let (engine, _) =
-        Engine::open(settings.engine.clone(), host.clone(), None).map_err(|e| e.to_string())?;
+        Engine::open(settings.engine.clone(), host.clone()).map_err(|e| e.to_string())?;
     heading(2, "apply it");
     let first =
         run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "apply failed")?;
@@ -377,6 +385,15 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     } else {
         println!("The sandbox is removed now (use --keep to look around).");
         drop(temp);
+    }
+    if rustix::process::geteuid().is_root() {
+        println!(
+            "\nWith a real systemd (restarts done, not only journaled): inplace-agent demo --systemd"
+        );
+    } else {
+        println!(
+            "\n(inplace-agent demo --systemd shows restarts on a real systemd; it needs root)"
+        );
     }
     let ok = first.phase == Phase::Succeeded
         && noop.counts.changed == 0

@@ -35,6 +35,9 @@ impl JournalArgs {
                 node_name: None,
                 no_chroot: true,
                 allow_exec: false,
+                services: super::Services::Off,
+                bus: None,
+                boot_id_file: None,
             },
             output: Output::Text,
             verify: false,
@@ -108,6 +111,36 @@ pub fn describe(record: &Record) -> String {
             "{unit}{}: {message}",
             if *rollback { " (rollback)" } else { "" }
         ),
+        Record::UnitJobStarted {
+            unit,
+            job,
+            rollback,
+            before,
+            ..
+        } => format!(
+            "{job} {unit}{}: queued (was {}/{})",
+            if *rollback { " (rollback)" } else { "" },
+            before.active_state,
+            before.sub_state
+        ),
+        Record::UnitJobDone {
+            outcome,
+            rollback,
+            message,
+            ..
+        } => format!(
+            "{}{}: {message}",
+            match outcome {
+                crate::journal::UnitJobOutcome::Done => "done",
+                crate::journal::UnitJobOutcome::Skipped => "skipped",
+                crate::journal::UnitJobOutcome::Failed => "FAILED",
+            },
+            if *rollback { " (rollback)" } else { "" }
+        ),
+        Record::SystemdUnreachable { message, .. } => message.clone(),
+        Record::ServiceManager { description, .. } => {
+            format!("service management: {description}")
+        }
         Record::RebootRequested { index, boot_id, .. } => {
             format!("changes[{index}] reboot requested from boot {boot_id}")
         }

@@ -4,6 +4,7 @@
 
 mod apply;
 pub mod demo;
+mod demo_systemd;
 mod journal;
 mod render;
 
@@ -46,6 +47,14 @@ enum Command {
     Version(OutputArgs),
     /// A guided tour in a sandbox node tree: apply, re-apply, roll back
     Demo(demo::DemoArgs),
+    /// DEMO STAND-IN for the kubelet, run by `demo --systemd` inside its sandboxed node (not
+    /// a kubelet; see inplace_agent::sandbox::standin)
+    #[command(hide = true, disable_help_flag = true)]
+    KubeletStandin {
+        /// kubelet arguments
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Output format.
@@ -85,6 +94,26 @@ pub struct NodeArgs {
     /// Allow `exec` changes
     #[arg(long)]
     pub allow_exec: bool,
+    /// Manage units through systemd (restarts, unit changes, reboots) or not at all; `off`
+    /// is for plain directory trees: restarts are then journaled as skipped
+    #[arg(long, env = "INPLACE_AGENT_SERVICES", value_enum, default_value_t = Services::Systemd)]
+    pub services: Services,
+    /// D-Bus address of the node's system bus [default: unix:path=<root>/run/dbus/system_bus_socket]
+    #[arg(long, env = "INPLACE_AGENT_BUS", value_name = "ADDRESS")]
+    pub bus: Option<String>,
+    /// Read the boot id from this file instead of <root>/proc/sys/kernel/random/boot_id
+    /// (a reboot is seen as a different boot id; tests use this to simulate one)
+    #[arg(long, value_name = "FILE")]
+    pub boot_id_file: Option<PathBuf>,
+}
+
+/// How the agent manages units (`--services`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Services {
+    /// systemd over D-Bus.
+    Systemd,
+    /// No service management.
+    Off,
 }
 
 impl NodeArgs {
@@ -97,6 +126,9 @@ impl NodeArgs {
             node_name: self.node_name.clone(),
             no_chroot: self.no_chroot,
             allow_exec: self.allow_exec,
+            services_off: self.services == Services::Off,
+            bus: self.bus.clone(),
+            boot_id_file: self.boot_id_file.clone(),
             ..SettingsInput::default()
         }
     }
@@ -140,6 +172,7 @@ pub fn main() -> ExitCode {
         Command::Journal(a) => journal::run(&a),
         Command::Version(a) => version(a.output),
         Command::Demo(a) => demo::run(&a),
+        Command::KubeletStandin { args } => return crate::sandbox::standin::run(&args),
     };
     ExitCode::from(code)
 }

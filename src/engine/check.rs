@@ -3,9 +3,12 @@
 
 use serde::Serialize;
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use super::EngineConfig;
+use super::units;
 use crate::host::Host;
-use crate::plan::{Disruption, FieldError, Plan};
+use crate::plan::{Change, Disruption, FieldError, Plan};
 use crate::steps;
 
 /// What one change would do.
@@ -74,8 +77,12 @@ pub struct CheckReport {
     pub applicable: bool,
     /// The most disruptive effect of the changes that would change something.
     pub disruption: Disruption,
-    /// Units that would be restarted.
+    /// Units that would be restarted (units a `state` would start or stop are not listed).
     pub restart_units: Vec<String>,
+    /// Whether systemd would reload its unit files (once).
+    pub daemon_reload: bool,
+    /// How this agent manages units (`systemd on ...`, `off`).
+    pub services: String,
     /// Plan-level problems (node name, accounts).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<FieldError>,
@@ -95,6 +102,8 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
         applicable: true,
         disruption: Disruption::None,
         restart_units: Vec::new(),
+        daemon_reload: false,
+        services: host.services_description(),
         errors: Vec::new(),
         changes: Vec::new(),
         checks: Vec::new(),
@@ -111,7 +120,31 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
         Ok(p) => (Some(p), Vec::new()),
         Err(errors) => (None, errors),
     };
-    let mut units = std::collections::BTreeSet::new();
+    // Ask systemd once, up front, when the plan needs it: a unit change is not diffed
+    // against an unreachable bus (each call would keep reconnecting for a minute).
+    let needs_bus = plan
+        .changes
+        .iter()
+        .any(|c| steps::needs_services(c) || !c.restart_units().is_empty())
+        || plan
+            .verify
+            .iter()
+            .any(|c| steps::verify::unsupported_without_services(&c.probe).is_some());
+    let bus_down = match host.services() {
+        Some(services) if needs_bus => services.ping().err().map(|e| {
+            format!(
+                "the plan needs systemd but it is not reachable: {e} (use --services off to \
+                 apply without service management)"
+            )
+        }),
+        _ => None,
+    };
+    if let Some(why) = &bus_down {
+        report.errors.push(FieldError::new("", why.clone()));
+    }
+    let mut effects: BTreeMap<usize, units::Effect> = BTreeMap::new();
+    let mut would_change: BTreeSet<usize> = BTreeSet::new();
+    let mut last_reboot: Option<usize> = None;
     for (i, change) in plan.changes.iter().enumerate() {
         let prefix = format!("changes[{i}].");
         let mine: Vec<String> = field_errors
@@ -119,11 +152,32 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             .filter(|e| e.field.starts_with(&prefix))
             .map(|e| e.to_string())
             .collect();
-        let disruption = steps::disruption(change);
-        let (result, detail) = if let Some(why) = config.capabilities.unsupported(change) {
+        let mut disruption = steps::disruption(change);
+        let unsupported = config.capabilities.unsupported(change).or_else(|| {
+            host.services()
+                .is_none()
+                .then(|| steps::unsupported_without_services(change))
+                .flatten()
+        });
+        let (result, detail) = if let Some(why) = unsupported {
             (CheckResultKind::Unsupported, why)
         } else if !mine.is_empty() {
             (CheckResultKind::Invalid, mine.join("; "))
+        } else if let (Change::Unit(_), Some(why)) = (change, &bus_down) {
+            (CheckResultKind::Invalid, why.clone())
+        } else if let Change::Reboot(_) = change {
+            if units::reboot_needed(plan, i, &would_change) {
+                last_reboot = Some(i);
+                (
+                    CheckResultKind::WouldChange,
+                    "reboot the node and resume after it".to_string(),
+                )
+            } else {
+                (
+                    CheckResultKind::Unchanged,
+                    "not needed: no change before it would change anything".to_string(),
+                )
+            }
         } else {
             let ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
             match steps::diff(host, change, ctx) {
@@ -131,6 +185,9 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
                     (CheckResultKind::Unchanged, d.note.unwrap_or_default())
                 }
                 Ok(d) => {
+                    let effect = units::effect_of_mutations(&d.mutations);
+                    disruption = units::disruption_of(change, &effect);
+                    effects.insert(i, effect);
                     let mut parts: Vec<String> = d.mutations.iter().map(|m| m.describe()).collect();
                     parts.extend(d.note);
                     (CheckResultKind::WouldChange, parts.join("; "))
@@ -139,8 +196,8 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             }
         };
         if result == CheckResultKind::WouldChange {
+            would_change.insert(i);
             report.disruption = report.disruption.max(disruption);
-            units.extend(change.restart_units());
         }
         if matches!(
             result,
@@ -157,13 +214,21 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             detail,
         });
     }
+    let up = units::plan_units(plan, &effects, last_reboot);
+    report.daemon_reload = up.reload;
+    report.restart_units = up.restarts();
     report.errors.extend(
         field_errors
             .into_iter()
             .filter(|e| !e.field.starts_with("changes[")),
     );
     for (i, c) in plan.verify.iter().enumerate() {
-        let why = config.capabilities.unsupported_check(&c.probe);
+        let why = config.capabilities.unsupported_check(&c.probe).or_else(|| {
+            host.services()
+                .is_none()
+                .then(|| steps::verify::unsupported_without_services(&c.probe))
+                .flatten()
+        });
         if why.is_some() {
             report.applicable = false;
         }
@@ -178,6 +243,5 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
     if !report.errors.is_empty() {
         report.applicable = false;
     }
-    report.restart_units = units.into_iter().collect();
     report
 }

@@ -13,6 +13,7 @@ pub mod check;
 mod run;
 pub mod status;
 pub mod table;
+pub mod units;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -20,7 +21,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::broadcast;
 
-use crate::host::{Host, ServiceManager};
+use crate::host::Host;
 use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
 use crate::plan::{AllowList, FieldError, InvalidPlan, Limits, Plan, validate_value};
@@ -140,7 +141,8 @@ pub struct ProgressEvent {
     pub change: Option<status::ChangeStatus>,
     /// The gate the record was about, as it is now.
     pub check: Option<status::CheckStatus>,
-    /// A unit restart the record was about (`message`).
+    /// News the record carries about unit jobs, restarts, daemon-reloads, reboots and lost
+    /// systemd connections (`Record::note`).
     pub restart: Option<String>,
 }
 
@@ -156,7 +158,6 @@ pub(crate) struct Shared {
     config: EngineConfig,
     host: Arc<Host>,
     backups: BackupStore,
-    services: Option<Arc<dyn ServiceManager>>,
     shutdown: std::sync::atomic::AtomicBool,
 }
 
@@ -204,8 +205,7 @@ impl Shared {
             | Record::StepFailed { index, .. }
             | Record::StepRolledBack { index, .. } => (Some(*index), None, None),
             Record::CheckDone { index, .. } => (None, Some(*index), None),
-            Record::UnitRestarted { message, .. } => (None, None, Some(message.clone())),
-            _ => (None, None, None),
+            other => (None, None, other.note()),
         };
         let entry = inner.journal.append(now_ms(), record, sync)?;
         let seq = entry.seq;
@@ -233,11 +233,11 @@ impl Shared {
 
 impl Engine {
     /// Opens the journal (replaying it; a torn tail is truncated and reported) and prepares
-    /// to resume any unfinished plan. Does not start the worker.
+    /// to resume any unfinished plan. Does not start the worker. Units are managed through
+    /// the host's service manager, as its settings chose ([`Host::services`]).
     pub fn open(
         config: EngineConfig,
         host: Arc<Host>,
-        services: Option<Arc<dyn ServiceManager>>,
     ) -> Result<(Engine, OpenReport), JournalError> {
         let mut table = Table::new(config.keep_plans);
         let (journal, report) = Journal::open(&config.state_dir, |e| table.apply(e))?;
@@ -252,7 +252,6 @@ impl Engine {
                 config,
                 host,
                 backups,
-                services,
                 shutdown: std::sync::atomic::AtomicBool::new(false),
             }),
         };
@@ -499,6 +498,18 @@ pub fn admit(cfg: &EngineConfig, host: &Host, plan: &Plan) -> Result<steps::Prep
     for (i, c) in plan.verify.iter().enumerate() {
         if let Some(why) = cfg.capabilities.unsupported_check(&c.probe) {
             reasons.push(format!("verify[{i}] {}: {why}", c.probe.key()));
+        }
+    }
+    if host.services().is_none() {
+        for (i, c) in plan.changes.iter().enumerate() {
+            if let Some(why) = steps::unsupported_without_services(c) {
+                reasons.push(format!("changes[{i}] {}: {why}", c.kind()));
+            }
+        }
+        for (i, c) in plan.verify.iter().enumerate() {
+            if let Some(why) = steps::verify::unsupported_without_services(&c.probe) {
+                reasons.push(format!("verify[{i}] {}: {why}", c.probe.key()));
+            }
         }
     }
     if !reasons.is_empty() {

@@ -1,5 +1,8 @@
 //! Driving one run through its phases. Every decision reads the run's state from the table
 //! (the journal's fold), so the same code starts a fresh run and resumes one after a crash.
+//! Unit jobs, daemon-reloads and reboots are in `run/services.rs`.
+
+mod services;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -30,6 +33,8 @@ enum Stop {
     Cancelled,
     Superseded(String),
     TimedOut(u64),
+    /// The agent is shutting down: leave the run unfinished; it resumes at the next start.
+    Shutdown,
 }
 
 /// Why the run left its happy path.
@@ -128,6 +133,13 @@ impl Runner {
             };
             if !resumed {
                 resumed = true;
+                self.record(
+                    Record::ServiceManager {
+                        run,
+                        description: self.shared.host.services_description(),
+                    },
+                    false,
+                )?;
                 if phase != Phase::Pending {
                     tracing::info!(run, id = %self.id(run), %phase, "resuming unfinished plan");
                     self.sweep(&rs.plan);
@@ -152,6 +164,10 @@ impl Runner {
                 Ok(()) => continue,
                 Err(Abort::Journal(e)) => return Err(e),
                 Err(Abort::Failed(error)) => return self.fail(run, error),
+                Err(Abort::Stop(Stop::Shutdown)) => {
+                    tracing::info!(run, id = %self.id(run), "shutting down: the plan resumes at the next start");
+                    return Ok(());
+                }
                 Err(Abort::Stop(stop)) => return self.stop(run, stop),
             }
         }
@@ -241,9 +257,13 @@ impl Runner {
             {
                 return Err(Abort::Stop(stop));
             }
+            if let Change::Reboot(_) = &plan.changes[batch[0]] {
+                self.reboot_step(run, batch[0] as u32)?;
+                continue;
+            }
             self.apply_batch(run, &plan, &prepared, &batch, &rs)?;
         }
-        let next = if self.restart_plan(run).is_empty() {
+        let next = if self.unit_plan(run).is_empty() {
             Phase::Verifying
         } else {
             Phase::Restarting
@@ -412,82 +432,6 @@ impl Runner {
         .map_err(journal_err)
     }
 
-    /// Units to restart: those named by changes that changed, in name order.
-    fn restart_plan(&self, run: u64) -> Vec<String> {
-        let Some((_, rs, _)) = self.state(run) else {
-            return Vec::new();
-        };
-        let mut units = BTreeSet::new();
-        for index in rs.preimages.keys() {
-            if let Some(c) = rs.plan.changes.get(*index as usize) {
-                units.extend(c.restart_units());
-            }
-        }
-        units.into_iter().collect()
-    }
-
-    fn restart(&self, run: u64) -> Result<(), Abort> {
-        let units = self.restart_plan(run);
-        let Some((_, rs, _)) = self.state(run) else {
-            return Ok(());
-        };
-        match &self.shared.services {
-            None => {
-                for unit in units.iter().filter(|u| !rs.restarted.contains(*u)) {
-                    self.record(
-                        Record::UnitRestarted {
-                            run,
-                            unit: unit.clone(),
-                            rollback: false,
-                            skipped: true,
-                            message: format!(
-                                "{unit} not restarted: service management is off on this agent"
-                            ),
-                        },
-                        false,
-                    )?;
-                }
-            }
-            Some(services) => {
-                if !rs.reloaded.0 {
-                    services
-                        .daemon_reload()
-                        .map_err(|e| systemd_failure("daemon-reload", e))?;
-                    self.record(
-                        Record::DaemonReloaded {
-                            run,
-                            rollback: false,
-                        },
-                        true,
-                    )?;
-                }
-                for unit in units.iter().filter(|u| !rs.restarted.contains(*u)) {
-                    if let Some(stop) = self
-                        .boundary(run)
-                        .filter(|s| matches!(s, Stop::TimedOut(_)))
-                    {
-                        return Err(Abort::Stop(stop));
-                    }
-                    let message = services
-                        .restart(unit)
-                        .map_err(|e| systemd_failure(&format!("restart {unit}"), e))?;
-                    self.record(
-                        Record::UnitRestarted {
-                            run,
-                            unit: unit.clone(),
-                            rollback: false,
-                            skipped: false,
-                            message,
-                        },
-                        true,
-                    )?;
-                }
-            }
-        }
-        self.phase(run, Phase::Verifying, None)?;
-        Ok(())
-    }
-
     fn verify(&self, run: u64) -> Result<(), Abort> {
         let Some((_, rs, _)) = self.state(run) else {
             return Ok(());
@@ -509,6 +453,7 @@ impl Runner {
             };
             let outcome =
                 crate::steps::verify::run_check(&self.shared.host, check, &stop, &mut progress);
+            let message = self.with_unit_failures(run, outcome.message.clone(), outcome.passed);
             self.record(
                 Record::CheckDone {
                     run,
@@ -525,10 +470,11 @@ impl Runner {
                 return Err(Abort::Failed(ErrorInfo {
                     kind: ErrorKind::Verification,
                     step: Some(name),
-                    detail: outcome.message,
+                    detail: message,
                 }));
             }
         }
+        self.recheck_failed_units(run)?;
         self.finish(run, Phase::Succeeded, None)?;
         Ok(())
     }
@@ -548,6 +494,7 @@ impl Runner {
 
     fn stop(&self, run: u64, stop: Stop) -> Result<(), JournalError> {
         match stop {
+            Stop::Shutdown => Ok(()),
             Stop::Superseded(why) => self.finish(
                 run,
                 Phase::Superseded,
@@ -649,56 +596,9 @@ impl Runner {
             failpoint::hit("rollback.before_record");
             self.record(Record::StepRolledBack { run, index: *index }, false)?;
         }
-        // Restart what the restored files feed, so the old configuration is live again.
-        if let Some(services) = &self.shared.services {
-            let units = self.restart_plan(run);
-            if !units.is_empty() {
-                let rs = self.state(run).map(|s| s.1);
-                let reloaded = rs.as_ref().is_some_and(|r| r.reloaded.1);
-                if !reloaded {
-                    if let Err(e) = services.daemon_reload() {
-                        return self.finish(
-                            run,
-                            Phase::Failed,
-                            Some(rollback_systemd("daemon-reload", e, &error)),
-                        );
-                    }
-                    self.record(
-                        Record::DaemonReloaded {
-                            run,
-                            rollback: true,
-                        },
-                        true,
-                    )?;
-                }
-                for unit in units {
-                    if rs
-                        .as_ref()
-                        .is_some_and(|r| r.restarted_rollback.contains(&unit))
-                    {
-                        continue;
-                    }
-                    match services.restart(&unit) {
-                        Ok(message) => self.record(
-                            Record::UnitRestarted {
-                                run,
-                                unit,
-                                rollback: true,
-                                skipped: false,
-                                message,
-                            },
-                            true,
-                        )?,
-                        Err(e) => {
-                            return self.finish(
-                                run,
-                                Phase::Failed,
-                                Some(rollback_systemd(&format!("restart {unit}"), e, &error)),
-                            );
-                        }
-                    }
-                }
-            }
+        // Reload and undo the unit jobs, so the old configuration is live again.
+        if let Err(failure) = self.rollback_units(run, &error)? {
+            return self.finish(run, Phase::Failed, Some(failure));
         }
         self.finish(run, end, error)
     }
@@ -735,28 +635,6 @@ impl Runner {
     }
 }
 
-fn systemd_failure(what: &str, e: String) -> Abort {
-    Abort::Failed(ErrorInfo {
-        kind: ErrorKind::Systemd,
-        step: Some(what.to_string()),
-        detail: e,
-    })
-}
-
-fn rollback_systemd(what: &str, e: String, after: &Option<ErrorInfo>) -> ErrorInfo {
-    let after = after
-        .as_ref()
-        .map(|e| format!(" (rolling back after: {e})"))
-        .unwrap_or_default();
-    ErrorInfo {
-        kind: ErrorKind::RollbackFailed,
-        step: Some(what.to_string()),
-        detail: format!(
-            "files were restored but {what} failed: {e}; the node needs attention{after}"
-        ),
-    }
-}
-
 fn short(digest: &str) -> &str {
     let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
     &hex[..hex.len().min(12)]
@@ -766,6 +644,8 @@ fn mutation_target(m: &steps::Mutation) -> String {
     match m {
         steps::Mutation::Write { path, .. } | steps::Mutation::Remove { path } => path.to_string(),
         steps::Mutation::SysctlLive { path, .. } => path.to_string(),
+        steps::Mutation::UnitFile { unit, op } => format!("unit-file:{unit}:{op}"),
+        steps::Mutation::UnitRun { unit, .. } => format!("unit-run:{unit}"),
     }
 }
 
@@ -773,6 +653,8 @@ fn preimage_target(p: &crate::journal::Preimage) -> String {
     match p {
         crate::journal::Preimage::File { path, .. }
         | crate::journal::Preimage::Sysctl { path, .. } => path.to_string(),
+        crate::journal::Preimage::UnitFile { unit, op, .. } => format!("unit-file:{unit}:{op}"),
+        crate::journal::Preimage::UnitActive { unit, .. } => format!("unit-run:{unit}"),
         crate::journal::Preimage::Other { kind, data } => format!("{kind}:{data}"),
     }
 }

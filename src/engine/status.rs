@@ -299,6 +299,10 @@ pub struct PlanStatus {
     /// A reboot was requested and the node has not come back yet.
     #[serde(default)]
     pub rebooting: bool,
+    /// How the agent manages units for this run (`systemd on unix:path=...`, or `off` when
+    /// restarts are only journaled), as it said when the run started or resumed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub services: String,
     /// When it was accepted (Unix ms).
     pub accepted_at_ms: u64,
     /// When it started running.

@@ -27,24 +27,51 @@ pub struct RunState {
     pub rolled_back: BTreeSet<u32>,
     /// Gates that passed.
     pub checks_passed: BTreeSet<u32>,
-    /// Units restarted (forward), and during rollback.
-    pub restarted: BTreeSet<String>,
-    /// Units restarted during rollback.
-    pub restarted_rollback: BTreeSet<String>,
+    /// Unit jobs (restarts, starts, stops; forward and rollback), in journal order.
+    pub unit_jobs: Vec<super::units::JobRecord>,
     /// daemon-reload done (forward, rollback).
     pub reloaded: (bool, bool),
-    /// A reboot requested by change `index` from boot `boot_id`.
-    pub reboot: Option<(u32, String)>,
+    /// The last reboot requested, not yet seen to have happened.
+    pub reboot: Option<RebootRequest>,
+    /// The last reboot change after which the node did reboot: changes before it are live.
+    pub rebooted_at: Option<u32>,
     /// Somebody asked to cancel.
     pub cancel_requested: bool,
     /// Timestamp of the last record of this run (step durations).
     pub last_ts: u64,
 }
 
+/// A reboot a run asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RebootRequest {
+    /// The reboot change.
+    pub index: u32,
+    /// The boot id when it was first requested.
+    pub boot_id: String,
+    /// When it was first requested (Unix ms).
+    pub requested_at_ms: u64,
+}
+
 impl RunState {
     /// True when some change of this run mutated the node.
     pub fn changed_anything(&self) -> bool {
         !self.preimages.is_empty()
+    }
+
+    /// The forward (not rollback) job record of `unit`, if any.
+    pub fn forward_job(&self, unit: &str) -> Option<&super::units::JobRecord> {
+        self.unit_jobs
+            .iter()
+            .rev()
+            .find(|j| !j.rollback && j.unit == unit)
+    }
+
+    /// The rollback job record of `unit`, if any.
+    pub fn rollback_job(&self, unit: &str) -> Option<&super::units::JobRecord> {
+        self.unit_jobs
+            .iter()
+            .rev()
+            .find(|j| j.rollback && j.unit == unit)
     }
 }
 
@@ -178,6 +205,7 @@ impl Table {
                     checks: Vec::new(),
                     error: None,
                     rebooting: false,
+                    services: String::new(),
                     accepted_at_ms: ts,
                     started_at_ms: None,
                     finished_at_ms: None,
@@ -312,10 +340,10 @@ impl Table {
                 done: BTreeSet::new(),
                 rolled_back: BTreeSet::new(),
                 checks_passed: BTreeSet::new(),
-                restarted: BTreeSet::new(),
-                restarted_rollback: BTreeSet::new(),
+                unit_jobs: Vec::new(),
                 reloaded: (false, false),
                 reboot: None,
+                rebooted_at: None,
                 cancel_requested: false,
                 last_ts,
             },
@@ -394,6 +422,17 @@ impl Table {
                     status.progress.message = step_name(index, &rs.plan);
                 }
                 rs.last_ts = ts;
+                let is_reboot = status
+                    .changes
+                    .get(index as usize)
+                    .is_some_and(|c| c.kind == crate::plan::ChangeKind::Reboot);
+                if is_reboot {
+                    status.rebooting = false;
+                    rs.reboot = None;
+                    if changed {
+                        rs.rebooted_at = Some(index);
+                    }
+                }
             }
             (Record::StepFailed { index, error, .. }, Some(rs)) => {
                 if let Some(c) = status.changes.get_mut(index as usize) {
@@ -433,21 +472,115 @@ impl Table {
                 Record::UnitRestarted {
                     unit,
                     rollback,
+                    skipped,
                     message,
                     ..
                 },
                 Some(rs),
             ) => {
-                if rollback {
-                    rs.restarted_rollback.insert(unit);
-                } else {
-                    rs.restarted.insert(unit);
-                }
+                // Written by earlier versions: a restart, done or skipped.
+                rs.unit_jobs.push(super::units::JobRecord {
+                    unit,
+                    job: crate::host::systemd::UnitJob::Restart,
+                    rollback,
+                    before: Default::default(),
+                    outcome: Some(if skipped {
+                        crate::journal::UnitJobOutcome::Skipped
+                    } else {
+                        crate::journal::UnitJobOutcome::Done
+                    }),
+                    message: message.clone(),
+                    queued: !skipped,
+                });
                 status.progress.message = message;
             }
+            (
+                Record::UnitJobStarted {
+                    unit,
+                    job,
+                    rollback,
+                    before,
+                    ..
+                },
+                Some(rs),
+            ) => {
+                status.progress.message = format!(
+                    "{} {unit}{}",
+                    match job {
+                        crate::host::systemd::UnitJob::Start => "starting",
+                        crate::host::systemd::UnitJob::Stop => "stopping",
+                        crate::host::systemd::UnitJob::Restart => "restarting",
+                    },
+                    if rollback { " (rollback)" } else { "" }
+                );
+                rs.unit_jobs.push(super::units::JobRecord {
+                    unit,
+                    job,
+                    rollback,
+                    before,
+                    outcome: None,
+                    message: String::new(),
+                    queued: true,
+                });
+            }
+            (
+                Record::UnitJobDone {
+                    unit,
+                    job,
+                    rollback,
+                    outcome,
+                    message,
+                    ..
+                },
+                Some(rs),
+            ) => {
+                let open = rs
+                    .unit_jobs
+                    .iter_mut()
+                    .rev()
+                    .find(|j| j.unit == unit && j.rollback == rollback && j.outcome.is_none());
+                status.progress.message = message.clone();
+                match open {
+                    Some(j) => {
+                        j.outcome = Some(outcome);
+                        j.message = message;
+                    }
+                    None => rs.unit_jobs.push(super::units::JobRecord {
+                        unit,
+                        job,
+                        rollback,
+                        before: Default::default(),
+                        outcome: Some(outcome),
+                        message,
+                        queued: false,
+                    }),
+                }
+            }
+            (Record::SystemdUnreachable { message, .. }, Some(_)) => {
+                status.progress.message = message;
+            }
+            (Record::ServiceManager { description, .. }, Some(_)) => {
+                status.services = description;
+            }
             (Record::RebootRequested { index, boot_id, .. }, Some(rs)) => {
-                rs.reboot = Some((index, boot_id));
+                let same = rs
+                    .reboot
+                    .as_ref()
+                    .is_some_and(|r| r.index == index && r.boot_id == boot_id);
+                if !same {
+                    rs.reboot = Some(RebootRequest {
+                        index,
+                        boot_id,
+                        requested_at_ms: ts,
+                    });
+                }
                 status.rebooting = true;
+                let target = status
+                    .changes
+                    .get(index as usize)
+                    .map(|c| format!("changes[{index}] {} {}", c.kind, c.target))
+                    .unwrap_or_default();
+                status.progress.message = format!("waiting for the node to reboot ({target})");
             }
             (
                 Record::CheckDone {
@@ -617,5 +750,133 @@ impl Table {
                 plan: self.retained.get(&p.run).cloned(),
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::status::{HookStatus, RETRY_IN_PROGRESS, RETRY_REBOOTING};
+    use crate::plan::parse_plan;
+
+    fn entry(seq: u64, ts: u64, record: Record) -> Entry {
+        Entry {
+            seq,
+            ts,
+            record,
+            offset: 0,
+            hash: [0; 32],
+        }
+    }
+
+    fn accepted(plan: &Plan) -> Record {
+        let (changes, checks) = summaries(plan);
+        Record::PlanAccepted {
+            run: 1,
+            id: plan.id.clone(),
+            digest: plan.digest(),
+            attempt: 1,
+            source: "cli".into(),
+            plan: PlanDoc::from_value(&plan.canonical_json()),
+            changes,
+            checks,
+        }
+    }
+
+    #[test]
+    fn a_reboot_asks_capi_to_come_back_later_until_the_node_is_back() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n  - reboot: {reason: kernel}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        let records = [
+            accepted(&plan),
+            Record::Phase {
+                run: 1,
+                phase: Phase::Applying,
+                error: None,
+            },
+            Record::RebootRequested {
+                run: 1,
+                index: 1,
+                boot_id: "b1".into(),
+            },
+        ];
+        for (i, r) in records.into_iter().enumerate() {
+            table.apply(entry(i as u64 + 1, 1000 + i as u64, r));
+        }
+        let status = table.by_run(1).unwrap();
+        assert!(status.rebooting);
+        let hook = status.hook_response();
+        assert_eq!(hook.status, HookStatus::Success);
+        assert_eq!(hook.retry_after_seconds, RETRY_REBOOTING);
+        assert_eq!(hook.message, "plan p: waiting for the node to reboot");
+        let request = table.run_state(1).unwrap().reboot.clone().unwrap();
+        assert_eq!((request.index, request.requested_at_ms), (1, 1002));
+        // Asked again from the same boot (after a restart of the agent): the first request
+        // time stays, so the step timeout is not extended.
+        table.apply(entry(
+            4,
+            5000,
+            Record::RebootRequested {
+                run: 1,
+                index: 1,
+                boot_id: "b1".into(),
+            },
+        ));
+        assert_eq!(
+            table
+                .run_state(1)
+                .unwrap()
+                .reboot
+                .as_ref()
+                .unwrap()
+                .requested_at_ms,
+            1002
+        );
+        table.apply(entry(
+            5,
+            9000,
+            Record::StepDone {
+                run: 1,
+                index: 1,
+                changed: true,
+                message: "the node rebooted".into(),
+            },
+        ));
+        let status = table.by_run(1).unwrap();
+        assert!(!status.rebooting);
+        assert_eq!(
+            status.hook_response().retry_after_seconds,
+            RETRY_IN_PROGRESS
+        );
+        let rs = table.run_state(1).unwrap();
+        assert_eq!(rs.rebooted_at, Some(1));
+        assert!(rs.reboot.is_none());
+    }
+
+    #[test]
+    fn replay_reads_back_only_the_plans_of_unfinished_runs() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        table.apply(entry(1, 1, accepted(&plan)));
+        assert!(
+            table.run_state(1).unwrap().plan.changes.is_empty(),
+            "placeholder while replaying"
+        );
+        assert_eq!(
+            table.by_run(1).unwrap().changes[0].target,
+            "/etc/kubernetes/a"
+        );
+        table.finish_replay();
+        assert_eq!(*table.run_state(1).unwrap().plan, plan);
     }
 }

@@ -117,22 +117,39 @@ fn rio(e: rustix::io::Errno) -> io::Error {
 pub struct Root {
     dir: OwnedFd,
     path: PathBuf,
+    /// What the kernel calls the root directory (`/proc/self/fd/N`), the prefix every
+    /// resolved path starts with. Usually `path`; not for a root reached through another
+    /// mount namespace (`/proc/<pid>/root` of a sandboxed node), whose real name is a path
+    /// in that namespace.
+    real: PathBuf,
 }
 
 const RESOLVE: ResolveFlags = ResolveFlags::IN_ROOT.union(ResolveFlags::NO_MAGICLINKS);
 
 impl Root {
-    /// Opens the root directory.
+    /// Opens the root directory. Its path is kept canonical when that names the same
+    /// directory, and as given (made absolute) otherwise: `/proc/<pid>/root` of a process in
+    /// another mount namespace canonicalizes to a path that only exists in that namespace.
     pub fn open(path: &Path) -> io::Result<Root> {
-        let path = std::fs::canonicalize(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("root {}: {e}", path.display())))?;
+        let named = |e: &dyn std::fmt::Display| format!("root {}: {e}", path.display());
         let dir = rustix::fs::open(
-            &path,
+            path,
             OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             RMode::empty(),
         )
-        .map_err(|e| io::Error::new(rio(e).kind(), format!("root {}: {e}", path.display())))?;
-        Ok(Root { dir, path })
+        .map_err(|e| io::Error::new(rio(e).kind(), named(&e)))?;
+        use std::os::fd::AsRawFd;
+        let real = std::fs::read_link(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+            .map_err(|e| io::Error::new(e.kind(), named(&e)))?;
+        let st = rustix::fs::fstat(&dir).map_err(|e| io::Error::new(rio(e).kind(), named(&e)))?;
+        let same = |p: &Path| {
+            rustix::fs::stat(p).is_ok_and(|o| o.st_dev == st.st_dev && o.st_ino == st.st_ino)
+        };
+        let path = match std::fs::canonicalize(path) {
+            Ok(canonical) if same(&canonical) => canonical,
+            _ => std::path::absolute(path).map_err(|e| io::Error::new(e.kind(), named(&e)))?,
+        };
+        Ok(Root { dir, path, real })
     }
 
     /// The root's path on the agent's own filesystem.
@@ -169,7 +186,7 @@ impl Root {
         use std::os::fd::AsRawFd;
         let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
         let rel = link
-            .strip_prefix(&self.path)
+            .strip_prefix(&self.real)
             .map_err(|_| io::Error::other(format!("{} is not under the root", link.display())))?;
         Ok(format!("/{}", rel.display())
             .trim_end_matches('/')

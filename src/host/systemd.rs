@@ -178,6 +178,24 @@ pub enum SystemdError {
         /// What we were waiting for, appended to the message as is.
         detail: String,
     },
+    /// The connection stayed lost: every reconnection attempt until the call's deadline
+    /// failed.
+    #[error(
+        "{op}: systemd unreachable on {address} for {:.1}s ({attempts} attempts); last error: {last}",
+        .waited.as_secs_f64()
+    )]
+    Unreachable {
+        /// The operation and its target.
+        op: String,
+        /// The bus address.
+        address: String,
+        /// How many times it was tried.
+        attempts: u32,
+        /// From the first attempt to giving up.
+        waited: Duration,
+        /// The last error.
+        last: String,
+    },
     /// Any other D-Bus failure (access denied, bus gone, malformed reply...).
     #[error("{op}: {detail}")]
     Dbus {
@@ -192,7 +210,8 @@ pub enum SystemdError {
 
 impl SystemdError {
     /// A short, bounded label for metrics and logs: `connect`, `invalid_unit_name`,
-    /// `no_such_unit`, `unit_masked`, `job_failed`, `unit_failed`, `timeout` or `dbus`.
+    /// `no_such_unit`, `unit_masked`, `job_failed`, `unit_failed`, `timeout`, `unreachable`
+    /// or `dbus`.
     pub fn kind(&self) -> &'static str {
         match self {
             SystemdError::Connect { .. } => "connect",
@@ -202,7 +221,30 @@ impl SystemdError {
             SystemdError::JobFailed { .. } => "job_failed",
             SystemdError::UnitFailed { .. } => "unit_failed",
             SystemdError::Timeout { .. } => "timeout",
+            SystemdError::Unreachable { .. } => "unreachable",
             SystemdError::Dbus { .. } => "dbus",
+        }
+    }
+
+    /// True when the error means the bus connection is gone or systemd is not (yet) on the
+    /// bus: the connection could not be made or was closed, or the bus answered that nobody
+    /// owns `org.freedesktop.systemd1` (a restarted bus before systemd reconnected to it).
+    /// Such calls may be retried on a new connection; everything else is systemd's answer.
+    pub fn is_connection_lost(&self) -> bool {
+        match self {
+            SystemdError::Connect { .. } | SystemdError::Unreachable { .. } => true,
+            SystemdError::Dbus { name: None, .. } => true,
+            SystemdError::Dbus {
+                name: Some(name), ..
+            } => matches!(
+                name.as_str(),
+                "org.freedesktop.DBus.Error.ServiceUnknown"
+                    | "org.freedesktop.DBus.Error.NameHasNoOwner"
+                    | "org.freedesktop.DBus.Error.NoServer"
+                    | "org.freedesktop.DBus.Error.Disconnected"
+                    | "org.freedesktop.DBus.Local.Disconnected"
+            ),
+            _ => false,
         }
     }
 
@@ -554,6 +596,8 @@ pub struct UnitState {
     pub status_text: Option<String>,
     /// `MainPID` as systemd sees it (in systemd's PID namespace); `None` when no process.
     pub main_pid: Option<u32>,
+    /// The id of the job queued for the unit (`Job`), `None` when no job is pending.
+    pub job: Option<u32>,
 }
 
 impl UnitState {
@@ -754,6 +798,132 @@ impl JobKind {
             // try-restart leaves a stopped unit stopped; only a failure is an error.
             JobKind::TryRestart => !state.is_failed(),
         }
+    }
+}
+
+// === Requests the agent journals ===
+
+/// A unit job the agent queues and journals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum UnitJob {
+    /// `StartUnit`.
+    Start,
+    /// `StopUnit`.
+    Stop,
+    /// `RestartUnit` (starts a stopped unit).
+    Restart,
+}
+
+impl UnitJob {
+    /// `start`, `stop`, `restart`.
+    pub fn verb(self) -> &'static str {
+        match self {
+            UnitJob::Start => "start",
+            UnitJob::Stop => "stop",
+            UnitJob::Restart => "restart",
+        }
+    }
+
+    /// `started`, `stopped`, `restarted`.
+    pub fn past(self) -> &'static str {
+        match self {
+            UnitJob::Start => "started",
+            UnitJob::Stop => "stopped",
+            UnitJob::Restart => "restarted",
+        }
+    }
+
+    fn kind(self) -> JobKind {
+        match self {
+            UnitJob::Start => JobKind::Start,
+            UnitJob::Stop => JobKind::Stop,
+            UnitJob::Restart => JobKind::Restart,
+        }
+    }
+}
+
+impl fmt::Display for UnitJob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.verb())
+    }
+}
+
+/// A change to a unit file's enablement or mask (symlinks in `/etc/systemd/system`, made by
+/// systemd; they take effect at the next daemon-reload).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum UnitFileOp {
+    /// `EnableUnitFiles`.
+    Enable,
+    /// `DisableUnitFiles`.
+    Disable,
+    /// `MaskUnitFiles`.
+    Mask,
+    /// `UnmaskUnitFiles`.
+    Unmask,
+}
+
+impl UnitFileOp {
+    /// `enable`, `disable`, `mask`, `unmask`.
+    pub fn verb(self) -> &'static str {
+        match self {
+            UnitFileOp::Enable => "enable",
+            UnitFileOp::Disable => "disable",
+            UnitFileOp::Mask => "mask",
+            UnitFileOp::Unmask => "unmask",
+        }
+    }
+
+    /// The operation that undoes this one.
+    pub fn inverse(self) -> UnitFileOp {
+        match self {
+            UnitFileOp::Enable => UnitFileOp::Disable,
+            UnitFileOp::Disable => UnitFileOp::Enable,
+            UnitFileOp::Mask => UnitFileOp::Unmask,
+            UnitFileOp::Unmask => UnitFileOp::Mask,
+        }
+    }
+}
+
+impl fmt::Display for UnitFileOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.verb())
+    }
+}
+
+/// What a unit looked like right before the agent queued a job for it: journaled first, so
+/// that after a crash or a lost connection the agent can tell whether its restart already
+/// happened (the unit's `InvocationID` changed, or a job is still pending) instead of
+/// restarting it a second time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UnitBefore {
+    /// `ActiveState` (`active`, `inactive`, `failed`, ...).
+    pub active_state: String,
+    /// `SubState`.
+    pub sub_state: String,
+    /// `InvocationID` in hex; `None` when the unit had not run in this boot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invocation_id: Option<String>,
+}
+
+impl UnitBefore {
+    /// The journaled form of a unit's state.
+    pub fn of(state: &UnitState) -> UnitBefore {
+        UnitBefore {
+            active_state: state.active_state.as_str().to_string(),
+            sub_state: state.sub_state.clone(),
+            invocation_id: state.invocation_id.map(|id| id.to_string()),
+        }
+    }
+
+    /// True when the unit was active (or reloading, refreshing) then.
+    pub fn was_active(&self) -> bool {
+        matches!(
+            self.active_state.as_str(),
+            "active" | "reloading" | "refreshing"
+        )
     }
 }
 
@@ -978,6 +1148,61 @@ impl Systemd {
             .map_err(|e| dbus_error("reboot".to_string(), e, Some(self.call_timeout)))
     }
 
+    /// Runs `job` on `unit` like [`Systemd::start`], [`Systemd::stop`] or
+    /// [`Systemd::restart`], except that with `maybe_queued` (an earlier attempt may have
+    /// queued it before the agent crashed or lost its connection) a restart is first looked
+    /// for: when the unit's `InvocationID` is no longer the one in `before`, or a job is
+    /// pending for it, that restart is waited for and judged instead of queuing another one.
+    /// Start and stop are idempotent and simply queued again.
+    pub fn run_job_once(
+        &self,
+        job: UnitJob,
+        unit: &str,
+        before: &UnitBefore,
+        maybe_queued: bool,
+        timeout: Duration,
+    ) -> Result<UnitOutcome, SystemdError> {
+        if maybe_queued && job == UnitJob::Restart {
+            let started = Instant::now();
+            let now = self.unit_state(unit)?;
+            let invocation = now.invocation_id.map(|id| id.to_string());
+            if now.job.is_some() || invocation != before.invocation_id {
+                let state = self.wait_idle(unit, timeout)?;
+                let op = format!("restart {unit} (queued before the connection was lost)");
+                if !JobKind::Restart.state_ok(&state) {
+                    return Err(SystemdError::UnitFailed {
+                        op,
+                        state: Box::new(state),
+                    });
+                }
+                return Ok(UnitOutcome {
+                    state,
+                    elapsed: started.elapsed(),
+                });
+            }
+        }
+        self.run_job(job.kind(), unit, timeout)
+    }
+
+    /// Waits (polling every 100 ms) until no job is pending for `unit`, then returns its state.
+    pub fn wait_idle(&self, unit: &str, timeout: Duration) -> Result<UnitState, SystemdError> {
+        let started = Instant::now();
+        loop {
+            let state = self.unit_state(unit)?;
+            if state.job.is_none() {
+                return Ok(state);
+            }
+            if started.elapsed() >= timeout {
+                return Err(SystemdError::Timeout {
+                    op: format!("wait for {unit}"),
+                    waited: started.elapsed(),
+                    detail: format!(" waiting for its pending job ({state})"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     // --- internals ---
 
     fn op_error(&self, verb: &str, names: &[&str], err: zbus::Error) -> SystemdError {
@@ -1118,6 +1343,7 @@ impl Systemd {
                 .as_ref()
                 .and_then(|m| number(m, "MainPID"))
                 .filter(|pid| *pid != 0),
+            job: unit_props.get("Job").and_then(job_id),
         })
     }
 
@@ -1140,6 +1366,174 @@ impl Systemd {
     }
 }
 
+// === The service manager over systemd ===
+
+/// First pause before reconnecting after a lost connection; doubled per attempt.
+const RECONNECT_FIRST: Duration = Duration::from_millis(250);
+/// Longest pause between reconnection attempts.
+const RECONNECT_MAX: Duration = Duration::from_secs(8);
+
+/// [`crate::host::ServiceManager`] over systemd's D-Bus API: one cached [`Systemd`]
+/// connection, made at first use; a call that finds the connection lost (bus restarted,
+/// socket gone, systemd not on the bus yet) drops it, says so through the call's report,
+/// waits (250 ms, doubling up to 8 s) and tries again on a new connection until the call's
+/// deadline. A restart interrupted that way is not queued twice (see
+/// [`Systemd::run_job_once`]).
+#[derive(Debug)]
+pub struct SystemdServices {
+    address: String,
+    call_timeout: Duration,
+    conn: std::sync::Mutex<Option<std::sync::Arc<Systemd>>>,
+}
+
+impl SystemdServices {
+    /// A service manager for the bus at `address`; nothing is connected yet.
+    pub fn new(address: String, call_timeout: Duration) -> SystemdServices {
+        SystemdServices {
+            address,
+            call_timeout,
+            conn: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn connection(&self) -> Result<std::sync::Arc<Systemd>, SystemdError> {
+        let mut conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = conn.as_ref() {
+            return Ok(c.clone());
+        }
+        let c = std::sync::Arc::new(Systemd::connect(&self.address, self.call_timeout)?);
+        *conn = Some(c.clone());
+        Ok(c)
+    }
+
+    fn forget(&self) {
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// Runs `f` on a connection, reconnecting while the connection is lost (see the type).
+    /// `f` is told whether an earlier attempt failed after it may have acted.
+    fn retry<T>(
+        &self,
+        op: &str,
+        call: &mut crate::host::ServiceCall<'_>,
+        mut f: impl FnMut(&Systemd, bool) -> Result<T, SystemdError>,
+    ) -> Result<T, SystemdError> {
+        let started = Instant::now();
+        let mut pause = RECONNECT_FIRST;
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let result = self.connection().and_then(|sd| f(&sd, attempt > 1));
+            match result {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_connection_lost() => {
+                    self.forget();
+                    if Instant::now() + pause > call.deadline {
+                        return Err(SystemdError::Unreachable {
+                            op: op.to_string(),
+                            address: self.address.clone(),
+                            attempts: attempt,
+                            waited: started.elapsed(),
+                            last: e.to_string(),
+                        });
+                    }
+                    call.retrying(&format!(
+                        "{op}: lost the connection to systemd ({e}); reconnecting in {:.1}s \
+                         (attempt {attempt})",
+                        pause.as_secs_f64()
+                    ));
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(RECONNECT_MAX);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl crate::host::ServiceManager for SystemdServices {
+    fn describe(&self) -> String {
+        format!("systemd on {}", self.address)
+    }
+
+    fn ping(&self) -> Result<String, SystemdError> {
+        let sd = self.connection()?;
+        Ok(format!("systemd {} on {}", sd.version(), self.address))
+    }
+
+    fn daemon_reload(&self, call: &mut crate::host::ServiceCall<'_>) -> Result<(), SystemdError> {
+        self.retry("daemon-reload", call, |sd, _| sd.daemon_reload())
+    }
+
+    fn unit_state(
+        &self,
+        unit: &str,
+        call: &mut crate::host::ServiceCall<'_>,
+    ) -> Result<UnitState, SystemdError> {
+        self.retry(&format!("show {unit}"), call, |sd, _| sd.unit_state(unit))
+    }
+
+    fn unit_file_state(
+        &self,
+        unit: &str,
+        call: &mut crate::host::ServiceCall<'_>,
+    ) -> Result<Option<UnitFileState>, SystemdError> {
+        self.retry(&format!("is-enabled {unit}"), call, |sd, _| {
+            match sd.unit_file_state(unit) {
+                Ok(s) => Ok(Some(s)),
+                Err(SystemdError::NoSuchUnit { .. }) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+    }
+
+    fn unit_file(
+        &self,
+        op: UnitFileOp,
+        unit: &str,
+        call: &mut crate::host::ServiceCall<'_>,
+    ) -> Result<UnitFileChanges, SystemdError> {
+        let units = [unit];
+        self.retry(&format!("{op} {unit}"), call, |sd, _| match op {
+            UnitFileOp::Enable => sd.enable_unit_files(&units),
+            UnitFileOp::Disable => sd.disable_unit_files(&units),
+            UnitFileOp::Mask => sd.mask_unit_files(&units),
+            UnitFileOp::Unmask => sd.unmask_unit_files(&units),
+        })
+    }
+
+    fn job(
+        &self,
+        job: UnitJob,
+        unit: &str,
+        before: &UnitBefore,
+        maybe_queued: bool,
+        call: &mut crate::host::ServiceCall<'_>,
+    ) -> Result<UnitOutcome, SystemdError> {
+        let deadline = call.deadline;
+        self.retry(&format!("{job} {unit}"), call, |sd, retried| {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_secs(1));
+            sd.run_job_once(job, unit, before, maybe_queued || retried, left)
+        })
+    }
+
+    fn reset_failed(
+        &self,
+        unit: &str,
+        call: &mut crate::host::ServiceCall<'_>,
+    ) -> Result<(), SystemdError> {
+        self.retry(&format!("reset-failed {unit}"), call, |sd, _| {
+            sd.reset_failed(unit)
+        })
+    }
+
+    fn reboot(&self, call: &mut crate::host::ServiceCall<'_>) -> Result<(), SystemdError> {
+        self.retry("reboot", call, |sd, _| sd.reboot())
+    }
+}
+
 /// Decodes an `InvocationID` (`ay`, 16 bytes; empty when the unit has not run).
 fn invocation_id(value: &OwnedValue) -> Option<InvocationId> {
     let Value::Array(array) = &**value else {
@@ -1153,6 +1547,18 @@ fn invocation_id(value: &OwnedValue) -> Option<InvocationId> {
         .ok()?;
     let bytes: [u8; 16] = bytes.try_into().ok()?;
     (bytes != [0; 16]).then_some(InvocationId(bytes))
+}
+
+/// Decodes a unit's `Job` property (`(uo)`: job id and path; id 0 when no job is pending).
+fn job_id(value: &OwnedValue) -> Option<u32> {
+    let Value::Structure(fields) = &**value else {
+        return None;
+    };
+    let id = fields
+        .fields()
+        .first()
+        .and_then(|v| u32::try_from(v).ok())?;
+    (id != 0).then_some(id)
 }
 
 /// Validates one unit name for operation `op`.
@@ -1354,6 +1760,7 @@ mod tests {
             n_restarts: Some(0),
             status_text: None,
             main_pid: None,
+            job: None,
         }
     }
 

@@ -25,7 +25,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-pub use record::{ChangeSummary, CheckSummary, FileBefore, PlanDoc, Preimage, Record};
+pub use record::{
+    ChangeSummary, CheckSummary, FileBefore, PlanDoc, Preimage, Record, UnitJobOutcome,
+};
 
 use crate::failpoint;
 

@@ -6,6 +6,7 @@ use serde_json::value::RawValue;
 
 use crate::engine::status::{ErrorInfo, Phase, PlanStatus};
 use crate::host::fs::FileMeta;
+use crate::host::systemd::{UnitBefore, UnitFileOp, UnitJob};
 use crate::plan::{ChangeKind, Disruption, NodePath};
 
 /// A plan document kept as JSON text: replaying a journal does not parse the plans of runs
@@ -173,6 +174,53 @@ pub enum Record {
         /// What systemd said.
         message: String,
     },
+    /// A unit job is about to be queued (write-ahead, fdatasynced): a start, stop or restart
+    /// in the Restarting phase or during rollback, with the unit's state before it.
+    #[serde(rename_all = "camelCase")]
+    UnitJobStarted {
+        /// Run number.
+        run: u64,
+        /// The unit.
+        unit: String,
+        /// The job.
+        job: UnitJob,
+        /// True during rollback.
+        rollback: bool,
+        /// The unit before the job; after a crash or a lost connection it tells whether a
+        /// restart already happened.
+        before: UnitBefore,
+    },
+    /// A unit job finished (or was not needed, or failed).
+    #[serde(rename_all = "camelCase")]
+    UnitJobDone {
+        /// Run number.
+        run: u64,
+        /// The unit.
+        unit: String,
+        /// The job.
+        job: UnitJob,
+        /// True during rollback.
+        rollback: bool,
+        /// How it ended.
+        outcome: UnitJobOutcome,
+        /// What systemd said (the unit's state, result and status text).
+        message: String,
+    },
+    /// The connection to systemd was lost during a call; the agent reconnects and retries.
+    SystemdUnreachable {
+        /// Run number.
+        run: u64,
+        /// What failed and when the next attempt is.
+        message: String,
+    },
+    /// How this agent manages units for the run (`systemd on unix:path=...` or `off`),
+    /// written when the run starts or resumes.
+    ServiceManager {
+        /// Run number.
+        run: u64,
+        /// The choice, for people.
+        description: String,
+    },
     /// A reboot was requested from this boot.
     #[serde(rename_all = "camelCase")]
     RebootRequested {
@@ -233,6 +281,10 @@ impl Record {
             | Record::StepRolledBack { run, .. }
             | Record::DaemonReloaded { run, .. }
             | Record::UnitRestarted { run, .. }
+            | Record::UnitJobStarted { run, .. }
+            | Record::UnitJobDone { run, .. }
+            | Record::SystemdUnreachable { run, .. }
+            | Record::ServiceManager { run, .. }
             | Record::RebootRequested { run, .. }
             | Record::CheckDone { run, .. }
             | Record::CancelRequested { run }
@@ -253,6 +305,10 @@ impl Record {
             Record::StepRolledBack { .. } => "stepRolledBack",
             Record::DaemonReloaded { .. } => "daemonReloaded",
             Record::UnitRestarted { .. } => "unitRestarted",
+            Record::UnitJobStarted { .. } => "unitJobStarted",
+            Record::UnitJobDone { .. } => "unitJobDone",
+            Record::SystemdUnreachable { .. } => "systemdUnreachable",
+            Record::ServiceManager { .. } => "serviceManager",
             Record::RebootRequested { .. } => "rebootRequested",
             Record::CheckDone { .. } => "checkDone",
             Record::CancelRequested { .. } => "cancelRequested",
@@ -265,9 +321,45 @@ impl Record {
     pub fn is_mutation(&self) -> bool {
         matches!(
             self,
-            Record::StepStarted { .. } | Record::RebootRequested { .. }
+            Record::StepStarted { .. }
+                | Record::RebootRequested { .. }
+                | Record::UnitJobStarted { .. }
         )
     }
+
+    /// A line for watchers about unit jobs, restarts, reboots and lost connections; `None`
+    /// for records that carry no such news.
+    pub fn note(&self) -> Option<String> {
+        let rb = |rollback: bool| if rollback { " (rollback)" } else { "" };
+        match self {
+            Record::UnitRestarted { message, .. } => Some(message.clone()),
+            Record::UnitJobDone {
+                rollback, message, ..
+            } => Some(format!("{message}{}", rb(*rollback))),
+            Record::SystemdUnreachable { message, .. } => Some(message.clone()),
+            Record::DaemonReloaded { rollback, .. } => {
+                Some(format!("systemd reloaded unit files{}", rb(*rollback)))
+            }
+            Record::RebootRequested { index, boot_id, .. } => Some(format!(
+                "changes[{index}]: reboot requested from boot {boot_id}; waiting for the node \
+                 to come back"
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// How a unit job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum UnitJobOutcome {
+    /// systemd finished the job and the unit is where it was asked to be.
+    Done,
+    /// Nothing was queued (service management off, or a unit that is not running and that
+    /// the plan does not ask to run).
+    Skipped,
+    /// The job failed or left the unit failed; the message says how.
+    Failed,
 }
 
 /// What one mutation target looked like before the step, enough to put it back.
@@ -291,6 +383,28 @@ pub enum Preimage {
         path: NodePath,
         /// Its value before.
         before: String,
+    },
+    /// A unit file's enablement or mask before the change enabled, disabled, masked or
+    /// unmasked it; rollback applies the inverse operation.
+    #[serde(rename_all = "camelCase")]
+    UnitFile {
+        /// The unit.
+        unit: String,
+        /// What the change did.
+        op: UnitFileOp,
+        /// `GetUnitFileState` before (`enabled`, `disabled`, `masked`...; `absent` for no
+        /// unit file).
+        before: String,
+    },
+    /// A unit's run state before a change asked for it to be running or stopped. The start
+    /// or stop happens in the Restarting phase and is journaled there; rollback undoes that
+    /// job, so this pre-image itself restores nothing.
+    #[serde(rename_all = "camelCase")]
+    UnitActive {
+        /// The unit.
+        unit: String,
+        /// Its state then.
+        before: UnitBefore,
     },
     /// Host-specific state recorded by later step kinds (units, packages), opaque here.
     Other {

@@ -9,12 +9,14 @@
 pub mod file;
 pub mod kubelet;
 pub mod sysctl;
+pub mod unit;
 pub mod verify;
 
 use crate::engine::status::ErrorKind;
-use crate::host::Host;
 use crate::host::fs::{Existing, FileMeta, FsError};
+use crate::host::systemd::{SystemdError, UnitBefore, UnitFileOp};
 use crate::host::users::Accounts;
+use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
 use crate::journal::backup::{BackupError, BackupStore};
 use crate::journal::{FileBefore, Preimage};
 use crate::plan::{Change, ChangeKind, Disruption, FieldError, NodePath, Plan};
@@ -43,6 +45,21 @@ pub enum Mutation {
         /// The value.
         value: String,
     },
+    /// Enable, disable, mask or unmask a unit file through systemd.
+    UnitFile {
+        /// The unit.
+        unit: String,
+        /// What to do.
+        op: UnitFileOp,
+    },
+    /// Bring a unit to a run state. Recorded with its change (which is then changed); the
+    /// start or stop itself happens in the Restarting phase, after the daemon-reload.
+    UnitRun {
+        /// The unit.
+        unit: String,
+        /// Running or stopped.
+        state: crate::plan::UnitState,
+    },
 }
 
 impl Mutation {
@@ -62,6 +79,14 @@ impl Mutation {
             ),
             Mutation::Remove { path } => format!("remove {path}"),
             Mutation::SysctlLive { path, value } => format!("set {path} = {value}"),
+            Mutation::UnitFile { unit, op } => format!("{op} {unit}"),
+            Mutation::UnitRun { unit, state } => format!(
+                "{} {unit} (after the daemon-reload)",
+                match state {
+                    crate::plan::UnitState::Running => "start",
+                    crate::plan::UnitState::Stopped => "stop",
+                }
+            ),
         }
     }
 }
@@ -113,6 +138,12 @@ impl From<FsError> for StepError {
     }
 }
 
+impl From<SystemdError> for StepError {
+    fn from(e: SystemdError) -> StepError {
+        StepError::new(ErrorKind::Systemd, e.to_string())
+    }
+}
+
 impl From<BackupError> for StepError {
     fn from(e: BackupError) -> StepError {
         let kind = match e.raw_os_error() {
@@ -141,6 +172,8 @@ impl Capabilities {
             ChangeKind::KubeletConfig,
             ChangeKind::KubeletFlags,
             ChangeKind::Sysctl,
+            ChangeKind::Unit,
+            ChangeKind::Reboot,
         ]
     }
 
@@ -168,6 +201,22 @@ impl Capabilities {
     }
 }
 
+/// True for changes that cannot be applied without a service manager (units, reboots).
+pub fn needs_services(change: &Change) -> bool {
+    matches!(change, Change::Unit(_) | Change::Reboot(_))
+}
+
+/// Why `change` cannot be applied on a node whose agent has service management off, or
+/// `None` when it can (restarts are then journaled as skipped, not refused).
+pub fn unsupported_without_services(change: &Change) -> Option<String> {
+    needs_services(change).then(|| {
+        format!(
+            "{} changes need service management, which is off on this agent (--services off)",
+            change.kind()
+        )
+    })
+}
+
 /// True for kinds whose mutations are only file writes and removals, which the engine may
 /// announce in batches with one journal sync.
 pub fn batchable(change: &Change) -> bool {
@@ -177,19 +226,24 @@ pub fn batchable(change: &Change) -> bool {
     )
 }
 
-/// Disruption of a change when it changes something (restarts are computed from it).
+/// Disruption of a change when it changes something (before looking at the node): a reboot
+/// reboots; a unit change that sets content, a drop-in or a run state restarts (or starts or
+/// stops) its unit, one that only enables or masks reloads systemd; a change that feeds units
+/// restarts them; a file under a unit directory reloads systemd.
 pub fn disruption(change: &Change) -> Disruption {
     match change {
         Change::Reboot(_) => Disruption::Reboot,
         Change::Exec(e) => e.disruption,
-        Change::Unit(u) if u.content.is_some() || u.drop_in.is_some() => {
-            if u.state == Some(crate::plan::UnitState::Stopped) {
-                Disruption::DaemonReload
-            } else {
+        Change::Unit(u) => {
+            if u.content.is_some() || u.drop_in.is_some() || u.state.is_some() {
                 Disruption::Restart
+            } else {
+                Disruption::DaemonReload
             }
         }
         c if !c.restart_units().is_empty() => Disruption::Restart,
+        Change::File(f) if unit::is_unit_path(&f.path) => Disruption::DaemonReload,
+        Change::Absent(a) if unit::is_unit_path(&a.path) => Disruption::DaemonReload,
         _ => Disruption::None,
     }
 }
@@ -286,6 +340,20 @@ pub fn preflight(
                 }
             }
             Change::KubeletFlags(_) => check_path("set", &kubelet::flags_path(), &mut errors),
+            Change::Unit(u) => {
+                if u.content.is_some()
+                    && let Some(p) = unit::unit_file_path(&u.name)
+                {
+                    check_path("name", &p, &mut errors);
+                }
+                if let Some(p) = u
+                    .drop_in
+                    .as_ref()
+                    .and_then(|d| unit::drop_in_path(&u.name, &d.name))
+                {
+                    check_path("dropIn", &p, &mut errors);
+                }
+            }
             Change::Sysctl(s) => {
                 if let Err(e) = sysctl::preflight(host, s) {
                     errors.push(FieldError::new(format!("{base}.key"), e));
@@ -313,6 +381,7 @@ pub fn diff(host: &Host, change: &Change, ctx: StepCtx) -> Result<Diff, StepErro
         Change::KubeletConfig(k) => kubelet::diff_config(host, k),
         Change::KubeletFlags(k) => kubelet::diff_flags(host, k, ctx.root_ids),
         Change::Sysctl(s) => sysctl::diff(host, s, ctx.root_ids),
+        Change::Unit(u) => unit::diff(host, u, ctx.root_ids),
         other => Err(StepError::new(
             ErrorKind::Unsupported,
             format!(
@@ -358,6 +427,25 @@ pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preim
                 before: before.trim_end().to_string(),
             })
         }
+        Mutation::UnitFile { unit, op } => {
+            let services = host.services().ok_or_else(unit::services_off)?;
+            let mut call = ServiceCall::within(STEP_BUS_WINDOW);
+            let before = services.unit_file_state(unit, &mut call)?;
+            Ok(Preimage::UnitFile {
+                unit: unit.clone(),
+                op: *op,
+                before: before.map_or_else(|| "absent".to_string(), |s| s.as_str().to_string()),
+            })
+        }
+        Mutation::UnitRun { unit, .. } => {
+            let services = host.services().ok_or_else(unit::services_off)?;
+            let mut call = ServiceCall::within(STEP_BUS_WINDOW);
+            let state = services.unit_state(unit, &mut call)?;
+            Ok(Preimage::UnitActive {
+                unit: unit.clone(),
+                before: UnitBefore::of(&state),
+            })
+        }
     }
 }
 
@@ -375,6 +463,29 @@ pub fn execute(host: &Host, m: &Mutation) -> Result<(), StepError> {
         Mutation::SysctlLive { path, value } => host
             .root
             .write_special(path, format!("{value}\n").as_bytes())?,
+        Mutation::UnitFile { unit, op } => unit_file_op(host, unit, *op)?,
+        // Carried out in the Restarting phase, after the daemon-reload.
+        Mutation::UnitRun { .. } => {}
+    }
+    Ok(())
+}
+
+/// Enables, disables, masks or unmasks a unit file; enabling a unit without an `[Install]`
+/// section is an error (systemd would silently do nothing).
+fn unit_file_op(host: &Host, unit: &str, op: UnitFileOp) -> Result<(), StepError> {
+    let services = host.services().ok_or_else(unit::services_off)?;
+    let mut call = ServiceCall::within(STEP_BUS_WINDOW);
+    let changes = services.unit_file(op, unit, &mut call)?;
+    if op == UnitFileOp::Enable
+        && changes.carries_install_info == Some(false)
+        && changes.changes.is_empty()
+    {
+        return Err(StepError::new(
+            ErrorKind::Precondition,
+            format!(
+                "enable {unit}: its unit file has no [Install] section, so it cannot be enabled"
+            ),
+        ));
     }
     Ok(())
 }
@@ -413,6 +524,9 @@ pub fn restore(host: &Host, backups: &BackupStore, p: &Preimage) -> Result<(), S
             }
             Ok(())
         }
+        Preimage::UnitFile { unit, op, .. } => unit_file_op(host, unit, op.inverse()),
+        // The engine undoes the start or stop itself (it journaled that job).
+        Preimage::UnitActive { .. } => Ok(()),
         Preimage::Other { kind, .. } => Err(StepError::new(
             ErrorKind::Internal,
             format!("cannot restore {kind} state: this agent does not know that step kind"),
@@ -427,6 +541,7 @@ pub fn sweep(host: &Host, change: &Change) -> Result<(), StepError> {
         Change::KubeletConfig(_) => vec![kubelet::config_path()],
         Change::KubeletFlags(_) => vec![kubelet::flags_path()],
         Change::Sysctl(s) => sysctl::conf_path(&s.key).into_iter().collect(),
+        Change::Unit(u) => unit::paths(u),
         _ => Vec::new(),
     };
     for p in paths {

@@ -3,8 +3,19 @@
 
 use std::time::{Duration, Instant};
 
-use crate::host::{Host, http};
+use crate::host::{Host, ServiceCall, http};
 use crate::plan::{Check, Probe};
+
+/// Where `kubeletVersion` looks for the node's kubelet, in this order (the `PATH` of a root
+/// shell on the node); the first that exists in the node's root is run.
+pub const KUBELET_DIRS: &[&str] = &[
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+];
 
 /// The outcome of one gate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,11 +34,26 @@ pub fn unsupported(probe: &Probe) -> Option<String> {
         Probe::HttpGet { url, .. } if !url.starts_with("http://") => {
             Some("httpGet over https is not supported by this agent yet".into())
         }
-        Probe::UnitActive { .. } => {
-            Some("unitActive checks are not supported by this agent yet".into())
-        }
         _ => None,
     }
+}
+
+/// Why a gate cannot run without service management, or `None`.
+pub fn unsupported_without_services(probe: &Probe) -> Option<String> {
+    matches!(probe, Probe::UnitActive { .. }).then(|| {
+        "unitActive gates need service management, which is off on this agent \
+         (--services off)"
+            .to_string()
+    })
+}
+
+/// The node's kubelet binary: its path on the node, and where the agent finds it.
+pub fn find_kubelet(host: &Host) -> Option<(String, std::path::PathBuf)> {
+    KUBELET_DIRS.iter().find_map(|dir| {
+        let node_path = format!("{dir}/kubelet");
+        let here = host.root_path().join(node_path.trim_start_matches('/'));
+        here.is_file().then_some((node_path, here))
+    })
 }
 
 /// One attempt of a probe: `Ok(observation)` when it passes, `Err(observation)` when not.
@@ -51,15 +77,29 @@ pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String
             }
         }
         Probe::KubeletVersion { version } => {
-            let spec = host.command(["kubelet", "--version"]).timeout(budget);
+            // The root's kubelet, run inside the root (chroot) or by its path in it.
+            let Some((node_path, here)) = find_kubelet(host) else {
+                return Err(format!(
+                    "no kubelet binary on the node (looked in {})",
+                    KUBELET_DIRS.join(", ")
+                ));
+            };
+            let program = if host.settings().commands_in_root {
+                node_path.clone()
+            } else {
+                here.display().to_string()
+            };
+            let spec = host
+                .command([program, "--version".to_string()])
+                .timeout(budget);
             match crate::host::command::run(&spec) {
                 Ok(out) if out.success() => {
                     let seen = parse_kubelet_version(&out.stdout).unwrap_or_default();
                     if seen == *version {
-                        Ok(format!("kubelet reports {seen}"))
+                        Ok(format!("{node_path} reports {seen}"))
                     } else {
                         Err(format!(
-                            "kubelet reports {} (expected {version})",
+                            "{node_path} reports {} (expected {version})",
                             if seen.is_empty() {
                                 out.stdout.trim()
                             } else {
@@ -68,11 +108,23 @@ pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String
                         ))
                     }
                 }
-                Ok(out) => Err(format!("kubelet --version: {}", out.summary())),
+                Ok(out) => Err(format!("{node_path} --version: {}", out.summary())),
                 Err(e) => Err(e.to_string()),
             }
         }
-        Probe::UnitActive { name } => Err(format!("cannot check {name}: no service manager")),
+        Probe::UnitActive { name } => {
+            let Some(services) = host.services() else {
+                return Err(format!(
+                    "cannot check {name}: service management is off on this agent"
+                ));
+            };
+            let mut call = ServiceCall::within(budget);
+            match services.unit_state(name, &mut call) {
+                Ok(state) if state.is_active() => Ok(format!("{name}: {state}")),
+                Ok(state) => Err(format!("{name}: {state}")),
+                Err(e) => Err(e.to_string()),
+            }
+        }
     }
 }
 

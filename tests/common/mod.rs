@@ -78,7 +78,9 @@ impl Node {
             .arg("--root")
             .arg(self.root())
             .env_remove("INPLACE_AGENT_CRASH_AT")
-            .env("INPLACE_AGENT_LOG", "error");
+            .env("INPLACE_AGENT_LOG", "error")
+            // A plain directory tree: no systemd to manage (restarts are journaled skipped).
+            .env("INPLACE_AGENT_SERVICES", "off");
         for (k, v) in env {
             cmd.env(k, v);
         }

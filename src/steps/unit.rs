@@ -1,0 +1,463 @@
+//! `unit`: a systemd unit file or drop-in, its enablement, its mask and its run state.
+//!
+//! A unit change becomes, in this order:
+//!
+//! 1. `unmask` when `masked: false` and the unit is masked (so it can be written and started);
+//! 2. the unit file `/etc/systemd/system/<name>` and the drop-in
+//!    `/etc/systemd/system/<name>.d/<dropIn.name>` (ordinary atomic file writes, 0644
+//!    root:root, with file pre-images);
+//! 3. `enable` / `disable`, then `mask` — symlinks systemd makes on disk (pre-image: the unit
+//!    file state before, undone by the inverse operation);
+//! 4. a desired run state (`running` / `stopped`) when the unit is not in it: recorded with
+//!    the change (pre-image: the unit's state) but carried out in the Restarting phase, after
+//!    the plan's single daemon-reload, so that a new or changed unit file is loaded before
+//!    the unit is started.
+//!
+//! Steps 1–3 happen in the Applying phase; none of them needs a daemon-reload first (systemd
+//! reads unit files from disk to enable or mask them). Restarts are not decided here: the
+//! engine restarts a running unit whose file or drop-in changed (see `engine::units`).
+//!
+//! [`unit_mutations`] is the pure decision, tested below; [`diff`] reads the node for it.
+
+use super::{Diff, Mutation, StepError};
+use crate::engine::status::ErrorKind;
+use crate::host::fs::{Existing, FileMeta};
+use crate::host::systemd::{UnitFileOp, UnitFileState, UnitState as Observed};
+use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
+use crate::plan::{NodePath, UnitChange, UnitState};
+
+/// Where the agent writes unit files.
+pub const UNIT_DIR: &str = "/etc/systemd/system";
+
+/// Directories systemd loads system units from: a file written or removed below one of them
+/// takes a daemon-reload to take effect.
+pub const UNIT_DIRS: &[&str] = &[
+    "/etc/systemd/system",
+    "/run/systemd/system",
+    "/usr/local/lib/systemd/system",
+    "/usr/lib/systemd/system",
+    "/lib/systemd/system",
+];
+
+/// `/etc/systemd/system/<name>`.
+pub fn unit_file_path(name: &str) -> Option<NodePath> {
+    NodePath::parse(&format!("{UNIT_DIR}/{name}")).ok()
+}
+
+/// `/etc/systemd/system/<name>.d/<drop_in>`.
+pub fn drop_in_path(name: &str, drop_in: &str) -> Option<NodePath> {
+    NodePath::parse(&format!("{UNIT_DIR}/{name}.d/{drop_in}")).ok()
+}
+
+/// True for a path systemd loads units from (a change to it needs a daemon-reload).
+pub fn is_unit_path(path: &NodePath) -> bool {
+    UNIT_DIRS.iter().any(|dir| {
+        path.as_str()
+            .strip_prefix(dir)
+            .is_some_and(|rest| rest.starts_with('/'))
+    })
+}
+
+/// Why unit changes cannot run on an agent without service management.
+pub fn services_off() -> StepError {
+    StepError::new(
+        ErrorKind::Unsupported,
+        "unit changes need service management, which is off on this agent (--services off)",
+    )
+}
+
+/// What the node looks like for one unit change.
+#[derive(Debug, Clone)]
+pub struct Observation {
+    /// What is at the unit file path.
+    pub file: Existing,
+    /// What is at the drop-in path.
+    pub drop_in: Existing,
+    /// The unit file state (`None`: systemd knows no unit file of that name).
+    pub file_state: Option<UnitFileState>,
+    /// The unit's state, read only when the change sets `state`.
+    pub unit: Option<Observed>,
+}
+
+/// True when a unit counts as running for `state: running` (active, reloading, or starting
+/// — but not waiting to be restarted after a failure).
+pub fn is_running(unit: &Observed) -> bool {
+    unit.is_active()
+        || (unit.active_state == crate::host::systemd::ActiveState::Activating
+            && unit.sub_state != "auto-restart")
+}
+
+/// True when a unit counts as stopped for `state: stopped` (inactive or failed).
+pub fn is_stopped(unit: &Observed) -> bool {
+    matches!(
+        unit.active_state,
+        crate::host::systemd::ActiveState::Inactive | crate::host::systemd::ActiveState::Failed
+    )
+}
+
+/// The mutations a unit change needs, given what is on the node (pure). `ids` owns the files
+/// the agent writes (the node's `root:root`).
+pub fn unit_mutations(
+    change: &UnitChange,
+    seen: &Observation,
+    ids: (u32, u32),
+) -> Result<Vec<Mutation>, String> {
+    let name = &change.name;
+    let mut out = Vec::new();
+    let masked_now = matches!(seen.file_state, Some(UnitFileState::Masked));
+    if matches!(seen.file_state, Some(UnitFileState::MaskedRuntime)) && change.masked.is_some() {
+        return Err(format!(
+            "{name} is masked at runtime (in /run/systemd/system); the agent manages masks in \
+             {UNIT_DIR} only"
+        ));
+    }
+    if change.masked == Some(false) && masked_now {
+        out.push(Mutation::UnitFile {
+            unit: name.clone(),
+            op: UnitFileOp::Unmask,
+        });
+    }
+    let meta = FileMeta {
+        mode: 0o644,
+        uid: ids.0,
+        gid: ids.1,
+    };
+    let mut write = |path: Option<NodePath>, content: &str, existing: &Existing| {
+        let path = path.ok_or_else(|| format!("{name}: no valid unit file path"))?;
+        let same = matches!(existing, Existing::File { content: c, meta: m }
+            if c.as_slice() == content.as_bytes() && *m == meta);
+        if let Existing::Other { kind } = existing {
+            return Err(format!("{path} is a {kind} on the node, not a unit file"));
+        }
+        if !same {
+            out.push(Mutation::Write {
+                path,
+                content: content.as_bytes().to_vec(),
+                meta,
+            });
+        }
+        Ok(())
+    };
+    if let Some(content) = &change.content {
+        if masked_now {
+            return Err(format!(
+                "{name} is masked (linked to /dev/null in {UNIT_DIR}); its unit file cannot be \
+                 written while it is masked: unmask it first (masked: false, in an earlier plan)"
+            ));
+        }
+        write(unit_file_path(name), content, &seen.file)?;
+    }
+    if let Some(d) = &change.drop_in {
+        write(drop_in_path(name, &d.name), &d.content, &seen.drop_in)?;
+    }
+    if let Some(want) = change.enabled {
+        let enabled = matches!(seen.file_state, Some(UnitFileState::Enabled));
+        if want && !enabled {
+            match &seen.file_state {
+                Some(
+                    s @ (UnitFileState::Static
+                    | UnitFileState::Indirect
+                    | UnitFileState::Generated
+                    | UnitFileState::Transient
+                    | UnitFileState::Alias),
+                ) if change.content.is_none() => {
+                    return Err(format!(
+                        "{name} is {s}: it has no [Install] section of its own, so it cannot be \
+                         enabled"
+                    ));
+                }
+                None if change.content.is_none() => {
+                    return Err(format!(
+                        "{name}: no such unit file on the node, so it cannot be enabled (give \
+                         its content)"
+                    ));
+                }
+                _ => {}
+            }
+            out.push(Mutation::UnitFile {
+                unit: name.clone(),
+                op: UnitFileOp::Enable,
+            });
+        } else if !want && enabled {
+            out.push(Mutation::UnitFile {
+                unit: name.clone(),
+                op: UnitFileOp::Disable,
+            });
+        }
+    }
+    if change.masked == Some(true) && !masked_now {
+        out.push(Mutation::UnitFile {
+            unit: name.clone(),
+            op: UnitFileOp::Mask,
+        });
+    }
+    if let (Some(want), Some(unit)) = (change.state, &seen.unit) {
+        let needed = match want {
+            UnitState::Running => !is_running(unit),
+            UnitState::Stopped => !is_stopped(unit),
+        };
+        if needed {
+            out.push(Mutation::UnitRun {
+                unit: name.clone(),
+                state: want,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Reads the node (files, and systemd over D-Bus) and diffs a unit change.
+pub fn diff(host: &Host, change: &UnitChange, ids: (u32, u32)) -> Result<Diff, StepError> {
+    let services = host.services().ok_or_else(services_off)?;
+    let mut call = ServiceCall::within(STEP_BUS_WINDOW);
+    let file_state = services.unit_file_state(&change.name, &mut call)?;
+    let read = |path: Option<NodePath>, wanted: bool| -> Result<Existing, StepError> {
+        match path {
+            Some(p) if wanted && !matches!(file_state, Some(UnitFileState::Masked)) => {
+                Ok(host.root.read(&p)?)
+            }
+            _ => Ok(Existing::Absent),
+        }
+    };
+    let file = read(unit_file_path(&change.name), change.content.is_some())?;
+    let drop_in = read(
+        change
+            .drop_in
+            .as_ref()
+            .and_then(|d| drop_in_path(&change.name, &d.name)),
+        change.drop_in.is_some(),
+    )?;
+    let unit = match change.state {
+        Some(_) => Some(services.unit_state(&change.name, &mut call)?),
+        None => None,
+    };
+    let seen = Observation {
+        file,
+        drop_in,
+        file_state,
+        unit,
+    };
+    let mutations = unit_mutations(change, &seen, ids)
+        .map_err(|e| StepError::new(ErrorKind::Precondition, e))?;
+    let note = match (&seen.unit, change.state) {
+        (Some(u), Some(_)) if mutations.is_empty() => Some(format!(
+            "already in the desired state ({} {}/{})",
+            change.name, u.active_state, u.sub_state
+        )),
+        _ => None,
+    };
+    Ok(Diff { mutations, note })
+}
+
+/// The paths a unit change writes (for temp-file sweeps and preflight).
+pub fn paths(change: &UnitChange) -> Vec<NodePath> {
+    let mut out = Vec::new();
+    if change.content.is_some()
+        && let Some(p) = unit_file_path(&change.name)
+    {
+        out.push(p);
+    }
+    if let Some(d) = &change.drop_in
+        && let Some(p) = drop_in_path(&change.name, &d.name)
+    {
+        out.push(p);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::systemd::{ActiveState, LoadState};
+    use crate::plan::DropIn;
+
+    fn change() -> UnitChange {
+        UnitChange {
+            name: "hello.service".into(),
+            content: None,
+            drop_in: None,
+            enabled: None,
+            state: None,
+            masked: None,
+        }
+    }
+
+    fn unit(active: &str, sub: &str) -> Observed {
+        Observed {
+            unit: "hello.service".into(),
+            load_state: LoadState::Loaded,
+            active_state: ActiveState::parse(active),
+            sub_state: sub.into(),
+            result: Some("success".into()),
+            invocation_id: None,
+            n_restarts: Some(0),
+            status_text: None,
+            main_pid: None,
+            job: None,
+        }
+    }
+
+    fn seen(file_state: Option<UnitFileState>, unit: Option<Observed>) -> Observation {
+        Observation {
+            file: Existing::Absent,
+            drop_in: Existing::Absent,
+            file_state,
+            unit,
+        }
+    }
+
+    fn describe(m: &[Mutation]) -> Vec<String> {
+        m.iter().map(Mutation::describe).collect()
+    }
+
+    #[test]
+    fn a_new_enabled_running_unit_is_written_enabled_then_started() {
+        let mut c = change();
+        c.content = Some("[Service]\nExecStart=/bin/true\n".into());
+        c.enabled = Some(true);
+        c.state = Some(UnitState::Running);
+        let mut s = seen(None, Some(unit("inactive", "dead")));
+        s.unit.as_mut().unwrap().load_state = LoadState::NotFound;
+        let m = unit_mutations(&c, &s, (0, 0)).unwrap();
+        assert_eq!(
+            describe(&m),
+            [
+                "write /etc/systemd/system/hello.service (30 bytes, 0644 0:0)",
+                "enable hello.service",
+                "start hello.service (after the daemon-reload)",
+            ]
+        );
+    }
+
+    #[test]
+    fn nothing_when_the_node_already_matches() {
+        let mut c = change();
+        c.content = Some("x".into());
+        c.drop_in = Some(DropIn {
+            name: "10-a.conf".into(),
+            content: "y".into(),
+        });
+        c.enabled = Some(true);
+        c.state = Some(UnitState::Running);
+        let meta = FileMeta {
+            mode: 0o644,
+            uid: 0,
+            gid: 0,
+        };
+        let s = Observation {
+            file: Existing::File {
+                content: b"x".to_vec(),
+                meta,
+            },
+            drop_in: Existing::File {
+                content: b"y".to_vec(),
+                meta,
+            },
+            file_state: Some(UnitFileState::Enabled),
+            unit: Some(unit("active", "running")),
+        };
+        assert!(unit_mutations(&c, &s, (0, 0)).unwrap().is_empty());
+        // A different owner is a difference too.
+        assert_eq!(unit_mutations(&c, &s, (0, 5)).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn disable_stop_mask_and_unmask() {
+        let mut c = change();
+        c.enabled = Some(false);
+        c.state = Some(UnitState::Stopped);
+        let s = seen(
+            Some(UnitFileState::Enabled),
+            Some(unit("active", "running")),
+        );
+        assert_eq!(
+            describe(&unit_mutations(&c, &s, (0, 0)).unwrap()),
+            [
+                "disable hello.service",
+                "stop hello.service (after the daemon-reload)"
+            ]
+        );
+        // A failed unit is stopped already; a starting one is not.
+        let failed = seen(
+            Some(UnitFileState::Disabled),
+            Some(unit("failed", "failed")),
+        );
+        assert!(unit_mutations(&c, &failed, (0, 0)).unwrap().is_empty());
+        let starting = seen(
+            Some(UnitFileState::Disabled),
+            Some(unit("activating", "start")),
+        );
+        assert_eq!(unit_mutations(&c, &starting, (0, 0)).unwrap().len(), 1);
+
+        let mut m = change();
+        m.masked = Some(true);
+        let s = seen(Some(UnitFileState::Disabled), None);
+        assert_eq!(
+            describe(&unit_mutations(&m, &s, (0, 0)).unwrap()),
+            ["mask hello.service"]
+        );
+        let s = seen(Some(UnitFileState::Masked), None);
+        assert!(unit_mutations(&m, &s, (0, 0)).unwrap().is_empty());
+        m.masked = Some(false);
+        assert_eq!(
+            describe(&unit_mutations(&m, &s, (0, 0)).unwrap()),
+            ["unmask hello.service"]
+        );
+    }
+
+    #[test]
+    fn a_unit_restarting_after_a_failure_is_not_running() {
+        let mut c = change();
+        c.state = Some(UnitState::Running);
+        let s = seen(
+            Some(UnitFileState::Enabled),
+            Some(unit("activating", "auto-restart")),
+        );
+        assert_eq!(unit_mutations(&c, &s, (0, 0)).unwrap().len(), 1);
+        let s = seen(
+            Some(UnitFileState::Enabled),
+            Some(unit("activating", "start")),
+        );
+        assert!(unit_mutations(&c, &s, (0, 0)).unwrap().is_empty());
+    }
+
+    #[test]
+    fn refusals_name_the_unit_and_the_reason() {
+        let mut c = change();
+        c.content = Some("x".into());
+        let err = unit_mutations(&c, &seen(Some(UnitFileState::Masked), None), (0, 0))
+            .expect_err("masked");
+        assert!(err.starts_with("hello.service is masked"), "{err}");
+        let mut e = change();
+        e.enabled = Some(true);
+        let err = unit_mutations(&e, &seen(Some(UnitFileState::Static), None), (0, 0))
+            .expect_err("static");
+        assert!(err.contains("is static"), "{err}");
+        let err = unit_mutations(&e, &seen(None, None), (0, 0)).expect_err("no file");
+        assert!(err.contains("no such unit file"), "{err}");
+        let mut m = change();
+        m.masked = Some(false);
+        let err = unit_mutations(&m, &seen(Some(UnitFileState::MaskedRuntime), None), (0, 0))
+            .expect_err("runtime mask");
+        assert!(err.contains("masked at runtime"), "{err}");
+    }
+
+    #[test]
+    fn unit_paths_are_recognised() {
+        for p in [
+            "/etc/systemd/system/kubelet.service",
+            "/etc/systemd/system/kubelet.service.d/10-kubeadm.conf",
+            "/lib/systemd/system/x.service",
+            "/usr/lib/systemd/system/x.socket",
+        ] {
+            assert!(is_unit_path(&NodePath::parse(p).unwrap()), "{p}");
+        }
+        for p in [
+            "/etc/systemd/systemx/a.service",
+            "/etc/systemd/system.conf",
+            "/etc/kubernetes/kubelet.conf",
+        ] {
+            assert!(!is_unit_path(&NodePath::parse(p).unwrap()), "{p}");
+        }
+    }
+}
