@@ -72,7 +72,7 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
     .unwrap();
 
     let out = Command::new(common::bin())
-        .args(["apply", "--output", "json", "--root"])
+        .args(["apply", "--services", "off", "--output", "json", "--root"])
         .arg(root)
         .arg("--state-dir")
         .arg(state.path())
