@@ -349,6 +349,87 @@ fn replay(r: &mut Report, records: u64, runs: usize) {
     ));
 }
 
+/// The same 500-file change with Ansible (`copy` module, `connection: local`), first apply
+/// and no-op re-apply, against `inplace-agent apply` of the same plan, side by side.
+fn ansible(r: &mut Report, files: usize, runs: usize) {
+    let Some(playbook_bin) = std::env::var_os("ANSIBLE_PLAYBOOK") else {
+        r.say("| Ansible comparison | skipped: ANSIBLE_PLAYBOOK is not set (benches/run installs ansible-core into a virtualenv) | | |".into());
+        return;
+    };
+    let work = tempfile::tempdir().expect("tempdir");
+    let (template, plan) = setup(work.path(), files, 4096, "bench/ansible");
+    let playbook = work.path().join("playbook.yml");
+    std::fs::write(
+        &playbook,
+        format!(
+            "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n\
+             \x20   - ansible.builtin.file: {{path: \"{{{{ root }}}}/etc/kubernetes/bench\", state: directory, mode: \"0755\"}}\n\
+             \x20   - ansible.builtin.copy:\n\
+             \x20       dest: \"{{{{ root }}}}/etc/kubernetes/bench/f{{{{ '%04d' | format(item) }}}}.conf\"\n\
+             \x20       content: \"{{{{ (('bench file %04d ' | format(item)) * 300)[:4096] }}}}\"\n\
+             \x20       mode: \"0644\"\n\
+             \x20     loop: \"{{{{ range(0, {files}) | list }}}}\"\n"
+        ),
+    )
+    .expect("playbook");
+    // The virtualenv's own interpreter (discovery picks pyenv shims that may not resolve).
+    let python = Path::new(&playbook_bin)
+        .parent()
+        .map(|d| d.join("python"))
+        .unwrap_or_else(|| PathBuf::from("python3"));
+    let ansible_cmd = |root: &Path| {
+        let mut c = Command::new(&playbook_bin);
+        c.arg("-i")
+            .arg("localhost,")
+            .arg("-e")
+            .arg(format!("root={}", root.display()))
+            .arg(&playbook)
+            .env("ANSIBLE_NOCOLOR", "1")
+            .env("ANSIBLE_LOCALHOST_WARNING", "False")
+            .env("ANSIBLE_PYTHON_INTERPRETER", &python);
+        c
+    };
+    let (mut a_first, mut a_noop, mut g_first, mut g_noop) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let text = std::fs::read_to_string(&plan).expect("plan");
+    for i in 0..runs {
+        let a = work.path().join(format!("ans{i}"));
+        let g = work.path().join(format!("agent{i}"));
+        copy_tree(&template, &a);
+        copy_tree(&template, &g);
+        a_first.push(time_cmd(&mut ansible_cmd(&a)));
+        a_noop.push(time_cmd(&mut ansible_cmd(&a)));
+        g_first.push(time_cmd(&mut apply_cmd(&g, &plan)));
+        let again = work.path().join(format!("again{i}.yaml"));
+        std::fs::write(
+            &again,
+            text.replace("id: bench/ansible", &format!("id: bench/ansible-{i}")),
+        )
+        .expect("plan");
+        g_noop.push(time_cmd(&mut apply_cmd(&g, &again)));
+        // Both produced the same files.
+        for n in [0, files - 1] {
+            let rel = format!("etc/kubernetes/bench/f{n:04}.conf");
+            assert_eq!(
+                std::fs::read(a.join(&rel)).expect("ansible file"),
+                std::fs::read(g.join(&rel)).expect("agent file"),
+                "ansible and the agent wrote different content"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&a);
+        let _ = std::fs::remove_dir_all(&g);
+    }
+    let (af, an, gf, gn) = (stats(a_first), stats(a_noop), stats(g_first), stats(g_noop));
+    r.say(format!(
+        "| {files} files, first apply: Ansible copy vs agent | Ansible {af} | agent {gf} | **{:.1}× faster** (target ≥ 20×) |",
+        af.median / gf.median
+    ));
+    r.say(format!(
+        "| {files} files, no-op re-apply: Ansible copy vs agent | Ansible {an} | agent {gn} | **{:.1}× faster** (target ≥ 20×) |",
+        an.median / gn.median
+    ));
+}
+
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -397,6 +478,11 @@ fn main() {
             arg(&args, "--records", 100_000),
             arg(&args, "--runs", 5) as usize,
         ),
+        Some("ansible") => ansible(
+            &mut r,
+            arg(&args, "--files", 500) as usize,
+            arg(&args, "--runs", 3) as usize,
+        ),
         Some("all") | None => {
             r.say(format!("Machine: {}", machine()));
             r.say(String::new());
@@ -407,6 +493,8 @@ fn main() {
             noop(&mut r, 500, runs(10));
             replay(&mut r, 100_000, runs(5));
             replay(&mut r, 1_000_000, runs(3));
+            ansible(&mut r, 500, 1);
+            ansible(&mut r, 500, 1);
             if let Some(out) = args
                 .windows(2)
                 .find(|w| w[0] == "--out")
