@@ -147,10 +147,46 @@ pub struct ProgressEvent {
 pub(crate) struct Inner {
     journal: Journal,
     table: Table,
+    phases: PhaseHistory,
+}
+
+/// How many runs keep their phase snapshots (see [`Engine::phase_history`]).
+const PHASE_HISTORY_RUNS: usize = 8;
+
+/// The `Event::Status` snapshots of the most recent runs, in the order they were sent, so a
+/// watcher that fell behind the broadcast can still show every phase a run went through.
+#[derive(Default)]
+struct PhaseHistory {
+    runs: std::collections::VecDeque<(u64, Vec<Arc<PlanStatus>>)>,
+}
+
+impl PhaseHistory {
+    fn push(&mut self, status: Arc<PlanStatus>) {
+        if let Some((_, snapshots)) = self.runs.iter_mut().find(|(run, _)| *run == status.run) {
+            snapshots.push(status);
+            return;
+        }
+        if self.runs.len() >= PHASE_HISTORY_RUNS {
+            self.runs.pop_front();
+        }
+        self.runs.push_back((status.run, vec![status]));
+    }
+
+    fn of(&self, run: u64) -> Vec<Arc<PlanStatus>> {
+        self.runs
+            .iter()
+            .find(|(r, _)| *r == run)
+            .map(|(_, snapshots)| snapshots.clone())
+            .unwrap_or_default()
+    }
 }
 
 pub(crate) struct Shared {
     inner: Mutex<Inner>,
+    /// Held from a submission's decision (new attempt or existing) until its acceptance is
+    /// journaled, so concurrent submissions of the same plan accept it once and never share
+    /// a run number.
+    submissions: Mutex<()>,
     work: Condvar,
     events: broadcast::Sender<Event>,
     config: EngineConfig,
@@ -203,7 +239,9 @@ impl Shared {
             && let Some(status) = inner.table.by_run(run)
         {
             let event = if phase_change {
-                Event::Status(Arc::new(status.clone()))
+                let status = Arc::new(status.clone());
+                inner.phases.push(status.clone());
+                Event::Status(status)
             } else {
                 Event::Progress(Arc::new(ProgressEvent {
                     run,
@@ -234,7 +272,12 @@ impl Engine {
         let backups = BackupStore::at(&config.state_dir);
         let engine = Engine {
             shared: Arc::new(Shared {
-                inner: Mutex::new(Inner { journal, table }),
+                inner: Mutex::new(Inner {
+                    journal,
+                    table,
+                    phases: PhaseHistory::default(),
+                }),
+                submissions: Mutex::new(()),
                 work: Condvar::new(),
                 events,
                 config,
@@ -280,8 +323,9 @@ impl Engine {
             }
         }
         self.admit(&plan)?;
+        let _submitting = self.submission_lock();
         let inner = self.shared.lock();
-        // Decide again under the lock: another caller may have submitted meanwhile.
+        // Decide again: another caller may have submitted meanwhile.
         let attempt = match inner.table.find(&plan.id, &digest) {
             Some(existing) if !retry || !existing.phase.is_failure() => {
                 return Ok(Submission::Existing(existing.clone()));
@@ -323,8 +367,16 @@ impl Engine {
         Ok(Submission::Accepted(status))
     }
 
+    fn submission_lock(&self) -> MutexGuard<'_, ()> {
+        self.shared
+            .submissions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Runs the last attempt of `id` again, when it ended without succeeding.
     pub fn retry(&self, id: &str, source: &str) -> Result<Submission, SubmitError> {
+        let _submitting = self.submission_lock();
         let (status, plan) = {
             let inner = self.shared.lock();
             let status = inner
@@ -380,6 +432,18 @@ impl Engine {
     /// The latest attempt of a plan.
     pub fn status(&self, id: &str) -> Option<PlanStatus> {
         self.shared.lock().table.latest(id).cloned()
+    }
+
+    /// The latest attempt of a plan with this id and digest.
+    pub fn find(&self, id: &str, digest: &str) -> Option<PlanStatus> {
+        self.shared.lock().table.find(id, digest).cloned()
+    }
+
+    /// The status snapshots sent as [`Event::Status`] for `run` (one per phase it entered,
+    /// oldest first), kept for the few most recent runs of this process; empty for older
+    /// runs and for phases entered before a restart.
+    pub fn phase_history(&self, run: u64) -> Vec<Arc<PlanStatus>> {
+        self.shared.lock().phases.of(run)
     }
 
     /// The status of one run.

@@ -30,6 +30,8 @@ enum Stop {
     Cancelled,
     Superseded(String),
     TimedOut(u64),
+    /// The agent is shutting down: leave the run unfinished; it resumes at the next start.
+    Shutdown,
 }
 
 /// Why the run left its happy path.
@@ -152,6 +154,10 @@ impl Runner {
                 Ok(()) => continue,
                 Err(Abort::Journal(e)) => return Err(e),
                 Err(Abort::Failed(error)) => return self.fail(run, error),
+                Err(Abort::Stop(Stop::Shutdown)) => {
+                    tracing::info!(run, id = %self.id(run), "shutting down: the plan resumes at the next start");
+                    return Ok(());
+                }
                 Err(Abort::Stop(stop)) => return self.stop(run, stop),
             }
         }
@@ -182,6 +188,13 @@ impl Runner {
 
     /// Checks, between steps, whether the run must stop.
     fn boundary(&self, run: u64) -> Option<Stop> {
+        if self
+            .shared
+            .shutdown
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Some(Stop::Shutdown);
+        }
         let inner = self.shared.lock();
         let rs = inner.table.run_state(run)?;
         if rs.cancel_requested {
@@ -502,7 +515,11 @@ impl Runner {
                 return Err(Abort::Stop(stop));
             }
             let name = check_name(index, check);
-            let stop = || self.boundary(run).is_some();
+            // A gate being polled is not cut short by a shutdown (it would read as failed).
+            let stop = || {
+                self.boundary(run)
+                    .is_some_and(|s| !matches!(s, Stop::Shutdown))
+            };
             let mut progress = |msg: &str| {
                 let mut inner = self.shared.lock();
                 inner.table.set_message(run, format!("{name}: {msg}"));
@@ -519,7 +536,7 @@ impl Runner {
                 !outcome.passed,
             )?;
             if !outcome.passed {
-                if let Some(stop) = self.boundary(run) {
+                if let Some(stop) = self.boundary(run).filter(|s| !matches!(s, Stop::Shutdown)) {
                     return Err(Abort::Stop(stop));
                 }
                 return Err(Abort::Failed(ErrorInfo {
@@ -548,6 +565,7 @@ impl Runner {
 
     fn stop(&self, run: u64, stop: Stop) -> Result<(), JournalError> {
         match stop {
+            Stop::Shutdown => Ok(()),
             Stop::Superseded(why) => self.finish(
                 run,
                 Phase::Superseded,
