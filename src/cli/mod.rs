@@ -4,6 +4,7 @@
 
 mod apply;
 pub mod demo;
+mod demo_grpc;
 mod journal;
 mod pki;
 pub mod remote;
