@@ -561,3 +561,65 @@ pub fn admit(cfg: &EngineConfig, host: &Host, plan: &Plan) -> Result<steps::Prep
         })
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SettingsInput;
+
+    fn plan(id: &str, content: &str) -> Plan {
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n  - file: {{path: /etc/kubernetes/{content}.conf, content: \"{content}\"}}\n"
+        );
+        crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap()
+    }
+
+    #[test]
+    fn concurrent_submissions_accept_once_and_never_share_a_run() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::cli::demo::build_kubeadm_worker(dir.path()).unwrap();
+        let settings = SettingsInput {
+            root: Some(dir.path().to_path_buf()),
+            no_chroot: true,
+            ..SettingsInput::default()
+        }
+        .resolve()
+        .unwrap();
+        let host = Arc::new(Host::open(settings.host.clone()).unwrap());
+        let (engine, _) = Engine::open(settings.engine.clone(), host.clone(), None).unwrap();
+        let same = plan("same", "same");
+        let threads: Vec<_> = (0..16)
+            .map(|t| {
+                let engine = engine.clone();
+                let same = same.clone();
+                std::thread::spawn(move || {
+                    let mut accepted = 0;
+                    for i in 0..25 {
+                        let id = format!("t{t}-{i}");
+                        let mine = engine.submit(plan(&id, &id), "test", false).unwrap();
+                        assert!(matches!(mine, Submission::Accepted(_)));
+                        if let Submission::Accepted(_) =
+                            engine.submit(same.clone(), "test", false).unwrap()
+                        {
+                            accepted += 1;
+                        }
+                    }
+                    accepted
+                })
+            })
+            .collect();
+        let accepted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(accepted, 1, "the same plan was accepted {accepted} times");
+        let plans = engine.plans();
+        assert_eq!(plans.len(), 16 * 25 + 1);
+        let runs: std::collections::BTreeSet<u64> = plans.iter().map(|p| p.run).collect();
+        assert_eq!(runs.len(), plans.len(), "run numbers are unique");
+        drop(engine);
+        let (reopened, _) = Engine::open(settings.engine, host, None).unwrap();
+        assert_eq!(
+            reopened.plans(),
+            plans,
+            "the journal replays to the same table"
+        );
+    }
+}
