@@ -155,6 +155,9 @@ pub const DEFAULT_LISTEN: &str = "0.0.0.0:9443";
 /// `ca.crt`, as `pki init` writes them).
 pub const DEFAULT_PKI_DIR: &str = "/etc/inplace-agent/pki";
 
+/// Engine events the daemon's broadcast holds (see `EngineConfig::event_capacity`).
+pub const DAEMON_EVENT_CAPACITY: usize = 1024;
+
 /// What `serve` runs with: the node settings plus the listener, TLS, authorization and
 /// transport limits. Validated: the node name is known and well formed, patterns parsed.
 #[derive(Debug, Clone)]
@@ -270,6 +273,9 @@ impl DaemonInput {
         }
         .resolve()?;
         settings.engine.require_node_name = true;
+        // Watchers that fall further behind recover from the engine's phase history; the
+        // broadcast's slots keep their last events alive while idle, so keep it small.
+        settings.engine.event_capacity = DAEMON_EVENT_CAPACITY;
         let listen = match self.listen {
             Some(addr) => addr,
             None => DEFAULT_LISTEN

@@ -45,6 +45,9 @@ pub struct EngineConfig {
     pub compact_bytes: u64,
     /// How many finished plans to remember.
     pub keep_plans: usize,
+    /// Events the broadcast to watchers holds for a slow receiver (it also keeps the last
+    /// this many alive, so it is memory held while idle).
+    pub event_capacity: usize,
 }
 
 impl EngineConfig {
@@ -61,6 +64,7 @@ impl EngineConfig {
             require_node_name: false,
             compact_bytes: 1 << 20,
             keep_plans: 1000,
+            event_capacity: 4096,
         }
     }
 }
@@ -150,8 +154,9 @@ pub(crate) struct Inner {
     phases: PhaseHistory,
 }
 
-/// How many runs keep their phase snapshots (see [`Engine::phase_history`]).
-const PHASE_HISTORY_RUNS: usize = 8;
+/// How many runs keep their phase snapshots (see [`Engine::phase_history`]). A snapshot is
+/// as large as its plan's change list, so this bounds what the history holds.
+const PHASE_HISTORY_RUNS: usize = 4;
 
 /// The `Event::Status` snapshots of the most recent runs, in the order they were sent, so a
 /// watcher that fell behind the broadcast can still show every phase a run went through.
@@ -268,7 +273,7 @@ impl Engine {
     ) -> Result<(Engine, OpenReport), JournalError> {
         let mut table = Table::new(config.keep_plans);
         let (journal, report) = Journal::open(&config.state_dir, |e| table.apply(e))?;
-        let (events, _) = broadcast::channel(4096);
+        let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let backups = BackupStore::at(&config.state_dir);
         let engine = Engine {
             shared: Arc::new(Shared {
