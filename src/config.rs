@@ -1,12 +1,18 @@
 //! Settings: the agent's configuration validated once into values the rest of the code can
 //! use without re-checking (paths resolved, allow-list parsed, limits set).
 
+use std::net::SocketAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use crate::engine::EngineConfig;
 use crate::host::systemd::system_bus_address;
 use crate::host::{HostSettings, ServiceSettings};
 use crate::plan::{AllowList, Limits, NodePath};
+use crate::rpc::authz::{AuthzRules, IdentityPattern};
+use crate::rpc::server::ServeOptions;
+use crate::rpc::tls::ServerTlsPaths;
 use crate::steps::Capabilities;
 
 /// Where the agent keeps its state under a root when not told otherwise.
@@ -51,6 +57,33 @@ pub struct SettingsInput {
     /// Read the boot id here instead of `<root>/proc/sys/kernel/random/boot_id` (tests
     /// simulate a reboot by changing this file).
     pub boot_id_file: Option<PathBuf>,
+    /// Plan limits and how many finished plans to remember (defaults when unset).
+    pub plan_limits: PlanLimitsInput,
+}
+
+/// Plan limits as given: everything optional.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlanLimitsInput {
+    /// Most entries in `changes[]` (default 10,000).
+    pub max_changes: Option<NonZeroUsize>,
+    /// Most entries in `verify[]` (default 100).
+    pub max_checks: Option<NonZeroUsize>,
+    /// Largest decoded content of one file or unit, in bytes (default 4 MiB).
+    pub max_content_bytes: Option<NonZeroUsize>,
+    /// Finished plans the engine remembers (default 1,000).
+    pub keep_plans: Option<NonZeroUsize>,
+}
+
+impl PlanLimitsInput {
+    /// `over` where it is set, `self` elsewhere.
+    fn overlay(self, over: PlanLimitsInput) -> PlanLimitsInput {
+        PlanLimitsInput {
+            max_changes: over.max_changes.or(self.max_changes),
+            max_checks: over.max_checks.or(self.max_checks),
+            max_content_bytes: over.max_content_bytes.or(self.max_content_bytes),
+            keep_plans: over.keep_plans.or(self.keep_plans),
+        }
+    }
 }
 
 impl SettingsInput {
@@ -97,10 +130,24 @@ impl SettingsInput {
                 bus: system_bus_address(&root),
             },
         };
+        let defaults = Limits::default();
+        let plan_limits = self.plan_limits;
+        if let Some(keep) = plan_limits.keep_plans {
+            engine.keep_plans = keep.get();
+        }
         let limits = Limits {
             allow,
             allow_http_hosts: self.allow_http_hosts,
-            ..Limits::default()
+            max_changes: plan_limits
+                .max_changes
+                .map_or(defaults.max_changes, NonZeroUsize::get),
+            max_checks: plan_limits
+                .max_checks
+                .map_or(defaults.max_checks, NonZeroUsize::get),
+            max_content_bytes: plan_limits
+                .max_content_bytes
+                .map_or(defaults.max_content_bytes, NonZeroUsize::get),
+            ..defaults
         };
         Ok(Settings {
             host: HostSettings {
@@ -119,5 +166,687 @@ impl Settings {
     /// The root directory.
     pub fn root(&self) -> &Path {
         &self.host.root
+    }
+}
+
+// === The daemon ===
+
+/// The daemon's configuration file when `--config` is not given (read only if it exists).
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/inplace-agent/config.toml";
+
+/// Where the daemon listens when not told otherwise.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:9443";
+
+/// Where the daemon's TLS files are when not told otherwise (`server.crt`, `server.key`,
+/// `ca.crt`, as `pki init` writes them).
+pub const DEFAULT_PKI_DIR: &str = "/etc/inplace-agent/pki";
+
+/// Engine events the daemon's broadcast holds (see `EngineConfig::event_capacity`).
+pub const DAEMON_EVENT_CAPACITY: usize = 1024;
+
+/// What `serve` runs with: the node settings plus the listener, TLS, authorization and
+/// transport limits. Validated: the node name is known and well formed, patterns parsed.
+#[derive(Debug, Clone)]
+pub struct DaemonSettings {
+    /// Node, engine and plan settings (the engine requires plans to name this node).
+    pub settings: Settings,
+    /// This node's name.
+    pub node_name: String,
+    /// The gRPC listen address.
+    pub listen: SocketAddr,
+    /// Server certificate, key and client CA bundle.
+    pub tls: ServerTlsPaths,
+    /// Identity → role rules.
+    pub rules: AuthzRules,
+    /// Transport limits.
+    pub serve: ServeOptions,
+}
+
+/// The daemon's settings as given (file, then flags over it): everything optional.
+#[derive(Debug, Clone, Default)]
+pub struct DaemonInput {
+    /// Node, state and plan settings.
+    pub settings: SettingsInput,
+    /// gRPC listen address (default `0.0.0.0:9443`).
+    pub listen: Option<SocketAddr>,
+    /// Server certificate chain (default `/etc/inplace-agent/pki/server.crt`).
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (default `/etc/inplace-agent/pki/server.key`).
+    pub tls_key: Option<PathBuf>,
+    /// CA bundle client certificates must chain to (default `/etc/inplace-agent/pki/ca.crt`).
+    pub client_ca: Option<PathBuf>,
+    /// Identities with the admin role; a list given later replaces an earlier one.
+    pub admin: Option<Vec<IdentityPattern>>,
+    /// Identities with the reader role; a list given later replaces an earlier one.
+    pub reader: Option<Vec<IdentityPattern>>,
+    /// Largest gRPC message, in bytes (default 16 MiB).
+    pub max_message_bytes: Option<NonZeroUsize>,
+    /// Concurrent calls per connection (default 32).
+    pub max_concurrent_streams: Option<NonZeroU32>,
+    /// Open connections (default 256).
+    pub max_connections: Option<NonZeroUsize>,
+    /// Upper bound for answering a call (default 30 s).
+    pub request_timeout: Option<Duration>,
+}
+
+impl DaemonInput {
+    /// `over` layered on `self` (flags over the file): a value set in `over` wins, role
+    /// lists given in `over` replace those of `self`, allowed paths and http hosts are
+    /// joined, and switches (`no_chroot`, `allow_exec`, `replace_allow_list`) are on when
+    /// either turns them on.
+    pub fn overlay(self, over: DaemonInput) -> DaemonInput {
+        let (base, top) = (self.settings, over.settings);
+        let join = |mut a: Vec<String>, b: Vec<String>| {
+            for item in b {
+                if !a.contains(&item) {
+                    a.push(item);
+                }
+            }
+            a
+        };
+        DaemonInput {
+            settings: SettingsInput {
+                root: top.root.or(base.root),
+                state_dir: top.state_dir.or(base.state_dir),
+                allow_paths: join(base.allow_paths, top.allow_paths),
+                replace_allow_list: base.replace_allow_list || top.replace_allow_list,
+                node_name: top.node_name.or(base.node_name),
+                no_chroot: base.no_chroot || top.no_chroot,
+                allow_exec: base.allow_exec || top.allow_exec,
+                allow_http_hosts: join(base.allow_http_hosts, top.allow_http_hosts),
+                plan_limits: base.plan_limits.overlay(top.plan_limits),
+                services_off: base.services_off || top.services_off,
+                bus: top.bus.or(base.bus),
+                boot_id_file: top.boot_id_file.or(base.boot_id_file),
+            },
+            listen: over.listen.or(self.listen),
+            tls_cert: over.tls_cert.or(self.tls_cert),
+            tls_key: over.tls_key.or(self.tls_key),
+            client_ca: over.client_ca.or(self.client_ca),
+            admin: over.admin.or(self.admin),
+            reader: over.reader.or(self.reader),
+            max_message_bytes: over.max_message_bytes.or(self.max_message_bytes),
+            max_concurrent_streams: over.max_concurrent_streams.or(self.max_concurrent_streams),
+            max_connections: over.max_connections.or(self.max_connections),
+            request_timeout: over.request_timeout.or(self.request_timeout),
+        }
+    }
+
+    /// Validates into [`DaemonSettings`]. The node name defaults to the first line of the
+    /// root's `/etc/hostname`; the daemon refuses to start without one. Errors name the
+    /// setting.
+    pub fn resolve(self) -> Result<DaemonSettings, String> {
+        let root = self
+            .settings
+            .root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/"));
+        let node_name = match self.settings.node_name.clone() {
+            Some(name) => name,
+            None => crate::host::node::hostname(&root).ok_or_else(|| {
+                format!(
+                    "node name: not set (node.name, --node-name) and {} has none",
+                    root.join("etc/hostname").display()
+                )
+            })?,
+        };
+        if !crate::plan::is_dns_subdomain(&node_name) {
+            return Err(format!(
+                "node name {node_name:?}: not a valid Kubernetes node name (a lowercase DNS \
+                 subdomain); set node.name or --node-name"
+            ));
+        }
+        let mut settings = SettingsInput {
+            node_name: Some(node_name.clone()),
+            ..self.settings
+        }
+        .resolve()?;
+        settings.engine.require_node_name = true;
+        // Watchers that fall further behind recover from the engine's phase history; the
+        // broadcast's slots keep their last events alive while idle, so keep it small.
+        settings.engine.event_capacity = DAEMON_EVENT_CAPACITY;
+        let listen = match self.listen {
+            Some(addr) => addr,
+            None => DEFAULT_LISTEN
+                .parse()
+                .map_err(|e| format!("listen {DEFAULT_LISTEN}: {e}"))?,
+        };
+        let pki = Path::new(DEFAULT_PKI_DIR);
+        let defaults = ServerTlsPaths::in_dir(pki);
+        let tls = ServerTlsPaths {
+            cert: self.tls_cert.unwrap_or(defaults.cert),
+            key: self.tls_key.unwrap_or(defaults.key),
+            client_ca: self.client_ca.unwrap_or(defaults.client_ca),
+        };
+        let rules = AuthzRules::new(
+            self.admin.unwrap_or_default(),
+            self.reader.unwrap_or_default(),
+        );
+        let mut serve = ServeOptions::default();
+        if let Some(n) = self.max_message_bytes {
+            serve.max_message_bytes = n.get();
+        }
+        if let Some(n) = self.max_concurrent_streams {
+            serve.max_concurrent_streams = n.get();
+        }
+        if let Some(n) = self.max_connections {
+            serve.accept.max_connections = n.get();
+        }
+        if let Some(t) = self.request_timeout {
+            serve.request_timeout = t;
+        }
+        Ok(DaemonSettings {
+            settings,
+            node_name,
+            listen,
+            tls,
+            rules,
+            serve,
+        })
+    }
+}
+
+/// A configuration file could not be used: where, which key, what.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("config {}{}{}: {message}", path.display(), line.map(|l| format!(" line {l}")).unwrap_or_default(), key.as_ref().map(|k| format!(" key {k}")).unwrap_or_default())]
+pub struct ConfigError {
+    /// The file.
+    pub path: PathBuf,
+    /// 1-based line of the problem, when known.
+    pub line: Option<usize>,
+    /// Dotted key (`grpc.listen`), when known.
+    pub key: Option<String>,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Reads and parses a configuration file.
+pub fn load_config(path: &Path) -> Result<DaemonInput, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        path: path.to_path_buf(),
+        line: None,
+        key: None,
+        message: format!("read: {e}"),
+    })?;
+    parse_config(&text, path)
+}
+
+/// Parses configuration text (`path` only names it in errors). Unknown keys and bad values
+/// are errors naming the key and its line.
+pub fn parse_config(text: &str, path: &Path) -> Result<DaemonInput, ConfigError> {
+    let file: file::ConfigFile = toml::from_str(text).map_err(|e| {
+        let offset = e.span().map(|s| s.start);
+        ConfigError {
+            path: path.to_path_buf(),
+            line: offset.map(|o| line_of(text, o)),
+            key: offset.and_then(|o| file::key_at(text, o)),
+            // toml's messages end in a newline and sometimes carry a trailing period.
+            message: e
+                .message()
+                .trim_end()
+                .trim_end_matches('.')
+                .replace('\n', "; "),
+        }
+    })?;
+    Ok(file.into_input())
+}
+
+/// 1-based line number of a byte offset.
+fn line_of(text: &str, offset: usize) -> usize {
+    let end = offset.min(text.len());
+    text.as_bytes()[..end]
+        .iter()
+        .filter(|b| **b == b'\n')
+        .count()
+        + 1
+}
+
+/// The file format (`deny_unknown_fields` everywhere, every key optional). See
+/// docs/configuration.md for each key.
+mod file {
+    use std::net::SocketAddr;
+    use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use serde::Deserialize;
+
+    use super::{DaemonInput, PlanLimitsInput, SettingsInput};
+    use crate::plan::NodePath;
+    use crate::rpc::authz::IdentityPattern;
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct ConfigFile {
+        #[serde(default)]
+        node: Node,
+        #[serde(default)]
+        grpc: Grpc,
+        #[serde(default)]
+        tls: Tls,
+        #[serde(default)]
+        authorization: Authorization,
+        #[serde(default)]
+        plans: Plans,
+        #[serde(default)]
+        exec: Exec,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Node {
+        name: Option<NodeName>,
+        root: Option<PathBuf>,
+        state_dir: Option<PathBuf>,
+        chroot: Option<bool>,
+        services: Option<ServicesMode>,
+        bus: Option<String>,
+    }
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    enum ServicesMode {
+        Systemd,
+        Off,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Grpc {
+        listen: Option<SocketAddr>,
+        max_message_bytes: Option<NonZeroUsize>,
+        max_concurrent_streams: Option<NonZeroU32>,
+        max_connections: Option<NonZeroUsize>,
+        request_timeout_seconds: Option<NonZeroU64>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Tls {
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        client_ca: Option<PathBuf>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Authorization {
+        admin: Option<Vec<Pattern>>,
+        reader: Option<Vec<Pattern>>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Plans {
+        #[serde(default)]
+        allow_paths: Vec<AllowPath>,
+        #[serde(default)]
+        replace_allow_list: bool,
+        #[serde(default)]
+        allow_http_hosts: Vec<String>,
+        max_changes: Option<NonZeroUsize>,
+        max_checks: Option<NonZeroUsize>,
+        max_content_bytes: Option<NonZeroUsize>,
+        keep_plans: Option<NonZeroUsize>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Exec {
+        #[serde(default)]
+        allow: bool,
+    }
+
+    /// A node name, checked as it is read so the error points at the value.
+    #[derive(Debug, Deserialize)]
+    #[serde(try_from = "String")]
+    struct NodeName(String);
+
+    impl TryFrom<String> for NodeName {
+        type Error = String;
+
+        fn try_from(s: String) -> Result<Self, String> {
+            if crate::plan::is_dns_subdomain(&s) {
+                Ok(NodeName(s))
+            } else {
+                Err(format!(
+                    "{s:?} is not a valid Kubernetes node name (a lowercase DNS subdomain)"
+                ))
+            }
+        }
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(try_from = "String")]
+    struct Pattern(IdentityPattern);
+
+    impl TryFrom<String> for Pattern {
+        type Error = String;
+
+        fn try_from(s: String) -> Result<Self, String> {
+            s.parse().map(Pattern).map_err(|e| format!("{e}"))
+        }
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(try_from = "String")]
+    struct AllowPath(String);
+
+    impl TryFrom<String> for AllowPath {
+        type Error = String;
+
+        fn try_from(s: String) -> Result<Self, String> {
+            NodePath::parse(&s)
+                .map(|_| AllowPath(s.clone()))
+                .map_err(|e| format!("{s:?}: path {e}"))
+        }
+    }
+
+    impl ConfigFile {
+        pub(super) fn into_input(self) -> DaemonInput {
+            let patterns = |list: Option<Vec<Pattern>>| {
+                list.map(|l| l.into_iter().map(|Pattern(p)| p).collect())
+            };
+            DaemonInput {
+                settings: SettingsInput {
+                    root: self.node.root,
+                    state_dir: self.node.state_dir,
+                    allow_paths: self.plans.allow_paths.into_iter().map(|p| p.0).collect(),
+                    replace_allow_list: self.plans.replace_allow_list,
+                    node_name: self.node.name.map(|n| n.0),
+                    no_chroot: self.node.chroot == Some(false),
+                    allow_exec: self.exec.allow,
+                    allow_http_hosts: self.plans.allow_http_hosts,
+                    plan_limits: PlanLimitsInput {
+                        max_changes: self.plans.max_changes,
+                        max_checks: self.plans.max_checks,
+                        max_content_bytes: self.plans.max_content_bytes,
+                        keep_plans: self.plans.keep_plans,
+                    },
+                    services_off: self.node.services == Some(ServicesMode::Off),
+                    bus: self.node.bus,
+                    boot_id_file: None,
+                },
+                listen: self.grpc.listen,
+                tls_cert: self.tls.cert,
+                tls_key: self.tls.key,
+                client_ca: self.tls.client_ca,
+                admin: patterns(self.authorization.admin),
+                reader: patterns(self.authorization.reader),
+                max_message_bytes: self.grpc.max_message_bytes,
+                max_concurrent_streams: self.grpc.max_concurrent_streams,
+                max_connections: self.grpc.max_connections,
+                request_timeout: self
+                    .grpc
+                    .request_timeout_seconds
+                    .map(|s| Duration::from_secs(s.get())),
+            }
+        }
+    }
+
+    /// The dotted key whose key or value is at byte `offset`: the nearest `key = ...` at or
+    /// above the offset (values may span lines, as arrays do), prefixed with the `[table]`
+    /// it is in. Good for the files people write; `None` when it cannot tell.
+    pub(super) fn key_at(text: &str, offset: usize) -> Option<String> {
+        let offset = offset.min(text.len());
+        let upto = &text[..offset];
+        let line_start = upto.rfind('\n').map_or(0, |i| i + 1);
+        let line_end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+        let this_line = &text[line_start..line_end];
+        let mut lines = text[..line_start].lines().rev();
+        let table = |lines: &mut dyn Iterator<Item = &str>| {
+            lines
+                .map(str::trim)
+                .find(|l| l.starts_with('[') && !l.starts_with("[["))
+                .map(|l| {
+                    l.trim_start_matches('[')
+                        .split(']')
+                        .next()
+                        .unwrap_or("")
+                        .trim()
+                        .to_owned()
+                })
+        };
+        let key_of = |line: &str| {
+            let line = line.trim();
+            if line.starts_with('#') || line.starts_with('[') {
+                return None;
+            }
+            let (key, _) = line.split_once('=')?;
+            let key = key.trim().trim_matches('"');
+            (!key.is_empty()
+                && key
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)))
+            .then(|| key.to_owned())
+        };
+        let trimmed = this_line.trim();
+        if trimmed.starts_with('[') {
+            // The error is about a table header itself: name the table.
+            return table(&mut std::iter::once(trimmed));
+        }
+        let key = match key_of(this_line) {
+            Some(k) => k,
+            None => {
+                // A value continued from an earlier line (a multi-line array).
+                let mut found = None;
+                for line in lines.by_ref() {
+                    if line.trim().starts_with('[') {
+                        return None;
+                    }
+                    if let Some(k) = key_of(line) {
+                        found = Some(k);
+                        break;
+                    }
+                }
+                found?
+            }
+        };
+        match table(&mut lines) {
+            Some(t) if !t.is_empty() => Some(format!("{t}.{key}")),
+            _ => Some(key),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../examples/config.toml");
+
+    fn parse(text: &str) -> Result<DaemonInput, ConfigError> {
+        parse_config(text, Path::new("/etc/inplace-agent/config.toml"))
+    }
+
+    #[test]
+    fn the_example_file_sets_every_key() {
+        let input = parse(EXAMPLE).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(input.settings.node_name.as_deref(), Some("worker-1"));
+        assert_eq!(input.settings.root, Some(PathBuf::from("/")));
+        assert!(!input.settings.no_chroot);
+        assert_eq!(input.listen, Some("0.0.0.0:9443".parse().unwrap()));
+        assert_eq!(input.max_concurrent_streams.map(|n| n.get()), Some(32));
+        assert_eq!(input.request_timeout, Some(Duration::from_secs(30)));
+        assert_eq!(
+            input.client_ca,
+            Some(PathBuf::from("/etc/inplace-agent/pki/ca.crt"))
+        );
+        assert_eq!(
+            input.admin,
+            Some(vec![IdentityPattern::Exact(
+                "spiffe://inplace-agent/updater".into()
+            )])
+        );
+        assert_eq!(input.settings.allow_paths, ["/etc/modprobe.d"]);
+        assert_eq!(
+            input.settings.plan_limits.keep_plans.map(|n| n.get()),
+            Some(1000)
+        );
+        assert!(!input.settings.allow_exec);
+    }
+
+    #[test]
+    fn unknown_keys_are_named_with_their_line() {
+        let err = parse("[grpc]\nlisten = \"127.0.0.1:1\"\nlisten_adress = \"x\"\n").unwrap_err();
+        assert_eq!(err.line, Some(3), "{err}");
+        assert_eq!(err.key.as_deref(), Some("grpc.listen_adress"), "{err}");
+        assert!(
+            err.message.contains("unknown field `listen_adress`"),
+            "{err}"
+        );
+        assert!(
+            err.to_string().starts_with(
+                "config /etc/inplace-agent/config.toml line 3 key grpc.listen_adress: "
+            ),
+            "{err}"
+        );
+
+        let err = parse("# tables\n[grcp]\nlisten = \"127.0.0.1:1\"\n").unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.message.contains("unknown field `grcp`"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_named_with_their_line() {
+        let cases = [
+            (
+                "[plans]\nmax_changes = \"many\"\n",
+                2,
+                "plans.max_changes",
+                "invalid type",
+            ),
+            (
+                "[plans]\n\nmax_checks = 0\n",
+                3,
+                "plans.max_checks",
+                "nonzero",
+            ),
+            (
+                "[grpc]\nlisten = \"9443\"\n",
+                2,
+                "grpc.listen",
+                "invalid socket address",
+            ),
+            (
+                "[node]\nname = \"Worker_1\"\n",
+                2,
+                "node.name",
+                "not a valid Kubernetes node name",
+            ),
+            (
+                // An element's error points at its list (the message names the element).
+                "[authorization]\nadmin = [\n  \"spiffe://a/*\",\n  \"spiffe://*/b\",\n]\n",
+                2,
+                "authorization.admin",
+                "'*' is only allowed as the last character",
+            ),
+            (
+                "[plans]\nallow_paths = [\"relative/dir\"]\n",
+                2,
+                "plans.allow_paths",
+                "relative/dir",
+            ),
+            ("[exec]\nallow = \"yes\"\n", 2, "exec.allow", "invalid type"),
+            (
+                "[tls]\ncert = \"/a\"\n[authorization]\nreader = [\n  \"spiffe://a\",\n  7,\n]\n",
+                6,
+                "authorization.reader",
+                "invalid type",
+            ),
+        ];
+        for (text, line, key, message) in cases {
+            let err = parse(text).unwrap_err();
+            assert_eq!(err.line, Some(line), "{text}: {err}");
+            assert_eq!(err.key.as_deref(), Some(key), "{text}: {err}");
+            assert!(err.message.contains(message), "{text}: {err}");
+            assert!(!err.message.ends_with('.'), "{err}");
+        }
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let file = parse(EXAMPLE).unwrap();
+        let flags = DaemonInput {
+            settings: SettingsInput {
+                node_name: Some("worker-2".into()),
+                allow_paths: vec!["/opt/cni/conf".into()],
+                no_chroot: true,
+                ..SettingsInput::default()
+            },
+            listen: Some("127.0.0.1:7443".parse().unwrap()),
+            admin: Some(vec![IdentityPattern::Prefix("spiffe://ops/".into())]),
+            ..DaemonInput::default()
+        };
+        let merged = file.overlay(flags);
+        assert_eq!(merged.settings.node_name.as_deref(), Some("worker-2"));
+        assert_eq!(merged.listen, Some("127.0.0.1:7443".parse().unwrap()));
+        assert_eq!(
+            merged.admin,
+            Some(vec![IdentityPattern::Prefix("spiffe://ops/".into())]),
+            "a role list from the flags replaces the file's"
+        );
+        assert_eq!(
+            merged.reader,
+            Some(vec![IdentityPattern::Exact(
+                "spiffe://inplace-agent/reader".into()
+            )]),
+            "the file's reader list stays"
+        );
+        assert_eq!(
+            merged.settings.allow_paths,
+            ["/etc/modprobe.d", "/opt/cni/conf"]
+        );
+        assert!(merged.settings.no_chroot);
+        assert_eq!(merged.settings.root, Some(PathBuf::from("/")));
+    }
+
+    #[test]
+    fn node_name_defaults_to_the_roots_hostname() {
+        let root = tempfile::tempdir().unwrap();
+        let input = || DaemonInput {
+            settings: SettingsInput {
+                root: Some(root.path().to_path_buf()),
+                ..SettingsInput::default()
+            },
+            ..DaemonInput::default()
+        };
+        let err = input().resolve().unwrap_err();
+        assert!(err.starts_with("node name: not set"), "{err}");
+        std::fs::create_dir_all(root.path().join("etc")).unwrap();
+        std::fs::write(root.path().join("etc/hostname"), "worker-9\n").unwrap();
+        let daemon = input().resolve().unwrap();
+        assert_eq!(daemon.node_name, "worker-9");
+        assert_eq!(
+            daemon.settings.engine.node_name.as_deref(),
+            Some("worker-9")
+        );
+        assert!(daemon.settings.engine.require_node_name);
+        assert_eq!(daemon.listen, DEFAULT_LISTEN.parse().unwrap());
+        assert_eq!(
+            daemon.tls,
+            ServerTlsPaths::in_dir(Path::new(DEFAULT_PKI_DIR))
+        );
+        assert_eq!(daemon.settings.limits.max_changes, 10_000);
+        std::fs::write(root.path().join("etc/hostname"), "Worker.Example\n").unwrap();
+        let err = input().resolve().unwrap_err();
+        assert!(err.contains("not a valid Kubernetes node name"), "{err}");
+    }
+
+    #[test]
+    fn plan_limits_reach_the_validator_and_the_engine() {
+        let input =
+            parse("[plans]\nmax_changes = 5\nmax_content_bytes = 64\nkeep_plans = 7\n").unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let settings = SettingsInput {
+            root: Some(root.path().to_path_buf()),
+            ..input.settings
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(settings.limits.max_changes, 5);
+        assert_eq!(settings.limits.max_content_bytes, 64);
+        assert_eq!(settings.limits.max_checks, 100);
+        assert_eq!(settings.engine.keep_plans, 7);
     }
 }

@@ -38,7 +38,7 @@ pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Pla
     })
 }
 
-fn print_invalid(invalid: &InvalidPlan, output: Output) {
+pub(super) fn print_invalid(invalid: &InvalidPlan, output: Output) {
     match output {
         Output::Json => println!(
             "{:#}",

@@ -208,7 +208,7 @@ fn serve_healthz(mut stream: TcpStream, config: &Path) {
     );
 }
 
-fn heading(n: u32, text: &str) {
+pub(super) fn heading(n: u32, text: &str) {
     println!("\n== {n}. {text}");
 }
 
@@ -362,8 +362,10 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     );
     drop(engine);
 
+    let api_ok = super::demo_grpc::section(6, &dir, kubelet.port(), args.plain)?;
+
     heading(
-        6,
+        7,
         "the journal: every step, hash-chained, written before the node changed",
     );
     super::journal::run(&super::journal::JournalArgs::for_root(&dir));
@@ -398,6 +400,7 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     let ok = first.phase == Phase::Succeeded
         && noop.counts.changed == 0
         && failed.phase == Phase::RolledBack
-        && config_before == config_after;
+        && config_before == config_after
+        && api_ok;
     Ok(if ok { EXIT_OK } else { EXIT_FAILED })
 }

@@ -4,9 +4,13 @@
 
 mod apply;
 pub mod demo;
+mod demo_grpc;
 mod demo_systemd;
 mod journal;
+mod pki;
+pub mod remote;
 mod render;
+pub mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -55,6 +59,18 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Run the agent: the gRPC API over mutual TLS, plans through the journal
+    Serve(serve::ServeArgs),
+    /// Apply a plan on a remote agent (over mutual TLS)
+    Submit(remote::SubmitArgs),
+    /// Show a plan's status (`--addr`: of a remote agent)
+    Status(remote::StatusArgs),
+    /// Cancel a running plan on a remote agent
+    Cancel(remote::CancelArgs),
+    /// Start a new attempt of a failed plan on a remote agent
+    Retry(remote::RetryArgs),
+    /// Certificates for trying the agent out
+    Pki(pki::PkiArgs),
 }
 
 /// Output format.
@@ -159,7 +175,11 @@ struct ApplyArgs {
 /// Runs the CLI and returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    init_logging(if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "error"
+    });
     let code = match cli.command {
         Command::Check(a) => apply::check(&a.plan, &a.node, a.out.output),
         Command::Apply(a) => apply::apply(
@@ -173,16 +193,23 @@ pub fn main() -> ExitCode {
         Command::Version(a) => version(a.output),
         Command::Demo(a) => demo::run(&a),
         Command::KubeletStandin { args } => return crate::sandbox::standin::run(&args),
+        Command::Serve(a) => serve::run(&a),
+        Command::Submit(a) => remote::submit(&a),
+        Command::Status(a) => remote::status(&a),
+        Command::Cancel(a) => remote::cancel(&a),
+        Command::Retry(a) => remote::retry(&a),
+        Command::Pki(a) => pki::run(&a),
     };
     ExitCode::from(code)
 }
 
-fn init_logging() {
+fn init_logging(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("INPLACE_AGENT_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .without_time()
         .try_init();

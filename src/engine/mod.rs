@@ -46,6 +46,9 @@ pub struct EngineConfig {
     pub compact_bytes: u64,
     /// How many finished plans to remember.
     pub keep_plans: usize,
+    /// Events the broadcast to watchers holds for a slow receiver (it also keeps the last
+    /// this many alive, so it is memory held while idle).
+    pub event_capacity: usize,
 }
 
 impl EngineConfig {
@@ -62,6 +65,7 @@ impl EngineConfig {
             require_node_name: false,
             compact_bytes: 1 << 20,
             keep_plans: 1000,
+            event_capacity: 4096,
         }
     }
 }
@@ -149,10 +153,47 @@ pub struct ProgressEvent {
 pub(crate) struct Inner {
     journal: Journal,
     table: Table,
+    phases: PhaseHistory,
+}
+
+/// How many runs keep their phase snapshots (see [`Engine::phase_history`]). A snapshot is
+/// as large as its plan's change list, so this bounds what the history holds.
+const PHASE_HISTORY_RUNS: usize = 4;
+
+/// The `Event::Status` snapshots of the most recent runs, in the order they were sent, so a
+/// watcher that fell behind the broadcast can still show every phase a run went through.
+#[derive(Default)]
+struct PhaseHistory {
+    runs: std::collections::VecDeque<(u64, Vec<Arc<PlanStatus>>)>,
+}
+
+impl PhaseHistory {
+    fn push(&mut self, status: Arc<PlanStatus>) {
+        if let Some((_, snapshots)) = self.runs.iter_mut().find(|(run, _)| *run == status.run) {
+            snapshots.push(status);
+            return;
+        }
+        if self.runs.len() >= PHASE_HISTORY_RUNS {
+            self.runs.pop_front();
+        }
+        self.runs.push_back((status.run, vec![status]));
+    }
+
+    fn of(&self, run: u64) -> Vec<Arc<PlanStatus>> {
+        self.runs
+            .iter()
+            .find(|(r, _)| *r == run)
+            .map(|(_, snapshots)| snapshots.clone())
+            .unwrap_or_default()
+    }
 }
 
 pub(crate) struct Shared {
     inner: Mutex<Inner>,
+    /// Held from a submission's decision (new attempt or existing) until its acceptance is
+    /// journaled, so concurrent submissions of the same plan accept it once and never share
+    /// a run number.
+    submissions: Mutex<()>,
     work: Condvar,
     events: broadcast::Sender<Event>,
     config: EngineConfig,
@@ -214,7 +255,9 @@ impl Shared {
             && let Some(status) = inner.table.by_run(run)
         {
             let event = if phase_change {
-                Event::Status(Arc::new(status.clone()))
+                let status = Arc::new(status.clone());
+                inner.phases.push(status.clone());
+                Event::Status(status)
             } else {
                 Event::Progress(Arc::new(ProgressEvent {
                     run,
@@ -242,11 +285,16 @@ impl Engine {
         let mut table = Table::new(config.keep_plans);
         let (journal, report) = Journal::open(&config.state_dir, |e| table.apply(e))?;
         table.finish_replay();
-        let (events, _) = broadcast::channel(4096);
+        let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let backups = BackupStore::at(&config.state_dir);
         let engine = Engine {
             shared: Arc::new(Shared {
-                inner: Mutex::new(Inner { journal, table }),
+                inner: Mutex::new(Inner {
+                    journal,
+                    table,
+                    phases: PhaseHistory::default(),
+                }),
+                submissions: Mutex::new(()),
                 work: Condvar::new(),
                 events,
                 config,
@@ -291,8 +339,9 @@ impl Engine {
             }
         }
         self.admit(&plan)?;
+        let _submitting = self.submission_lock();
         let inner = self.shared.lock();
-        // Decide again under the lock: another caller may have submitted meanwhile.
+        // Decide again: another caller may have submitted meanwhile.
         let attempt = match inner.table.find(&plan.id, &digest) {
             Some(existing) if !retry || !existing.phase.is_failure() => {
                 return Ok(Submission::Existing(existing.clone()));
@@ -338,8 +387,16 @@ impl Engine {
         Ok(Submission::Accepted(status))
     }
 
+    fn submission_lock(&self) -> MutexGuard<'_, ()> {
+        self.shared
+            .submissions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Runs the last attempt of `id` again, when it ended without succeeding.
     pub fn retry(&self, id: &str, source: &str) -> Result<Submission, SubmitError> {
+        let _submitting = self.submission_lock();
         let (status, plan) = {
             let inner = self.shared.lock();
             let status = inner
@@ -396,6 +453,18 @@ impl Engine {
     /// The latest attempt of a plan.
     pub fn status(&self, id: &str) -> Option<PlanStatus> {
         self.shared.lock().table.latest(id).cloned()
+    }
+
+    /// The latest attempt of a plan with this id and digest.
+    pub fn find(&self, id: &str, digest: &str) -> Option<PlanStatus> {
+        self.shared.lock().table.find(id, digest).cloned()
+    }
+
+    /// The status snapshots sent as [`Event::Status`] for `run` (one per phase it entered,
+    /// oldest first), kept for the few most recent runs of this process; empty for older
+    /// runs and for phases entered before a restart.
+    pub fn phase_history(&self, run: u64) -> Vec<Arc<PlanStatus>> {
+        self.shared.lock().phases.of(run)
     }
 
     /// The status of one run.
@@ -524,4 +593,66 @@ pub fn admit(cfg: &EngineConfig, host: &Host, plan: &Plan) -> Result<steps::Prep
             errors,
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SettingsInput;
+
+    fn plan(id: &str, content: &str) -> Plan {
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n  - file: {{path: /etc/kubernetes/{content}.conf, content: \"{content}\"}}\n"
+        );
+        crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap()
+    }
+
+    #[test]
+    fn concurrent_submissions_accept_once_and_never_share_a_run() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::cli::demo::build_kubeadm_worker(dir.path()).unwrap();
+        let settings = SettingsInput {
+            root: Some(dir.path().to_path_buf()),
+            no_chroot: true,
+            ..SettingsInput::default()
+        }
+        .resolve()
+        .unwrap();
+        let host = Arc::new(Host::open(settings.host.clone()).unwrap());
+        let (engine, _) = Engine::open(settings.engine.clone(), host.clone()).unwrap();
+        let same = plan("same", "same");
+        let threads: Vec<_> = (0..16)
+            .map(|t| {
+                let engine = engine.clone();
+                let same = same.clone();
+                std::thread::spawn(move || {
+                    let mut accepted = 0;
+                    for i in 0..25 {
+                        let id = format!("t{t}-{i}");
+                        let mine = engine.submit(plan(&id, &id), "test", false).unwrap();
+                        assert!(matches!(mine, Submission::Accepted(_)));
+                        if let Submission::Accepted(_) =
+                            engine.submit(same.clone(), "test", false).unwrap()
+                        {
+                            accepted += 1;
+                        }
+                    }
+                    accepted
+                })
+            })
+            .collect();
+        let accepted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert_eq!(accepted, 1, "the same plan was accepted {accepted} times");
+        let plans = engine.plans();
+        assert_eq!(plans.len(), 16 * 25 + 1);
+        let runs: std::collections::BTreeSet<u64> = plans.iter().map(|p| p.run).collect();
+        assert_eq!(runs.len(), plans.len(), "run numbers are unique");
+        drop(engine);
+        let (reopened, _) = Engine::open(settings.engine, host).unwrap();
+        assert_eq!(
+            reopened.plans(),
+            plans,
+            "the journal replays to the same table"
+        );
+    }
 }

@@ -198,6 +198,13 @@ impl Runner {
 
     /// Checks, between steps, whether the run must stop.
     fn boundary(&self, run: u64) -> Option<Stop> {
+        if self
+            .shared
+            .shutdown
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Some(Stop::Shutdown);
+        }
         let inner = self.shared.lock();
         let rs = inner.table.run_state(run)?;
         if rs.cancel_requested {
@@ -446,7 +453,11 @@ impl Runner {
                 return Err(Abort::Stop(stop));
             }
             let name = check_name(index, check);
-            let stop = || self.boundary(run).is_some();
+            // A gate being polled is not cut short by a shutdown (it would read as failed).
+            let stop = || {
+                self.boundary(run)
+                    .is_some_and(|s| !matches!(s, Stop::Shutdown))
+            };
             let mut progress = |msg: &str| {
                 let mut inner = self.shared.lock();
                 inner.table.set_message(run, format!("{name}: {msg}"));
@@ -464,7 +475,7 @@ impl Runner {
                 !outcome.passed,
             )?;
             if !outcome.passed {
-                if let Some(stop) = self.boundary(run) {
+                if let Some(stop) = self.boundary(run).filter(|s| !matches!(s, Stop::Shutdown)) {
                     return Err(Abort::Stop(stop));
                 }
                 return Err(Abort::Failed(ErrorInfo {

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 pub use error::{FieldError, InvalidPlan};
 pub use parse::{
-    API_VERSION, Limits, check_unit_name, decode_content, normalize_kube_version, parse_mode,
-    parse_owner, parse_plan, sysctl_segments, validate_value,
+    API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,
+    parse_mode, parse_owner, parse_plan, sysctl_segments, validate_value,
 };
 pub use path::{AllowList, NodePath, PathError};
 

@@ -1521,7 +1521,8 @@ pub fn normalize_kube_version(v: &str) -> Option<String> {
     (numeric && extra_ok && extra != "-" && extra != "+").then(|| format!("v{bare}"))
 }
 
-fn is_dns_subdomain(s: &str) -> bool {
+/// True for a lowercase RFC 1123 DNS subdomain (a valid Kubernetes node name).
+pub fn is_dns_subdomain(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
         && s.split('.').all(|label| {

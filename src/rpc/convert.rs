@@ -31,8 +31,171 @@ pub fn validate_plan(plan: &pb::Plan, limits: &Limits) -> Result<Plan, InvalidPl
 /// The INVALID_ARGUMENT status for a plan that failed validation: every problem as
 /// `<field path>: <problem>`, separated by `; `.
 pub fn invalid_argument(invalid: &InvalidPlan) -> tonic::Status {
+    tonic::Status::invalid_argument(problems(invalid))
+}
+
+fn problems(invalid: &InvalidPlan) -> String {
     let problems: Vec<String> = invalid.errors.iter().map(ToString::to_string).collect();
-    tonic::Status::invalid_argument(problems.join("; "))
+    problems.join("; ")
+}
+
+/// True for a validation error that reports a size limit (number of changes or checks,
+/// decoded content bytes, document bytes) rather than a malformed field. The validator
+/// words every limit error as "... more than the limit of N ..."; a test below keeps the two
+/// in step.
+pub fn is_limit_error(error: &FieldError) -> bool {
+    error.message.contains("more than the limit of")
+}
+
+/// The status for a plan that failed validation: RESOURCE_EXHAUSTED when it exceeds a plan
+/// limit, INVALID_ARGUMENT otherwise; the message lists every problem either way.
+pub fn plan_error_status(invalid: &InvalidPlan) -> tonic::Status {
+    if invalid.errors.iter().any(is_limit_error) {
+        tonic::Status::resource_exhausted(problems(invalid))
+    } else {
+        invalid_argument(invalid)
+    }
+}
+
+/// The wire form of a validated plan (what `inplace-agent submit` sends): every default
+/// explicit, file content as its decoded bytes (PLAIN). The agent validates it back to an
+/// equal plan with the same digest.
+pub fn plan_to_pb(plan: &Plan) -> pb::Plan {
+    use crate::plan::{Change, Probe};
+    use pb::change::Kind;
+    let secs = |d: std::time::Duration| u32::try_from(d.as_secs()).unwrap_or(u32::MAX);
+    let changes = plan
+        .changes
+        .iter()
+        .map(|c| {
+            let kind = match c {
+                Change::File(f) => Kind::File(pb::FileChange {
+                    path: f.path.as_str().to_owned(),
+                    content: f.content.clone(),
+                    encoding: pb::Encoding::Plain as i32,
+                    mode: f.mode.to_string(),
+                    owner: f.owner.to_string(),
+                    append: f.append,
+                    restart_units: f.restart_units.clone(),
+                }),
+                Change::Absent(a) => Kind::Absent(pb::AbsentChange {
+                    path: a.path.as_str().to_owned(),
+                    restart_units: a.restart_units.clone(),
+                }),
+                Change::KubeletConfig(k) => Kind::KubeletConfig(pb::KubeletConfigChange {
+                    merge_patch: Value::Object(k.merge_patch.clone()).to_string(),
+                }),
+                Change::KubeletFlags(k) => Kind::KubeletFlags(pb::KubeletFlagsChange {
+                    set: k.set.clone().into_iter().collect(),
+                    remove: k.remove.clone(),
+                }),
+                Change::Sysctl(s) => Kind::Sysctl(pb::SysctlChange {
+                    key: s.key.clone(),
+                    value: s.value.clone(),
+                }),
+                Change::Package(p) => Kind::Package(pb::PackageChange {
+                    name: p.name.clone(),
+                    version: p.version.clone(),
+                    manager: p.manager.clone().unwrap_or_default(),
+                    hold: p.hold,
+                }),
+                Change::Artifact(a) => Kind::Artifact(pb::ArtifactChange {
+                    url: a.url.clone(),
+                    sha256: a.sha256.clone(),
+                    path: a.path.as_str().to_owned(),
+                    mode: a.mode.to_string(),
+                    extract: a.extract.clone().unwrap_or_default(),
+                    restart_units: a.restart_units.clone(),
+                }),
+                Change::Unit(u) => Kind::Unit(pb::UnitChange {
+                    name: u.name.clone(),
+                    content: u.content.clone(),
+                    drop_in: u.drop_in.as_ref().map(|d| pb::UnitDropIn {
+                        name: d.name.clone(),
+                        content: d.content.clone(),
+                    }),
+                    enabled: u.enabled,
+                    state: match u.state {
+                        None => pb::UnitState::Unspecified,
+                        Some(crate::plan::UnitState::Running) => pb::UnitState::Running,
+                        Some(crate::plan::UnitState::Stopped) => pb::UnitState::Stopped,
+                    } as i32,
+                    masked: u.masked,
+                }),
+                Change::KubeadmUpgradeNode(k) => {
+                    Kind::KubeadmUpgradeNode(pb::KubeadmUpgradeNodeChange {
+                        extra_args: k.extra_args.clone(),
+                    })
+                }
+                Change::Reboot(r) => Kind::Reboot(pb::RebootChange {
+                    reason: r.reason.clone(),
+                }),
+                Change::Exec(e) => Kind::Exec(pb::ExecChange {
+                    argv: e.argv.clone(),
+                    unless: e.unless.clone().unwrap_or_default(),
+                    disruption: disruption_to_pb(e.disruption) as i32,
+                }),
+            };
+            pb::Change { kind: Some(kind) }
+        })
+        .collect();
+    let verify = plan
+        .verify
+        .iter()
+        .map(|c| {
+            use pb::check::Kind;
+            let (timeout_seconds, period_seconds) = (secs(c.timeout), secs(c.period));
+            let kind = match &c.probe {
+                Probe::UnitActive { name } => Kind::UnitActive(pb::UnitActiveCheck {
+                    name: name.clone(),
+                    timeout_seconds,
+                    period_seconds,
+                }),
+                Probe::HttpGet { url, expect_status } => Kind::HttpGet(pb::HttpGetCheck {
+                    url: url.clone(),
+                    expect_status: u32::from(*expect_status),
+                    timeout_seconds,
+                    period_seconds,
+                }),
+                Probe::KubeletVersion { version } => {
+                    Kind::KubeletVersion(pb::KubeletVersionCheck {
+                        version: version.clone(),
+                        timeout_seconds,
+                        period_seconds,
+                    })
+                }
+                Probe::Command { argv } => Kind::Command(pb::CommandCheck {
+                    argv: argv.clone(),
+                    timeout_seconds,
+                    period_seconds,
+                }),
+            };
+            pb::Check { kind: Some(kind) }
+        })
+        .collect();
+    pb::Plan {
+        id: plan.id.clone(),
+        node_name: plan.node_name.clone().unwrap_or_default(),
+        options: Some(pb::PlanOptions {
+            rollback_on_failure: Some(plan.options.rollback_on_failure),
+            timeout_seconds: secs(plan.options.timeout),
+            step_timeout_seconds: secs(plan.options.step_timeout),
+        }),
+        changes,
+        verify,
+    }
+}
+
+/// The wire value of a disruption.
+pub fn disruption_to_pb(d: crate::plan::Disruption) -> pb::Disruption {
+    use crate::plan::Disruption as D;
+    match d {
+        D::None => pb::Disruption::None,
+        D::DaemonReload => pb::Disruption::DaemonReload,
+        D::Reload => pb::Disruption::Reload,
+        D::Restart => pb::Disruption::Restart,
+        D::Reboot => pb::Disruption::Reboot,
+    }
 }
 
 /// The plan-file document of a wire plan. Fails only where the wire form cannot be
@@ -570,6 +733,99 @@ verify:
             status.message().contains("changes[0].file.mode: "),
             "{}",
             status.message()
+        );
+    }
+
+    #[test]
+    fn plans_go_to_the_wire_and_back_unchanged() {
+        let limits = Limits::default();
+        for (name, yaml) in [
+            ("everything.yaml", EVERYTHING_YAML),
+            (
+                "kubelet-tuning.yaml",
+                include_str!("../../examples/plans/kubelet-tuning.yaml"),
+            ),
+            (
+                "bad-kubelet-config.yaml",
+                include_str!("../../examples/plans/bad-kubelet-config.yaml"),
+            ),
+        ] {
+            let from_file =
+                parse_plan(yaml.as_bytes(), name, &limits).unwrap_or_else(|e| panic!("{e}"));
+            let wire = plan_to_pb(&from_file);
+            let back = validate_plan(&wire, &limits).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(back, from_file, "{name}");
+            assert_eq!(back.digest(), from_file.digest(), "{name}");
+        }
+    }
+
+    #[test]
+    fn limit_errors_are_resource_exhausted() {
+        let limits = Limits {
+            max_changes: 2,
+            max_checks: 1,
+            max_content_bytes: 8,
+            ..Limits::default()
+        };
+        let sysctl = || {
+            change(Kind::Sysctl(pb::SysctlChange {
+                key: "net.ipv4.ip_forward".into(),
+                value: "1".into(),
+            }))
+        };
+        let file = |content: &[u8], encoding: pb::Encoding| {
+            change(Kind::File(pb::FileChange {
+                path: "/etc/kubernetes/x".into(),
+                content: content.to_vec(),
+                encoding: encoding as i32,
+                ..Default::default()
+            }))
+        };
+        let gate = || {
+            check(pb::check::Kind::KubeletVersion(pb::KubeletVersionCheck {
+                version: "v1.31.2".into(),
+                ..Default::default()
+            }))
+        };
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        std::io::Write::write_all(&mut gz, &[0u8; 4096]).unwrap();
+        let bomb = gz.finish().unwrap();
+        let too_big = [
+            ("changes", vec![sysctl(), sysctl(), sysctl()], vec![]),
+            ("verify", vec![], vec![gate(), gate()]),
+            (
+                "changes[0].file.content",
+                vec![file(b"0123456789", pb::Encoding::Plain)],
+                vec![],
+            ),
+            (
+                "changes[0].file.content",
+                vec![file(&bomb, pb::Encoding::Gzip)],
+                vec![],
+            ),
+        ];
+        for (field, changes, verify) in too_big {
+            let plan = pb::Plan {
+                id: "p".into(),
+                changes,
+                verify,
+                ..Default::default()
+            };
+            let invalid = validate_plan(&plan, &limits).unwrap_err();
+            assert_eq!(invalid.errors[0].field, field, "{invalid}");
+            let status = plan_error_status(&invalid);
+            assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{invalid}");
+            assert!(status.message().starts_with(field), "{}", status.message());
+        }
+        let malformed = pb::Plan {
+            id: "p".into(),
+            changes: vec![file(b"ok", pb::Encoding::Base64)],
+            ..Default::default()
+        };
+        let invalid = validate_plan(&malformed, &limits).unwrap_err();
+        assert_eq!(
+            plan_error_status(&invalid).code(),
+            tonic::Code::InvalidArgument
         );
     }
 

@@ -11,6 +11,9 @@
 //! - [`server`]: `serve()`, wiring NodeAgent, health and reflection behind the two above,
 //!   with the transport limits.
 //! - [`pki`]: `pki init`, a throwaway CA for trying the agent out.
+//! - [`service`]: the `NodeAgent` implementation over the engine (idempotent apply, watch
+//!   streams that never skip a phase, error → status code mapping).
+//! - [`status`]: engine statuses and check reports ↔ their wire messages.
 //!
 //! Architecture invariant: this module never touches the node and never logs request
 //! contents (plans may carry bootstrap tokens); denials and handshake failures are logged
@@ -39,4 +42,6 @@ pub mod authz;
 pub mod convert;
 pub mod pki;
 pub mod server;
+pub mod service;
+pub mod status;
 pub mod tls;

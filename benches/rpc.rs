@@ -1,0 +1,376 @@
+//! Benchmarks of the node API against the real `inplace-agent serve` binary (release build)
+//! on a sandbox node, over mutual TLS on 127.0.0.1:
+//!
+//! - `GetPlanStatus` latency (p50, p99, max) over one connection, sequential calls;
+//! - new mTLS connections per second (TCP connect, TLS 1.3 handshake with client
+//!   certificate, HTTP/2 setup, one `GetPlanStatus`), sequential;
+//! - resident memory of `serve`: after start, and idle after N applied plans (each a file
+//!   change, applied one after another), plus the peak.
+//!
+//! Run: `cargo bench --bench rpc` (see benches/README.md for the options). It prints a
+//! table and, with `--json FILE`, writes the figures for the performance suite.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inplace_agent::plan::{Limits, parse_plan};
+use inplace_agent::rpc::convert::plan_to_pb;
+use inplace_agent::rpc::pb;
+use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
+use inplace_agent::rpc::pki::{
+    DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiFiles, PkiInitOptions,
+};
+use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
+use rustls::ClientConfig;
+use tonic::transport::Channel;
+
+const NODE: &str = "bench-node";
+
+struct Options {
+    calls: usize,
+    connect_seconds: u64,
+    plans: usize,
+    idle_seconds: u64,
+    json: Option<std::path::PathBuf>,
+}
+
+impl Options {
+    fn parse() -> Result<Options, String> {
+        let mut o = Options {
+            calls: 20_000,
+            connect_seconds: 5,
+            plans: 1000,
+            idle_seconds: 15,
+            json: None,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
+            match arg.as_str() {
+                // What `cargo bench` passes to every bench target.
+                "--bench" => {}
+                "--calls" => {
+                    o.calls = value("--calls")?
+                        .parse()
+                        .map_err(|e| format!("--calls: {e}"))?
+                }
+                "--connect-seconds" => {
+                    o.connect_seconds = value("--connect-seconds")?
+                        .parse()
+                        .map_err(|e| format!("--connect-seconds: {e}"))?
+                }
+                "--plans" => {
+                    o.plans = value("--plans")?
+                        .parse()
+                        .map_err(|e| format!("--plans: {e}"))?
+                }
+                "--idle-seconds" => {
+                    o.idle_seconds = value("--idle-seconds")?
+                        .parse()
+                        .map_err(|e| format!("--idle-seconds: {e}"))?
+                }
+                "--json" => o.json = Some(value("--json")?.into()),
+                other => return Err(format!("unknown argument {other:?}")),
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// The daemon under test.
+struct Serve {
+    child: Child,
+    addr: String,
+}
+
+impl Serve {
+    fn start(root: &std::path::Path, pki: &PkiFiles) -> Result<Serve, String> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
+            .args([
+                "serve",
+                "--config",
+                "/dev/null",
+                "--listen",
+                "127.0.0.1:0",
+                "--no-chroot",
+            ])
+            .args(["--node-name", NODE, "--root"])
+            .arg(root)
+            .arg("--tls-cert")
+            .arg(&pki.server_cert)
+            .arg("--tls-key")
+            .arg(&pki.server_key)
+            .arg("--client-ca")
+            .arg(&pki.ca_cert)
+            .args([
+                "--admin",
+                DEFAULT_UPDATER_IDENTITY,
+                "--reader",
+                DEFAULT_READER_IDENTITY,
+            ])
+            .env("INPLACE_AGENT_LOG", "warn,inplace_agent::cli::serve=info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("start serve: {e}"))?;
+        let stderr = child.stderr.take().ok_or("no stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .ok_or("serve exited before listening")?
+                .map_err(|e| e.to_string())?;
+            if let Some(rest) = line.split("listening on ").nth(1) {
+                break rest.split_whitespace().next().unwrap_or("").to_owned();
+            }
+        };
+        // Keep draining the log so the daemon never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Serve { child, addr })
+    }
+
+    /// Memory in KiB: (VmRSS, VmHWM, RssAnon, RssFile).
+    fn memory(&self) -> (u64, u64, u64, u64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        (
+            field("VmRSS:"),
+            field("VmHWM:"),
+            field("RssAnon:"),
+            field("RssFile:"),
+        )
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let _ = self.child.wait();
+    }
+}
+
+async fn client(
+    addr: &str,
+    config: &Arc<ClientConfig>,
+) -> Result<NodeAgentClient<Channel>, String> {
+    let channel = connect(addr, Some(NODE), config.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(NodeAgentClient::new(channel))
+}
+
+fn plan(i: usize) -> pb::Plan {
+    let text = format!(
+        "apiVersion: inplace.agent/v1\nkind: Plan\nid: default/bench@{i}\nnodeName: {NODE}\nchanges:\n  - file: {{path: /etc/kubernetes/bench.conf, content: \"plan {i}\\n\"}}\n"
+    );
+    let plan =
+        parse_plan(text.as_bytes(), "bench", &Limits::default()).unwrap_or_else(|e| panic!("{e}"));
+    plan_to_pb(&plan)
+}
+
+async fn apply_and_wait(client: &mut NodeAgentClient<Channel>, i: usize) -> Result<(), String> {
+    let response = client
+        .apply_plan(pb::ApplyPlanRequest {
+            plan: Some(plan(i)),
+            retry: false,
+        })
+        .await
+        .map_err(|e| format!("apply plan {i}: {e}"))?
+        .into_inner();
+    let id = response.status.map(|s| s.id).unwrap_or_default();
+    loop {
+        let s = client
+            .get_plan_status(pb::GetPlanStatusRequest { id: id.clone() })
+            .await
+            .map_err(|e| format!("status of plan {i}: {e}"))?
+            .into_inner();
+        match pb::Phase::try_from(s.phase) {
+            Ok(pb::Phase::Succeeded) => return Ok(()),
+            Ok(
+                p @ (pb::Phase::Failed
+                | pb::Phase::RolledBack
+                | pb::Phase::Superseded
+                | pb::Phase::Cancelled),
+            ) => {
+                return Err(format!("plan {i} ended {p:?}"));
+            }
+            _ => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+async fn run(options: Options) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let root = dir.path().join("node");
+    inplace_agent::cli::demo::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
+    let pki = inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), NODE))
+        .map_err(|e| e.to_string())?;
+    let serve = Serve::start(&root, &pki)?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss_start, _, anon_start, file_start) = serve.memory();
+    let config = Arc::new(
+        client_config(&ClientTlsPaths {
+            ca: pki.ca_cert.clone(),
+            cert: pki.updater_cert.clone(),
+            key: pki.updater_key.clone(),
+        })
+        .map_err(|e| e.to_string())?,
+    );
+    let mut admin = client(&serve.addr, &config).await?;
+    apply_and_wait(&mut admin, 0).await?;
+
+    // GetPlanStatus latency over one connection.
+    let request = pb::GetPlanStatusRequest {
+        id: "default/bench@0".into(),
+    };
+    for _ in 0..500 {
+        admin
+            .get_plan_status(request.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let mut latencies = Vec::with_capacity(options.calls);
+    let started = Instant::now();
+    for _ in 0..options.calls {
+        let t = Instant::now();
+        admin
+            .get_plan_status(request.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        latencies.push(t.elapsed());
+    }
+    let calls_per_second = options.calls as f64 / started.elapsed().as_secs_f64();
+    latencies.sort();
+    let (p50, p99, max) = (
+        percentile(&latencies, 0.50),
+        percentile(&latencies, 0.99),
+        latencies[latencies.len() - 1],
+    );
+
+    // New connections per second.
+    let window = Duration::from_secs(options.connect_seconds);
+    let started = Instant::now();
+    let mut connections = 0u64;
+    while started.elapsed() < window {
+        let mut c = client(&serve.addr, &config).await?;
+        c.get_plan_status(request.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        connections += 1;
+    }
+    let connections_per_second = connections as f64 / started.elapsed().as_secs_f64();
+
+    // Idle memory after N applied plans.
+    let started = Instant::now();
+    for i in 1..=options.plans {
+        apply_and_wait(&mut admin, i).await?;
+    }
+    let apply_seconds = started.elapsed().as_secs_f64();
+    drop(admin);
+    tokio::time::sleep(Duration::from_secs(options.idle_seconds)).await;
+    let (rss_idle, rss_peak, anon_idle, file_idle) = serve.memory();
+
+    println!("inplace-agent node API benchmark (serve: release build, 127.0.0.1, TLS 1.3 mTLS)");
+    println!(
+        "  GetPlanStatus, one connection, {} calls: p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs ({:.0} calls/s)",
+        options.calls,
+        micros(p50),
+        micros(p99),
+        micros(max),
+        calls_per_second
+    );
+    println!(
+        "  new mTLS connections (connect + handshake + HTTP/2 + one call), sequential: {connections_per_second:.0}/s"
+    );
+    println!(
+        "  {} plans applied one after another in {apply_seconds:.1}s ({:.1} ms each)",
+        options.plans,
+        apply_seconds * 1000.0 / options.plans.max(1) as f64
+    );
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    println!(
+        "  serve RSS: {:.1} MiB after start (anon {:.1}, file {:.1}), {:.1} MiB idle {}s after {} plans (anon {:.1}, file {:.1}; peak {:.1} MiB)",
+        mib(rss_start),
+        mib(anon_start),
+        mib(file_start),
+        mib(rss_idle),
+        options.idle_seconds,
+        options.plans,
+        mib(anon_idle),
+        mib(file_idle),
+        mib(rss_peak)
+    );
+    if let Some(path) = &options.json {
+        let figures = serde_json::json!({
+            "getPlanStatus": {
+                "calls": options.calls,
+                "p50Micros": micros(p50),
+                "p99Micros": micros(p99),
+                "maxMicros": micros(max),
+                "callsPerSecond": calls_per_second,
+            },
+            "connectionsPerSecond": connections_per_second,
+            "plans": {"count": options.plans, "seconds": apply_seconds},
+            "rssKiB": {
+                "start": rss_start,
+                "startAnon": anon_start,
+                "startFile": file_start,
+                "idle": rss_idle,
+                "idleAnon": anon_idle,
+                "idleFile": file_idle,
+                "peak": rss_peak,
+            },
+        });
+        std::fs::write(path, format!("{figures:#}\n"))
+            .map_err(|e| format!("write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let options = match Options::parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(options)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

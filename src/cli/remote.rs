@@ -1,0 +1,782 @@
+//! Client commands for a remote agent over mutual TLS: `submit`, `status`, `cancel`,
+//! `retry`. Same exit codes as `apply` (0 succeeded or accepted, 1 failed or could not
+//! reach the agent, 2 refused as invalid for the node); progress on stderr (a bar on a
+//! terminal, a line per step otherwise), results on stdout.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tonic::transport::Channel;
+
+use super::render::{status_json, summary};
+use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, Output, rfc3339};
+use crate::engine::status::{ChangeState, CheckState, Phase, PlanStatus};
+use crate::plan::{AllowList, Limits, Plan, parse_plan};
+use crate::rpc::convert::plan_to_pb;
+use crate::rpc::pb;
+use crate::rpc::pb::node_agent_client::NodeAgentClient;
+use crate::rpc::status::{phase_from_pb, status_from_pb};
+use crate::rpc::tls::{ClientTlsPaths, client_config, connect};
+
+/// `apiVersion` of the CAPI hook response `--output hook-response` prints.
+pub const HOOK_API_VERSION: &str = "hooks.runtime.cluster.x-k8s.io/v1alpha1";
+
+/// Deadline of one unary call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// "No deadline" for `status --watch` and `retry --wait` (a year).
+const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Longest pause between attempts to re-watch an agent that went away (restart, reboot).
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Output of the client commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RemoteOutput {
+    /// For people.
+    Text,
+    /// For scripts (versioned JSON, as `apply -o json`).
+    Json,
+    /// Exactly the `UpdateMachineResponse` CAPI expects (one line of JSON).
+    HookResponse,
+}
+
+/// How to reach the agent.
+#[derive(Debug, Args, Clone)]
+pub struct TlsArgs {
+    /// CA bundle the agent's certificate must chain to
+    #[arg(long, env = "INPLACE_AGENT_CA", value_name = "FILE")]
+    pub ca: Option<PathBuf>,
+    /// Client certificate (must carry the clientAuth usage)
+    #[arg(long, env = "INPLACE_AGENT_CERT", value_name = "FILE")]
+    pub cert: Option<PathBuf>,
+    /// Client private key
+    #[arg(long, env = "INPLACE_AGENT_KEY", value_name = "FILE")]
+    pub key: Option<PathBuf>,
+    /// Name to verify the agent's certificate for [default: the host of --addr]; use the
+    /// node name when connecting by IP address
+    #[arg(long, value_name = "NAME")]
+    pub server_name: Option<String>,
+}
+
+/// Arguments of `submit`.
+#[derive(Debug, Args, Clone)]
+pub struct SubmitArgs {
+    /// Plan file (YAML or JSON); `-` reads standard input
+    pub plan: PathBuf,
+    /// The agent
+    #[arg(long, env = "INPLACE_AGENT_ADDR", value_name = "HOST:PORT")]
+    pub addr: String,
+    #[command(flatten)]
+    pub(crate) tls: TlsArgs,
+    /// Follow the plan until it ends
+    #[arg(long)]
+    pub wait: bool,
+    /// Start a new attempt if the plan's last attempt failed
+    #[arg(long)]
+    pub retry: bool,
+    /// Give up waiting after this many seconds (exit 1; the plan goes on)
+    #[arg(long, default_value_t = 3600, value_name = "SECONDS")]
+    pub wait_timeout: u64,
+    /// Never draw a progress bar, print a line per step
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Output format
+    #[arg(long, short = 'o', value_enum, default_value_t = RemoteOutput::Text)]
+    pub output: RemoteOutput,
+}
+
+/// Arguments of `status`.
+#[derive(Debug, Args, Clone)]
+pub struct StatusArgs {
+    /// Plan id [default: the current plan, else the most recent one]
+    pub id: Option<String>,
+    /// A remote agent to ask (over mutual TLS)
+    #[arg(long, env = "INPLACE_AGENT_ADDR", value_name = "HOST:PORT")]
+    pub addr: Option<String>,
+    #[command(flatten)]
+    pub(crate) tls: TlsArgs,
+    /// Follow the plan until it ends
+    #[arg(long)]
+    pub watch: bool,
+    /// Never draw a progress bar, print a line per step
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Output format
+    #[arg(long, short = 'o', value_enum, default_value_t = RemoteOutput::Text)]
+    pub output: RemoteOutput,
+}
+
+/// Arguments of `cancel`.
+#[derive(Debug, Args, Clone)]
+pub struct CancelArgs {
+    /// Plan id
+    pub id: String,
+    /// The agent
+    #[arg(long, env = "INPLACE_AGENT_ADDR", value_name = "HOST:PORT")]
+    pub addr: String,
+    #[command(flatten)]
+    pub(crate) tls: TlsArgs,
+    /// Why, for the agent's log
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    /// Output format
+    #[arg(long, short = 'o', value_enum, default_value_t = RemoteOutput::Text)]
+    pub output: RemoteOutput,
+}
+
+/// Arguments of `retry`.
+#[derive(Debug, Args, Clone)]
+pub struct RetryArgs {
+    /// Plan id
+    pub id: String,
+    /// The agent
+    #[arg(long, env = "INPLACE_AGENT_ADDR", value_name = "HOST:PORT")]
+    pub addr: String,
+    #[command(flatten)]
+    pub(crate) tls: TlsArgs,
+    /// The attempt you saw fail: retry only if it is still the latest (0: whatever it is)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub from_attempt: u32,
+    /// Follow the new attempt until it ends
+    #[arg(long)]
+    pub wait: bool,
+    /// Never draw a progress bar, print a line per step
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Output format
+    #[arg(long, short = 'o', value_enum, default_value_t = RemoteOutput::Text)]
+    pub output: RemoteOutput,
+}
+
+// === Connecting ===
+
+/// A client for the agent at `addr`.
+pub async fn connect_agent(addr: &str, tls: &TlsArgs) -> Result<NodeAgentClient<Channel>, String> {
+    let need = |v: &Option<PathBuf>, flag: &str| {
+        v.clone()
+            .ok_or_else(|| format!("{flag} is required to reach {addr}"))
+    };
+    let paths = ClientTlsPaths {
+        ca: need(&tls.ca, "--ca")?,
+        cert: need(&tls.cert, "--cert")?,
+        key: need(&tls.key, "--key")?,
+    };
+    let config = client_config(&paths).map_err(|e| format!("client tls: {e}"))?;
+    let channel = connect(addr, tls.server_name.as_deref(), Arc::new(config))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(NodeAgentClient::new(channel))
+}
+
+fn call<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(CALL_TIMEOUT);
+    request
+}
+
+/// Lowercase name of a gRPC code (`permission denied`).
+fn code_name(code: tonic::Code) -> String {
+    let debug = format!("{code:?}");
+    let mut out = String::new();
+    for (i, c) in debug.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push(' ');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
+}
+
+/// Prints a failed call and returns the exit code: 2 when the agent refused the input
+/// (invalid, too large, not for this node), 1 otherwise.
+fn refused(what: &str, addr: &str, status: &tonic::Status) -> u8 {
+    eprintln!(
+        "error: {what} on {addr}: {}: {}",
+        code_name(status.code()),
+        status.message()
+    );
+    match status.code() {
+        tonic::Code::InvalidArgument
+        | tonic::Code::ResourceExhausted
+        | tonic::Code::FailedPrecondition => EXIT_INVALID,
+        _ => EXIT_FAILED,
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, u8> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("error: start the async runtime: {e}");
+            EXIT_FAILED
+        })
+}
+
+// === Output ===
+
+/// The CAPI `UpdateMachineResponse` for a hook response, as one line of JSON with the keys
+/// in the order CAPI documents them.
+pub fn hook_response_json(hook: &pb::HookResponse) -> String {
+    #[derive(serde::Serialize)]
+    #[serde(rename_all = "camelCase")]
+    struct UpdateMachineResponse<'a> {
+        api_version: &'static str,
+        kind: &'static str,
+        status: &'static str,
+        message: &'a str,
+        retry_after_seconds: i32,
+    }
+    let status = match pb::HookStatus::try_from(hook.status) {
+        Ok(pb::HookStatus::Success) => "Success",
+        _ => "Failure",
+    };
+    serde_json::to_string(&UpdateMachineResponse {
+        api_version: HOOK_API_VERSION,
+        kind: "UpdateMachineResponse",
+        status,
+        message: &hook.message,
+        retry_after_seconds: hook.retry_after_seconds,
+    })
+    .unwrap_or_default()
+}
+
+/// A status for people: identity, phase, every change and check, the error and the hook
+/// response.
+pub fn describe(status: &PlanStatus) -> String {
+    let mut out = String::new();
+    let mut line = |s: String| {
+        out.push_str(&s);
+        out.push('\n');
+    };
+    line(format!(
+        "plan {} ({}) attempt {}, run {}, from {}",
+        status.id, status.digest, status.attempt, status.run, status.source
+    ));
+    let p = &status.progress;
+    line(format!(
+        "phase: {} (step {}/{}{})",
+        status.phase,
+        p.current,
+        p.total,
+        if p.message.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", p.message)
+        }
+    ));
+    let mut times = format!("accepted {}", rfc3339(status.accepted_at_ms));
+    if let Some(t) = status.started_at_ms {
+        times.push_str(&format!(", started {}", rfc3339(t)));
+    }
+    if let Some(t) = status.finished_at_ms {
+        times.push_str(&format!(", finished {}", rfc3339(t)));
+    }
+    line(times);
+    let n = status.changes.len();
+    for c in &status.changes {
+        let detail = if c.message.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", c.message)
+        };
+        line(format!(
+            "  [{}/{n}] changes[{}] {} {}: {:?}{detail}",
+            c.index + 1,
+            c.index,
+            c.kind,
+            c.target,
+            c.state
+        ));
+    }
+    for c in &status.checks {
+        let detail = if c.message.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", c.message)
+        };
+        line(format!(
+            "  verify[{}] {} {}: {:?}{detail}",
+            c.index, c.kind, c.target, c.state
+        ));
+    }
+    let counts = status.counts;
+    line(format!(
+        "changes: {} total, {} changed, {} unchanged, {} rolled back",
+        counts.total, counts.changed, counts.unchanged, counts.rolled_back
+    ));
+    if let Some(e) = &status.error {
+        line(format!("error ({}): {e}", e.kind.as_str()));
+    }
+    let hook = status.hook_response();
+    line(format!(
+        "hook response: {:?}, retry after {}s: {}",
+        hook.status, hook.retry_after_seconds, hook.message
+    ));
+    out.trim_end().to_owned()
+}
+
+/// Prints a final (or current) status in the chosen format.
+fn print_status(wire: &pb::PlanStatus, output: RemoteOutput, detailed: bool) -> Result<(), u8> {
+    if output == RemoteOutput::HookResponse {
+        let hook = wire.hook_response.clone().unwrap_or_default();
+        println!("{}", hook_response_json(&hook));
+        return Ok(());
+    }
+    let status = status_from_pb(wire).map_err(|e| {
+        eprintln!("error: the agent's answer: {e}");
+        EXIT_FAILED
+    })?;
+    match output {
+        RemoteOutput::Json => println!("{:#}", status_json(&status)),
+        _ if detailed => println!("{}", describe(&status)),
+        _ => println!("{}", summary(&status)),
+    }
+    Ok(())
+}
+
+fn is_terminal(wire: &pb::PlanStatus) -> bool {
+    phase_from_pb(wire.phase).is_some_and(Phase::is_terminal)
+}
+
+fn exit_for(wire: &pb::PlanStatus) -> u8 {
+    match phase_from_pb(wire.phase) {
+        Some(Phase::Succeeded) => EXIT_OK,
+        Some(p) if p.is_terminal() => EXIT_FAILED,
+        // Still running (not waited for): accepted is success.
+        _ => EXIT_OK,
+    }
+}
+
+// === Following a plan ===
+
+/// Shows successive snapshots of one plan: a bar on a terminal, otherwise a line per phase
+/// and per change or check that finished.
+struct SnapshotView {
+    bar: Option<ProgressBar>,
+    last: Option<PlanStatus>,
+}
+
+impl SnapshotView {
+    fn new(plain: bool) -> SnapshotView {
+        let bar = (!plain && std::io::stderr().is_terminal()).then(|| {
+            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{spinner} [{bar:30}] {pos}/{len} {elapsed} {wide_msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+            );
+            bar.enable_steady_tick(Duration::from_millis(120));
+            bar
+        });
+        SnapshotView { bar, last: None }
+    }
+
+    fn line(&self, s: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(s),
+            None => eprintln!("{s}"),
+        }
+    }
+
+    fn show(&mut self, status: PlanStatus) {
+        let last = self.last.take();
+        if let Some(bar) = &self.bar {
+            bar.set_length(u64::from(status.progress.total));
+            bar.set_position(u64::from(status.progress.current));
+            bar.set_message(format!("{}: {}", status.phase, status.progress.message));
+        }
+        let new_phase = last.as_ref().map(|l| (l.run, l.phase)) != Some((status.run, status.phase));
+        let same_run = last.as_ref().filter(|l| l.run == status.run);
+        let n = status.changes.len();
+        let width = n.to_string().len();
+        for c in &status.changes {
+            let before = same_run.and_then(|l| l.changes.get(c.index as usize));
+            if before.is_some_and(|b| b.state == c.state) {
+                continue;
+            }
+            let state = match c.state {
+                ChangeState::Changed => "changed",
+                ChangeState::Unchanged => "unchanged",
+                ChangeState::Failed => "FAILED",
+                ChangeState::RolledBack => "rolled back",
+                ChangeState::Skipped => "skipped",
+                ChangeState::Running | ChangeState::Pending => continue,
+            };
+            let detail = match c.state {
+                ChangeState::Failed => format!(": {}", c.message),
+                ChangeState::Changed if !c.message.is_empty() => format!(" ({})", c.message),
+                _ => String::new(),
+            };
+            self.line(&format!(
+                "  [{:>width$}/{n}] changes[{}] {} {}: {state}{detail}",
+                c.index + 1,
+                c.index,
+                c.kind,
+                c.target
+            ));
+        }
+        for c in &status.checks {
+            let before = same_run.and_then(|l| l.checks.get(c.index as usize));
+            if before.is_some_and(|b| b.state == c.state) {
+                continue;
+            }
+            let state = match c.state {
+                CheckState::Passed => "passed",
+                CheckState::Failed => "FAILED",
+                _ => continue,
+            };
+            self.line(&format!(
+                "  verify[{}] {} {}: {state}: {}",
+                c.index, c.kind, c.target, c.message
+            ));
+        }
+        // After the changes and checks: a phase snapshot reports what led to the phase.
+        if new_phase {
+            self.line(&format!(
+                "  plan {} attempt {}: {}",
+                status.id, status.attempt, status.phase
+            ));
+        }
+        if status.phase.is_terminal()
+            && let Some(bar) = self.bar.take()
+        {
+            bar.finish_and_clear();
+        }
+        self.last = Some(status);
+    }
+}
+
+/// Follows `id` with WatchPlan until a snapshot with a terminal phase, showing progress.
+/// When the agent goes away (restart, node reboot) it watches again, backing off up to
+/// 5 seconds between tries, until `timeout`.
+pub async fn follow(
+    client: &mut NodeAgentClient<Channel>,
+    id: &str,
+    plain: bool,
+    timeout: Duration,
+) -> Result<pb::PlanStatus, String> {
+    let deadline = Instant::now() + timeout;
+    let mut view = SnapshotView::new(plain);
+    let mut backoff = Duration::from_millis(200);
+    let mut last: Option<pb::PlanStatus> = None;
+    loop {
+        let outcome = async {
+            let mut stream = client
+                .watch_plan(pb::WatchPlanRequest { id: id.to_owned() })
+                .await?
+                .into_inner();
+            while let Some(snapshot) = stream.message().await? {
+                if let Ok(status) = status_from_pb(&snapshot) {
+                    view.show(status);
+                }
+                let done = is_terminal(&snapshot);
+                last = Some(snapshot);
+                if done {
+                    break;
+                }
+            }
+            Ok::<(), tonic::Status>(())
+        };
+        let result = tokio::time::timeout_at(deadline.into(), outcome).await;
+        match result {
+            Err(_) => {
+                return Err(format!(
+                    "plan {id} did not finish within {}s (it goes on; see inplace-agent status)",
+                    timeout.as_secs()
+                ));
+            }
+            Ok(Ok(())) => {
+                if let Some(status) = last.take_if(|s| is_terminal(s)) {
+                    return Ok(status);
+                }
+            }
+            Ok(Err(status)) => match status.code() {
+                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+                    view.line(&format!(
+                        "  (lost the agent: {}; watching again)",
+                        status.message()
+                    ));
+                }
+                _ => {
+                    return Err(format!(
+                        "watch {id}: {}: {}",
+                        code_name(status.code()),
+                        status.message()
+                    ));
+                }
+            },
+        }
+        if Instant::now() + backoff >= deadline {
+            return Err(format!(
+                "plan {id} did not finish within {}s (it goes on; see inplace-agent status)",
+                timeout.as_secs()
+            ));
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+// === Commands ===
+
+/// What the client validates locally: the plan's shape only. Node policy (allow-list, http
+/// hosts, size limits) is the agent's to apply.
+fn client_limits() -> Limits {
+    Limits {
+        allow: AllowList::everything(),
+        allow_http_hosts: vec!["*".to_owned()],
+        ..Limits::replay()
+    }
+}
+
+fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, u8> {
+    let name = path.display().to_string();
+    let bytes = if name == "-" {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).map(|_| buf)
+    } else {
+        std::fs::read(path)
+    };
+    let bytes = bytes.map_err(|e| {
+        eprintln!("error: read plan {name}: {e}");
+        EXIT_INVALID
+    })?;
+    parse_plan(&bytes, &name, &client_limits()).map_err(|invalid| {
+        let out = if output == RemoteOutput::Json {
+            Output::Json
+        } else {
+            Output::Text
+        };
+        super::apply::print_invalid(&invalid, out);
+        EXIT_INVALID
+    })
+}
+
+/// `inplace-agent submit`.
+pub fn submit(args: &SubmitArgs) -> u8 {
+    let plan = match read_plan(&args.plan, args.output) {
+        Ok(p) => p,
+        Err(code) => return code,
+    };
+    let runtime = match runtime() {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    runtime.block_on(async {
+        let mut client = match connect_agent(&args.addr, &args.tls).await {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_FAILED;
+            }
+        };
+        let request = pb::ApplyPlanRequest {
+            plan: Some(plan_to_pb(&plan)),
+            retry: args.retry,
+        };
+        let response = match client.apply_plan(call(request)).await {
+            Ok(r) => r.into_inner(),
+            Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &status),
+        };
+        let Some(mut status) = response.status else {
+            eprintln!("error: the agent at {} answered without a status", args.addr);
+            return EXIT_FAILED;
+        };
+        if !response.created {
+            let phase = phase_from_pb(status.phase).map_or("?".to_owned(), |p| p.to_string());
+            eprintln!(
+                "plan {} ({}) is already known to the agent: attempt {}, {phase}; nothing new starts{}",
+                status.id,
+                status.digest,
+                status.attempt,
+                if is_terminal(&status) && exit_for(&status) != EXIT_OK {
+                    " (use --retry to run it again)"
+                } else {
+                    ""
+                }
+            );
+        } else if args.output == RemoteOutput::Text {
+            eprintln!(
+                "plan {} ({}) accepted by {}: attempt {}, run {}",
+                status.id, status.digest, args.addr, status.attempt, status.run
+            );
+        }
+        if args.wait && !is_terminal(&status) {
+            status = match follow(
+                &mut client,
+                &plan.id,
+                args.no_progress,
+                Duration::from_secs(args.wait_timeout),
+            )
+            .await
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return EXIT_FAILED;
+                }
+            };
+        }
+        if let Err(code) = print_status(&status, args.output, false) {
+            return code;
+        }
+        exit_for(&status)
+    })
+}
+
+/// `inplace-agent status`.
+pub fn status(args: &StatusArgs) -> u8 {
+    let Some(addr) = &args.addr else {
+        eprintln!(
+            "error: without --addr, status reads the local agent's status socket, which this \
+             build does not serve yet; pass --addr HOST:PORT and the client certificate flags"
+        );
+        return EXIT_INVALID;
+    };
+    let runtime = match runtime() {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    let id = args.id.clone().unwrap_or_default();
+    runtime.block_on(async {
+        let mut client = match connect_agent(addr, &args.tls).await {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_FAILED;
+            }
+        };
+        let request = pb::GetPlanStatusRequest { id: id.clone() };
+        let mut status = match client.get_plan_status(call(request)).await {
+            Ok(r) => r.into_inner(),
+            Err(status) => return refused("get plan status", addr, &status),
+        };
+        if args.watch && !is_terminal(&status) {
+            status = match follow(&mut client, &status.id.clone(), args.no_progress, FOREVER).await
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return EXIT_FAILED;
+                }
+            };
+        }
+        if let Err(code) = print_status(&status, args.output, true) {
+            return code;
+        }
+        exit_for(&status)
+    })
+}
+
+/// `inplace-agent cancel`.
+pub fn cancel(args: &CancelArgs) -> u8 {
+    let runtime = match runtime() {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    runtime.block_on(async {
+        let mut client = match connect_agent(&args.addr, &args.tls).await {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_FAILED;
+            }
+        };
+        let request = pb::CancelPlanRequest {
+            id: args.id.clone(),
+            reason: args.reason.clone(),
+        };
+        let status = match client.cancel_plan(call(request)).await {
+            Ok(r) => r.into_inner(),
+            Err(status) => {
+                return refused(&format!("cancel plan {}", args.id), &args.addr, &status);
+            }
+        };
+        if let Err(code) = print_status(&status, args.output, true) {
+            return code;
+        }
+        EXIT_OK
+    })
+}
+
+/// `inplace-agent retry`.
+pub fn retry(args: &RetryArgs) -> u8 {
+    let runtime = match runtime() {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    runtime.block_on(async {
+        let mut client = match connect_agent(&args.addr, &args.tls).await {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_FAILED;
+            }
+        };
+        let request = pb::RetryPlanRequest {
+            id: args.id.clone(),
+            from_attempt: args.from_attempt,
+        };
+        let mut status = match client.retry_plan(call(request)).await {
+            Ok(r) => r.into_inner(),
+            Err(status) => return refused(&format!("retry plan {}", args.id), &args.addr, &status),
+        };
+        if args.wait && !is_terminal(&status) {
+            status = match follow(&mut client, &args.id, args.no_progress, FOREVER).await {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return EXIT_FAILED;
+                }
+            };
+        }
+        if let Err(code) = print_status(&status, args.output, false) {
+            return code;
+        }
+        exit_for(&status)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hook_response_json_is_exactly_what_capi_expects() {
+        let hook = pb::HookResponse {
+            status: pb::HookStatus::Failure as i32,
+            message: "plan x failed and was rolled back: verify[0] httpGet \"u\": answered 500"
+                .into(),
+            retry_after_seconds: 0,
+        };
+        assert_eq!(
+            hook_response_json(&hook),
+            r#"{"apiVersion":"hooks.runtime.cluster.x-k8s.io/v1alpha1","kind":"UpdateMachineResponse","status":"Failure","message":"plan x failed and was rolled back: verify[0] httpGet \"u\": answered 500","retryAfterSeconds":0}"#
+        );
+        let in_progress = pb::HookResponse {
+            status: pb::HookStatus::Success as i32,
+            message: "plan x: Applying".into(),
+            retry_after_seconds: 10,
+        };
+        assert!(hook_response_json(&in_progress).ends_with(
+            r#""status":"Success","message":"plan x: Applying","retryAfterSeconds":10}"#
+        ));
+    }
+
+    #[test]
+    fn code_names_are_lowercase_words() {
+        assert_eq!(
+            code_name(tonic::Code::PermissionDenied),
+            "permission denied"
+        );
+        assert_eq!(code_name(tonic::Code::Unavailable), "unavailable");
+    }
+}

@@ -1,0 +1,329 @@
+//! `inplace-agent serve`: the daemon. The engine runs on its worker thread; the gRPC server
+//! (mutual TLS, authorization, health, reflection) on a single-threaded Tokio runtime with a
+//! small blocking pool, which is what keeps the idle footprint small. SIGTERM or SIGINT stops
+//! it gracefully: no new calls, watch streams end with UNAVAILABLE, the engine finishes the
+//! step it is in and stops; an unfinished plan resumes from the journal at the next start. A
+//! second signal exits at once (the journal makes that safe too).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK};
+use crate::config::{
+    DEFAULT_CONFIG_PATH, DaemonInput, DaemonSettings, PlanLimitsInput, SettingsInput, load_config,
+};
+use crate::engine::Engine;
+use crate::host::Host;
+use crate::rpc::authz::{AuthzCounters, IdentityPattern};
+use crate::rpc::pb::node_agent_server::NodeAgentServer;
+use crate::rpc::server::{Security, serve};
+use crate::rpc::service::{AgentService, ServiceCounters};
+use crate::rpc::tls::{ReloadingServerConfig, TlsCounters};
+
+/// Blocking-pool threads: engine calls of the gRPC methods (journal appends, status reads).
+const BLOCKING_THREADS: usize = 4;
+
+/// How long idle blocking-pool threads are kept.
+const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(10);
+
+/// How long calls in flight get to finish once the server stops.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Arguments of `serve`. Every flag overrides the configuration file.
+#[derive(Debug, Args, Clone)]
+pub struct ServeArgs {
+    /// Configuration file [default: /etc/inplace-agent/config.toml, if it exists]
+    #[arg(long, env = "INPLACE_AGENT_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on (grpc.listen) [default: 0.0.0.0:9443]
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// The node's root directory (node.root) [default: /]
+    #[arg(long, env = "INPLACE_AGENT_ROOT")]
+    pub root: Option<PathBuf>,
+    /// State directory (node.state_dir) [default: <root>/var/lib/inplace-agent]
+    #[arg(long, env = "INPLACE_AGENT_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// This node's name (node.name) [default: <root>/etc/hostname]
+    #[arg(long)]
+    pub node_name: Option<String>,
+    /// Server certificate chain (tls.cert) [default: /etc/inplace-agent/pki/server.crt]
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (tls.key) [default: /etc/inplace-agent/pki/server.key]
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// CA bundle client certificates must chain to (tls.client_ca) [default: /etc/inplace-agent/pki/ca.crt]
+    #[arg(long, value_name = "FILE")]
+    pub client_ca: Option<PathBuf>,
+    /// Identity pattern with the admin role (repeatable; replaces authorization.admin)
+    #[arg(long, value_name = "PATTERN")]
+    pub admin: Vec<IdentityPattern>,
+    /// Identity pattern with the reader role (repeatable; replaces authorization.reader)
+    #[arg(long, value_name = "PATTERN")]
+    pub reader: Vec<IdentityPattern>,
+    /// Also allow plans to write under this directory (repeatable; plans.allow_paths)
+    #[arg(long = "allow-path", value_name = "DIR")]
+    pub allow_paths: Vec<String>,
+    /// Run node commands on the agent's filesystem instead of chrooting into the root (node.chroot = false)
+    #[arg(long)]
+    pub no_chroot: bool,
+    /// Allow `exec` changes (exec.allow)
+    #[arg(long)]
+    pub allow_exec: bool,
+    /// Manage units through systemd or not at all (node.services) [default: systemd]
+    #[arg(long, env = "INPLACE_AGENT_SERVICES", value_enum)]
+    pub services: Option<super::Services>,
+    /// D-Bus address of the node's system bus (node.bus) [default:
+    /// unix:path=<root>/run/dbus/system_bus_socket]
+    #[arg(long, env = "INPLACE_AGENT_BUS", value_name = "ADDRESS")]
+    pub bus: Option<String>,
+    /// Read the boot id from this file instead of <root>/proc/sys/kernel/random/boot_id
+    #[arg(long, value_name = "FILE")]
+    pub boot_id_file: Option<PathBuf>,
+    /// Largest gRPC message in bytes (grpc.max_message_bytes)
+    #[arg(long, value_name = "BYTES")]
+    pub max_message_bytes: Option<std::num::NonZeroUsize>,
+    /// Most changes in a plan (plans.max_changes)
+    #[arg(long, value_name = "N")]
+    pub max_changes: Option<std::num::NonZeroUsize>,
+    /// Largest decoded content of one file, in bytes (plans.max_content_bytes)
+    #[arg(long, value_name = "BYTES")]
+    pub max_content_bytes: Option<std::num::NonZeroUsize>,
+}
+
+impl ServeArgs {
+    /// The settings the flags give (unset flags leave the file's values).
+    fn input(&self) -> DaemonInput {
+        let list = |l: &Vec<IdentityPattern>| (!l.is_empty()).then(|| l.clone());
+        DaemonInput {
+            settings: SettingsInput {
+                root: self.root.clone(),
+                state_dir: self.state_dir.clone(),
+                allow_paths: self.allow_paths.clone(),
+                node_name: self.node_name.clone(),
+                no_chroot: self.no_chroot,
+                allow_exec: self.allow_exec,
+                plan_limits: PlanLimitsInput {
+                    max_changes: self.max_changes,
+                    max_content_bytes: self.max_content_bytes,
+                    ..PlanLimitsInput::default()
+                },
+                services_off: self.services == Some(super::Services::Off),
+                bus: self.bus.clone(),
+                boot_id_file: self.boot_id_file.clone(),
+                ..SettingsInput::default()
+            },
+            listen: self.listen,
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+            client_ca: self.client_ca.clone(),
+            admin: list(&self.admin),
+            reader: list(&self.reader),
+            max_message_bytes: self.max_message_bytes,
+            ..DaemonInput::default()
+        }
+    }
+
+    /// The configuration file (if any) with the flags over it, validated.
+    pub fn settings(&self) -> Result<DaemonSettings, String> {
+        let file = match &self.config {
+            Some(path) => load_config(path).map_err(|e| e.to_string())?,
+            None if std::path::Path::new(DEFAULT_CONFIG_PATH).exists() => {
+                load_config(std::path::Path::new(DEFAULT_CONFIG_PATH)).map_err(|e| e.to_string())?
+            }
+            None => DaemonInput::default(),
+        };
+        file.overlay(self.input()).resolve()
+    }
+}
+
+/// A running daemon: the engine's worker and the gRPC server on the current runtime.
+pub struct Daemon {
+    addr: SocketAddr,
+    engine: Engine,
+    counters: Arc<ServiceCounters>,
+    stop: watch::Sender<bool>,
+    server: tokio::task::JoinHandle<Result<(), crate::rpc::server::ServeError>>,
+    worker: std::thread::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon").field("addr", &self.addr).finish()
+    }
+}
+
+impl Daemon {
+    /// Opens the engine (replaying the journal; an unfinished plan resumes), starts its
+    /// worker, binds the listener and starts serving. Must be called within a Tokio runtime.
+    pub async fn start(settings: DaemonSettings) -> Result<Daemon, String> {
+        let DaemonSettings {
+            settings,
+            node_name,
+            listen,
+            tls,
+            rules,
+            serve: options,
+        } = settings;
+        let host = Host::open(settings.host.clone())
+            .map(Arc::new)
+            .map_err(|e| format!("open root {}: {e}", settings.host.root.display()))?;
+        let tls = ReloadingServerConfig::new(tls, Arc::new(TlsCounters::default()))
+            .map_err(|e| format!("tls: {e}"))?;
+        // Service management arrives with the systemd integration; until then restarts are
+        // journaled as skipped, exactly as the local CLI does.
+        let (engine, report) = Engine::open(settings.engine.clone(), host).map_err(|e| {
+            format!(
+                "open the journal in {}: {e}",
+                settings.engine.state_dir.display()
+            )
+        })?;
+        if let Some(torn) = report.torn {
+            tracing::warn!(
+                offset = torn.offset,
+                bytes = torn.bytes,
+                "the journal ended in a torn record left by a crash; it was truncated"
+            );
+        }
+        if let Some(current) = engine.current() {
+            tracing::info!(id = %current.id, digest = %current.digest, phase = %current.phase, "an unfinished plan resumes");
+        }
+        let listener = TcpListener::bind(listen)
+            .await
+            .map_err(|e| format!("listen on {listen}: {e}"))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| format!("listen on {listen}: {e}"))?;
+        let worker = engine
+            .spawn_worker()
+            .map_err(|e| format!("start the engine worker: {e}"))?;
+        let (stop, stopping) = watch::channel(false);
+        let service = AgentService::new(engine.clone(), settings.limits.clone(), stopping.clone());
+        let counters = service.counters().clone();
+        let (health, _) = tonic_health::server::health_reporter();
+        health.set_serving::<NodeAgentServer<AgentService>>().await;
+        let security = Security {
+            tls: Arc::new(tls),
+            rules: Arc::new(rules),
+            authz_counters: Arc::new(AuthzCounters::default()),
+        };
+        let mut shutdown = stopping;
+        let server = tokio::spawn(serve(
+            listener,
+            service,
+            health,
+            security,
+            options,
+            async move {
+                let _ = shutdown.wait_for(|stop| *stop).await;
+            },
+        ));
+        tracing::info!(node = %node_name, "listening on {addr}");
+        Ok(Daemon {
+            addr,
+            engine,
+            counters,
+            stop,
+            server,
+            worker,
+        })
+    }
+
+    /// The address the server listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The service's counters.
+    pub fn counters(&self) -> &Arc<ServiceCounters> {
+        &self.counters
+    }
+
+    /// Stops gracefully: the server stops accepting and drains (watch streams end with
+    /// UNAVAILABLE; calls in flight get 10 seconds), the engine finishes its current step.
+    pub async fn stop(self) -> Result<(), String> {
+        let _ = self.stop.send(true);
+        self.engine.shutdown();
+        let mut server = self.server;
+        let served = match tokio::time::timeout(DRAIN_TIMEOUT, &mut server).await {
+            Ok(Ok(result)) => result.map_err(|e| e.to_string()),
+            Ok(Err(e)) => Err(format!("grpc server task: {e}")),
+            Err(_) => {
+                server.abort();
+                tracing::warn!("calls still in flight after {DRAIN_TIMEOUT:?}; closed them");
+                Ok(())
+            }
+        };
+        if self.engine.busy() {
+            tracing::info!("waiting for the engine to finish its current step");
+        }
+        let worker = self.worker;
+        tokio::task::spawn_blocking(move || worker.join())
+            .await
+            .map_err(|e| format!("join the engine worker: {e}"))?
+            .map_err(|_| "the engine worker panicked".to_string())?;
+        served
+    }
+}
+
+/// `inplace-agent serve`.
+pub fn run(args: &ServeArgs) -> u8 {
+    let settings = match args.settings() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(BLOCKING_THREADS)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
+        .thread_name("inplace-blocking")
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: start the async runtime: {e}");
+            return EXIT_FAILED;
+        }
+    };
+    match runtime.block_on(serve_until_signalled(settings)) {
+        Ok(()) => EXIT_OK,
+        Err(e) => {
+            eprintln!("error: {e}");
+            EXIT_FAILED
+        }
+    }
+}
+
+async fn serve_until_signalled(settings: DaemonSettings) -> Result<(), String> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| format!("handle SIGTERM: {e}"))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| format!("handle SIGINT: {e}"))?;
+    let daemon = Daemon::start(settings).await?;
+    let name = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!("{name}: stopping after the current step");
+    tokio::select! {
+        stopped = daemon.stop() => stopped?,
+        _ = term.recv() => tracing::warn!("second signal: exiting now; the plan resumes from the journal at the next start"),
+        _ = int.recv() => tracing::warn!("second signal: exiting now; the plan resumes from the journal at the next start"),
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
