@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use crate::engine::EngineConfig;
 use crate::host::HostSettings;
+use crate::host::download::{DownloadConfig, check_ca_pem};
+use crate::host::packages::{ManagerKind, PackageSettings, PkgOptions};
 use crate::plan::{AllowList, Limits, NodePath};
 use crate::steps::Capabilities;
 
@@ -41,6 +43,10 @@ pub struct SettingsInput {
     pub allow_exec: bool,
     /// Hosts artifacts may be fetched from over plain http.
     pub allow_http_hosts: Vec<String>,
+    /// Use this package manager (`apt`, `dnf`) instead of detecting one.
+    pub package_manager: Option<String>,
+    /// Extra CA certificates (PEM files) trusted for artifact downloads.
+    pub download_ca_files: Vec<PathBuf>,
 }
 
 impl SettingsInput {
@@ -72,6 +78,21 @@ impl SettingsInput {
             exec_allowed: self.allow_exec,
             kinds: Capabilities::implemented(),
         };
+        let package_manager = match &self.package_manager {
+            Some(name) => Some(
+                name.parse::<ManagerKind>()
+                    .map_err(|_| format!("package manager {name:?}: expected apt or dnf"))?,
+            ),
+            None => None,
+        };
+        let mut downloads = DownloadConfig::new(&engine.state_dir);
+        downloads.http_allowed_hosts = self.allow_http_hosts.clone();
+        for file in &self.download_ca_files {
+            let pem = std::fs::read(file)
+                .map_err(|e| format!("download CA file {}: {e}", file.display()))?;
+            check_ca_pem(&pem).map_err(|e| format!("download CA file {}: {e}", file.display()))?;
+            downloads.extra_ca_pem.push(pem);
+        }
         let limits = Limits {
             allow,
             allow_http_hosts: self.allow_http_hosts,
@@ -82,6 +103,11 @@ impl SettingsInput {
                 root,
                 commands_in_root: !self.no_chroot,
                 boot_id_path: None,
+                packages: PackageSettings {
+                    manager: package_manager,
+                    options: PkgOptions::default(),
+                },
+                downloads,
             },
             engine,
             limits,

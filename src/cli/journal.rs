@@ -35,6 +35,9 @@ impl JournalArgs {
                 node_name: None,
                 no_chroot: true,
                 allow_exec: false,
+                package_manager: None,
+                allow_http_hosts: Vec::new(),
+                download_ca_files: Vec::new(),
             },
             output: Output::Text,
             verify: false,
@@ -88,6 +91,17 @@ pub fn describe(record: &Record) -> String {
             "changes[{index}] {}: {message}",
             if *changed { "changed" } else { "unchanged" }
         ),
+        Record::StepOutput { index, output, .. } => {
+            let commands: Vec<&str> = output
+                .lines()
+                .filter_map(|l| l.strip_prefix("$ "))
+                .collect();
+            format!(
+                "changes[{index}] ran {} ({} bytes of output kept; -o json shows it)",
+                commands.join("; "),
+                output.len()
+            )
+        }
         Record::StepFailed { index, error, .. } => format!("changes[{index}] failed: {error}"),
         Record::StepAbandoned { index, .. } => {
             format!("changes[{index}] abandoned before it started")
