@@ -79,7 +79,8 @@ impl Renderer {
                 None
             }
             Event::Progress(p) if p.run == self.run => {
-                let (progress, change, check, restart) = (&p.progress, &p.change, &p.check, &p.restart);
+                let (progress, change, check, restart) =
+                    (&p.progress, &p.change, &p.check, &p.restart);
                 if let Some(bar) = &self.bar {
                     bar.set_position(u64::from(progress.current));
                     bar.set_message(progress.message.clone());
@@ -126,6 +127,9 @@ impl Renderer {
                 }
                 if let Some(r) = restart {
                     self.line(&format!("  {r}"));
+                }
+                if let Some(note) = &p.note {
+                    self.line(&format!("  {note}"));
                 }
                 None
             }

@@ -112,6 +112,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
         Err(errors) => (None, errors),
     };
     let mut units = std::collections::BTreeSet::new();
+    let mut would_change = std::collections::BTreeSet::new();
     for (i, change) in plan.changes.iter().enumerate() {
         let prefix = format!("changes[{i}].");
         let mine: Vec<String> = field_errors
@@ -124,8 +125,12 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             (CheckResultKind::Unsupported, why)
         } else if !mine.is_empty() {
             (CheckResultKind::Invalid, mine.join("; "))
+        } else if let Some(why) = steps::undecided(host, change) {
+            (CheckResultKind::WouldChange, why)
         } else {
-            let ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
+            let mut ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
+            ctx.inputs_changed =
+                steps::kubeadm::inputs_changed(plan, i, |j| would_change.contains(&(j as usize)));
             match steps::diff(host, change, ctx) {
                 Ok(d) if d.mutations.is_empty() => {
                     (CheckResultKind::Unchanged, d.note.unwrap_or_default())
@@ -139,6 +144,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             }
         };
         if result == CheckResultKind::WouldChange {
+            would_change.insert(i);
             report.disruption = report.disruption.max(disruption);
             units.extend(change.restart_units());
         }
