@@ -4,7 +4,8 @@
 //! A download streams into a temporary file next to its final place,
 //! `<state>/cache/sha256/<hex>`, and is renamed there only after its sha256 matched; on any
 //! error the temporary file is removed, so the cache only ever holds verified content. A file
-//! already in the cache (re-verified) means no network at all.
+//! already in the cache (re-verified) means no network at all. Entries are not fsynced: every
+//! use verifies them again, so one a crash left incomplete is simply fetched again.
 //!
 //! The client is reqwest's blocking one (the engine runs on an OS thread), with rustls over
 //! the `ring` provider and a TLS configuration we build: the system's CA certificates (from
@@ -375,13 +376,10 @@ impl Downloader {
                     detail: e.to_string(),
                 })?;
             check_length(&archive.path, member, copied, size)?;
-            tmp.as_file()
-                .sync_all()
-                .map_err(|e| io_err("sync", tmp.path())(e))?;
+            // Not fsynced, like downloads: every use verifies (see `attempt`).
             let path = dir.join(&sha);
             tmp.persist(&path)
                 .map_err(|e| io_err("rename into", &path)(e.error))?;
-            sync_dir(&dir)?;
             Ok((sha, copied))
         })?;
         cache.remember_member(&sha256, member, &member_sha)?;
@@ -558,13 +556,13 @@ impl Downloader {
                 actual,
             }));
         }
-        tmp.as_file()
-            .sync_all()
-            .map_err(|e| fatal(io_err("sync", tmp.path())(e)))?;
+        // Renamed into place only when verified, but not fsynced: every use of a cache entry
+        // verifies it again (`Cache::verified` when a plan prepares, `VerifyingReader` while
+        // installing), so one that a crash left incomplete is found and downloaded again.
+        // Syncing hundreds of megabytes would buy nothing and cost a good part of the time.
         let path = dir.join(sha256);
         tmp.persist(&path)
             .map_err(|e| fatal(io_err("rename into", &path)(e.error)))?;
-        sync_dir(dir).map_err(fatal)?;
         Ok((path, bytes))
     }
 }
@@ -657,12 +655,11 @@ impl Cache {
             .map_err(io_err("create temporary file in", &dir))?;
         tmp.write_all(format!("{member_sha}\n").as_bytes())
             .map_err(|e| io_err("write", tmp.path())(e))?;
-        tmp.as_file()
-            .sync_all()
-            .map_err(|e| io_err("sync", tmp.path())(e))?;
+        // A memo a crash damaged does not parse, or names content that does not verify:
+        // either way the member is extracted again.
         tmp.persist(&memo)
             .map_err(|e| io_err("rename into", &memo)(e.error))?;
-        sync_dir(&dir)
+        Ok(())
     }
 }
 
