@@ -371,7 +371,7 @@ impl Runner {
             self.shared.lock().journal.sync()?;
         }
         for (k, w) in work.iter().enumerate() {
-            if let Err(e) = self.execute_one(run, w) {
+            if let Err(e) = self.execute_one(run, plan, w) {
                 for later in work[k + 1..].iter().filter(|l| l.announced) {
                     self.record(
                         Record::StepAbandoned {
@@ -436,7 +436,7 @@ impl Runner {
     }
 
     /// Performs one change's mutations and records that it is done.
-    fn execute_one(&self, run: u64, w: &Work) -> Result<(), StepError> {
+    fn execute_one(&self, run: u64, plan: &Plan, w: &Work) -> Result<(), StepError> {
         let journal_err = |e: JournalError| StepError::new(ErrorKind::Io, e.to_string());
         if w.diff.mutations.is_empty() {
             let message = if w.resumed {
@@ -459,15 +459,11 @@ impl Runner {
                 )
                 .map_err(journal_err);
         }
-        let step = {
-            let plan = self.state(run).map(|s| s.1.plan);
-            plan.and_then(|p| {
-                p.changes
-                    .get(w.index as usize)
-                    .map(|c| format!("changes[{}] {} {}", w.index, c.kind(), c.target()))
-            })
-            .unwrap_or_default()
-        };
+        let step = plan
+            .changes
+            .get(w.index as usize)
+            .map(|c| format!("changes[{}] {} {}", w.index, c.kind(), c.target()))
+            .unwrap_or_default();
         let mut output = Vec::new();
         for m in &w.diff.mutations {
             failpoint::hit("step.before_mutation");

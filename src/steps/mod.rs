@@ -386,7 +386,8 @@ pub fn preflight(
             }
             Change::Artifact(a) => {
                 check_path("path", &a.path, &mut errors);
-                if let Ok(Existing::Other { kind }) = host.root.read(&a.path) {
+                // Opened, not read: the file there may be a large binary.
+                if let Err(FsError::NotAFile { kind, .. }) = host.root.open_file(&a.path) {
                     errors.push(FieldError::new(
                         format!("{base}.path"),
                         format!("{} is a {kind} on the node, not a regular file", a.path),
