@@ -142,6 +142,36 @@ fn packages(version: &str, hold: bool) -> String {
         .concat()
 }
 
+/// Milliseconds of the day of a journal time (`2026-11-30T14:35:46.123Z`).
+fn ms_of_day(time: &str) -> u64 {
+    let t = &time[11..23];
+    let (h, m, s, ms) = (&t[0..2], &t[3..5], &t[6..8], &t[9..12]);
+    [(h, 3_600_000), (m, 60_000), (s, 1000), (ms, 1)]
+        .iter()
+        .map(|(v, f)| v.parse::<u64>().unwrap() * f)
+        .sum()
+}
+
+/// "Preparing 0.01s, Applying 9.1s, ..." from the journal's phase records of a run.
+fn phase_times(journal: &[Value], run: u64) -> String {
+    let marks: Vec<(String, u64)> = journal
+        .iter()
+        .filter(|e| e["run"] == run && (e["type"] == "phase" || e["type"] == "planFinished"))
+        .map(|e| {
+            let rec = &e["record"][e["type"].as_str().unwrap()];
+            (
+                rec["phase"].as_str().unwrap().to_string(),
+                ms_of_day(e["time"].as_str().unwrap()),
+            )
+        })
+        .collect();
+    marks
+        .windows(2)
+        .map(|w| format!("{} {:.2}s", w[0].0, (w[1].1 - w[0].1) as f64 / 1000.0))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn states(status: &Value) -> Vec<String> {
     status["changes"]
         .as_array()
@@ -386,6 +416,8 @@ fn the_version_upgrade_plan_end_to_end() {
     assert_eq!(restarts.len(), 1, "{restarts:#?}");
     assert_eq!(restarts[0]["unit"], "kubelet.service");
     assert_eq!(restarts[0]["skipped"], true);
+
+    eprintln!("upgrade plan phases: {}", phase_times(&node.journal(), run));
 
     // The same plan again: it already ran, nothing runs.
     let (code, again, err) = node.apply("up.yaml", &example("t/up", &kubelet));
