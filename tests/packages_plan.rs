@@ -418,6 +418,13 @@ fn the_version_upgrade_plan_end_to_end() {
     assert_eq!(restarts[0]["skipped"], true);
 
     eprintln!("upgrade plan phases: {}", phase_times(&node.journal(), run));
+    let steps: Vec<String> = status["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| format!("{} {}ms", c["target"], c["durationMs"]))
+        .collect();
+    eprintln!("upgrade plan steps: {}", steps.join(", "));
 
     // The same plan again: it already ran, nothing runs.
     let (code, again, err) = node.apply("up.yaml", &example("t/up", &kubelet));
