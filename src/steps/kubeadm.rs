@@ -71,7 +71,7 @@ impl UpgradeNode {
         argv
     }
 
-    /// "run kubeadm upgrade node (changes[0] package kubeadm=... changed in this run)".
+    /// `run kubeadm upgrade node (changes[0] changed an input of kubeadm in this run)`.
     pub fn describe(&self) -> String {
         format!("run {} ({})", self.argv().join(" "), self.reason)
     }
