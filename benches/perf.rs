@@ -325,6 +325,8 @@ fn replay(r: &mut Report, records: u64, runs: usize) {
             commands_in_root: false,
             boot_id_path: None,
             services: inplace_agent::host::ServiceSettings::Off,
+            packages: Default::default(),
+            downloads: inplace_agent::host::download::DownloadConfig::new(&state),
         })
         .expect("host"),
     );

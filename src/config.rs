@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::engine::EngineConfig;
+use crate::host::download::{DownloadConfig, check_ca_pem};
+use crate::host::packages::{ManagerKind, PackageSettings, PkgOptions};
 use crate::host::systemd::system_bus_address;
 use crate::host::{HostSettings, ServiceSettings};
 use crate::plan::{AllowList, Limits, NodePath};
@@ -57,6 +59,10 @@ pub struct SettingsInput {
     /// Read the boot id here instead of `<root>/proc/sys/kernel/random/boot_id` (tests
     /// simulate a reboot by changing this file).
     pub boot_id_file: Option<PathBuf>,
+    /// Use this package manager (`apt`, `dnf`) instead of detecting one.
+    pub package_manager: Option<String>,
+    /// Extra CA certificates (PEM files) trusted for artifact downloads.
+    pub download_ca_files: Vec<PathBuf>,
     /// Plan limits and how many finished plans to remember (defaults when unset).
     pub plan_limits: PlanLimitsInput,
 }
@@ -135,6 +141,21 @@ impl SettingsInput {
         if let Some(keep) = plan_limits.keep_plans {
             engine.keep_plans = keep.get();
         }
+        let package_manager = match &self.package_manager {
+            Some(name) => Some(
+                name.parse::<ManagerKind>()
+                    .map_err(|_| format!("package manager {name:?}: expected apt or dnf"))?,
+            ),
+            None => None,
+        };
+        let mut downloads = DownloadConfig::new(&engine.state_dir);
+        downloads.http_allowed_hosts = self.allow_http_hosts.clone();
+        for file in &self.download_ca_files {
+            let pem = std::fs::read(file)
+                .map_err(|e| format!("download CA file {}: {e}", file.display()))?;
+            check_ca_pem(&pem).map_err(|e| format!("download CA file {}: {e}", file.display()))?;
+            downloads.extra_ca_pem.push(pem);
+        }
         let limits = Limits {
             allow,
             allow_http_hosts: self.allow_http_hosts,
@@ -155,6 +176,11 @@ impl SettingsInput {
                 commands_in_root: !self.no_chroot,
                 boot_id_path: self.boot_id_file,
                 services,
+                packages: PackageSettings {
+                    manager: package_manager,
+                    options: PkgOptions::default(),
+                },
+                downloads,
             },
             engine,
             limits,
@@ -229,6 +255,15 @@ pub struct DaemonInput {
     pub request_timeout: Option<Duration>,
 }
 
+fn join_paths(mut a: Vec<PathBuf>, b: Vec<PathBuf>) -> Vec<PathBuf> {
+    for p in b {
+        if !a.contains(&p) {
+            a.push(p);
+        }
+    }
+    a
+}
+
 impl DaemonInput {
     /// `over` layered on `self` (flags over the file): a value set in `over` wins, role
     /// lists given in `over` replace those of `self`, allowed paths and http hosts are
@@ -255,6 +290,8 @@ impl DaemonInput {
                 allow_exec: base.allow_exec || top.allow_exec,
                 allow_http_hosts: join(base.allow_http_hosts, top.allow_http_hosts),
                 plan_limits: base.plan_limits.overlay(top.plan_limits),
+                package_manager: top.package_manager.or(base.package_manager),
+                download_ca_files: join_paths(base.download_ca_files, top.download_ca_files),
                 services_off: base.services_off || top.services_off,
                 bus: top.bus.or(base.bus),
                 boot_id_file: top.boot_id_file.or(base.boot_id_file),
@@ -563,6 +600,8 @@ mod file {
                         max_content_bytes: self.plans.max_content_bytes,
                         keep_plans: self.plans.keep_plans,
                     },
+                    package_manager: None,
+                    download_ca_files: Vec::new(),
                     services_off: self.node.services == Some(ServicesMode::Off),
                     bus: self.node.bus,
                     boot_id_file: None,

@@ -265,14 +265,21 @@ fn check_reports_changes_and_disruption_without_writing() {
     assert_eq!(
         out.status.code(),
         Some(2),
-        "package is not supported yet: {}",
+        "the sandbox has no package manager: {}",
         text(&out)
     );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["kind"], "CheckResult");
     assert_eq!(report["changes"][0]["result"], "unchanged");
     assert_eq!(report["changes"][1]["result"], "wouldChange");
-    assert_eq!(report["changes"][2]["result"], "unsupported");
+    assert_eq!(report["changes"][2]["result"], "invalid");
+    assert!(
+        report["changes"][2]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("no supported package manager in "),
+        "{report:#}"
+    );
     assert_eq!(report["disruption"], "Restart");
     assert_eq!(
         report["restartUnits"],

@@ -11,7 +11,7 @@ use inplace_agent::host::apt::Apt;
 use inplace_agent::host::packages::{
     self, LockWait, ManagerKind, PackageManager, PkgEvent, PkgOptions,
 };
-use overlay::{LockHolder, Overlay, require_root, sh};
+use overlay::{LockHolder, Overlay, require_root};
 
 const OLD: &str = "1.30.4-1.1";
 const NEW: &str = "1.31.2-1.1";
@@ -23,62 +23,16 @@ fn lock_holder_process() {
     overlay::lock_holder_main();
 }
 
-/// Builds stand-in `kubeadm`, `kubelet` and `kubectl` packages at two versions (each installs
-/// `/usr/bin/<name>` printing `Kubernetes v<version>`), indexes them, and makes the repository
-/// the overlay's only apt source.
+/// Stand-in `kubeadm`, `kubelet` and `kubectl` packages at two versions (each installs
+/// `/usr/bin/<name>` printing `Kubernetes v<version>`) in the overlay's only apt source.
 fn with_repo(overlay: &Overlay) {
-    let repo = overlay.path("/srv/repo");
-    let build = overlay.path("/tmp/build");
-    std::fs::create_dir_all(&repo).unwrap();
-    for version in [OLD, NEW] {
-        let upstream = version.split('-').next().unwrap();
-        for name in NAMES {
-            let dir = build.join(format!("{name}-{version}"));
-            std::fs::create_dir_all(dir.join("DEBIAN")).unwrap();
-            std::fs::create_dir_all(dir.join("usr/bin")).unwrap();
-            let bin = dir.join("usr/bin").join(name);
-            std::fs::write(
-                &bin,
-                format!("#!/bin/sh\necho \"Kubernetes v{upstream}\"\n"),
-            )
-            .unwrap();
-            sh(&["chmod", "0755", bin.to_str().unwrap()]);
-            std::fs::write(
-                dir.join("DEBIAN/control"),
-                format!(
-                    "Package: {name}\nVersion: {version}\nArchitecture: all\n\
-                     Maintainer: inplace-agent tests <tests@example.invalid>\n\
-                     Description: stand-in {name} for the inplace-agent tests\n"
-                ),
-            )
-            .unwrap();
-            let deb = repo.join(format!("{name}_{version}_all.deb"));
-            sh(&[
-                "dpkg-deb",
-                "--root-owner-group",
-                "--build",
-                dir.to_str().unwrap(),
-                deb.to_str().unwrap(),
-            ]);
-        }
-    }
-    let index = sh(&[
-        "sh",
-        "-c",
-        &format!(
-            "cd {} && dpkg-scanpackages --multiversion . 2>/dev/null",
-            repo.display()
-        ),
-    ]);
+    let debs: Vec<overlay::Deb> = [OLD, NEW]
+        .iter()
+        .flat_map(|v| NAMES.map(|n| overlay::Deb::printing_version(n, v)))
+        .collect();
+    overlay::apt_repo(overlay, &debs);
+    let index = std::fs::read_to_string(overlay.path("/srv/repo/Packages")).unwrap();
     assert!(index.contains("Package: kubelet"), "{index}");
-    std::fs::write(repo.join("Packages"), index).unwrap();
-    // Only our repository: no network, and nothing else to resolve.
-    let _ = std::fs::remove_dir_all(overlay.path("/etc/apt/sources.list.d"));
-    std::fs::create_dir_all(overlay.path("/etc/apt/sources.list.d")).unwrap();
-    overlay.write(
-        "/etc/apt/sources.list",
-        "deb [trusted=yes] file:/srv/repo ./\n",
-    );
 }
 
 fn options() -> PkgOptions {

@@ -264,9 +264,22 @@ fn cases() -> Vec<(&'static str, String, Vec<&'static str>)> {
             vec!["changes[0].unit.name", "is not a valid systemd unit name"],
         ),
         (
-            "kind not supported on this node",
+            "no package manager on this node",
             format!("{H}changes:\n  - package: {{name: kubelet, version: 1.31.2-1.1}}\n"),
-            vec!["changes[0] package", "not supported by this agent yet"],
+            vec![
+                "changes[0].package.manager",
+                "found neither /var/lib/dpkg/status with /usr/bin/apt-get nor an rpm database",
+            ],
+        ),
+        (
+            "package manager not on this node",
+            format!(
+                "{H}changes:\n  - package: {{name: kubelet, version: 1.31.2-1.1, manager: dnf}}\n"
+            ),
+            vec![
+                "changes[0].package.manager",
+                "dnf cannot be used: no rpm database",
+            ],
         ),
         (
             "exec disabled",

@@ -217,3 +217,84 @@ fn dnf_waits_for_the_rpm_lock() {
     assert_eq!(dnf.installed("kubeadm").unwrap().unwrap().version, NEW);
     assert_eq!(version_of(&overlay, "kubeadm"), "Kubernetes v1.31.2");
 }
+
+/// `inplace-agent apply -o json` on the overlay; exit code and status.
+fn apply_plan(
+    overlay: &Overlay,
+    id: &str,
+    changes: &str,
+    verify: &str,
+) -> (i32, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.yaml");
+    std::fs::write(
+        &path,
+        format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n{changes}{verify}"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
+        .args(["apply", "--no-progress", "-o", "json", "--root"])
+        .arg(overlay.root())
+        .arg(&path)
+        .output()
+        .unwrap();
+    let status = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.code().unwrap_or(-1), status)
+}
+
+#[test]
+fn dnf_packages_through_plans() {
+    let Some((overlay, dnf)) = setup("dnf_packages_through_plans") else {
+        return;
+    };
+    let changes = |v: &str| {
+        ["kubeadm", "kubelet"]
+            .map(|n| {
+                format!("  - package: {{name: {n}, version: {v}, hold: true, manager: dnf}}\n")
+            })
+            .concat()
+    };
+    let (code, status) = apply_plan(&overlay, "d/1", &changes(OLD), "");
+    assert_eq!(code, 0, "{status:#}");
+    let kubelet = dnf.installed("kubelet").unwrap().unwrap();
+    assert_eq!((kubelet.version.as_str(), kubelet.held), (OLD, true));
+
+    // The upgrade with a gate that fails: rolled back with dnf downgrade, locks put back.
+    let gate = "verify:\n  - command: {argv: [\"false\"], timeoutSeconds: 1}\n";
+    let (code, status) = apply_plan(&overlay, "d/2", &changes(NEW), gate);
+    assert_eq!(code, 1);
+    assert_eq!(status["phase"], "RolledBack", "{status:#}");
+    for name in ["kubeadm", "kubelet"] {
+        let p = dnf.installed(name).unwrap().unwrap();
+        assert_eq!((p.version.as_str(), p.held), (OLD, true), "{name}");
+    }
+    assert!(locks(&overlay).contains("kubelet-0:1.30.4-150500.1.1"));
+
+    // The upgrade: both move, the locks with them.
+    let (code, status) = apply_plan(&overlay, "d/3", &changes(NEW), "");
+    assert_eq!(code, 0, "{status:#}");
+    assert_eq!(
+        status["changes"][1]["message"],
+        "install kubelet 1.31.2-150500.1.1 (was 1.30.4-150500.1.1), hold"
+    );
+    assert_eq!(version_of(&overlay, "kubelet"), "Kubernetes v1.31.2");
+    let list = locks(&overlay);
+    assert!(
+        list.contains("kubelet-0:1.31.2-150500.1.1") && !list.contains("1.30.4"),
+        "{list}"
+    );
+
+    // Again, under another id and with the version written without its release (rpm's
+    // rules: it matches any release): nothing to do.
+    let (code, status) = apply_plan(&overlay, "d/4", &changes("1.31.2"), "");
+    assert_eq!(code, 0, "{status:#}");
+    for c in status["changes"].as_array().unwrap() {
+        assert_eq!(c["state"], "Unchanged", "{c:#}");
+    }
+}

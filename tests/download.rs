@@ -1,5 +1,8 @@
 //! Artifact downloads against a local HTTPS server (test CA generated here, 127.0.0.1 only)
-//! that misbehaves on purpose: cut bodies, 5xx, oversized bodies, plain http, redirects.
+//! that misbehaves on purpose: cut bodies, 5xx, oversized bodies, plain http, redirects; then
+//! `artifact` changes through the real binary on a sandbox node tree.
+
+mod common;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -262,6 +265,7 @@ fn standard_routes(body: Vec<u8>) -> Arc<Routes> {
         "/down" => status(503),
         "/missing" => status(404),
         "/announced-huge" => Reply::Announce { length: 10 << 20 },
+        "/announced-2g" => Reply::Announce { length: 2 << 30 },
         "/unannounced-huge" => Reply::Unannounced {
             body: artifact(2 << 20),
         },
@@ -611,4 +615,383 @@ fn a_member_of_a_downloaded_tarball_is_extracted() {
     )
     .unwrap();
     assert_eq!(sha(&bytes), sha(&kubelet));
+}
+
+// === artifact changes through the binary ===
+
+/// A sandbox node, the test CA in a file next to it, and a server.
+struct PlanEnv {
+    node: common::Node,
+    ca: tempfile::NamedTempFile,
+    server: Server,
+}
+
+impl PlanEnv {
+    fn new(routes: Arc<Routes>) -> PlanEnv {
+        let pki = pki();
+        let ca = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(ca.path(), &pki.ca_pem).unwrap();
+        PlanEnv {
+            node: common::Node::new(),
+            ca,
+            server: Server::start(Some(pki.server.clone()), routes),
+        }
+    }
+
+    /// `apply -o json --download-ca <test CA>` plus `extra`; exit code, JSON status (or
+    /// `Null`), stderr.
+    fn apply(&self, name: &str, plan: &str, extra: &[&str]) -> (i32, serde_json::Value, String) {
+        let path = self.node.plan_file(name, plan);
+        let mut args = vec![
+            "apply",
+            "--no-progress",
+            "--no-chroot",
+            "-o",
+            "json",
+            "--download-ca",
+            self.ca.path().to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        args.push(path.to_str().unwrap());
+        let out = self.node.agent(&args);
+        let status = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        (
+            out.status.code().unwrap_or(-1),
+            status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+fn artifact_change(url: &str, sha256: &str, path: &str, extra: &str) -> String {
+    format!("  - artifact: {{url: \"{url}\", sha256: \"{sha256}\", path: {path}{extra}}}\n")
+}
+
+fn artifact_plan(id: &str, changes: &str) -> String {
+    format!("{}changes:\n{changes}", common::header(id))
+}
+
+/// A tarball with the given members.
+fn tarball(members: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    {
+        let mut tar = tar::Builder::new(&mut gz);
+        for (path, data) in members {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(data.len() as u64);
+            header.set_mode(0o755);
+            header.set_entry_type(tar::EntryType::Regular);
+            tar.append_data(&mut header, path, *data).unwrap();
+        }
+        tar.finish().unwrap();
+    }
+    gz.finish().unwrap()
+}
+
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+}
+
+#[test]
+fn artifact_plans_download_while_preparing_and_install_from_the_cache() {
+    let kubelet = artifact(3 << 20);
+    let kubeadm = artifact(200 * 1024).into_iter().rev().collect::<Vec<u8>>();
+    let archive = tarball(&[
+        ("kubernetes/node/bin/kubeadm", &kubeadm[..]),
+        ("kubernetes/node/bin/kubelet", &kubelet[..]),
+    ]);
+    let (k, a) = (kubelet.clone(), archive.clone());
+    let env = PlanEnv::new(Arc::new(move |path, _| match path {
+        "/kubelet" => ok(&k),
+        "/node.tar.gz" => ok(&a),
+        _ => status(404),
+    }));
+    let changes = [
+        artifact_change(
+            &env.server.url("/kubelet"),
+            &sha(&kubelet),
+            "/usr/local/bin/kubelet",
+            ", restartUnits: [kubelet.service]",
+        ),
+        artifact_change(
+            &env.server.url("/node.tar.gz"),
+            &sha(&archive),
+            "/usr/local/bin/kubeadm",
+            ", mode: \"0750\", extract: kubernetes/node/bin/kubeadm",
+        ),
+    ]
+    .concat();
+    let (code, status, err) = env.apply("1.yaml", &artifact_plan("a/1", &changes), &[]);
+    assert_eq!(code, 0, "{status:#}\n{err}");
+    let installed = env.node.path("/usr/local/bin/kubelet");
+    assert_eq!(sha(&std::fs::read(&installed).unwrap()), sha(&kubelet));
+    assert_eq!(mode_of(&installed), 0o755);
+    let extracted = env.node.path("/usr/local/bin/kubeadm");
+    assert_eq!(std::fs::read(&extracted).unwrap(), kubeadm);
+    assert_eq!(mode_of(&extracted), 0o750);
+    assert_eq!(
+        status["changes"][0]["message"],
+        format!(
+            "write /usr/local/bin/kubelet from the artifact cache (sha256 {}, 0755 {}:{}); from {}",
+            &sha(&kubelet)[..12],
+            rustix::process::getuid().as_raw(),
+            rustix::process::getgid().as_raw(),
+            env.server.url("/kubelet")
+        )
+    );
+    // The cache is in the node's state directory; the restart was computed (and skipped:
+    // no service manager here).
+    let cache = env.node.path("/var/lib/inplace-agent/cache/sha256");
+    assert!(cache.join(sha(&kubelet)).is_file());
+    assert!(
+        cache.join(sha(&kubeadm)).is_file(),
+        "the member is cached too"
+    );
+    let restarts: Vec<serde_json::Value> = common::journal(&env.node)
+        .into_iter()
+        .filter(|e| e["type"] == "unitRestarted")
+        .collect();
+    assert_eq!(restarts.len(), 1);
+    assert_eq!(restarts[0]["record"]["unitRestarted"]["skipped"], true);
+    assert_eq!(
+        (env.server.hits("/kubelet"), env.server.hits("/node.tar.gz")),
+        (1, 1)
+    );
+
+    // The same desired state again: unchanged, and no request at all.
+    let before = env.node.snapshot_without_state();
+    let (code, status, _) = env.apply("2.yaml", &artifact_plan("a/2", &changes), &[]);
+    assert_eq!(code, 0, "{status:#}");
+    for c in status["changes"].as_array().unwrap() {
+        assert_eq!(c["state"], "Unchanged", "{c:#}");
+    }
+    assert_eq!(
+        (env.server.hits("/kubelet"), env.server.hits("/node.tar.gz")),
+        (1, 1)
+    );
+    assert!(common::diff(&before, &env.node.snapshot_without_state()).is_empty());
+
+    // A dry run names what it cannot know before a download, and downloads nothing.
+    let other = artifact_change(
+        &env.server.url("/node.tar.gz"),
+        &sha(&archive),
+        "/usr/local/bin/kubelet",
+        ", extract: kubernetes/node/bin/kubelet",
+    );
+    let plan = env.node.plan_file("3.yaml", &artifact_plan("a/3", &other));
+    let out = env
+        .node
+        .agent(&["check", "-o", "json", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", common::text(&out));
+    let check: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(check["changes"][0]["result"], "wouldChange");
+    assert!(
+        check["changes"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("once the archive is downloaded"),
+        "{check:#}"
+    );
+    assert_eq!(env.server.hits("/node.tar.gz"), 1);
+}
+
+#[test]
+fn a_wrong_sha256_fails_the_plan_before_anything_on_the_node_changes() {
+    let body = artifact(100 * 1024);
+    let env = PlanEnv::new(standard_routes(body.clone()));
+    let before = env.node.snapshot_without_state();
+    let wrong = sha(b"not this");
+    let changes = format!(
+        "  - file: {{path: /etc/kubernetes/first.conf, content: \"x\"}}\n{}",
+        artifact_change(&env.server.url("/ok"), &wrong, "/usr/local/bin/kubelet", "")
+    );
+    let (code, status, err) = env.apply("1.yaml", &artifact_plan("w/1", &changes), &[]);
+    assert_eq!(code, 1, "{status:#}\n{err}");
+    assert_eq!(status["phase"], "Failed", "nothing to roll back");
+    assert_eq!(status["error"]["kind"], "download");
+    assert_eq!(
+        status["error"]["step"],
+        "changes[1] artifact /usr/local/bin/kubelet"
+    );
+    assert_eq!(
+        status["error"]["detail"],
+        format!(
+            "download {}: sha256 mismatch: expected {wrong}, got {}",
+            env.server.url("/ok"),
+            sha(&body)
+        )
+    );
+    assert_eq!(status["changes"][0]["state"], "Skipped", "{status:#}");
+    assert_eq!(status["changes"][1]["state"], "Failed");
+    let after = env.node.snapshot_without_state();
+    assert!(
+        common::diff(&before, &after).is_empty(),
+        "{:#?}",
+        common::diff(&before, &after)
+    );
+    assert!(
+        !common::journal(&env.node)
+            .iter()
+            .any(|e| e["type"] == "stepStarted"),
+        "no mutation was even announced"
+    );
+    let cache = env.node.path("/var/lib/inplace-agent/cache/sha256");
+    assert!(
+        std::fs::read_dir(&cache).unwrap().next().is_none(),
+        "nothing cached"
+    );
+}
+
+#[test]
+fn cut_and_failing_downloads_are_retried_through_a_plan() {
+    let body = artifact(600 * 1024);
+    let env = PlanEnv::new(standard_routes(body.clone()));
+    let changes = [
+        artifact_change(&env.server.url("/cut"), &sha(&body), "/usr/local/bin/a", ""),
+        // The same content under another URL is a cache hit: no request at all.
+        artifact_change(
+            &env.server.url("/flaky"),
+            &sha(&body),
+            "/usr/local/bin/b",
+            "",
+        ),
+    ]
+    .concat();
+    let (code, status, err) = env.apply("1.yaml", &artifact_plan("r/1", &changes), &[]);
+    assert_eq!(code, 0, "{status:#}\n{err}");
+    assert_eq!(env.server.hits("/cut"), 2, "cut once, then completed");
+    assert_eq!(
+        env.server.hits("/flaky"),
+        0,
+        "same sha256: served from the cache"
+    );
+    assert!(
+        err.contains(&format!(
+            "changes[0] artifact /usr/local/bin/a: download {}: attempt 1 failed (body cut after",
+            env.server.url("/cut")
+        )),
+        "the retry is shown: {err}"
+    );
+    assert_eq!(
+        std::fs::read(env.node.path("/usr/local/bin/a")).unwrap(),
+        body
+    );
+    assert_eq!(
+        std::fs::read(env.node.path("/usr/local/bin/b")).unwrap(),
+        body
+    );
+
+    // 500 then 200, for content not cached yet.
+    let other = artifact(10 * 1024);
+    let env = PlanEnv::new(standard_routes(other.clone()));
+    let change = artifact_change(
+        &env.server.url("/flaky"),
+        &sha(&other),
+        "/usr/local/bin/c",
+        "",
+    );
+    let started = Instant::now();
+    let (code, status, err) = env.apply("2.yaml", &artifact_plan("r/2", &change), &[]);
+    assert_eq!(code, 0, "{status:#}\n{err}");
+    assert_eq!(env.server.hits("/flaky"), 2);
+    assert!(
+        err.contains("attempt 1 failed (HTTP 500); trying again in 1.0s"),
+        "{err}"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(1), "backed off");
+    assert_eq!(
+        std::fs::read(env.node.path("/usr/local/bin/c")).unwrap(),
+        other
+    );
+}
+
+#[test]
+fn a_body_over_the_cap_aborts_the_plan() {
+    let env = PlanEnv::new(standard_routes(artifact(10)));
+    let change = artifact_change(
+        &env.server.url("/announced-2g"),
+        &sha(b"whatever"),
+        "/usr/local/bin/kubelet",
+        "",
+    );
+    let (code, status, _) = env.apply("1.yaml", &artifact_plan("c/1", &change), &[]);
+    assert_eq!(code, 1, "{status:#}");
+    assert_eq!(status["error"]["kind"], "download");
+    assert_eq!(
+        status["error"]["detail"],
+        format!(
+            "download {}: body exceeds the limit of 1073741824 bytes (announced 2147483648)",
+            env.server.url("/announced-2g")
+        )
+    );
+    assert_eq!(env.server.hits("/announced-2g"), 1, "not retried");
+    assert!(!env.node.path("/usr/local/bin/kubelet").exists());
+}
+
+#[test]
+fn plain_http_to_a_host_not_allowed_is_an_invalid_plan() {
+    let body = artifact(4096);
+    let env = PlanEnv::new(standard_routes(body.clone()));
+    let plain = Server::start(None, standard_routes(body.clone()));
+    let change = artifact_change(&plain.url("/ok"), &sha(&body), "/usr/local/bin/tool", "");
+    let (code, status, err) = env.apply("1.yaml", &artifact_plan("h/1", &change), &[]);
+    assert_eq!(code, 2, "{status:#}\n{err}");
+    assert_eq!(status["kind"], "InvalidPlan");
+    assert_eq!(
+        status["errors"][0]["message"],
+        "plain http to 127.0.0.1 is not allowed; use https or list the host in \
+         downloads.allowHttpHosts in the agent configuration"
+    );
+    assert!(
+        !env.node.path("/var/lib/inplace-agent").exists(),
+        "no trace at all"
+    );
+    assert_eq!(plain.hits("/ok"), 0);
+
+    let (code, status, err) = env.apply(
+        "1.yaml",
+        &artifact_plan("h/1", &change),
+        &["--allow-http-host", "127.0.0.1"],
+    );
+    assert_eq!(code, 0, "{status:#}\n{err}");
+    assert_eq!(
+        std::fs::read(env.node.path("/usr/local/bin/tool")).unwrap(),
+        body
+    );
+}
+
+#[test]
+fn a_replaced_binary_is_restored_byte_for_byte_on_rollback() {
+    let new = artifact(3 << 20);
+    let env = PlanEnv::new(standard_routes(new.clone()));
+    let old: Vec<u8> = artifact(5 << 20).into_iter().map(|b| b ^ 0x5a).collect();
+    let target = env.node.path("/usr/local/bin/kubelet");
+    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+    std::fs::write(&target, &old).unwrap();
+    std::fs::set_permissions(&target, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let before = env.node.snapshot_without_state();
+    let plan = format!(
+        "{}verify:\n  - command: {{argv: [sh, -c, \"exit 1\"], timeoutSeconds: 1}}\n",
+        artifact_plan(
+            "b/1",
+            &artifact_change(
+                &env.server.url("/ok"),
+                &sha(&new),
+                "/usr/local/bin/kubelet",
+                ""
+            ),
+        )
+    );
+    let (code, status, err) = env.apply("1.yaml", &plan, &[]);
+    assert_eq!(code, 1, "{status:#}\n{err}");
+    assert_eq!(status["phase"], "RolledBack");
+    assert_eq!(status["changes"][0]["state"], "RolledBack");
+    let after = env.node.snapshot_without_state();
+    assert!(
+        common::diff(&before, &after).is_empty(),
+        "{:#?}",
+        common::diff(&before, &after)
+    );
+    assert_eq!(mode_of(&target), 0o700);
 }

@@ -38,6 +38,9 @@ impl JournalArgs {
                 services: super::Services::Off,
                 bus: None,
                 boot_id_file: None,
+                package_manager: None,
+                allow_http_hosts: Vec::new(),
+                download_ca_files: Vec::new(),
             },
             output: Output::Text,
             verify: false,
@@ -91,6 +94,17 @@ pub fn describe(record: &Record) -> String {
             "changes[{index}] {}: {message}",
             if *changed { "changed" } else { "unchanged" }
         ),
+        Record::StepOutput { index, output, .. } => {
+            let commands: Vec<&str> = output
+                .lines()
+                .filter_map(|l| l.strip_prefix("$ "))
+                .collect();
+            format!(
+                "changes[{index}] ran {} ({} bytes of output kept; -o json shows it)",
+                commands.join("; "),
+                output.len()
+            )
+        }
         Record::StepFailed { index, error, .. } => format!("changes[{index}] failed: {error}"),
         Record::StepAbandoned { index, .. } => {
             format!("changes[{index}] abandoned before it started")

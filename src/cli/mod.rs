@@ -110,6 +110,15 @@ pub struct NodeArgs {
     /// Allow `exec` changes
     #[arg(long)]
     pub allow_exec: bool,
+    /// Use this package manager instead of detecting one in the root (a plan's `manager` wins)
+    #[arg(long, value_name = "apt|dnf")]
+    pub package_manager: Option<String>,
+    /// Allow artifact downloads over plain http from this host (repeatable; https otherwise)
+    #[arg(long = "allow-http-host", value_name = "HOST")]
+    pub allow_http_hosts: Vec<String>,
+    /// Also trust the CA certificates in this PEM file for artifact downloads (repeatable)
+    #[arg(long = "download-ca", value_name = "FILE")]
+    pub download_ca_files: Vec<PathBuf>,
     /// Manage units through systemd (restarts, unit changes, reboots) or not at all; `off`
     /// is for plain directory trees: restarts are then journaled as skipped
     #[arg(long, env = "INPLACE_AGENT_SERVICES", value_enum, default_value_t = Services::Systemd)]
@@ -142,6 +151,9 @@ impl NodeArgs {
             node_name: self.node_name.clone(),
             no_chroot: self.no_chroot,
             allow_exec: self.allow_exec,
+            package_manager: self.package_manager.clone(),
+            allow_http_hosts: self.allow_http_hosts.clone(),
+            download_ca_files: self.download_ca_files.clone(),
             services_off: self.services == Services::Off,
             bus: self.bus.clone(),
             boot_id_file: self.boot_id_file.clone(),

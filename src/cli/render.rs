@@ -128,6 +128,9 @@ impl Renderer {
                 if let Some(r) = restart {
                     self.line(&format!("  {r}"));
                 }
+                if let Some(note) = &p.note {
+                    self.line(&format!("  {note}"));
+                }
                 None
             }
             Event::Progress(_) => None,

@@ -178,8 +178,12 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
                     "not needed: no change before it would change anything".to_string(),
                 )
             }
+        } else if let Some(why) = steps::undecided(host, change) {
+            (CheckResultKind::WouldChange, why)
         } else {
-            let ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
+            let mut ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
+            ctx.inputs_changed =
+                steps::kubeadm::inputs_changed(plan, i, |j| would_change.contains(&(j as usize)));
             match steps::diff(host, change, ctx) {
                 Ok(d) if d.mutations.is_empty() => {
                     (CheckResultKind::Unchanged, d.note.unwrap_or_default())

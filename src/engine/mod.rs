@@ -137,7 +137,7 @@ pub enum Event {
 pub struct ProgressEvent {
     /// Run number.
     pub run: u64,
-    /// Journal sequence number of the record.
+    /// Journal sequence number of the record (0 for a [`ProgressEvent::note`]).
     pub seq: u64,
     /// Step i of n.
     pub progress: status::Progress,
@@ -148,6 +148,9 @@ pub struct ProgressEvent {
     /// News the record carries about unit jobs, restarts, daemon-reloads, reboots and lost
     /// systemd connections (`Record::note`).
     pub restart: Option<String>,
+    /// Something a running step says that is not a journal record ("waiting for the dpkg
+    /// lock, held by PID 4242", a download retry); `seq` is then 0 (no record).
+    pub note: Option<String>,
 }
 
 pub(crate) struct Inner {
@@ -266,11 +269,35 @@ impl Shared {
                     change: change_index.and_then(|i| status.changes.get(i as usize).cloned()),
                     check: check_index.and_then(|i| status.checks.get(i as usize).cloned()),
                     restart,
+                    note: None,
                 }))
             };
             let _ = self.events.send(event);
         }
         Ok(())
+    }
+}
+
+impl Shared {
+    /// Sets the status message of a running run (not journaled: it is about what is going
+    /// on now, like a gate's attempts); with `event`, watchers are told as well.
+    fn note(&self, run: u64, message: String, event: bool) {
+        let mut inner = self.lock();
+        inner.table.set_message(run, message.clone());
+        if !event {
+            return;
+        }
+        if let Some(status) = inner.table.by_run(run) {
+            let _ = self.events.send(Event::Progress(Arc::new(ProgressEvent {
+                run,
+                seq: 0,
+                progress: status.progress.clone(),
+                change: None,
+                check: None,
+                restart: None,
+                note: Some(message),
+            })));
+        }
     }
 }
 

@@ -57,6 +57,9 @@ pub(super) struct Runner {
     shared: Arc<Shared>,
     /// The plan checked against the node (owners resolved), once per run.
     prepared: std::cell::RefCell<Option<steps::Prepared>>,
+    /// The plan's artifacts are verified in the download cache (Preparing did it, or a
+    /// resumed Applying did it again).
+    fetched: std::cell::Cell<bool>,
 }
 
 impl Runner {
@@ -64,6 +67,7 @@ impl Runner {
         Runner {
             shared,
             prepared: std::cell::RefCell::new(None),
+            fetched: std::cell::Cell::new(false),
         }
     }
 
@@ -229,8 +233,63 @@ impl Runner {
 
     fn prepare(&self, run: u64, plan: &Plan) -> Result<(), Abort> {
         self.admit(plan)?;
+        self.fetch_artifacts(run, plan)?;
         self.phase(run, Phase::Applying, None)?;
         Ok(())
+    }
+
+    /// Downloads and verifies every artifact of the plan not yet in its desired state into
+    /// the cache, before anything on the node changes: a failure (a wrong sha256, a dead
+    /// server) fails the plan with nothing changed.
+    fn fetch_artifacts(&self, run: u64, plan: &Plan) -> Result<(), Abort> {
+        if self.fetched.get() {
+            return Ok(());
+        }
+        let done = self.state(run).map(|s| s.1.done).unwrap_or_default();
+        for (i, change) in plan.changes.iter().enumerate() {
+            let Change::Artifact(a) = change else {
+                continue;
+            };
+            if done.contains(&(i as u32)) {
+                continue;
+            }
+            if let Some(stop) = self.boundary(run) {
+                return Err(Abort::Stop(stop));
+            }
+            let step = format!("changes[{i}] {} {}", change.kind(), change.target());
+            let result =
+                steps::artifact::fetch(&self.shared.host, a, &mut |n| self.note(run, &step, n));
+            match result {
+                Ok(message) => self.note(run, &step, steps::Note::Status(&message)),
+                Err(e) => {
+                    let error = ErrorInfo {
+                        kind: e.kind,
+                        step: Some(step),
+                        detail: e.detail,
+                    };
+                    self.record(
+                        Record::StepFailed {
+                            run,
+                            index: i as u32,
+                            error: error.clone(),
+                        },
+                        true,
+                    )?;
+                    return Err(Abort::Failed(error));
+                }
+            }
+        }
+        self.fetched.set(true);
+        Ok(())
+    }
+
+    /// Shows what a step is doing in the run's status (and to watchers, for events).
+    fn note(&self, run: u64, step: &str, note: steps::Note) {
+        let (text, event) = match note {
+            steps::Note::Status(t) => (t, false),
+            steps::Note::Event(t) => (t, true),
+        };
+        self.shared.note(run, format!("{step}: {text}"), event);
     }
 
     fn apply(&self, run: u64) -> Result<(), Abort> {
@@ -239,6 +298,8 @@ impl Runner {
         };
         let plan = rs.plan.clone();
         let prepared = self.admit(&plan)?;
+        // Resumed in Applying after a restart: make sure the artifacts are still cached.
+        self.fetch_artifacts(run, &plan)?;
         let todo: Vec<usize> = (0..plan.changes.len())
             .filter(|i| !rs.done.contains(&(*i as u32)))
             .collect();
@@ -297,7 +358,14 @@ impl Runner {
             let index = i as u32;
             self.shared.lock().table.set_running(run, index);
             let in_flight = rs.preimages.get(&index);
-            match self.prepare_one(&plan.changes[i], prepared.ctx(i), in_flight) {
+            let mut ctx = prepared.ctx(i);
+            if let Change::KubeadmUpgradeNode(_) = &plan.changes[i] {
+                // What changed in this run so far (not the batch's snapshot of it).
+                let changed = self.state(run).map(|s| s.1.preimages).unwrap_or_default();
+                ctx.inputs_changed =
+                    steps::kubeadm::inputs_changed(plan, i, |j| changed.contains_key(&j));
+            }
+            match self.prepare_one(&plan.changes[i], ctx, in_flight) {
                 Ok((diff, preimages)) => work.push(Work {
                     index,
                     diff,
@@ -330,7 +398,7 @@ impl Runner {
             self.shared.lock().journal.sync()?;
         }
         for (k, w) in work.iter().enumerate() {
-            if let Err(e) = self.execute_one(run, w) {
+            if let Err(e) = self.execute_one(run, plan, w) {
                 for later in work[k + 1..].iter().filter(|l| l.announced) {
                     self.record(
                         Record::StepAbandoned {
@@ -395,7 +463,7 @@ impl Runner {
     }
 
     /// Performs one change's mutations and records that it is done.
-    fn execute_one(&self, run: u64, w: &Work) -> Result<(), StepError> {
+    fn execute_one(&self, run: u64, plan: &Plan, w: &Work) -> Result<(), StepError> {
         let journal_err = |e: JournalError| StepError::new(ErrorKind::Io, e.to_string());
         if w.diff.mutations.is_empty() {
             let message = if w.resumed {
@@ -418,10 +486,28 @@ impl Runner {
                 )
                 .map_err(journal_err);
         }
+        let step = plan
+            .changes
+            .get(w.index as usize)
+            .map(|c| format!("changes[{}] {} {}", w.index, c.kind(), c.target()))
+            .unwrap_or_default();
+        let mut output = Vec::new();
         for m in &w.diff.mutations {
             failpoint::hit("step.before_mutation");
-            steps::execute(&self.shared.host, m)?;
+            let said = steps::execute(&self.shared.host, m, &mut |n| self.note(run, &step, n))?;
+            output.extend(said);
             failpoint::hit("step.after_mutation");
+        }
+        if !output.is_empty() {
+            self.record(
+                Record::StepOutput {
+                    run,
+                    index: w.index,
+                    output: output.join("\n"),
+                },
+                false,
+            )
+            .map_err(journal_err)?;
         }
         let mut message: Vec<String> = w.diff.mutations.iter().map(|m| m.describe()).collect();
         if let Some(note) = &w.diff.note {
@@ -573,10 +659,17 @@ impl Runner {
                 if attempt > 0 {
                     std::thread::sleep(Duration::from_millis(200 * attempt));
                 }
-                let result = preimages
-                    .iter()
-                    .rev()
-                    .try_for_each(|p| steps::restore(host, &self.shared.backups, p));
+                let step = rs
+                    .plan
+                    .changes
+                    .get(*index as usize)
+                    .map(|c| format!("rolling back changes[{index}] {} {}", c.kind(), c.target()))
+                    .unwrap_or_default();
+                let result = preimages.iter().rev().try_for_each(|p| {
+                    steps::restore(host, &self.shared.backups, p, &mut |n| {
+                        self.note(run, &step, n)
+                    })
+                });
                 match result {
                     Ok(()) => {
                         last_err = None;
@@ -652,20 +745,9 @@ fn short(digest: &str) -> &str {
 }
 
 fn mutation_target(m: &steps::Mutation) -> String {
-    match m {
-        steps::Mutation::Write { path, .. } | steps::Mutation::Remove { path } => path.to_string(),
-        steps::Mutation::SysctlLive { path, .. } => path.to_string(),
-        steps::Mutation::UnitFile { unit, op } => format!("unit-file:{unit}:{op}"),
-        steps::Mutation::UnitRun { unit, .. } => format!("unit-run:{unit}"),
-    }
+    m.target()
 }
 
 fn preimage_target(p: &crate::journal::Preimage) -> String {
-    match p {
-        crate::journal::Preimage::File { path, .. }
-        | crate::journal::Preimage::Sysctl { path, .. } => path.to_string(),
-        crate::journal::Preimage::UnitFile { unit, op, .. } => format!("unit-file:{unit}:{op}"),
-        crate::journal::Preimage::UnitActive { unit, .. } => format!("unit-run:{unit}"),
-        crate::journal::Preimage::Other { kind, data } => format!("{kind}:{data}"),
-    }
+    steps::preimage_target(p)
 }

@@ -67,13 +67,17 @@ pub fn effect_of_mutations(mutations: &[Mutation]) -> Effect {
     };
     for m in mutations {
         match m {
-            Mutation::Write { path, .. } | Mutation::Remove { path } => {
+            Mutation::Write { path, .. }
+            | Mutation::Remove { path }
+            | Mutation::WriteFrom { path, .. } => {
                 e.reload |= unit::is_unit_path(path);
                 e.restart = true;
             }
             Mutation::UnitFile { .. } => e.reload = true,
             Mutation::UnitRun { .. } => e.run_state = true,
-            Mutation::SysctlLive { .. } => e.restart = true,
+            Mutation::SysctlLive { .. }
+            | Mutation::Package(_)
+            | Mutation::KubeadmUpgradeNode(_) => e.restart = true,
         }
     }
     e

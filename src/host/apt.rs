@@ -292,6 +292,36 @@ impl PackageManager for Apt {
         Ok(transcript)
     }
 
+    fn remove(
+        &self,
+        name: &str,
+        events: &mut dyn FnMut(&PkgEvent),
+    ) -> Result<Transcript, PkgError> {
+        validate_name(name)?;
+        if self.installed(name)?.is_none() {
+            return Ok(Vec::new());
+        }
+        let op = format!("remove {name}");
+        let mut transcript = Vec::new();
+        // dpkg, not apt-get: apt would also remove the packages that depend on it.
+        let out = self.runner.change(
+            &op,
+            &["dpkg", "--remove", name],
+            &dpkg_locks(),
+            lock_failure,
+            events,
+            &mut transcript,
+        )?;
+        if !out.success() {
+            return Err(last_failed(&self.runner, &op, &transcript));
+        }
+        if let Some(pkg) = self.installed(name)? {
+            let detail = format!("dpkg --remove succeeded but {name} is {}", pkg.status);
+            return Err(self.runner.not_applied(&op, detail, transcript));
+        }
+        Ok(transcript)
+    }
+
     fn refresh(&self, events: &mut dyn FnMut(&PkgEvent)) -> Result<Transcript, PkgError> {
         let op = "refresh the apt package lists";
         let mut locks = vec![LockSpec::fcntl("apt lists lock", "/var/lib/apt/lists/lock")];

@@ -366,6 +366,36 @@ impl PackageManager for Dnf {
         Ok(transcript)
     }
 
+    fn remove(
+        &self,
+        name: &str,
+        events: &mut dyn FnMut(&PkgEvent),
+    ) -> Result<Transcript, PkgError> {
+        validate_name(name)?;
+        if self.installed_version(name)?.is_none() {
+            return Ok(Vec::new());
+        }
+        let op = format!("remove {name}");
+        let mut transcript = Vec::new();
+        // rpm, not dnf: dnf would also remove the packages that depend on it.
+        let out = self.runner.change(
+            &op,
+            &["rpm", "-e", name],
+            &rpm_locks(),
+            lock_failure,
+            events,
+            &mut transcript,
+        )?;
+        if !out.success() {
+            return Err(last_failed(&self.runner, &op, &transcript));
+        }
+        if let Some(have) = self.installed_version(name)? {
+            let detail = format!("rpm -e succeeded but {name} {have} is still installed");
+            return Err(self.runner.not_applied(&op, detail, transcript));
+        }
+        Ok(transcript)
+    }
+
     fn refresh(&self, events: &mut dyn FnMut(&PkgEvent)) -> Result<Transcript, PkgError> {
         let op = "refresh the dnf metadata";
         let mut transcript = Vec::new();

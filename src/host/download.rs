@@ -4,7 +4,8 @@
 //! A download streams into a temporary file next to its final place,
 //! `<state>/cache/sha256/<hex>`, and is renamed there only after its sha256 matched; on any
 //! error the temporary file is removed, so the cache only ever holds verified content. A file
-//! already in the cache (re-verified) means no network at all.
+//! already in the cache (re-verified) means no network at all. Entries are not fsynced: every
+//! use verifies them again, so one a crash left incomplete is simply fetched again.
 //!
 //! The client is reqwest's blocking one (the engine runs on an OS thread), with rustls over
 //! the `ring` provider and a TLS configuration we build: the system's CA certificates (from
@@ -324,35 +325,73 @@ impl Downloader {
 
     /// Where content with this sha256 is (or would be) cached.
     pub fn cache_path(&self, sha256: &str) -> PathBuf {
-        self.cache_dir().join(sha256.to_ascii_lowercase())
+        self.cache().path(sha256)
+    }
+
+    /// The cache this downloader fills.
+    pub fn cache(&self) -> Cache {
+        Cache::at(&self.config.state_dir)
     }
 
     fn cache_dir(&self) -> PathBuf {
-        self.config.state_dir.join("cache").join("sha256")
+        self.cache().dir()
     }
 
     /// The cached file for `sha256`, re-verified; a cached file that no longer matches is
     /// removed and reported as absent.
     pub fn cached(&self, sha256: &str) -> Result<Option<Fetched>, DownloadError> {
+        self.cache().verified(sha256)
+    }
+
+    /// The verified content of member `member` of the `.tar.gz` at `url` (with `sha256`),
+    /// extracted into the cache: content-addressed by the member's own sha256, and
+    /// remembered per (archive, member) so that later calls neither download nor extract.
+    /// Returns the member's file and its sha256.
+    pub fn fetch_member(
+        &self,
+        url: &str,
+        sha256: &str,
+        member: &str,
+        limits: ExtractLimits,
+        events: &mut dyn FnMut(&DownloadEvent),
+    ) -> Result<(Fetched, String), DownloadError> {
         let sha256 = parse_sha256(sha256)?;
-        let path = self.cache_path(&sha256);
-        let mut file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io_err("open", &path)(e)),
-        };
-        let (actual, size) = hash_reader(&mut file).map_err(io_err("read", &path))?;
-        if actual != sha256 {
-            tracing::warn!(path = %path.display(), actual, "cached artifact is corrupt; removing it");
-            std::fs::remove_file(&path).map_err(io_err("remove", &path))?;
-            return Ok(None);
+        let cache = self.cache();
+        if let Some(member_sha) = cache.member_sha(&sha256, member)
+            && let Some(hit) = cache.verified(&member_sha)?
+        {
+            return Ok((hit, member_sha));
         }
-        Ok(Some(Fetched {
-            path,
-            size,
-            from_cache: true,
-            attempts: 0,
-        }))
+        let archive = self.fetch(url, &sha256, events)?;
+        let dir = cache.dir();
+        let (member_sha, size) = with_member(&archive.path, member, limits, |reader, size| {
+            let mut tmp = tempfile::Builder::new()
+                .prefix(".partial-")
+                .tempfile_in(&dir)
+                .map_err(io_err("create temporary file in", &dir))?;
+            let (sha, copied) =
+                hash_copy(reader, tmp.as_file_mut()).map_err(|e| DownloadError::BadArchive {
+                    archive: archive.path.clone(),
+                    member: member.to_string(),
+                    detail: e.to_string(),
+                })?;
+            check_length(&archive.path, member, copied, size)?;
+            // Not fsynced, like downloads: every use verifies (see `attempt`).
+            let path = dir.join(&sha);
+            tmp.persist(&path)
+                .map_err(|e| io_err("rename into", &path)(e.error))?;
+            Ok((sha, copied))
+        })?;
+        cache.remember_member(&sha256, member, &member_sha)?;
+        Ok((
+            Fetched {
+                path: cache.path(&member_sha),
+                size,
+                from_cache: archive.from_cache,
+                attempts: archive.attempts,
+            },
+            member_sha,
+        ))
     }
 
     /// Returns the verified content of `url` with `sha256` from the cache, downloading it
@@ -517,15 +556,203 @@ impl Downloader {
                 actual,
             }));
         }
-        tmp.as_file()
-            .sync_all()
-            .map_err(|e| fatal(io_err("sync", tmp.path())(e)))?;
+        // Renamed into place only when verified, but not fsynced: every use of a cache entry
+        // verifies it again (`Cache::verified` when a plan prepares, `VerifyingReader` while
+        // installing), so one that a crash left incomplete is found and downloaded again.
+        // Syncing hundreds of megabytes would buy nothing and cost a good part of the time.
         let path = dir.join(sha256);
         tmp.persist(&path)
             .map_err(|e| fatal(io_err("rename into", &path)(e.error)))?;
-        sync_dir(dir).map_err(fatal)?;
         Ok((path, bytes))
     }
+}
+
+/// The download cache of a state directory, read without a network client:
+/// `<state>/cache/sha256/<hex>` holds verified content, `<state>/cache/members/<archive
+/// sha256>/<sha256 of the member name>` remembers the sha256 of a member extracted from an
+/// archive.
+#[derive(Debug, Clone)]
+pub struct Cache {
+    root: PathBuf,
+}
+
+impl Cache {
+    /// The cache under `state_dir`.
+    pub fn at(state_dir: &Path) -> Cache {
+        Cache {
+            root: state_dir.join("cache"),
+        }
+    }
+
+    fn dir(&self) -> PathBuf {
+        self.root.join("sha256")
+    }
+
+    /// Where content with this sha256 is (or would be).
+    pub fn path(&self, sha256: &str) -> PathBuf {
+        self.dir().join(sha256.to_ascii_lowercase())
+    }
+
+    /// The cached file for `sha256` and its size when it is there, without re-hashing it
+    /// (readers verify as they go, see [`VerifyingReader`]).
+    pub fn peek(&self, sha256: &str) -> Option<(PathBuf, u64)> {
+        let path = self.path(sha256);
+        let meta = std::fs::metadata(&path).ok()?;
+        meta.is_file().then_some((path, meta.len()))
+    }
+
+    /// The cached file for `sha256`, re-verified; a cached file that no longer matches is
+    /// removed and reported as absent.
+    pub fn verified(&self, sha256: &str) -> Result<Option<Fetched>, DownloadError> {
+        let sha256 = parse_sha256(sha256)?;
+        let path = self.path(&sha256);
+        let mut file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err("open", &path)(e)),
+        };
+        let (actual, size) = hash_reader(&mut file).map_err(io_err("read", &path))?;
+        if actual != sha256 {
+            tracing::warn!(path = %path.display(), actual, "cached artifact is corrupt; removing it");
+            std::fs::remove_file(&path).map_err(io_err("remove", &path))?;
+            return Ok(None);
+        }
+        Ok(Some(Fetched {
+            path,
+            size,
+            from_cache: true,
+            attempts: 0,
+        }))
+    }
+
+    fn member_memo(&self, archive_sha256: &str, member: &str) -> PathBuf {
+        let name = hex::encode(Sha256::digest(normalise_member(member).as_bytes()));
+        self.root
+            .join("members")
+            .join(archive_sha256.to_ascii_lowercase())
+            .join(name)
+    }
+
+    /// The sha256 of `member` of the archive with `archive_sha256`, when it was extracted
+    /// into the cache before.
+    pub fn member_sha(&self, archive_sha256: &str, member: &str) -> Option<String> {
+        let text = std::fs::read_to_string(self.member_memo(archive_sha256, member)).ok()?;
+        parse_sha256(text.trim()).ok()
+    }
+
+    fn remember_member(
+        &self,
+        archive_sha256: &str,
+        member: &str,
+        member_sha: &str,
+    ) -> Result<(), DownloadError> {
+        let memo = self.member_memo(archive_sha256, member);
+        let dir = memo.parent().unwrap_or(&self.root).to_path_buf();
+        create_private_dirs(&dir)?;
+        let mut tmp = tempfile::Builder::new()
+            .prefix(".partial-")
+            .tempfile_in(&dir)
+            .map_err(io_err("create temporary file in", &dir))?;
+        tmp.write_all(format!("{member_sha}\n").as_bytes())
+            .map_err(|e| io_err("write", tmp.path())(e))?;
+        // A memo a crash damaged does not parse, or names content that does not verify:
+        // either way the member is extracted again.
+        tmp.persist(&memo)
+            .map_err(|e| io_err("rename into", &memo)(e.error))?;
+        Ok(())
+    }
+}
+
+/// A reader that hashes what passes through it and fails the read that reaches the end when
+/// the sha256 is not the expected one, so a streaming copy through it never completes with
+/// the wrong content. Later reads keep failing.
+#[derive(Debug)]
+pub struct VerifyingReader<R> {
+    inner: R,
+    hasher: Sha256,
+    expected: String,
+    mismatch: String,
+    failed: bool,
+    finished: bool,
+}
+
+impl<R: Read> VerifyingReader<R> {
+    /// Checks `inner` against `sha256`; `mismatch` says what is wrong when it does not match.
+    pub fn new(inner: R, sha256: &str, mismatch: impl Into<String>) -> VerifyingReader<R> {
+        VerifyingReader {
+            inner,
+            hasher: Sha256::new(),
+            expected: sha256.to_ascii_lowercase(),
+            mismatch: mismatch.into(),
+            failed: false,
+            finished: false,
+        }
+    }
+}
+
+impl<R: Read> Read for VerifyingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.failed {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                self.mismatch.clone(),
+            ));
+        }
+        if self.finished {
+            return Ok(0);
+        }
+        let n = self.inner.read(buf)?;
+        if n > 0 {
+            self.hasher.update(&buf[..n]);
+            return Ok(n);
+        }
+        let actual = hex::encode(std::mem::take(&mut self.hasher).finalize());
+        if actual != self.expected {
+            self.failed = true;
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                self.mismatch.clone(),
+            ));
+        }
+        self.finished = true;
+        Ok(0)
+    }
+}
+
+/// Copies `from` into `to` and returns the sha256 hex and length of what was copied.
+fn hash_copy(from: &mut dyn Read, to: &mut File) -> io::Result<(String, u64)> {
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut size = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        hasher.update(&buf[..n]);
+        to.write_all(&buf[..n])?;
+        size += n as u64;
+    }
+    Ok((hex::encode(hasher.finalize()), size))
+}
+
+/// Checks that `pem` holds at least one parsable certificate; returns how many.
+pub fn check_ca_pem(pem: &[u8]) -> Result<usize, DownloadError> {
+    let mut n = 0;
+    for cert in CertificateDer::pem_slice_iter(pem) {
+        cert.map_err(|e| DownloadError::Tls {
+            detail: format!("extra CA certificate: {e}"),
+        })?;
+        n += 1;
+    }
+    if n == 0 {
+        return Err(DownloadError::Tls {
+            detail: "extra CA certificate: no PEM certificate found".to_string(),
+        });
+    }
+    Ok(n)
 }
 
 /// Creates `dir` and its parents, new ones private to the agent (0700).
@@ -544,7 +771,8 @@ fn sync_dir(dir: &Path) -> Result<(), DownloadError> {
         .map_err(io_err("sync directory", dir))
 }
 
-fn hash_reader(r: &mut impl Read) -> io::Result<(String, u64)> {
+/// The sha256 hex and length of everything `r` yields.
+pub fn hash_reader(r: &mut impl Read) -> io::Result<(String, u64)> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 64 * 1024];
     let mut size = 0u64;
@@ -832,6 +1060,26 @@ mod tests {
         }
         builder.into_inner().unwrap().finish().unwrap();
         file
+    }
+
+    #[test]
+    fn verifying_readers_fail_at_the_end_on_a_mismatch() {
+        let data = b"kubelet bytes".repeat(1000);
+        let sha = hex::encode(Sha256::digest(&data));
+        let mut ok = VerifyingReader::new(&data[..], &sha.to_ascii_uppercase(), "bad");
+        let mut out = Vec::new();
+        ok.read_to_end(&mut out).unwrap();
+        assert_eq!(out, data);
+        let mut bad = VerifyingReader::new(&data[..10], &sha, "cache entry is corrupt");
+        let err = bad.read_to_end(&mut Vec::new()).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(err.to_string(), "cache entry is corrupt");
+        assert!(bad.read(&mut [0u8; 8]).is_err(), "keeps failing");
+    }
+
+    #[test]
+    fn extra_ca_files_must_hold_certificates() {
+        assert_eq!(check_ca_pem(b"nothing").unwrap_err().kind(), "tls_config");
     }
 
     #[test]

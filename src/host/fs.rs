@@ -124,6 +124,13 @@ pub struct Root {
     real: PathBuf,
 }
 
+/// What [`Root::open_existing`] found.
+enum Opened {
+    Absent,
+    File(File, FileMeta, u64),
+    Other(&'static str),
+}
+
 const RESOLVE: ResolveFlags = ResolveFlags::IN_ROOT.union(ResolveFlags::NO_MAGICLINKS);
 
 impl Root {
@@ -276,14 +283,41 @@ impl Root {
 
     /// Reads what is at `p` without following a final symlink.
     pub fn read(&self, p: &NodePath) -> Result<Existing, FsError> {
+        match self.open_existing(p)? {
+            Opened::Absent => Ok(Existing::Absent),
+            Opened::Other(kind) => Ok(Existing::Other { kind }),
+            Opened::File(mut file, meta, size) => {
+                let mut content = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+                file.read_to_end(&mut content).map_err(io_err("read", p))?;
+                Ok(Existing::File { content, meta })
+            }
+        }
+    }
+
+    /// Opens the regular file at `p` for reading (streaming large files such as binaries),
+    /// with its mode, owner and size; `None` when nothing is there. A symlink or anything
+    /// other than a regular file is an error.
+    pub fn open_file(&self, p: &NodePath) -> Result<Option<(File, FileMeta, u64)>, FsError> {
+        match self.open_existing(p)? {
+            Opened::Absent => Ok(None),
+            Opened::Other(kind) => Err(FsError::NotAFile {
+                path: p.to_string(),
+                kind,
+            }),
+            Opened::File(file, meta, size) => Ok(Some((file, meta, size))),
+        }
+    }
+
+    /// What is at `p`, opened when it is a regular file; a final symlink is an error.
+    fn open_existing(&self, p: &NodePath) -> Result<Opened, FsError> {
         let dir = match self.open_dir(p.parent().as_ref()) {
             Ok(d) => d,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Existing::Absent),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Opened::Absent),
             Err(e) => return Err(io_err("open directory of", p)(e)),
         };
         let st = match rustix::fs::statat(&dir, p.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
-            Err(rustix::io::Errno::NOENT) => return Ok(Existing::Absent),
+            Err(rustix::io::Errno::NOENT) => return Ok(Opened::Absent),
             Err(e) => return Err(io_err("stat", p)(rio(e))),
         };
         use rustix::fs::FileType as T;
@@ -298,11 +332,7 @@ impl Root {
                     target,
                 });
             }
-            other => {
-                return Ok(Existing::Other {
-                    kind: type_name(other),
-                });
-            }
+            other => return Ok(Opened::Other(type_name(other))),
         }
         let fd = rustix::fs::openat(
             &dir,
@@ -312,17 +342,16 @@ impl Root {
         )
         .map_err(|e| io_err("open", p)(rio(e)))?;
         let st = rustix::fs::fstat(&fd).map_err(|e| io_err("stat", p)(rio(e)))?;
-        let mut file = File::from(fd);
-        let mut content = Vec::with_capacity(usize::try_from(st.st_size).unwrap_or(0));
-        file.read_to_end(&mut content).map_err(io_err("read", p))?;
-        Ok(Existing::File {
-            content,
-            meta: FileMeta {
-                mode: st.st_mode & 0o7777,
-                uid: st.st_uid,
-                gid: st.st_gid,
-            },
-        })
+        let meta = FileMeta {
+            mode: st.st_mode & 0o7777,
+            uid: st.st_uid,
+            gid: st.st_gid,
+        };
+        Ok(Opened::File(
+            File::from(fd),
+            meta,
+            u64::try_from(st.st_size).unwrap_or(0),
+        ))
     }
 
     /// Mode and owner of the regular file at `p`, without reading it; `None` when absent.
@@ -392,6 +421,23 @@ impl Root {
             .open_dir(p.parent().as_ref())
             .map_err(io_err("open directory of", p))?;
         write_in_dir(&dir, p.file_name(), content, meta).map_err(|(op, e)| io_err(op, p)(e))
+    }
+
+    /// Like [`Root::write_atomic`], with the content streamed from `content` (large files
+    /// such as binaries are never held in memory). A read error (for example a checksum
+    /// mismatch reported by a verifying reader) leaves the old file in place and no temp file.
+    /// Returns the number of bytes written.
+    pub fn write_atomic_from(
+        &self,
+        p: &NodePath,
+        content: &mut dyn Read,
+        meta: FileMeta,
+    ) -> Result<u64, FsError> {
+        self.create_dirs(p)?;
+        let dir = self
+            .open_dir(p.parent().as_ref())
+            .map_err(io_err("open directory of", p))?;
+        write_in_dir_from(&dir, p.file_name(), content, meta).map_err(|(op, e)| io_err(op, p)(e))
     }
 
     /// Removes the file at `p`; false when it was already absent. Durable when it returns.
@@ -516,6 +562,31 @@ pub fn write_in_dir(
     content: &[u8],
     meta: FileMeta,
 ) -> Result<(), (&'static str, io::Error)> {
+    replace_in_dir(dir, name, meta, |f| {
+        f.write_all(content).map_err(|e| ("write", e))?;
+        Ok(content.len() as u64)
+    })
+    .map(drop)
+}
+
+/// [`write_in_dir`] with the content streamed from a reader; returns the bytes written. A
+/// read error counts as a failed write ("read content for"): the old entry stays.
+pub fn write_in_dir_from(
+    dir: &impl AsFd,
+    name: &str,
+    content: &mut dyn Read,
+    meta: FileMeta,
+) -> Result<u64, (&'static str, io::Error)> {
+    replace_in_dir(dir, name, meta, |f| copy_content(content, f))
+}
+
+/// The replace itself; `fill` writes the content into the temp file.
+fn replace_in_dir(
+    dir: &impl AsFd,
+    name: &str,
+    meta: FileMeta,
+    fill: impl FnOnce(&mut File) -> Result<u64, (&'static str, io::Error)>,
+) -> Result<u64, (&'static str, io::Error)> {
     let tmp = temp_name(name);
     let flags = OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
     let fd = match rustix::fs::openat(dir, tmp.as_str(), flags, RMode::from_raw_mode(0o600)) {
@@ -530,7 +601,7 @@ pub fn write_in_dir(
     };
     let result = (|| {
         let mut f = File::from(fd);
-        f.write_all(content).map_err(|e| ("write", e))?;
+        let written = fill(&mut f)?;
         let uid = rustix::fs::Uid::from_raw(meta.uid);
         let gid = rustix::fs::Gid::from_raw(meta.gid);
         rustix::fs::fchown(&f, Some(uid), Some(gid)).map_err(|e| ("chown", rio(e)))?;
@@ -539,14 +610,34 @@ pub fn write_in_dir(
         rustix::fs::fsync(&f).map_err(|e| ("sync", rio(e)))?;
         failpoint::hit("fs.write.before_rename");
         rustix::fs::renameat(dir, tmp.as_str(), dir, name).map_err(|e| ("rename", rio(e)))?;
-        Ok(())
+        Ok(written)
     })();
-    if let Err(e) = result {
-        let _ = rustix::fs::unlinkat(dir, tmp.as_str(), AtFlags::empty());
-        return Err(e);
+    match result {
+        Ok(written) => {
+            rustix::fs::fsync(dir).map_err(|e| ("sync directory of", rio(e)))?;
+            Ok(written)
+        }
+        Err(e) => {
+            let _ = rustix::fs::unlinkat(dir, tmp.as_str(), AtFlags::empty());
+            Err(e)
+        }
     }
-    rustix::fs::fsync(dir).map_err(|e| ("sync directory of", rio(e)))?;
-    Ok(())
+}
+
+/// Copies `from` into `to`, telling a failed read ("read content for") from a failed write.
+fn copy_content(from: &mut dyn Read, to: &mut File) -> Result<u64, (&'static str, io::Error)> {
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return Ok(total),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(("read content for", e)),
+        };
+        to.write_all(&buf[..n]).map_err(|e| ("write", e))?;
+        total += n as u64;
+    }
 }
 
 /// Opens a directory on the agent's own filesystem for [`write_in_dir`] (the state dir).
@@ -650,6 +741,61 @@ mod tests {
             root.check_path(&np("/etc/kubernetes/new/dir/x"), &allow)
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn streamed_writes_are_atomic_and_a_failed_read_keeps_the_old_file() {
+        let t = tempfile::tempdir().unwrap();
+        let root = Root::open(t.path()).unwrap();
+        let p = np("/usr/local/bin/kubelet");
+        let big: Vec<u8> = (0..3 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
+        let n = root.write_atomic_from(&p, &mut &big[..], me()).unwrap();
+        assert_eq!(n, big.len() as u64);
+        let (mut file, meta, size) = root.open_file(&p).unwrap().unwrap();
+        assert_eq!((meta, size), (me(), big.len() as u64));
+        let mut back = Vec::new();
+        file.read_to_end(&mut back).unwrap();
+        assert_eq!(back, big);
+
+        struct Failing(usize);
+        impl Read for Failing {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                if self.0 == 0 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        "checksum mismatch",
+                    ));
+                }
+                let n = buf.len().min(self.0);
+                buf[..n].fill(b'x');
+                self.0 -= n;
+                Ok(n)
+            }
+        }
+        let err = root
+            .write_atomic_from(&p, &mut Failing(1 << 20), me())
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "read content for /usr/local/bin/kubelet: checksum mismatch"
+        );
+        let names: Vec<_> = std::fs::read_dir(t.path().join("usr/local/bin"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["kubelet"], "no temp file left");
+        assert_eq!(
+            std::fs::read(t.path().join("usr/local/bin/kubelet")).unwrap(),
+            big
+        );
+
+        assert!(
+            root.open_file(&np("/usr/local/bin/none"))
+                .unwrap()
+                .is_none()
+        );
+        let err = root.open_file(&np("/usr/local/bin")).unwrap_err();
+        assert!(matches!(err, FsError::NotAFile { .. }), "{err}");
     }
 
     #[test]

@@ -37,6 +37,10 @@ pub struct HostSettings {
     /// Whether and how the agent manages units: an explicit choice, shown in every run's
     /// journal and in the status of skipped restarts.
     pub services: ServiceSettings,
+    /// Package managers: which one, and how long their commands may take.
+    pub packages: packages::PackageSettings,
+    /// Artifact downloads: the cache (in the agent's state directory), trust, limits.
+    pub downloads: download::DownloadConfig,
 }
 
 /// How the agent manages the node's units.
@@ -76,6 +80,8 @@ pub struct Host {
     pub root: fs::Root,
     settings: HostSettings,
     services: Option<Arc<dyn ServiceManager>>,
+    /// The download client, made on first use (it owns a connection pool and a thread).
+    downloader: std::sync::Mutex<Option<std::sync::Arc<download::Downloader>>>,
 }
 
 impl Host {
@@ -94,6 +100,7 @@ impl Host {
             root,
             settings,
             services,
+            downloader: std::sync::Mutex::new(None),
         })
     }
 
@@ -165,6 +172,59 @@ impl Host {
     /// The root path.
     pub fn root_path(&self) -> &Path {
         self.root.path()
+    }
+
+    /// The package manager to use: `explicit` (a plan's `manager`), else the configured
+    /// one, else the one detected in the root; its tools must be there.
+    pub fn package_manager_kind(
+        &self,
+        explicit: Option<&str>,
+    ) -> Result<packages::ManagerKind, packages::PkgError> {
+        let kind = match explicit {
+            Some(name) => name.parse()?,
+            None => match self.settings.packages.manager {
+                Some(kind) => kind,
+                None => return packages::detect(self.root.path()),
+            },
+        };
+        packages::check_tools(self.root.path(), kind)?;
+        Ok(kind)
+    }
+
+    /// The node's package manager of `kind`, with the configured options adjusted by
+    /// `adjust` (a step narrows the timeouts to its own).
+    pub fn package_manager(
+        &self,
+        kind: packages::ManagerKind,
+        adjust: impl FnOnce(&mut packages::PkgOptions),
+    ) -> Box<dyn packages::PackageManager> {
+        let mut options = self.settings.packages.options.clone();
+        adjust(&mut options);
+        match kind {
+            packages::ManagerKind::Apt => Box::new(apt::Apt::new(self.root.path(), options)),
+            packages::ManagerKind::Dnf => Box::new(dnf::Dnf::new(self.root.path(), options)),
+        }
+    }
+
+    /// The artifact cache (no network client needed to look into it).
+    pub fn artifact_cache(&self) -> download::Cache {
+        download::Cache::at(&self.settings.downloads.state_dir)
+    }
+
+    /// The download client, made on first use with the configured trust and limits.
+    pub fn downloader(
+        &self,
+    ) -> Result<std::sync::Arc<download::Downloader>, download::DownloadError> {
+        let mut slot = self
+            .downloader
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(d) = slot.as_ref() {
+            return Ok(d.clone());
+        }
+        let d = std::sync::Arc::new(download::Downloader::new(self.settings.downloads.clone())?);
+        *slot = Some(d.clone());
+        Ok(d)
     }
 }
 

@@ -180,6 +180,8 @@ mod tests {
             commands_in_root: false,
             boot_id_path: None,
             services: crate::host::ServiceSettings::Off,
+            packages: Default::default(),
+            downloads: crate::host::download::DownloadConfig::new(dir.path()),
         })
         .unwrap();
         let os = os_info(&host);

@@ -83,6 +83,16 @@ impl Default for PkgOptions {
     }
 }
 
+/// Which package manager the agent uses and how long its commands may take.
+#[derive(Debug, Clone, Default)]
+pub struct PackageSettings {
+    /// Use this manager instead of detecting one (the configuration's override); a plan's
+    /// own `manager` still wins.
+    pub manager: Option<ManagerKind>,
+    /// Timeouts, lock waiting, output bounds.
+    pub options: PkgOptions,
+}
+
 /// Exponential backoff while a package manager lock is held.
 #[derive(Debug, Clone, Copy)]
 pub struct LockWait {
@@ -384,6 +394,11 @@ pub trait PackageManager: Send + Sync + fmt::Debug {
         events: &mut dyn FnMut(&PkgEvent),
     ) -> Result<Transcript, PkgError>;
 
+    /// Removes `name` and nothing else (`dpkg --remove`, `rpm -e`): refused by the manager
+    /// when another installed package needs it. Nothing runs when it is not installed.
+    fn remove(&self, name: &str, events: &mut dyn FnMut(&PkgEvent))
+    -> Result<Transcript, PkgError>;
+
     /// Refreshes the repository metadata (`apt-get update`, `dnf makecache`).
     fn refresh(&self, events: &mut dyn FnMut(&PkgEvent)) -> Result<Transcript, PkgError>;
 }
@@ -393,25 +408,10 @@ pub trait PackageManager: Send + Sync + fmt::Debug {
 /// node with the rpm tools installed is therefore apt; pass the kind explicitly to
 /// [`open`] to say otherwise.
 pub fn detect(root: &Path) -> Result<ManagerKind, PkgError> {
-    let non_empty = |rel: &str| {
-        open_in_root(root, Path::new(rel), rustix::fs::OFlags::RDONLY)
-            .and_then(|fd| Ok(rustix::fs::fstat(&fd)?))
-            .is_ok_and(|st| st.st_size > 0 && (st.st_mode & 0o170000) == 0o100000)
-    };
-    let exists = |rel: &str| open_in_root(root, Path::new(rel), rustix::fs::OFlags::PATH).is_ok();
-    if non_empty("var/lib/dpkg/status") && exists("usr/bin/apt-get") {
-        return Ok(ManagerKind::Apt);
-    }
-    let rpmdb = [
-        "var/lib/rpm/rpmdb.sqlite",
-        "var/lib/rpm/Packages",
-        "var/lib/rpm/Packages.db",
-        "usr/lib/sysimage/rpm/rpmdb.sqlite",
-        "usr/lib/sysimage/rpm/Packages",
-        "usr/lib/sysimage/rpm/Packages.db",
-    ];
-    if rpmdb.iter().any(|p| exists(p)) && exists("usr/bin/dnf") {
-        return Ok(ManagerKind::Dnf);
+    for kind in [ManagerKind::Apt, ManagerKind::Dnf] {
+        if check_tools(root, kind).is_ok() {
+            return Ok(kind);
+        }
     }
     Err(PkgError::NoManager {
         root: root.to_path_buf(),
@@ -419,6 +419,52 @@ pub fn detect(root: &Path) -> Result<ManagerKind, PkgError> {
                  with /usr/bin/dnf"
             .to_string(),
     })
+}
+
+/// Checks that the node at `root` has what `kind` needs: for apt a non-empty
+/// `/var/lib/dpkg/status` and `/usr/bin/apt-get`, for dnf an rpm database and `/usr/bin/dnf`.
+pub fn check_tools(root: &Path, kind: ManagerKind) -> Result<(), PkgError> {
+    let non_empty = |rel: &str| {
+        open_in_root(root, Path::new(rel), rustix::fs::OFlags::RDONLY)
+            .and_then(|fd| Ok(rustix::fs::fstat(&fd)?))
+            .is_ok_and(|st| st.st_size > 0 && (st.st_mode & 0o170000) == 0o100000)
+    };
+    let exists = |rel: &str| open_in_root(root, Path::new(rel), rustix::fs::OFlags::PATH).is_ok();
+    let missing = match kind {
+        ManagerKind::Apt => {
+            if !non_empty("var/lib/dpkg/status") {
+                Some("no dpkg database (/var/lib/dpkg/status is missing or empty)")
+            } else if !exists("usr/bin/apt-get") {
+                Some("no /usr/bin/apt-get")
+            } else {
+                None
+            }
+        }
+        ManagerKind::Dnf => {
+            let rpmdb = [
+                "var/lib/rpm/rpmdb.sqlite",
+                "var/lib/rpm/Packages",
+                "var/lib/rpm/Packages.db",
+                "usr/lib/sysimage/rpm/rpmdb.sqlite",
+                "usr/lib/sysimage/rpm/Packages",
+                "usr/lib/sysimage/rpm/Packages.db",
+            ];
+            if !rpmdb.iter().any(|p| exists(p)) {
+                Some("no rpm database (in /var/lib/rpm or /usr/lib/sysimage/rpm)")
+            } else if !exists("usr/bin/dnf") {
+                Some("no /usr/bin/dnf")
+            } else {
+                None
+            }
+        }
+    };
+    match missing {
+        None => Ok(()),
+        Some(what) => Err(PkgError::NoManager {
+            root: root.to_path_buf(),
+            detail: format!("{kind} cannot be used: {what}"),
+        }),
+    }
 }
 
 /// Opens the package manager of the node at `root`: `kind`, or the detected one.

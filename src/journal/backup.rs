@@ -5,7 +5,7 @@
 //! once. Blobs no unfinished plan references are removed by [`BackupStore::retain`].
 
 use std::collections::HashSet;
-use std::io;
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -86,6 +86,65 @@ impl BackupStore {
         Ok(sha)
     }
 
+    /// Stores what `content` yields durably, streaming (large files are never held in
+    /// memory), and returns its sha256 hex.
+    pub fn put_reader(&self, content: &mut dyn Read) -> Result<String, BackupError> {
+        let io = |op: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| BackupError::Io { path, op, source }
+        };
+        super::create_private_dir(&self.dir).map_err(io("create", &self.dir))?;
+        let mut tmp = tempfile::Builder::new()
+            .prefix(".partial-")
+            .tempfile_in(&self.dir)
+            .map_err(io("create temp file in", &self.dir))?;
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let n = match content.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io("read content for", &self.dir)(e)),
+            };
+            hasher.update(&buf[..n]);
+            tmp.write_all(&buf[..n]).map_err(io("write", tmp.path()))?;
+        }
+        let sha = hex::encode(hasher.finalize());
+        let path = self.blob(&sha);
+        if path.exists() {
+            // Identical content is stored once; the temp file goes away on drop.
+            return Ok(sha);
+        }
+        tmp.as_file().sync_all().map_err(io("sync", tmp.path()))?;
+        tmp.persist(&path)
+            .map_err(|e| io("rename", &path)(e.error))?;
+        crate::host::fs::sync_dir(&self.dir).map_err(io("sync", &self.dir))?;
+        Ok(sha)
+    }
+
+    /// A reader of a blob that checks it against its name as it goes: the read that reaches
+    /// the end fails when the content does not match (nothing is held in memory).
+    pub fn open(
+        &self,
+        sha: &str,
+    ) -> Result<crate::host::download::VerifyingReader<std::fs::File>, BackupError> {
+        let path = self.blob(sha);
+        let file = std::fs::File::open(&path).map_err(|source| BackupError::Io {
+            path: path.clone(),
+            op: "open",
+            source,
+        })?;
+        Ok(crate::host::download::VerifyingReader::new(
+            file,
+            sha,
+            format!(
+                "backup {} is damaged (content does not match its sha256)",
+                path.display()
+            ),
+        ))
+    }
+
     /// Reads a blob back, checking it against its name.
     pub fn get(&self, sha: &str) -> Result<Vec<u8>, BackupError> {
         let path = self.blob(sha);
@@ -137,6 +196,33 @@ impl BackupStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streamed_blobs_are_deduplicated_and_checked_when_read() {
+        let t = tempfile::tempdir().unwrap();
+        let store = BackupStore::at(t.path());
+        let big: Vec<u8> = (0..2_000_000).map(|i| (i % 253) as u8).collect();
+        let sha = store.put_reader(&mut &big[..]).unwrap();
+        assert_eq!(sha, hex::encode(Sha256::digest(&big)));
+        assert_eq!(store.put_reader(&mut &big[..]).unwrap(), sha);
+        assert_eq!(store.put(&big).unwrap(), sha, "same key as put");
+        let mut back = Vec::new();
+        store.open(&sha).unwrap().read_to_end(&mut back).unwrap();
+        assert_eq!(back, big);
+        let names: Vec<_> = std::fs::read_dir(t.path().join("backups"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names, [sha.as_str()], "no temp files left");
+
+        std::fs::write(t.path().join("backups").join(&sha), b"tampered").unwrap();
+        let err = store
+            .open(&sha)
+            .unwrap()
+            .read_to_end(&mut Vec::new())
+            .unwrap_err();
+        assert!(err.to_string().contains("is damaged"), "{err}");
+    }
 
     #[test]
     fn put_get_retain() {

@@ -128,6 +128,16 @@ pub enum Record {
         /// What was done.
         message: String,
     },
+    /// What the commands of a change printed (package manager, `kubeadm upgrade node`),
+    /// bounded; written before its `StepDone`.
+    StepOutput {
+        /// Run number.
+        run: u64,
+        /// Change index.
+        index: u32,
+        /// Each command line with its exit status and the tail of its output.
+        output: String,
+    },
     /// A change failed.
     StepFailed {
         /// Run number.
@@ -276,6 +286,7 @@ impl Record {
             | Record::Phase { run, .. }
             | Record::StepStarted { run, .. }
             | Record::StepDone { run, .. }
+            | Record::StepOutput { run, .. }
             | Record::StepFailed { run, .. }
             | Record::StepAbandoned { run, .. }
             | Record::StepRolledBack { run, .. }
@@ -300,6 +311,7 @@ impl Record {
             Record::Phase { .. } => "phase",
             Record::StepStarted { .. } => "stepStarted",
             Record::StepDone { .. } => "stepDone",
+            Record::StepOutput { .. } => "stepOutput",
             Record::StepFailed { .. } => "stepFailed",
             Record::StepAbandoned { .. } => "stepAbandoned",
             Record::StepRolledBack { .. } => "stepRolledBack",

@@ -576,3 +576,62 @@ impl<'de> serde::Deserialize<'de> for ChangeKind {
             .ok_or_else(|| serde::de::Error::custom(format!("unknown change kind {s:?}")))
     }
 }
+
+#[cfg(test)]
+mod examples {
+    use super::*;
+
+    /// Every plan under `examples/plans` validates with the default limits.
+    #[test]
+    fn every_example_plan_validates() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/plans");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if !matches!(
+                path.extension().and_then(|e| e.to_str()),
+                Some("yaml" | "yml" | "json")
+            ) {
+                continue;
+            }
+            let bytes = std::fs::read(&path).unwrap();
+            let name = path.display().to_string();
+            if let Err(e) = parse_plan(&bytes, &name, &Limits::default()) {
+                panic!("{e}");
+            }
+            seen += 1;
+        }
+        assert!(seen >= 4, "found {seen} example plans in {}", dir.display());
+    }
+
+    /// The version-bump examples follow the upstream kubeadm order and compute the restart.
+    #[test]
+    fn upgrade_examples_follow_the_kubeadm_order() {
+        for file in ["upgrade-1.30-to-1.31.yaml", "upgrade-1.30-to-1.31-dnf.yaml"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("examples/plans")
+                .join(file);
+            let plan =
+                parse_plan(&std::fs::read(&path).unwrap(), file, &Limits::default()).unwrap();
+            let order: Vec<String> = plan
+                .changes
+                .iter()
+                .map(|c| match c {
+                    Change::Package(p) => {
+                        assert!(p.hold, "{file}: {} is held", p.name);
+                        p.name.clone()
+                    }
+                    other => other.kind().to_string(),
+                })
+                .collect();
+            assert_eq!(
+                order,
+                ["kubeadm", "kubeadmUpgradeNode", "kubelet", "kubectl"],
+                "{file}"
+            );
+            assert_eq!(plan.restart_units(), [KUBELET_UNIT], "{file}");
+            let gates: Vec<&str> = plan.verify.iter().map(|c| c.probe.key()).collect();
+            assert_eq!(gates, ["httpGet", "kubeletVersion"], "{file}");
+        }
+    }
+}

@@ -6,11 +6,18 @@
 //! `restore` puts a pre-image back. This keeps every kind crash-safe and reversible in the
 //! same way.
 
+pub mod artifact;
 pub mod file;
+pub mod kubeadm;
 pub mod kubelet;
+pub mod package;
 pub mod sysctl;
 pub mod unit;
 pub mod verify;
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::engine::status::ErrorKind;
 use crate::host::fs::{Existing, FileMeta, FsError};
@@ -60,6 +67,23 @@ pub enum Mutation {
         /// Running or stopped.
         state: crate::plan::UnitState,
     },
+    /// Replace or create a file atomically with content streamed from a verified file on the
+    /// agent's side (an artifact in the download cache), so binaries are never held in
+    /// memory. Backed up and restored like [`Mutation::Write`].
+    WriteFrom {
+        /// Node path.
+        path: NodePath,
+        /// The file to copy, on the agent's filesystem.
+        source: PathBuf,
+        /// The sha256 the copied content must have (checked while copying, before the rename).
+        sha256: String,
+        /// New mode and owner.
+        meta: FileMeta,
+    },
+    /// Bring a package to a version and hold state.
+    Package(package::PackageMutation),
+    /// Run `kubeadm upgrade node`.
+    KubeadmUpgradeNode(kubeadm::UpgradeNode),
 }
 
 impl Mutation {
@@ -87,8 +111,56 @@ impl Mutation {
                     crate::plan::UnitState::Stopped => "stop",
                 }
             ),
+            Mutation::WriteFrom {
+                path, sha256, meta, ..
+            } => format!(
+                "write {path} from the artifact cache (sha256 {}, {:04o} {}:{})",
+                &sha256[..sha256.len().min(12)],
+                meta.mode,
+                meta.uid,
+                meta.gid
+            ),
+            Mutation::Package(p) => p.describe(),
+            Mutation::KubeadmUpgradeNode(k) => k.describe(),
         }
     }
+
+    /// What the mutation changes, as a key its pre-image shares (see [`preimage_target`]).
+    pub fn target(&self) -> String {
+        match self {
+            Mutation::Write { path, .. }
+            | Mutation::Remove { path }
+            | Mutation::WriteFrom { path, .. }
+            | Mutation::SysctlLive { path, .. } => path.to_string(),
+            Mutation::Package(p) => p.target(),
+            Mutation::KubeadmUpgradeNode(_) => kubeadm::TARGET.to_string(),
+            Mutation::UnitFile { unit, op } => format!("unit-file:{unit}:{op}"),
+            Mutation::UnitRun { unit, .. } => format!("unit-run:{unit}"),
+        }
+    }
+}
+
+/// What a pre-image describes, the same key as the [`Mutation::target`] it was captured for.
+pub fn preimage_target(p: &Preimage) -> String {
+    match p {
+        Preimage::File { path, .. } | Preimage::Sysctl { path, .. } => path.to_string(),
+        Preimage::UnitFile { unit, op, .. } => format!("unit-file:{unit}:{op}"),
+        Preimage::UnitActive { unit, .. } => format!("unit-run:{unit}"),
+        Preimage::Other { kind, data } => match data.get("target").and_then(|t| t.as_str()) {
+            Some(target) => target.to_string(),
+            None => format!("{kind}:{data}"),
+        },
+    }
+}
+
+/// What a step says while it works (waiting for a lock, downloading, retrying).
+#[derive(Debug, Clone, Copy)]
+pub enum Note<'a> {
+    /// Where it is ("downloading ...: 12 of 90 MiB"): the plan's status message only.
+    Status(&'a str),
+    /// Something a person watching should see as it happens ("waiting for the dpkg lock,
+    /// held by PID 4242"): the status message, and an event to watchers.
+    Event(&'a str),
 }
 
 /// What a change needs on this node now.
@@ -174,6 +246,9 @@ impl Capabilities {
             ChangeKind::Sysctl,
             ChangeKind::Unit,
             ChangeKind::Reboot,
+            ChangeKind::Package,
+            ChangeKind::Artifact,
+            ChangeKind::KubeadmUpgradeNode,
         ]
     }
 
@@ -222,7 +297,11 @@ pub fn unsupported_without_services(change: &Change) -> Option<String> {
 pub fn batchable(change: &Change) -> bool {
     matches!(
         change,
-        Change::File(_) | Change::Absent(_) | Change::KubeletConfig(_) | Change::KubeletFlags(_)
+        Change::File(_)
+            | Change::Absent(_)
+            | Change::KubeletConfig(_)
+            | Change::KubeletFlags(_)
+            | Change::Artifact(_)
     )
 }
 
@@ -255,6 +334,8 @@ pub struct Prepared {
     pub ids: Vec<Option<(u32, u32)>>,
     /// The node's `root:root`.
     pub root_ids: (u32, u32),
+    /// The plan's time budget of one step.
+    pub step_timeout: Duration,
 }
 
 impl Prepared {
@@ -263,6 +344,8 @@ impl Prepared {
         StepCtx {
             ids: self.ids.get(index).copied().flatten(),
             root_ids: self.root_ids,
+            step_timeout: self.step_timeout,
+            inputs_changed: None,
         }
     }
 }
@@ -274,6 +357,11 @@ pub struct StepCtx {
     pub ids: Option<(u32, u32)>,
     /// The node's `root:root`, for files the agent creates on its own.
     pub root_ids: (u32, u32),
+    /// The plan's time budget of one step (commands the step runs get it).
+    pub step_timeout: Duration,
+    /// For `kubeadmUpgradeNode`: the earlier change of the plan that feeds kubeadm and
+    /// changed the node in this run (or would, in a dry run), if any. Set by the engine.
+    pub inputs_changed: Option<u32>,
 }
 
 /// Checks a plan against this node (owners exist, paths do not escape through symlinks,
@@ -296,6 +384,7 @@ pub fn preflight(
     };
     let mut prepared = Prepared {
         root_ids: accounts.root_ids(),
+        step_timeout: plan.options.step_timeout,
         ..Prepared::default()
     };
     for (i, change) in plan.changes.iter().enumerate() {
@@ -362,6 +451,21 @@ pub fn preflight(
                     check_path("key", &p, &mut errors);
                 }
             }
+            Change::Package(p) => {
+                for (field, e) in package::preflight(host, p) {
+                    errors.push(FieldError::new(format!("{base}.{field}"), e));
+                }
+            }
+            Change::Artifact(a) => {
+                check_path("path", &a.path, &mut errors);
+                // Opened, not read: the file there may be a large binary.
+                if let Err(FsError::NotAFile { kind, .. }) = host.root.open_file(&a.path) {
+                    errors.push(FieldError::new(
+                        format!("{base}.path"),
+                        format!("{} is a {kind} on the node, not a regular file", a.path),
+                    ));
+                }
+            }
             _ => {}
         }
         prepared.ids.push(ids);
@@ -382,6 +486,9 @@ pub fn diff(host: &Host, change: &Change, ctx: StepCtx) -> Result<Diff, StepErro
         Change::KubeletFlags(k) => kubelet::diff_flags(host, k, ctx.root_ids),
         Change::Sysctl(s) => sysctl::diff(host, s, ctx.root_ids),
         Change::Unit(u) => unit::diff(host, u, ctx.root_ids),
+        Change::Package(p) => package::diff(host, p, ctx),
+        Change::Artifact(a) => artifact::diff(host, a, ctx),
+        Change::KubeadmUpgradeNode(k) => kubeadm::diff(host, k, ctx),
         other => Err(StepError::new(
             ErrorKind::Unsupported,
             format!(
@@ -392,26 +499,26 @@ pub fn diff(host: &Host, change: &Change, ctx: StepCtx) -> Result<Diff, StepErro
     }
 }
 
+/// Why a dry run cannot tell whether `change` would change the node without doing work it
+/// must not do (downloading an archive to look at a member); `None` when it can.
+pub fn undecided(host: &Host, change: &Change) -> Option<String> {
+    match change {
+        Change::Artifact(a) => artifact::undecided(host, a),
+        _ => None,
+    }
+}
+
 /// Records what `m`'s target looks like now, storing file content in the backup store.
 pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preimage, StepError> {
     match m {
-        Mutation::Write { path, .. } | Mutation::Remove { path } => {
-            let before = match host.root.read(path)? {
-                Existing::Absent => FileBefore::Absent,
-                Existing::File { content, meta } => FileBefore::Present {
-                    sha256: backups.put(&content)?,
-                    meta,
-                },
-                Existing::Other { kind } => {
-                    return Err(FsError::NotAFile {
-                        path: path.to_string(),
-                        kind,
-                    }
-                    .into());
-                }
-            };
+        Mutation::Write { path, .. }
+        | Mutation::WriteFrom { path, .. }
+        | Mutation::Remove { path } => {
+            let before = capture_file(host, backups, path)?;
             let created_dirs = match m {
-                Mutation::Write { .. } => host.root.missing_dirs(path)?,
+                Mutation::Write { .. } | Mutation::WriteFrom { .. } => {
+                    host.root.missing_dirs(path)?
+                }
                 _ => Vec::new(),
             };
             Ok(Preimage::File {
@@ -446,11 +553,45 @@ pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preim
                 before: UnitBefore::of(&state),
             })
         }
+        Mutation::Package(p) => package::capture(host, p),
+        Mutation::KubeadmUpgradeNode(_) => kubeadm::capture(host, backups),
     }
 }
 
-/// Performs one mutation.
-pub fn execute(host: &Host, m: &Mutation) -> Result<(), StepError> {
+/// Files up to this size are backed up from memory; larger ones (binaries) are streamed.
+const STREAM_ABOVE: u64 = 1 << 20;
+
+/// The state of the file at `path`, its content stored in the backup store.
+pub(crate) fn capture_file(
+    host: &Host,
+    backups: &BackupStore,
+    path: &NodePath,
+) -> Result<FileBefore, StepError> {
+    let Some((mut file, meta, size)) = host.root.open_file(path)? else {
+        return Ok(FileBefore::Absent);
+    };
+    let sha256 = if size <= STREAM_ABOVE {
+        let mut content = Vec::with_capacity(size as usize);
+        file.read_to_end(&mut content)
+            .map_err(|source| FsError::Io {
+                op: "read",
+                path: path.to_string(),
+                source,
+            })?;
+        backups.put(&content)?
+    } else {
+        backups.put_reader(&mut file)?
+    };
+    Ok(FileBefore::Present { sha256, meta })
+}
+
+/// Performs one mutation. `note` hears what a long one is doing (lock waits, commands);
+/// the result is the bounded output of the commands it ran, for the journal.
+pub fn execute(
+    host: &Host,
+    m: &Mutation,
+    note: &mut dyn FnMut(Note),
+) -> Result<Option<String>, StepError> {
     match m {
         Mutation::Write {
             path,
@@ -466,8 +607,16 @@ pub fn execute(host: &Host, m: &Mutation) -> Result<(), StepError> {
         Mutation::UnitFile { unit, op } => unit_file_op(host, unit, *op)?,
         // Carried out in the Restarting phase, after the daemon-reload.
         Mutation::UnitRun { .. } => {}
+        Mutation::WriteFrom {
+            path,
+            source,
+            sha256,
+            meta,
+        } => artifact::install(host, path, source, sha256, *meta)?,
+        Mutation::Package(p) => return package::execute(host, p, note).map(Some),
+        Mutation::KubeadmUpgradeNode(k) => return kubeadm::execute(host, k, note).map(Some),
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Enables, disables, masks or unmasks a unit file; enabling a unit without an `[Install]`
@@ -491,7 +640,12 @@ fn unit_file_op(host: &Host, unit: &str, op: UnitFileOp) -> Result<(), StepError
 }
 
 /// Puts a pre-image back (idempotent: restoring twice is the same as once).
-pub fn restore(host: &Host, backups: &BackupStore, p: &Preimage) -> Result<(), StepError> {
+pub fn restore(
+    host: &Host,
+    backups: &BackupStore,
+    p: &Preimage,
+    note: &mut dyn FnMut(Note),
+) -> Result<(), StepError> {
     match p {
         Preimage::File {
             path,
@@ -499,19 +653,7 @@ pub fn restore(host: &Host, backups: &BackupStore, p: &Preimage) -> Result<(), S
             created_dirs,
         } => {
             host.root.sweep_temp(path)?;
-            match before {
-                FileBefore::Absent => {
-                    host.root.remove(path)?;
-                }
-                FileBefore::Present { sha256, meta } => {
-                    let current = host.root.read(path)?;
-                    let content = backups.get(sha256)?;
-                    let same = matches!(&current, Existing::File { content: c, meta: m } if *c == content && m == meta);
-                    if !same {
-                        host.root.write_atomic(path, &content, *meta)?;
-                    }
-                }
-            }
+            restore_file(host, backups, path, before)?;
             for dir in created_dirs.iter().rev() {
                 host.root.remove_empty_dir(dir)?;
             }
@@ -527,11 +669,53 @@ pub fn restore(host: &Host, backups: &BackupStore, p: &Preimage) -> Result<(), S
         Preimage::UnitFile { unit, op, .. } => unit_file_op(host, unit, op.inverse()),
         // The engine undoes the start or stop itself (it journaled that job).
         Preimage::UnitActive { .. } => Ok(()),
+        Preimage::Other { kind, data } if kind == package::PREIMAGE_KIND => {
+            package::restore(host, data, note)
+        }
+        Preimage::Other { kind, data } if kind == kubeadm::PREIMAGE_KIND => {
+            kubeadm::restore(host, backups, data)
+        }
         Preimage::Other { kind, .. } => Err(StepError::new(
             ErrorKind::Internal,
             format!("cannot restore {kind} state: this agent does not know that step kind"),
         )),
     }
+}
+
+/// Puts one file back as `before` describes it, streaming the content from the backup store
+/// (verified as it is read); nothing is written when the file already is that way.
+pub(crate) fn restore_file(
+    host: &Host,
+    backups: &BackupStore,
+    path: &NodePath,
+    before: &FileBefore,
+) -> Result<(), StepError> {
+    match before {
+        FileBefore::Absent => {
+            host.root.remove(path)?;
+        }
+        FileBefore::Present { sha256, meta } => {
+            let same = match host.root.open_file(path)? {
+                Some((mut file, m, _)) if m == *meta => {
+                    let (sha, _) =
+                        crate::host::download::hash_reader(&mut file).map_err(|source| {
+                            FsError::Io {
+                                op: "read",
+                                path: path.to_string(),
+                                source,
+                            }
+                        })?;
+                    sha == *sha256
+                }
+                _ => false,
+            };
+            if !same {
+                let mut content = backups.open(sha256)?;
+                host.root.write_atomic_from(path, &mut content, *meta)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Removes temp files a crash may have left for the targets of `change`.
@@ -542,6 +726,7 @@ pub fn sweep(host: &Host, change: &Change) -> Result<(), StepError> {
         Change::KubeletFlags(_) => vec![kubelet::flags_path()],
         Change::Sysctl(s) => sysctl::conf_path(&s.key).into_iter().collect(),
         Change::Unit(u) => unit::paths(u),
+        Change::Artifact(a) => vec![a.path.clone()],
         _ => Vec::new(),
     };
     for p in paths {
