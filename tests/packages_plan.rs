@@ -604,7 +604,7 @@ fn a_held_dpkg_lock_is_shown_in_the_status_and_waited_for() {
     let parsed =
         inplace_agent::plan::parse_plan(text.as_bytes(), "t/lock", &settings.limits).unwrap();
     let host = Arc::new(Host::open(settings.host.clone()).unwrap());
-    let (engine, _) = Engine::open(settings.engine.clone(), host, None).unwrap();
+    let (engine, _) = Engine::open(settings.engine.clone(), host).unwrap();
     let mut events = engine.subscribe();
 
     let holder = overlay::LockHolder::start(&node.overlay.path("/var/lib/dpkg/lock-frontend"));
