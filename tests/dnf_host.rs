@@ -236,6 +236,7 @@ fn apply_plan(
         .args(["apply", "--no-progress", "-o", "json", "--root"])
         .arg(overlay.root())
         .arg(&path)
+        .env("INPLACE_AGENT_SERVICES", "off")
         .output()
         .unwrap();
     let status = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {

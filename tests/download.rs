@@ -750,10 +750,14 @@ fn artifact_plans_download_while_preparing_and_install_from_the_cache() {
     );
     let restarts: Vec<serde_json::Value> = common::journal(&env.node)
         .into_iter()
-        .filter(|e| e["type"] == "unitRestarted")
+        .filter(|e| e["type"] == "unitJobDone")
         .collect();
-    assert_eq!(restarts.len(), 1);
-    assert_eq!(restarts[0]["record"]["unitRestarted"]["skipped"], true);
+    assert_eq!(restarts.len(), 1, "one computed restart");
+    assert_eq!(
+        restarts[0]["record"]["unitJobDone"]["unit"],
+        "kubelet.service"
+    );
+    assert_eq!(restarts[0]["record"]["unitJobDone"]["outcome"], "skipped");
     assert_eq!(
         (env.server.hits("/kubelet"), env.server.hits("/node.tar.gz")),
         (1, 1)

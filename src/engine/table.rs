@@ -100,6 +100,7 @@ fn step_name(index: u32, plan: &Plan) -> String {
 
 fn phase_message(phase: Phase) -> String {
     match phase {
+        Phase::Pending => "accepted".into(),
         Phase::Preparing => "checking the plan against the node".into(),
         Phase::Applying => "applying changes".into(),
         Phase::Restarting => "restarting units".into(),
