@@ -12,6 +12,7 @@ pub mod engine;
 pub mod failpoint;
 pub mod host;
 pub mod journal;
+pub mod notify;
 pub mod plan;
 pub mod rpc;
 pub mod sandbox;

@@ -177,8 +177,7 @@ impl Daemon {
             .map_err(|e| format!("open root {}: {e}", settings.host.root.display()))?;
         let tls = ReloadingServerConfig::new(tls, Arc::new(TlsCounters::default()))
             .map_err(|e| format!("tls: {e}"))?;
-        // Service management arrives with the systemd integration; until then restarts are
-        // journaled as skipped, exactly as the local CLI does.
+        tracing::info!(services = %host.services_description(), "service management");
         let (engine, report) = Engine::open(settings.engine.clone(), host).map_err(|e| {
             format!(
                 "open the journal in {}: {e}",
@@ -278,6 +277,34 @@ impl Daemon {
     }
 }
 
+/// Mirrors the engine's state in `systemctl status` (`STATUS=`): every phase change, and
+/// step progress at most once a second.
+async fn report_status(n: Arc<crate::notify::Notifier>, engine: Engine, addr: SocketAddr) {
+    use crate::engine::Event;
+    let mut events = engine.subscribe();
+    let mut last = std::time::Instant::now() - std::time::Duration::from_secs(1);
+    loop {
+        let event = match events.recv().await {
+            Ok(e) => e,
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        };
+        let text = match &event {
+            Event::Status(s) if s.phase.is_terminal() => {
+                format!("idle; serving on {addr}; last: {}", s.summary())
+            }
+            Event::Status(s) => s.summary(),
+            Event::Progress(_) if last.elapsed() < std::time::Duration::from_secs(1) => continue,
+            Event::Progress(p) => match engine.status_of_run(p.run) {
+                Some(s) => s.summary(),
+                None => continue,
+            },
+        };
+        last = std::time::Instant::now();
+        let _ = n.status(&text);
+    }
+}
+
 /// `inplace-agent serve`.
 pub fn run(args: &ServeArgs) -> u8 {
     let settings = match args.settings() {
@@ -314,11 +341,41 @@ async fn serve_until_signalled(settings: DaemonSettings) -> Result<(), String> {
     let mut term = signal(SignalKind::terminate()).map_err(|e| format!("handle SIGTERM: {e}"))?;
     let mut int = signal(SignalKind::interrupt()).map_err(|e| format!("handle SIGINT: {e}"))?;
     let daemon = Daemon::start(settings).await?;
+    let notifier = crate::notify::Notifier::from_env().map(Arc::new);
+    if let Some(n) = &notifier {
+        let ready = match daemon.engine().current() {
+            Some(current) => current.summary(),
+            None => format!("idle; serving on {}", daemon.addr()),
+        };
+        if let Err(e) = n.ready(&ready) {
+            tracing::warn!(error = %e, "sd_notify READY=1 failed");
+        }
+        tokio::spawn(report_status(
+            n.clone(),
+            daemon.engine().clone(),
+            daemon.addr(),
+        ));
+        if let Some(every) = crate::notify::watchdog_interval() {
+            // Pinged from the runtime that serves the API: a wedged runtime stops the pings
+            // and systemd restarts the agent (a long step on the engine thread does not).
+            let n = n.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                loop {
+                    tick.tick().await;
+                    let _ = n.watchdog();
+                }
+            });
+        }
+    }
     let name = tokio::select! {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
     };
     tracing::info!("{name}: stopping after the current step");
+    if let Some(n) = &notifier {
+        let _ = n.stopping(&format!("{name}: stopping after the current step"));
+    }
     tokio::select! {
         stopped = daemon.stop() => stopped?,
         _ = term.recv() => tracing::warn!("second signal: exiting now; the plan resumes from the journal at the next start"),
