@@ -3,8 +3,10 @@
 //! dry run (`check.rs`) share.
 //!
 //! The rules (DESIGN §2, "restarts are computed"):
-//! - one daemon-reload when any change wrote or removed a file under a unit directory or
-//!   enabled, disabled, masked or unmasked a unit file;
+//! - one daemon-reload when any change wrote or removed a file under a unit directory,
+//!   enabled, disabled, masked or unmasked a unit file, or changed a package (a package may
+//!   ship unit files and drop-ins, as the kubelet and kubeadm packages do; the upstream
+//!   version bump is `daemon-reload` then `restart kubelet`);
 //! - a unit is restarted when something it depends on changed: a `file`/`absent`/`artifact`
 //!   change naming it in `restartUnits`, `kubeletConfig`/`kubeletFlags` (kubelet.service),
 //!   a `package` or `kubeadmUpgradeNode` that names it, or its own unit file or drop-in;
@@ -24,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::host::systemd::{ActiveState, LoadState, UnitJob, UnitState as Observed};
 use crate::journal::Preimage;
 use crate::plan::{Change, Disruption, Plan, UnitState};
-use crate::steps::{Mutation, unit};
+use crate::steps::{Mutation, package, unit};
 
 /// What one change did (or would do) to the node, as far as units are concerned.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,6 +55,10 @@ pub fn effect_of_preimages(preimages: &[Preimage]) -> Effect {
             }
             Preimage::UnitFile { .. } => e.reload = true,
             Preimage::UnitActive { .. } => e.run_state = true,
+            Preimage::Other { kind, .. } if kind == package::PREIMAGE_KIND => {
+                e.reload = true;
+                e.restart = true;
+            }
             Preimage::Sysctl { .. } | Preimage::Other { .. } => e.restart = true,
         }
     }
@@ -75,9 +81,11 @@ pub fn effect_of_mutations(mutations: &[Mutation]) -> Effect {
             }
             Mutation::UnitFile { .. } => e.reload = true,
             Mutation::UnitRun { .. } => e.run_state = true,
-            Mutation::SysctlLive { .. }
-            | Mutation::Package(_)
-            | Mutation::KubeadmUpgradeNode(_) => e.restart = true,
+            Mutation::Package(_) => {
+                e.reload = true;
+                e.restart = true;
+            }
+            Mutation::SysctlLive { .. } | Mutation::KubeadmUpgradeNode(_) => e.restart = true,
         }
     }
     e
@@ -490,6 +498,36 @@ mod tests {
         let all = plan_units(&p, &effects, None);
         assert!(all.reload);
         assert_eq!(all.restarts(), ["x.service", "kubelet.service"]);
+    }
+
+    #[test]
+    fn a_changed_package_reloads_systemd_and_kubeadm_alone_does_not() {
+        let other = |kind: &str| Preimage::Other {
+            kind: kind.to_string(),
+            data: serde_json::json!({}),
+        };
+        let pkg = effect_of_preimages(&[other(package::PREIMAGE_KIND)]);
+        assert!(pkg.changed && pkg.reload && pkg.restart, "{pkg:?}");
+        let kubeadm = effect_of_preimages(&[other(crate::steps::kubeadm::PREIMAGE_KIND)]);
+        assert!(kubeadm.restart && !kubeadm.reload, "{kubeadm:?}");
+
+        // The version bump: one reload, then one kubelet restart for its two inputs.
+        let p = plan(
+            "  - package: {name: kubeadm, version: 1.31.2-1.1, hold: true}\n\
+             \x20 - kubeadmUpgradeNode: {}\n\
+             \x20 - package: {name: kubelet, version: 1.31.2-1.1, hold: true}\n\
+             \x20 - package: {name: kubectl, version: 1.31.2-1.1, hold: true}\n",
+        );
+        let mut effects = changed(&[0, 2, 3], pkg);
+        effects.insert(1, kubeadm);
+        let up = plan_units(&p, &effects, None);
+        assert!(up.reload);
+        assert_eq!(up.restarts(), ["kubelet.service"]);
+        assert_eq!(up.units[0].why.len(), 2, "{:?}", up.units[0].why);
+        // Only kubeadm upgrade node ran (an unfinished bump): a restart, no reload.
+        let up = plan_units(&p, &changed(&[1], kubeadm), None);
+        assert!(!up.reload);
+        assert_eq!(up.restarts(), ["kubelet.service"]);
     }
 
     fn observed(active: &str, sub: &str, load: LoadState) -> Observed {
