@@ -631,7 +631,7 @@ mod examples {
             );
             assert_eq!(plan.restart_units(), [KUBELET_UNIT], "{file}");
             let gates: Vec<&str> = plan.verify.iter().map(|c| c.probe.key()).collect();
-            assert_eq!(gates, ["httpGet", "kubeletVersion"], "{file}");
+            assert_eq!(gates, ["unitActive", "httpGet", "kubeletVersion"], "{file}");
         }
     }
 }

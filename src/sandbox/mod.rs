@@ -13,7 +13,10 @@
 //! node.write_file("/etc/systemd/system/x.service", "...", 0o644);
 //! ```
 //!
-//! [`standin`] is the kubelet STAND-IN the node runs as `kubelet.service`.
+//! [`standin`] is the kubelet STAND-IN the node runs as `kubelet.service`; [`packages`]
+//! builds stand-in `kubeadm`/`kubelet`/`kubectl` packages and a local apt or rpm repository
+//! of them in a root, and makes a node a kubeadm node installed from them
+//! ([`SandboxNode::install_kube_packages`]) for the Kubernetes version bump.
 //!
 //! # Safety rules (read before changing this file)
 //!
@@ -70,6 +73,7 @@ use std::time::{Duration, Instant};
 
 use crate::host::systemd::{Systemd, unix_path_address};
 
+pub mod packages;
 pub mod standin;
 
 /// Where each sandbox keeps its host-side files (boot script, seed, console log).
@@ -137,6 +141,8 @@ pub const KUBELET_CONFIG: &str = include_str!("../../tests/fixtures/kubelet-conf
 pub const KUBEADM_FLAGS: &str = include_str!("../../tests/fixtures/kubeadm-flags.env");
 /// The stand-in's `kubelet.service`.
 pub const KUBELET_UNIT: &str = include_str!("../../tests/fixtures/kubelet.service");
+/// Where the stand-in's units make it log each start (`<InvocationID> ok|refused ...`).
+pub const START_LOG: &str = "/var/log/kubelet-standin.starts";
 
 /// Which program plays the kubelet in a node.
 #[derive(Debug, Clone, Copy)]

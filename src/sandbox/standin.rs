@@ -10,7 +10,8 @@
 //! - `--version` prints `Kubernetes v1.30.4`. The version comes from, in order: the
 //!   environment variable `KUBELET_STANDIN_VERSION`; a file next to the binary named like it
 //!   plus `.version` (`/usr/local/bin/kubelet.version`), so a package test can ship a "newer
-//!   kubelet" by shipping this binary with a different version file; the compile-time
+//!   kubelet" by shipping this binary with a different version file (the binary is found by
+//!   `/proc/self/exe`, else by the path it was started by); the compile-time
 //!   `KUBELET_STANDIN_VERSION`; `v1.30.4`.
 //! - Otherwise it reads `--config` (default `/var/lib/kubelet/config.yaml`) and refuses to
 //!   start (exit 1, reason on stderr and as the systemd `STATUS=`) when the file is missing,
@@ -162,7 +163,7 @@ fn version() -> Result<String, String> {
     if let Ok(v) = env::var("KUBELET_STANDIN_VERSION") {
         return check_version(v.trim(), "KUBELET_STANDIN_VERSION");
     }
-    if let Ok(exe) = env::current_exe() {
+    if let Some(exe) = own_path() {
         let mut file = exe.into_os_string();
         file.push(".version");
         let file = PathBuf::from(file);
@@ -173,6 +174,23 @@ fn version() -> Result<String, String> {
         }
     }
     Ok(DEFAULT_VERSION.to_string())
+}
+
+/// The path of this program: `/proc/self/exe`, or, when that cannot be read, the path it was
+/// started by (`argv[0]`, looked up on `PATH` when it has no `/`). `/proc/self` does not
+/// resolve for a process outside the PID namespace of the `/proc` it sees — as when the agent
+/// runs a sandboxed node's kubelet chrooted into `/proc/<pid>/root` from the host.
+fn own_path() -> Option<PathBuf> {
+    if let Ok(exe) = env::current_exe() {
+        return Some(exe);
+    }
+    let arg0 = PathBuf::from(env::args_os().next()?);
+    if arg0.components().count() > 1 {
+        return Some(arg0);
+    }
+    env::split_paths(&env::var_os("PATH")?)
+        .map(|dir| dir.join(&arg0))
+        .find(|p| p.is_file())
 }
 
 fn check_version(v: &str, from: &str) -> Result<String, String> {
