@@ -578,6 +578,20 @@ impl SandboxNode {
         kind: ManagerKind,
         standin: Standin<'_>,
     ) -> Result<Systemd, String> {
+        let (old, new) = versions(kind);
+        let mut packages = kube_packages(old, standin);
+        packages.extend(kube_packages(new, standin));
+        self.install_kube_packages_from(kind, standin, &packages)
+    }
+
+    /// [`SandboxNode::install_kube_packages`] with these packages (both versions of
+    /// [`kube_packages`], changed as the caller needs: the benchmark adds a payload to each).
+    pub fn install_kube_packages_from(
+        &self,
+        kind: ManagerKind,
+        standin: Standin<'_>,
+        packages: &[Package],
+    ) -> Result<Systemd, String> {
         let root = self.path("/");
         if let Some(why) = missing_tools(&root, kind) {
             return Err(format!("cannot build a {kind} repository: {why}"));
@@ -587,15 +601,13 @@ impl SandboxNode {
                 .map_err(|e| format!("read agent binary {}: {e}", agent.display()))?;
             self.write_file(AGENT_IN_NODE, binary, 0o755);
         }
-        let (old, new) = versions(kind);
-        let mut packages = kube_packages(old, standin);
-        packages.extend(kube_packages(new, standin));
+        let (old, _) = versions(kind);
         match kind {
             ManagerKind::Apt => {
-                apt_repo(&root, &packages)?;
+                apt_repo(&root, packages)?;
                 run_in_root(&root, &["apt-get", "update", "-q"])?;
             }
-            ManagerKind::Dnf => dnf_repo(&root, &packages)?,
+            ManagerKind::Dnf => dnf_repo(&root, packages)?,
         }
         install_held(&root, kind, old)?;
         self.write_file("/var/lib/kubelet/config.yaml", KUBELET_CONFIG, 0o644);
