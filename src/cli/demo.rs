@@ -390,11 +390,13 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     }
     if rustix::process::geteuid().is_root() {
         println!(
-            "\nWith a real systemd (restarts done, not only journaled): inplace-agent demo --systemd"
+            "\nWith a real systemd (restarts done, not only journaled) and the Kubernetes version \
+             bump from packages: inplace-agent demo --systemd"
         );
     } else {
         println!(
-            "\n(inplace-agent demo --systemd shows restarts on a real systemd; it needs root)"
+            "\n(inplace-agent demo --systemd shows restarts on a real systemd and the Kubernetes \
+             version bump from packages; it needs root)"
         );
     }
     let ok = first.phase == Phase::Succeeded

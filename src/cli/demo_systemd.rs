@@ -5,9 +5,19 @@
 //! the node's network namespace — to show a computed kubelet restart, a re-apply that
 //! restarts nothing, and a bad configuration rolled back and restarted on the old one.
 //!
+//! Then the main use case, the Kubernetes version bump, on a second sandboxed node: it builds
+//! stand-in `kubeadm`/`kubelet`/`kubectl` .debs at 1.30.4-1.1 and 1.31.2-1.1 in the node
+//! (`dpkg-deb`, indexed with `dpkg-scanpackages` or `apt-ftparchive`, served as the node's only
+//! apt source, [`crate::sandbox::packages`]), installs 1.30 with the packaged
+//! `kubelet.service` running, and applies `examples/plans/upgrade-1.30-to-1.31.yaml` as it is:
+//! kubeadm, `kubeadm upgrade node`, kubelet and kubectl, one daemon-reload, one kubelet
+//! restart at the new version, the gates; then the same state again, which changes nothing.
+//! Without those tools it says which are missing and skips that part.
+//!
 //! The stand-in is this binary too: there is no separate stand-in program to hand outside
-//! `cargo test`, so the agent's binary is copied into the node and `/usr/local/bin/kubelet` is
-//! a script that runs its hidden `kubelet-standin` subcommand ([`crate::sandbox::standin`]).
+//! `cargo test`, so the agent's binary is copied into the node and `/usr/local/bin/kubelet`
+//! (in the packages, `/usr/bin/kubelet`) is a script that runs its hidden `kubelet-standin`
+//! subcommand ([`crate::sandbox::standin`]).
 //!
 //! Needs root (namespaces, mounts, cgroups). Without it, or without systemd and dbus, it
 //! says why and stops (exit 0, or 1 with `CI=true`). Nothing outside the overlay changes;
@@ -18,10 +28,13 @@ use std::process::Command;
 use std::time::Duration;
 
 use super::{EXIT_FAILED, EXIT_OK};
+use crate::host::packages::ManagerKind;
 use crate::host::systemd::Systemd;
-use crate::sandbox::{BootError, SandboxNode, Standin};
+use crate::sandbox::packages::{self, KUBE_PACKAGES, KUBEADM_LOG};
+use crate::sandbox::{BootError, START_LOG as STARTS, SandboxNode, Standin};
 
-const STARTS: &str = "/var/log/kubelet-standin.starts";
+/// The version bump, as in the repository.
+const UPGRADE: &str = include_str!("../../examples/plans/upgrade-1.30-to-1.31.yaml");
 
 const TUNING: &str =
     "# The kubelet tuning of examples/plans/kubelet-tuning.yaml, with every gate kind.
@@ -79,13 +92,31 @@ pub fn run(plain: bool) -> u8 {
             return EXIT_FAILED;
         }
     };
-    match tour(&node, plain) {
-        Ok(code) => code,
+    let first = match tour(&node, plain) {
+        Ok(ok) => ok,
         Err(e) => {
             eprintln!("error: demo --systemd: {e}");
-            EXIT_FAILED
+            return EXIT_FAILED;
         }
-    }
+    };
+    drop(node);
+    let bump = match version_bump(plain) {
+        Ok(ok) => ok,
+        Err(e) => {
+            eprintln!("error: demo --systemd: the version bump: {e}");
+            return EXIT_FAILED;
+        }
+    };
+    let ok = first && bump;
+    println!(
+        "\nThe sandboxed nodes are gone; the kernel dropped their overlays. {}",
+        if ok {
+            "Everything went as described."
+        } else {
+            "SOMETHING DID NOT GO AS DESCRIBED (see above)."
+        }
+    );
+    if ok { EXIT_OK } else { EXIT_FAILED }
 }
 
 /// This binary, run in the node's network namespace against its root and bus.
@@ -133,7 +164,9 @@ fn starts(node: &SandboxNode) -> Vec<String> {
         .collect()
 }
 
-fn tour(node: &SandboxNode, plain: bool) -> Result<u8, String> {
+/// The first node: computed restarts, an idempotent re-apply, a rollback. True when all went
+/// as described.
+fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
     let exe = std::env::current_exe().map_err(|e| format!("find this binary: {e}"))?;
     heading(1, "a sandboxed node");
     println!(
@@ -259,19 +292,141 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<u8, String> {
         "journal",
     )?;
 
-    let ok = restarted_once
+    Ok(restarted_once
         && second == 0
         && id_again == id_after
         && third == 1
         && config_before == config_after
-        && active;
+        && active)
+}
+
+/// `kubeadm 1.30.4-1.1 held, kubelet ...` from the node's dpkg database.
+fn package_line(node: &SandboxNode) -> String {
+    KUBE_PACKAGES
+        .iter()
+        .map(
+            |name| match packages::installed(&node.path("/"), ManagerKind::Apt, name) {
+                Some((v, held)) => format!("{name} {v}{}", if held { " (held)" } else { "" }),
+                None => format!("{name} not installed"),
+            },
+        )
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The second node: the Kubernetes version bump from packages. True when all went as
+/// described (or it was skipped because the tools to build the packages are missing,
+/// outside CI).
+fn version_bump(plain: bool) -> Result<bool, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("find this binary: {e}"))?;
+    heading(
+        7,
+        "the Kubernetes version bump, 1.30 → 1.31, on a second node installed from packages",
+    );
+    if let Some(why) = packages::missing_tools(Path::new("/"), ManagerKind::Apt) {
+        println!(
+            "  skipped: the demo builds its stand-in packages with this machine's Debian \
+             tools, and they are not all here: {why}."
+        );
+        return Ok(!std::env::var("CI").is_ok_and(|v| v == "true"));
+    }
+    let node = SandboxNode::try_boot().map_err(|e| format!("boot a second node: {e}"))?;
+    let (old, new) = packages::versions(ManagerKind::Apt);
     println!(
-        "\nThe sandboxed node is killed now; the kernel drops its overlay. {}",
-        if ok {
-            "Everything went as described."
+        "  A fresh node (booted in {} ms). In it: stand-in kubeadm, kubelet and kubectl .debs at \
+         {old} and {new}, built with dpkg-deb, indexed and served as file:{} (its only apt \
+         source; no network). They are laid out like pkgs.k8s.io's (the kubelet package ships \
+         kubelet.service, the kubeadm package its 10-kubeadm.conf drop-in); their kubelet is a \
+         DEMO STAND-IN (this binary), not a kubelet.",
+        node.boot_time().as_millis(),
+        packages::APT_REPO
+    );
+    let systemd = node.install_kube_packages(ManagerKind::Apt, Standin::Agent(&exe))?;
+    println!(
+        "  1.30 installed with apt-get and held, as a kubeadm node has it: {}",
+        package_line(&node)
+    );
+    let (id_before, state) = kubelet_line(&systemd);
+    println!("  kubelet.service (from the package): {state}");
+    println!("  InvocationID {id_before}");
+
+    let plans = tempfile::Builder::new()
+        .prefix("inplace-agent-demo-plans-")
+        .tempdir()
+        .map_err(|e| format!("create a directory for the plans: {e}"))?;
+    let upgrade = plans.path().join("upgrade-1.30-to-1.31.yaml");
+    let again = plans.path().join("upgrade-1.30-to-1.31-again.yaml");
+    std::fs::write(&upgrade, UPGRADE).map_err(|e| format!("write {}: {e}", upgrade.display()))?;
+    std::fs::write(&again, UPGRADE.replace("@v1.31.2\n", "@v1.31.2-again\n"))
+        .map_err(|e| format!("write {}: {e}", again.display()))?;
+    let upgrade_s = upgrade.display().to_string();
+
+    heading(
+        8,
+        "check examples/plans/upgrade-1.30-to-1.31.yaml: four changes, a daemon-reload, one restart",
+    );
+    show(
+        &mut agent(&node, &exe, &["check", &upgrade_s], plain),
+        "check",
+    )?;
+
+    heading(
+        9,
+        "apply it: kubeadm, kubeadm upgrade node, kubelet, kubectl; reload; restart; the gates",
+    );
+    let before = starts(&node).len();
+    let first = show(
+        &mut agent(&node, &exe, &["apply", &upgrade_s], plain),
+        "apply",
+    )?;
+    let (id_after, state) = kubelet_line(&systemd);
+    let log = starts(&node);
+    println!("  packages now: {}", package_line(&node));
+    let kubeadm_log = std::fs::read_to_string(node.path(KUBEADM_LOG)).unwrap_or_default();
+    println!(
+        "  the stand-in kubeadm logged: {}",
+        kubeadm_log.trim_end().replace('\n', "; ")
+    );
+    println!(
+        "  kubelet.service: InvocationID {id_before} → {id_after}; {} new start(s) of the \
+         stand-in:",
+        log.len() - before
+    );
+    for line in &log[before..] {
+        println!("    {line}");
+    }
+    println!("  {state}");
+    let upgraded = KUBE_PACKAGES.iter().all(|name| {
+        packages::installed(&node.path("/"), ManagerKind::Apt, name)
+            == Some((new.to_string(), true))
+    });
+    let restarted_once = first == 0
+        && id_after != id_before
+        && log.len() == before + 1
+        && log[before].contains(" ok kubelet-standin v1.31.2:");
+
+    heading(
+        10,
+        "the same desired state under a new plan id: every change unchanged, no restart",
+    );
+    let second = show(
+        &mut agent(&node, &exe, &["apply", &again.display().to_string()], plain),
+        "apply",
+    )?;
+    let (id_again, _) = kubelet_line(&systemd);
+    println!(
+        "  kubelet.service InvocationID {id_again}: {}",
+        if id_again == id_after {
+            "unchanged, not restarted"
         } else {
-            "SOMETHING DID NOT GO AS DESCRIBED (see above)."
+            "CHANGED (this is a bug)"
         }
     );
-    Ok(if ok { EXIT_OK } else { EXIT_FAILED })
+
+    heading(
+        11,
+        "the journal of the bump: each package step, the reload and the restart, in order",
+    );
+    show(&mut agent(&node, &exe, &["journal"], plain), "journal")?;
+    Ok(upgraded && restarted_once && second == 0 && id_again == id_after)
 }
