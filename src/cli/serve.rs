@@ -355,29 +355,66 @@ impl Daemon {
 }
 
 /// Mirrors the engine's state in `systemctl status` (`STATUS=`): every phase change, and
-/// step progress at most once a second.
+/// step progress at most once a second; progress inside that second is shown when it ends,
+/// so a long step that starts right after another is not missed.
 async fn report_status(n: Arc<crate::notify::Notifier>, engine: Engine, addr: SocketAddr) {
     use crate::engine::Event;
+    use tokio::sync::broadcast::error::RecvError;
+    const EVERY: Duration = Duration::from_secs(1);
     let mut events = engine.subscribe();
-    let mut last = std::time::Instant::now() - std::time::Duration::from_secs(1);
+    let mut last = tokio::time::Instant::now() - EVERY;
+    // A run whose progress came within the second and is not shown yet.
+    let mut pending: Option<u64> = None;
     loop {
-        let event = match events.recv().await {
+        let event = tokio::select! {
+            e = events.recv() => e,
+            () = tokio::time::sleep_until(last + EVERY), if pending.is_some() => {
+                let Some(run) = pending.take() else { continue };
+                let engine = engine.clone();
+                let summary = tokio::task::spawn_blocking(move || {
+                    engine.read(|t| t.by_run(run).filter(|s| !s.phase.is_terminal()).map(|s| s.summary()))
+                })
+                .await
+                .ok()
+                .flatten();
+                if let Some(text) = summary {
+                    last = tokio::time::Instant::now();
+                    let _ = n.status(&text);
+                }
+                continue;
+            }
+        };
+        let event = match event {
             Ok(e) => e,
-            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            Err(RecvError::Lagged(_)) => continue,
+            Err(RecvError::Closed) => return,
         };
         let text = match &event {
             Event::Status(s) if s.phase.is_terminal() => {
+                pending = None;
                 format!("idle; serving on {addr}; last: {}", s.summary())
             }
-            Event::Status(s) => s.summary(),
-            Event::Progress(_) if last.elapsed() < std::time::Duration::from_secs(1) => continue,
-            Event::Progress(p) => match engine.status_of_run(p.run) {
-                Some(s) => s.summary(),
-                None => continue,
-            },
+            Event::Status(s) => {
+                pending = None;
+                s.summary()
+            }
+            Event::Progress(p) if last.elapsed() < EVERY => {
+                pending = Some(p.run);
+                continue;
+            }
+            Event::Progress(p) => {
+                let (engine, run) = (engine.clone(), p.run);
+                match tokio::task::spawn_blocking(move || {
+                    engine.read(|t| t.by_run(run).map(|s| s.summary()))
+                })
+                .await
+                {
+                    Ok(Some(text)) => text,
+                    _ => continue,
+                }
+            }
         };
-        last = std::time::Instant::now();
+        last = tokio::time::Instant::now();
         let _ = n.status(&text);
     }
 }
