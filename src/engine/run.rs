@@ -133,7 +133,7 @@ impl Runner {
     }
 
     fn phase(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
-        tracing::info!(%phase, "phase");
+        tracing::info!(%phase, "phase changed");
         self.record(Record::Phase { run, phase, error }, false)
     }
 
