@@ -386,9 +386,32 @@ async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
         "{shown}"
     );
 
+    // `status --watch` follows it to the end (plain lines: not a terminal).
+    let watcher = Command::new(bin())
+        .args(["status", "--root", &root, "--watch"])
+        .env("INPLACE_AGENT_LOG", "error")
+        .env_remove("INPLACE_AGENT_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let held = Instant::now();
     std::thread::sleep(Duration::from_millis(300));
     kubeadm.release();
+    let watched = watcher.wait_with_output().unwrap();
+    assert!(watched.status.success(), "{}", text(&watched));
+    let lines = String::from_utf8_lossy(&watched.stderr).into_owned();
+    assert!(
+        lines.contains("[2/3] changes[1] kubeadmUpgradeNode")
+            && lines.contains("[3/3] changes[2] file")
+            && lines.contains("plan slow attempt 1: Succeeded"),
+        "{lines}"
+    );
+    assert!(
+        String::from_utf8_lossy(&watched.stdout).contains("phase: Succeeded"),
+        "{}",
+        text(&watched)
+    );
     let done = finished(&agent, "slow");
     assert_eq!(done["kind"], "PlanStatus");
     assert_eq!(done["phase"], "Succeeded", "{done:#}");
@@ -529,6 +552,37 @@ fn without_an_agent_status_reads_the_journal_and_says_so() {
     assert_eq!(v["kind"], "PlanStatus");
     assert_eq!(v["phase"], "RolledBack");
     assert_eq!(v["hookResponse"]["status"], "Failure");
+}
+
+#[test]
+fn config_check_names_the_key_and_line_and_the_default_file_is_valid() {
+    let node = Node::new();
+    std::fs::write(node.path("/etc/hostname"), "worker-5\n").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = cli(&["config", "print-default"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let default = String::from_utf8(out.stdout).unwrap();
+    let file = dir.path().join("config.toml");
+    std::fs::write(
+        &file,
+        default.replace("root = \"/\"", &format!("root = {:?}", node.root().display().to_string())),
+    )
+    .unwrap();
+    let out = cli(&["config", "check", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("valid (node worker-5, gRPC on 0.0.0.0:9443, status socket "),
+        "{}",
+        text(&out)
+    );
+    std::fs::write(&file, "[status]\ngroup = \"inplace-agent\"\nmode = \"0999\"\n").unwrap();
+    let out = cli(&["config", "check", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with(&format!("error: config {} line 3 key status.mode: ", file.display())),
+        "{stderr}"
+    );
 }
 
 // === Metrics ===
