@@ -197,6 +197,11 @@ impl Settings {
 
 // === The daemon ===
 
+/// A fully commented configuration file with every key at its default
+/// (`inplace-agent config print-default`); keys whose default depends on the node are
+/// commented out.
+pub const DEFAULT_CONFIG: &str = include_str!("default-config.toml");
+
 /// The daemon's configuration file when `--config` is not given (read only if it exists).
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/inplace-agent/config.toml";
 
@@ -226,6 +231,80 @@ pub struct DaemonSettings {
     pub rules: AuthzRules,
     /// Transport limits.
     pub serve: ServeOptions,
+    /// The local status socket.
+    pub status: StatusSocketSettings,
+    /// Where to serve `/metrics` over plain TCP for scraping; `None`: only on the socket.
+    pub metrics_listen: Option<SocketAddr>,
+    /// How log lines look.
+    pub log_format: LogFormat,
+}
+
+/// Where the status socket is and who may read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusSocketSettings {
+    /// The socket file.
+    pub path: PathBuf,
+    /// The node's group that may read it (created when missing); `None`: root only.
+    pub group: Option<String>,
+    /// Its permission bits.
+    pub mode: u32,
+}
+
+/// Where the status socket is when not told otherwise, for a root `/`.
+pub const DEFAULT_STATUS_SOCKET: &str = "/run/inplace-agent/status.sock";
+
+/// The group that may read the status socket when not told otherwise.
+pub const DEFAULT_STATUS_GROUP: &str = "inplace-agent";
+
+/// The status socket's permission bits when not told otherwise.
+pub const DEFAULT_STATUS_MODE: u32 = 0o660;
+
+/// The status socket for a root: `/run/inplace-agent/status.sock` on a node, the same path
+/// under the root otherwise (a sandbox; `/host/run/...` in the DaemonSet, which is the node's
+/// `/run/...`).
+pub fn default_status_socket(root: &Path) -> PathBuf {
+    root.join(DEFAULT_STATUS_SOCKET.trim_start_matches('/'))
+}
+
+/// How log lines look (`--log-format`, `log.format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Lines for people and journald: no colours unless on a terminal, no timestamps and a
+    /// syslog priority prefix under systemd (journald adds both).
+    #[default]
+    Plain,
+    /// One JSON object a line, with the plan's id, digest and change index as span fields.
+    Json,
+}
+
+/// Checks a group name as `groupadd` accepts it (`[a-z_][a-z0-9_-]*`, at most 32).
+pub fn check_group_name(name: &str) -> Result<(), String> {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    if !first_ok
+        || name.len() > 32
+        || !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
+    {
+        return Err(format!(
+            "{name:?} is not a valid group name (lowercase letters, digits, '_' and '-', \
+             starting with a letter or '_', at most 32 characters; \"\" for none)"
+        ));
+    }
+    Ok(())
+}
+
+/// Parses permission bits written in octal (`"0660"`); at most `0777`.
+pub fn parse_mode(text: &str) -> Result<u32, String> {
+    let digits = text.strip_prefix("0o").unwrap_or(text);
+    match u32::from_str_radix(digits, 8) {
+        Ok(mode) if !digits.is_empty() && mode <= 0o777 => Ok(mode),
+        _ => Err(format!(
+            "{text:?} is not a permission mode (octal, at most \"0777\", like \"0660\")"
+        )),
+    }
 }
 
 /// The daemon's settings as given (file, then flags over it): everything optional.
@@ -253,6 +332,16 @@ pub struct DaemonInput {
     pub max_connections: Option<NonZeroUsize>,
     /// Upper bound for answering a call (default 30 s).
     pub request_timeout: Option<Duration>,
+    /// The status socket (default `/run/inplace-agent/status.sock` under the root).
+    pub status_socket: Option<PathBuf>,
+    /// The group that may read it (default `inplace-agent`; `""`: root only).
+    pub status_group: Option<String>,
+    /// Its permission bits (default `0660`).
+    pub status_mode: Option<u32>,
+    /// A TCP address to serve `/metrics` on (default: none).
+    pub metrics_listen: Option<SocketAddr>,
+    /// How log lines look (default plain).
+    pub log_format: Option<LogFormat>,
 }
 
 fn join_paths(mut a: Vec<PathBuf>, b: Vec<PathBuf>) -> Vec<PathBuf> {
@@ -306,6 +395,11 @@ impl DaemonInput {
             max_concurrent_streams: over.max_concurrent_streams.or(self.max_concurrent_streams),
             max_connections: over.max_connections.or(self.max_connections),
             request_timeout: over.request_timeout.or(self.request_timeout),
+            status_socket: over.status_socket.or(self.status_socket),
+            status_group: over.status_group.or(self.status_group),
+            status_mode: over.status_mode.or(self.status_mode),
+            metrics_listen: over.metrics_listen.or(self.metrics_listen),
+            log_format: over.log_format.or(self.log_format),
         }
     }
 
@@ -372,6 +466,24 @@ impl DaemonInput {
         if let Some(t) = self.request_timeout {
             serve.request_timeout = t;
         }
+        let group = match self.status_group {
+            None => Some(DEFAULT_STATUS_GROUP.to_string()),
+            Some(g) if g.is_empty() => None,
+            Some(g) => {
+                check_group_name(&g).map_err(|e| format!("status group: {e}"))?;
+                Some(g)
+            }
+        };
+        let status = StatusSocketSettings {
+            path: self
+                .status_socket
+                .unwrap_or_else(|| default_status_socket(settings.root())),
+            group,
+            mode: self.status_mode.unwrap_or(DEFAULT_STATUS_MODE),
+        };
+        if status.mode > 0o777 {
+            return Err(format!("status mode {:o}: at most 0777", status.mode));
+        }
         Ok(DaemonSettings {
             settings,
             node_name,
@@ -379,6 +491,9 @@ impl DaemonInput {
             tls,
             rules,
             serve,
+            status,
+            metrics_listen: self.metrics_listen,
+            log_format: self.log_format.unwrap_or_default(),
         })
     }
 }
@@ -448,7 +563,9 @@ mod file {
 
     use serde::Deserialize;
 
-    use super::{DaemonInput, PlanLimitsInput, SettingsInput};
+    use super::{
+        DaemonInput, LogFormat, PlanLimitsInput, SettingsInput, check_group_name, parse_mode,
+    };
     use crate::plan::NodePath;
     use crate::rpc::authz::IdentityPattern;
 
@@ -467,6 +584,79 @@ mod file {
         plans: Plans,
         #[serde(default)]
         exec: Exec,
+        #[serde(default)]
+        status: Status,
+        #[serde(default)]
+        metrics: Metrics,
+        #[serde(default)]
+        log: Log,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Status {
+        socket: Option<PathBuf>,
+        group: Option<GroupName>,
+        mode: Option<Mode>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Metrics {
+        listen: Option<MetricsListen>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Log {
+        format: Option<LogFormat>,
+    }
+
+    /// A group name or `""` (none), checked as it is read.
+    #[derive(Debug, Deserialize)]
+    #[serde(try_from = "String")]
+    struct GroupName(String);
+
+    impl TryFrom<String> for GroupName {
+        type Error = String;
+
+        fn try_from(s: String) -> Result<Self, String> {
+            if !s.is_empty() {
+                check_group_name(&s)?;
+            }
+            Ok(GroupName(s))
+        }
+    }
+
+    /// Octal permission bits.
+    #[derive(Debug, Deserialize)]
+    #[serde(try_from = "String")]
+    struct Mode(u32);
+
+    impl TryFrom<String> for Mode {
+        type Error = String;
+
+        fn try_from(s: String) -> Result<Self, String> {
+            parse_mode(&s).map(Mode)
+        }
+    }
+
+    /// `ip:port`, or `""` for none.
+    #[derive(Debug, Deserialize)]
+    #[serde(try_from = "String")]
+    struct MetricsListen(Option<SocketAddr>);
+
+    impl TryFrom<String> for MetricsListen {
+        type Error = String;
+
+        fn try_from(s: String) -> Result<Self, String> {
+            if s.is_empty() {
+                return Ok(MetricsListen(None));
+            }
+            s.parse()
+                .map(|a| MetricsListen(Some(a)))
+                .map_err(|e| format!("{s:?}: {e} (expected ip:port, or \"\" for none)"))
+        }
     }
 
     #[derive(Debug, Default, Deserialize)]
@@ -619,6 +809,11 @@ mod file {
                     .grpc
                     .request_timeout_seconds
                     .map(|s| Duration::from_secs(s.get())),
+                status_socket: self.status.socket,
+                status_group: self.status.group.map(|g| g.0),
+                status_mode: self.status.mode.map(|m| m.0),
+                metrics_listen: self.metrics.listen.and_then(|l| l.0),
+                log_format: self.log.format,
             }
         }
     }
@@ -723,6 +918,17 @@ mod tests {
             Some(1000)
         );
         assert!(!input.settings.allow_exec);
+        assert_eq!(
+            input.status_socket,
+            Some(PathBuf::from("/run/inplace-agent/status.sock"))
+        );
+        assert_eq!(input.status_group.as_deref(), Some("inplace-agent"));
+        assert_eq!(input.status_mode, Some(0o660));
+        assert_eq!(
+            input.metrics_listen,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        assert_eq!(input.log_format, Some(LogFormat::Plain));
     }
 
     #[test]
@@ -801,6 +1007,149 @@ mod tests {
             assert!(err.message.contains(message), "{text}: {err}");
             assert!(!err.message.ends_with('.'), "{err}");
         }
+    }
+
+    #[test]
+    fn the_printed_default_parses_to_the_defaults() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("etc")).unwrap();
+        std::fs::write(root.path().join("etc/hostname"), "worker-3\n").unwrap();
+        let resolve = |text: &str| {
+            let input = parse(text).unwrap_or_else(|e| panic!("{e}"));
+            let flags = DaemonInput {
+                settings: SettingsInput {
+                    root: Some(root.path().to_path_buf()),
+                    ..SettingsInput::default()
+                },
+                ..DaemonInput::default()
+            };
+            format!("{:?}", input.overlay(flags).resolve().unwrap())
+        };
+        assert_eq!(resolve(DEFAULT_CONFIG), resolve(""));
+        // Every key of the file format is in it, set or commented.
+        for key in [
+            "name",
+            "root",
+            "state_dir",
+            "chroot",
+            "services",
+            "bus",
+            "listen",
+            "max_message_bytes",
+            "max_concurrent_streams",
+            "max_connections",
+            "request_timeout_seconds",
+            "cert",
+            "key",
+            "client_ca",
+            "admin",
+            "reader",
+            "allow_paths",
+            "replace_allow_list",
+            "allow_http_hosts",
+            "max_changes",
+            "max_checks",
+            "max_content_bytes",
+            "keep_plans",
+            "allow",
+            "socket",
+            "group",
+            "mode",
+            "format",
+        ] {
+            assert!(
+                DEFAULT_CONFIG
+                    .lines()
+                    .any(|l| l.trim_start_matches("# ").starts_with(&format!("{key} = "))),
+                "{key} is missing from the default config"
+            );
+        }
+        let daemon = parse(DEFAULT_CONFIG)
+            .unwrap()
+            .overlay(DaemonInput {
+                settings: SettingsInput {
+                    root: Some(root.path().to_path_buf()),
+                    ..SettingsInput::default()
+                },
+                ..DaemonInput::default()
+            })
+            .resolve()
+            .unwrap();
+        assert_eq!(
+            daemon.status,
+            StatusSocketSettings {
+                path: root.path().join("run/inplace-agent/status.sock"),
+                group: Some("inplace-agent".into()),
+                mode: 0o660,
+            }
+        );
+        assert_eq!(daemon.metrics_listen, None);
+        assert_eq!(daemon.log_format, LogFormat::Plain);
+    }
+
+    #[test]
+    fn status_metrics_and_log_keys_are_checked() {
+        let input = parse(
+            "[status]\nsocket = \"/tmp/s.sock\"\ngroup = \"\"\nmode = \"0600\"\n[metrics]\nlisten = \"127.0.0.1:9464\"\n[log]\nformat = \"json\"\n",
+        )
+        .unwrap();
+        assert_eq!(input.status_socket, Some(PathBuf::from("/tmp/s.sock")));
+        assert_eq!(input.status_group.as_deref(), Some(""));
+        assert_eq!(input.status_mode, Some(0o600));
+        assert_eq!(
+            input.metrics_listen,
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        assert_eq!(input.log_format, Some(LogFormat::Json));
+        let cases = [
+            (
+                "[status]\nmode = \"0999\"\n",
+                2,
+                "status.mode",
+                "not a permission mode",
+            ),
+            ("[status]\nmode = 660\n", 2, "status.mode", "invalid type"),
+            (
+                "[status]\n\ngroup = \"Ops Team\"\n",
+                3,
+                "status.group",
+                "not a valid group name",
+            ),
+            (
+                "[status]\nsockett = \"/x\"\n",
+                2,
+                "status.sockett",
+                "unknown field `sockett`",
+            ),
+            (
+                "[metrics]\nlisten = \"9464\"\n",
+                2,
+                "metrics.listen",
+                "expected ip:port",
+            ),
+            (
+                "[log]\nformat = \"xml\"\n",
+                2,
+                "log.format",
+                "unknown variant `xml`",
+            ),
+            (
+                "[log]\nlevel = \"debug\"\n",
+                2,
+                "log.level",
+                "unknown field `level`",
+            ),
+        ];
+        for (text, line, key, message) in cases {
+            let err = parse(text).unwrap_err();
+            assert_eq!(err.line, Some(line), "{text}: {err}");
+            assert_eq!(err.key.as_deref(), Some(key), "{text}: {err}");
+            assert!(err.message.contains(message), "{text}: {err}");
+        }
+        assert_eq!(parse_mode("660"), Ok(0o660));
+        assert!(parse_mode("").is_err());
+        assert!(check_group_name("inplace-agent").is_ok());
+        assert!(check_group_name("9lives").is_err());
     }
 
     #[test]

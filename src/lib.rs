@@ -16,4 +16,5 @@ pub mod notify;
 pub mod plan;
 pub mod rpc;
 pub mod sandbox;
+pub mod status;
 pub mod steps;

@@ -4,6 +4,7 @@ use clap::Args;
 
 use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output, rfc3339};
 use crate::journal::{Entry, JOURNAL_FILE, Reader, Record, verify};
+use crate::status::api::JournalItem;
 
 /// Arguments of `journal`.
 #[derive(Debug, Args, Clone)]
@@ -280,20 +281,13 @@ pub fn run(args: &JournalArgs) -> u8 {
     }
     match args.output {
         Output::Json => {
-            let items: Vec<serde_json::Value> = entries
-                .iter()
-                .map(|e| {
-                    serde_json::json!({
-                        "seq": e.seq,
-                        "time": rfc3339(e.ts),
-                        "hash": e.hash_hex(),
-                        "run": e.record.run(),
-                        "type": e.record.name(),
-                        "record": e.record,
-                    })
-                })
-                .collect();
-            println!("{:#}", serde_json::Value::Array(items));
+            // The same items as the status socket's `/v1/journal` (which leaves plans out).
+            let items: Vec<JournalItem> =
+                entries.iter().map(|e| JournalItem::new(e, false)).collect();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&items).unwrap_or_default()
+            );
         }
         Output::Text => {
             println!(

@@ -3,14 +3,17 @@
 //! was changed.
 
 mod apply;
+mod config_cmd;
 pub mod demo;
 mod demo_grpc;
 mod demo_systemd;
 mod journal;
+mod logging;
 mod pki;
 pub mod remote;
 mod render;
 pub mod serve;
+mod status;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -63,7 +66,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Apply a plan on a remote agent (over mutual TLS)
     Submit(remote::SubmitArgs),
-    /// Show a plan's status (`--addr`: of a remote agent)
+    /// What the local agent is doing (its status socket; the journal when it is not
+    /// running), or a plan's status; `--addr`: of a remote agent
     Status(remote::StatusArgs),
     /// Cancel a running plan on a remote agent
     Cancel(remote::CancelArgs),
@@ -71,6 +75,8 @@ enum Command {
     Retry(remote::RetryArgs),
     /// Certificates for trying the agent out
     Pki(pki::PkiArgs),
+    /// The configuration file: print the default, check a file
+    Config(config_cmd::ConfigArgs),
 }
 
 /// Output format.
@@ -187,11 +193,10 @@ struct ApplyArgs {
 /// Runs the CLI and returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(if matches!(cli.command, Command::Serve(_)) {
-        "info"
-    } else {
-        "error"
-    });
+    // `serve` sets logging up once it has read its configuration (log.format).
+    if !matches!(cli.command, Command::Serve(_)) {
+        logging::init("error", crate::config::LogFormat::Plain, false);
+    }
     let code = match cli.command {
         Command::Check(a) => apply::check(&a.plan, &a.node, a.out.output),
         Command::Apply(a) => apply::apply(
@@ -211,20 +216,9 @@ pub fn main() -> ExitCode {
         Command::Cancel(a) => remote::cancel(&a),
         Command::Retry(a) => remote::retry(&a),
         Command::Pki(a) => pki::run(&a),
+        Command::Config(a) => config_cmd::run(&a),
     };
     ExitCode::from(code)
-}
-
-fn init_logging(default_level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("INPLACE_AGENT_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .without_time()
-        .try_init();
 }
 
 fn version(output: Output) -> u8 {

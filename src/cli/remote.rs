@@ -93,11 +93,36 @@ pub struct SubmitArgs {
 /// Arguments of `status`.
 #[derive(Debug, Args, Clone)]
 pub struct StatusArgs {
-    /// Plan id [default: the current plan, else the most recent one]
+    /// Plan id [default: the agent's status (with --addr: the current plan, else the most
+    /// recent one)]
     pub id: Option<String>,
-    /// A remote agent to ask (over mutual TLS)
+    /// A remote agent to ask (over mutual TLS); without it, the local agent's status socket
     #[arg(long, env = "INPLACE_AGENT_ADDR", value_name = "HOST:PORT")]
     pub addr: Option<String>,
+    /// The local agent's status socket [default: status.socket of the agent's configuration,
+    /// else <root>/run/inplace-agent/status.sock]
+    #[arg(
+        long,
+        env = "INPLACE_AGENT_STATUS_SOCKET",
+        value_name = "FILE",
+        conflicts_with = "addr"
+    )]
+    pub socket: Option<PathBuf>,
+    /// The node's root: where the socket and, when no agent answers, the journal are
+    /// [default: node.root of the agent's configuration, else /]
+    #[arg(long, env = "INPLACE_AGENT_ROOT", conflicts_with = "addr")]
+    pub root: Option<PathBuf>,
+    /// State directory read when no agent answers [default: <root>/var/lib/inplace-agent]
+    #[arg(long, env = "INPLACE_AGENT_STATE_DIR", conflicts_with = "addr")]
+    pub state_dir: Option<PathBuf>,
+    /// The agent's configuration file [default: /etc/inplace-agent/config.toml, if it exists]
+    #[arg(
+        long,
+        env = "INPLACE_AGENT_CONFIG",
+        value_name = "FILE",
+        conflicts_with = "addr"
+    )]
+    pub config: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) tls: TlsArgs,
     /// Follow the plan until it ends
@@ -357,13 +382,13 @@ fn exit_for(wire: &pb::PlanStatus) -> u8 {
 
 /// Shows successive snapshots of one plan: a bar on a terminal, otherwise a line per phase
 /// and per change or check that finished.
-struct SnapshotView {
+pub(crate) struct SnapshotView {
     bar: Option<ProgressBar>,
     last: Option<PlanStatus>,
 }
 
 impl SnapshotView {
-    fn new(plain: bool) -> SnapshotView {
+    pub(crate) fn new(plain: bool) -> SnapshotView {
         let bar = (!plain && std::io::stderr().is_terminal()).then(|| {
             let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
             bar.set_style(
@@ -379,14 +404,14 @@ impl SnapshotView {
         SnapshotView { bar, last: None }
     }
 
-    fn line(&self, s: &str) {
+    pub(crate) fn line(&self, s: &str) {
         match &self.bar {
             Some(bar) => bar.println(s),
             None => eprintln!("{s}"),
         }
     }
 
-    fn show(&mut self, status: PlanStatus) {
+    pub(crate) fn show(&mut self, status: PlanStatus) {
         let last = self.last.take();
         if let Some(bar) = &self.bar {
             bar.set_length(u64::from(status.progress.total));
@@ -635,11 +660,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
 /// `inplace-agent status`.
 pub fn status(args: &StatusArgs) -> u8 {
     let Some(addr) = &args.addr else {
-        eprintln!(
-            "error: without --addr, status reads the local agent's status socket, which this \
-             build does not serve yet; pass --addr HOST:PORT and the client certificate flags"
-        );
-        return EXIT_INVALID;
+        return super::status::local(args);
     };
     let runtime = match runtime() {
         Ok(r) => r,

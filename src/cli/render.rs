@@ -179,19 +179,7 @@ pub fn summary(status: &PlanStatus) -> String {
     }
 }
 
-/// The versioned JSON form of a status.
+/// The versioned JSON form of a status (the status socket's `/v1/plans/{id}` document).
 pub fn status_json(status: &PlanStatus) -> serde_json::Value {
-    let mut v = serde_json::to_value(status).unwrap_or_default();
-    if let serde_json::Value::Object(m) = &mut v {
-        let mut out = serde_json::Map::new();
-        out.insert("apiVersion".into(), crate::plan::API_VERSION.into());
-        out.insert("kind".into(), "PlanStatus".into());
-        out.append(m);
-        out.insert(
-            "hookResponse".into(),
-            serde_json::to_value(status.hook_response()).unwrap_or_default(),
-        );
-        return serde_json::Value::Object(out);
-    }
-    v
+    serde_json::to_value(crate::status::PlanStatusDocument::new(status.clone())).unwrap_or_default()
 }

@@ -25,6 +25,9 @@ use crate::rpc::pb::node_agent_server::NodeAgentServer;
 use crate::rpc::server::{Security, serve};
 use crate::rpc::service::{AgentService, ServiceCounters};
 use crate::rpc::tls::{ReloadingServerConfig, TlsCounters};
+use crate::status::api::AgentInfo;
+use crate::status::metrics::{Metrics, Sources as MetricSources};
+use crate::status::server::{State as StatusState, StatusServer};
 
 /// Blocking-pool threads: engine calls of the gRPC methods (journal appends, status reads).
 const BLOCKING_THREADS: usize = 4;
@@ -96,6 +99,20 @@ pub struct ServeArgs {
     /// Largest decoded content of one file, in bytes (plans.max_content_bytes)
     #[arg(long, value_name = "BYTES")]
     pub max_content_bytes: Option<std::num::NonZeroUsize>,
+    /// The local status socket (status.socket) [default: <root>/run/inplace-agent/status.sock]
+    #[arg(long, value_name = "FILE")]
+    pub status_socket: Option<PathBuf>,
+    /// The node's group that may read the status socket, created when missing; "" for root
+    /// only (status.group) [default: inplace-agent]
+    #[arg(long, value_name = "GROUP")]
+    pub status_group: Option<String>,
+    /// Also serve /metrics over plain TCP on this address, for scraping (metrics.listen)
+    /// [default: off]
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
+    /// How log lines look (log.format) [default: plain]
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub log_format: Option<crate::config::LogFormat>,
 }
 
 impl ServeArgs {
@@ -127,6 +144,10 @@ impl ServeArgs {
             admin: list(&self.admin),
             reader: list(&self.reader),
             max_message_bytes: self.max_message_bytes,
+            status_socket: self.status_socket.clone(),
+            status_group: self.status_group.clone(),
+            metrics_listen: self.metrics_listen,
+            log_format: self.log_format,
             ..DaemonInput::default()
         }
     }
@@ -152,6 +173,7 @@ pub struct Daemon {
     stop: watch::Sender<bool>,
     server: tokio::task::JoinHandle<Result<(), crate::rpc::server::ServeError>>,
     worker: std::thread::JoinHandle<()>,
+    status: StatusServer,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -171,11 +193,16 @@ impl Daemon {
             tls,
             rules,
             serve: options,
+            status: status_settings,
+            metrics_listen,
+            log_format: _,
         } = settings;
+        let started_at_ms = crate::engine::status::now_ms();
         let host = Host::open(settings.host.clone())
             .map(Arc::new)
             .map_err(|e| format!("open root {}: {e}", settings.host.root.display()))?;
-        let tls = ReloadingServerConfig::new(tls, Arc::new(TlsCounters::default()))
+        let tls_counters = Arc::new(TlsCounters::default());
+        let tls = ReloadingServerConfig::new(tls, tls_counters.clone())
             .map_err(|e| format!("tls: {e}"))?;
         tracing::info!(services = %host.services_description(), "service management");
         let (engine, report) = Engine::open(settings.engine.clone(), host).map_err(|e| {
@@ -200,18 +227,56 @@ impl Daemon {
         let addr = listener
             .local_addr()
             .map_err(|e| format!("listen on {listen}: {e}"))?;
-        let worker = engine
-            .spawn_worker()
-            .map_err(|e| format!("start the engine worker: {e}"))?;
         let (stop, stopping) = watch::channel(false);
         let service = AgentService::new(engine.clone(), settings.limits.clone(), stopping.clone());
         let counters = service.counters().clone();
+        let authz_counters = Arc::new(AuthzCounters::default());
+        // The metrics count from the first record the worker journals (a resumed run too).
+        let metrics = Metrics::new(MetricSources {
+            engine: engine.clone(),
+            tls: tls_counters,
+            authz: authz_counters.clone(),
+            service: counters.clone(),
+            started_at_ms,
+        });
+        metrics.observe(&engine);
+        let status_state = Arc::new(StatusState::new(
+            engine.clone(),
+            metrics,
+            AgentInfo {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                commit: option_env!("INPLACE_AGENT_GIT_COMMIT")
+                    .unwrap_or("unknown")
+                    .to_string(),
+                pid: std::process::id(),
+                started_at_ms,
+                uptime_seconds: 0,
+                grpc_listen: addr.to_string(),
+                status_socket: status_settings.path.display().to_string(),
+                metrics_listen: metrics_listen.map(|a| a.to_string()),
+            },
+            &node_name,
+        ));
+        let status = StatusServer::start(
+            &status_settings,
+            metrics_listen,
+            status_state,
+            stopping.clone(),
+        )
+        .await?;
+        let worker = match engine.spawn_worker() {
+            Ok(w) => w,
+            Err(e) => {
+                status.stop();
+                return Err(format!("start the engine worker: {e}"));
+            }
+        };
         let (health, _) = tonic_health::server::health_reporter();
         health.set_serving::<NodeAgentServer<AgentService>>().await;
         let security = Security {
             tls: Arc::new(tls),
             rules: Arc::new(rules),
-            authz_counters: Arc::new(AuthzCounters::default()),
+            authz_counters,
         };
         let mut shutdown = stopping;
         let server = tokio::spawn(serve(
@@ -232,6 +297,7 @@ impl Daemon {
             stop,
             server,
             worker,
+            status,
         })
     }
 
@@ -250,6 +316,16 @@ impl Daemon {
         &self.counters
     }
 
+    /// The status socket.
+    pub fn status_socket(&self) -> &std::path::Path {
+        self.status.socket()
+    }
+
+    /// The TCP metrics listener's address, when configured.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.status.metrics_addr()
+    }
+
     /// Stops gracefully: the server stops accepting and drains (watch streams end with
     /// UNAVAILABLE; calls in flight get 10 seconds), the engine finishes its current step.
     pub async fn stop(self) -> Result<(), String> {
@@ -265,6 +341,7 @@ impl Daemon {
                 Ok(())
             }
         };
+        self.status.stop();
         if self.engine.busy() {
             tracing::info!("waiting for the engine to finish its current step");
         }
@@ -278,29 +355,66 @@ impl Daemon {
 }
 
 /// Mirrors the engine's state in `systemctl status` (`STATUS=`): every phase change, and
-/// step progress at most once a second.
+/// step progress at most once a second; progress inside that second is shown when it ends,
+/// so a long step that starts right after another is not missed.
 async fn report_status(n: Arc<crate::notify::Notifier>, engine: Engine, addr: SocketAddr) {
     use crate::engine::Event;
+    use tokio::sync::broadcast::error::RecvError;
+    const EVERY: Duration = Duration::from_secs(1);
     let mut events = engine.subscribe();
-    let mut last = std::time::Instant::now() - std::time::Duration::from_secs(1);
+    let mut last = tokio::time::Instant::now() - EVERY;
+    // A run whose progress came within the second and is not shown yet.
+    let mut pending: Option<u64> = None;
     loop {
-        let event = match events.recv().await {
+        let event = tokio::select! {
+            e = events.recv() => e,
+            () = tokio::time::sleep_until(last + EVERY), if pending.is_some() => {
+                let Some(run) = pending.take() else { continue };
+                let engine = engine.clone();
+                let summary = tokio::task::spawn_blocking(move || {
+                    engine.read(|t| t.by_run(run).filter(|s| !s.phase.is_terminal()).map(|s| s.summary()))
+                })
+                .await
+                .ok()
+                .flatten();
+                if let Some(text) = summary {
+                    last = tokio::time::Instant::now();
+                    let _ = n.status(&text);
+                }
+                continue;
+            }
+        };
+        let event = match event {
             Ok(e) => e,
-            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            Err(RecvError::Lagged(_)) => continue,
+            Err(RecvError::Closed) => return,
         };
         let text = match &event {
             Event::Status(s) if s.phase.is_terminal() => {
+                pending = None;
                 format!("idle; serving on {addr}; last: {}", s.summary())
             }
-            Event::Status(s) => s.summary(),
-            Event::Progress(_) if last.elapsed() < std::time::Duration::from_secs(1) => continue,
-            Event::Progress(p) => match engine.status_of_run(p.run) {
-                Some(s) => s.summary(),
-                None => continue,
-            },
+            Event::Status(s) => {
+                pending = None;
+                s.summary()
+            }
+            Event::Progress(p) if last.elapsed() < EVERY => {
+                pending = Some(p.run);
+                continue;
+            }
+            Event::Progress(p) => {
+                let (engine, run) = (engine.clone(), p.run);
+                match tokio::task::spawn_blocking(move || {
+                    engine.read(|t| t.by_run(run).map(|s| s.summary()))
+                })
+                .await
+                {
+                    Ok(Some(text)) => text,
+                    _ => continue,
+                }
+            }
         };
-        last = std::time::Instant::now();
+        last = tokio::time::Instant::now();
         let _ = n.status(&text);
     }
 }
@@ -310,10 +424,12 @@ pub fn run(args: &ServeArgs) -> u8 {
     let settings = match args.settings() {
         Ok(s) => s,
         Err(e) => {
+            super::logging::init("info", args.log_format.unwrap_or_default(), true);
             eprintln!("error: {e}");
             return EXIT_INVALID;
         }
     };
+    super::logging::init("info", settings.log_format, true);
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(BLOCKING_THREADS)

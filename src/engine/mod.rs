@@ -203,6 +203,29 @@ pub(crate) struct Shared {
     host: Arc<Host>,
     backups: BackupStore,
     shutdown: std::sync::atomic::AtomicBool,
+    observer: std::sync::OnceLock<Arc<dyn RecordObserver>>,
+}
+
+/// Told about every record the engine journals, after the table folded it: how the metrics
+/// count plans, change durations, unit jobs and failed gates without reading the journal.
+/// Called with the engine lock held, on the thread that journaled: it must be quick and
+/// must not call back into the engine.
+pub trait RecordObserver: Send + Sync {
+    /// `record` was journaled at `ts` (Unix ms); `status` is its run's status after it.
+    fn journaled(&self, record: &Record, ts: u64, status: Option<&PlanStatus>);
+}
+
+/// The journal as the engine sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournalInfo {
+    /// The journal file.
+    pub path: PathBuf,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Records in it.
+    pub records: u64,
+    /// Sequence number of the last record (0 before the first).
+    pub last_seq: u64,
 }
 
 /// A handle to the engine; cheap to clone.
@@ -251,9 +274,14 @@ impl Shared {
             Record::CheckDone { index, .. } => (None, Some(*index), None),
             other => (None, None, other.note()),
         };
+        // The observer sees the record after the fold, which consumes it.
+        let observed = self.observer.get().map(|o| (o.clone(), record.clone()));
         let entry = inner.journal.append(now_ms(), record, sync)?;
-        let seq = entry.seq;
+        let (seq, ts) = (entry.seq, entry.ts);
         inner.table.apply_with_plan(entry, plan);
+        if let Some((observer, record)) = observed {
+            observer.journaled(&record, ts, run.and_then(|r| inner.table.by_run(r)));
+        }
         if let Some(run) = run
             && let Some(status) = inner.table.by_run(run)
         {
@@ -328,6 +356,7 @@ impl Engine {
                 host,
                 backups,
                 shutdown: std::sync::atomic::AtomicBool::new(false),
+                observer: std::sync::OnceLock::new(),
             }),
         };
         Ok((engine, report))
@@ -341,6 +370,18 @@ impl Engine {
     /// The node.
     pub fn host(&self) -> &Arc<Host> {
         &self.shared.host
+    }
+
+    /// Sets the observer told about every record journaled from now on (once; false when
+    /// one was set already).
+    pub fn set_observer(&self, observer: Arc<dyn RecordObserver>) -> bool {
+        self.shared.observer.set(observer).is_ok()
+    }
+
+    /// Reads the engine's state under its lock without copying it (status pages, metrics).
+    /// `f` must be quick: the engine waits for it to journal its next record.
+    pub fn read<R>(&self, f: impl FnOnce(&Table) -> R) -> R {
+        f(&self.shared.lock().table)
     }
 
     /// Watches every run's progress.
@@ -520,6 +561,17 @@ impl Engine {
     pub fn journal_stats(&self) -> (u64, u64) {
         let inner = self.shared.lock();
         (inner.journal.size(), inner.journal.records())
+    }
+
+    /// Where the journal is, how large, and its last sequence number.
+    pub fn journal_info(&self) -> JournalInfo {
+        let inner = self.shared.lock();
+        JournalInfo {
+            path: inner.journal.path().to_path_buf(),
+            bytes: inner.journal.size(),
+            records: inner.journal.records(),
+            last_seq: inner.journal.last_seq(),
+        }
     }
 
     /// Runs unfinished plans on the calling thread until none is left.

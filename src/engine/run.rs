@@ -100,6 +100,17 @@ impl Runner {
             inner.table.unfinished().map(|(r, _)| *r).next()
         };
         let Some(run) = run else { return false };
+        // Every log line about the run carries its id and digest (and, below, the change).
+        let (id, digest) = {
+            let inner = self.shared.lock();
+            inner
+                .table
+                .by_run(run)
+                .map(|s| (s.id.clone(), s.digest.clone()))
+                .unwrap_or_default()
+        };
+        let span = tracing::info_span!("plan", plan = %id, digest = %digest, run);
+        let _in_plan = span.enter();
         if let Err(e) = self.drive(run) {
             // The journal cannot be written: stop here; a restart resumes from what it has.
             tracing::error!(run, error = %e, "journal write failed; the plan is left for resume");
@@ -122,11 +133,27 @@ impl Runner {
     }
 
     fn phase(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
+        tracing::info!(%phase, "phase changed");
         self.record(Record::Phase { run, phase, error }, false)
     }
 
     fn finish(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
-        self.record(Record::PlanFinished { run, phase, error }, true)
+        let kind = error.as_ref().map(|e| e.kind.as_str());
+        self.record(Record::PlanFinished { run, phase, error }, true)?;
+        let took = {
+            let inner = self.shared.lock();
+            inner
+                .table
+                .by_run(run)
+                .and_then(|s| s.duration_ms(now_ms()))
+        };
+        match kind {
+            None => tracing::info!(result = %phase, duration_ms = took, "plan finished"),
+            Some(kind) => {
+                tracing::warn!(result = %phase, error_kind = kind, duration_ms = took, "plan finished")
+            }
+        }
+        Ok(())
     }
 
     fn drive(&self, run: u64) -> Result<(), JournalError> {
@@ -145,7 +172,7 @@ impl Runner {
                     false,
                 )?;
                 if phase != Phase::Pending {
-                    tracing::info!(run, id = %self.id(run), %phase, "resuming unfinished plan");
+                    tracing::info!(%phase, "resuming unfinished plan");
                     self.sweep(&rs.plan);
                 }
             }
@@ -169,21 +196,12 @@ impl Runner {
                 Err(Abort::Journal(e)) => return Err(e),
                 Err(Abort::Failed(error)) => return self.fail(run, error),
                 Err(Abort::Stop(Stop::Shutdown)) => {
-                    tracing::info!(run, id = %self.id(run), "shutting down: the plan resumes at the next start");
+                    tracing::info!("shutting down: the plan resumes at the next start");
                     return Ok(());
                 }
                 Err(Abort::Stop(stop)) => return self.stop(run, stop),
             }
         }
-    }
-
-    fn id(&self, run: u64) -> String {
-        let inner = self.shared.lock();
-        inner
-            .table
-            .by_run(run)
-            .map(|s| s.id.clone())
-            .unwrap_or_default()
     }
 
     fn error_of(&self, run: u64) -> Option<ErrorInfo> {
@@ -253,6 +271,7 @@ impl Runner {
             if done.contains(&(i as u32)) {
                 continue;
             }
+            let _in_change = tracing::info_span!("change", change = i).entered();
             if let Some(stop) = self.boundary(run) {
                 return Err(Abort::Stop(stop));
             }
@@ -356,6 +375,7 @@ impl Runner {
         let mut failed: Option<(usize, StepError)> = None;
         for &i in batch {
             let index = i as u32;
+            let _in_change = tracing::info_span!("change", change = index).entered();
             self.shared.lock().table.set_running(run, index);
             let in_flight = rs.preimages.get(&index);
             let mut ctx = prepared.ctx(i);
@@ -398,6 +418,7 @@ impl Runner {
             self.shared.lock().journal.sync()?;
         }
         for (k, w) in work.iter().enumerate() {
+            let _in_change = tracing::info_span!("change", change = w.index).entered();
             if let Err(e) = self.execute_one(run, plan, w) {
                 for later in work[k + 1..].iter().filter(|l| l.announced) {
                     self.record(
@@ -413,6 +434,8 @@ impl Runner {
             }
         }
         if let Some((i, e)) = failed {
+            let _in_change = tracing::info_span!("change", change = i).entered();
+            tracing::warn!(error_kind = e.kind.as_str(), "change failed");
             let change = &plan.changes[i];
             let error = ErrorInfo {
                 kind: e.kind,
@@ -580,7 +603,7 @@ impl Runner {
         let Some((_, rs, _)) = self.state(run) else {
             return Ok(());
         };
-        tracing::warn!(run, id = %self.id(run), error = %error, "plan failed");
+        tracing::warn!(error_kind = error.kind.as_str(), step = error.step.as_deref().unwrap_or(""), error = %error.detail, "plan failed");
         if rs.plan.options.rollback_on_failure && rs.changed_anything() {
             self.phase(run, Phase::RollingBack, Some(error.clone()))?;
             self.rollback_and_finish(run, Some(error), Phase::RolledBack)
@@ -654,6 +677,7 @@ impl Runner {
             if rs.rolled_back.contains(index) {
                 continue;
             }
+            let _in_change = tracing::info_span!("change", change = index).entered();
             let mut last_err = None;
             for attempt in 0..3 {
                 if attempt > 0 {
@@ -699,6 +723,7 @@ impl Runner {
             }
             failpoint::hit("rollback.before_record");
             self.record(Record::StepRolledBack { run, index: *index }, false)?;
+            tracing::info!("change rolled back");
         }
         // Reload and undo the unit jobs, so the old configuration is live again.
         if let Err(failure) = self.rollback_units(run, &error)? {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::plan::{ChangeKind, Disruption};
 
 /// Phases of a plan run (DESIGN §3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum Phase {
     /// Accepted, not started.
     Pending,
@@ -84,7 +84,7 @@ impl fmt::Display for Phase {
 }
 
 /// State of one change within a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum ChangeState {
     /// Not reached yet.
     Pending,
@@ -103,7 +103,7 @@ pub enum ChangeState {
 }
 
 /// State of one health gate within a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum CheckState {
     /// Not run yet.
     Pending,
@@ -118,7 +118,7 @@ pub enum CheckState {
 }
 
 /// A bounded classification of errors (metric label, proto enum).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
     /// The plan does not fit this node (owner unknown, path escapes, file missing).
@@ -174,7 +174,7 @@ impl ErrorKind {
 }
 
 /// Why a run failed: a bounded kind, the step, and a detail for people.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct ErrorInfo {
     /// Classification.
     pub kind: ErrorKind,
@@ -194,7 +194,7 @@ impl fmt::Display for ErrorInfo {
 }
 
 /// Result of one change.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ChangeStatus {
     /// Position in `changes[]`.
@@ -216,7 +216,7 @@ pub struct ChangeStatus {
 }
 
 /// Result of one health gate.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CheckStatus {
     /// Position in `verify[]`.
@@ -233,7 +233,7 @@ pub struct CheckStatus {
 }
 
 /// Progress through a run: step `current` of `total`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Progress {
     /// 1-based number of the step running or last run (0 before the first).
     pub current: u32,
@@ -244,7 +244,7 @@ pub struct Progress {
 }
 
 /// The CAPI `UpdateMachine` response status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum HookStatus {
     /// In progress (retryAfterSeconds > 0) or done (0).
     Success,
@@ -253,7 +253,7 @@ pub enum HookStatus {
 }
 
 /// Exactly what an updater returns to CAPI for this plan.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct HookResponse {
     /// Success or Failure.
@@ -270,7 +270,7 @@ pub const RETRY_IN_PROGRESS: u32 = 10;
 pub const RETRY_REBOOTING: u32 = 60;
 
 /// The status of one plan attempt.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PlanStatus {
     /// Plan id.
@@ -316,7 +316,9 @@ pub struct PlanStatus {
 }
 
 /// How many changes ended in each state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub struct Counts {
     /// Changes in the plan.

@@ -100,6 +100,46 @@ impl Accounts {
     }
 }
 
+/// The gid of the node's group `name` (its `/etc/group`, like file owners), creating it as a
+/// system group when it is missing: with the node's own `groupadd` (chrooted into the root
+/// when commands run there), or, when node commands do not chroot and the root is not `/`
+/// (a sandbox), with this machine's `groupadd --prefix <root>`, which edits the root's files.
+/// Returns the gid and whether it was created.
+pub fn ensure_group(host: &super::Host, name: &str) -> Result<(u32, bool), String> {
+    let lookup = || {
+        Accounts::load(&host.root)
+            .map(|a| a.groups.get(name).copied())
+            .map_err(|e| format!("read the node's /etc/group: {e}"))
+    };
+    if let Some(gid) = lookup()? {
+        return Ok((gid, false));
+    }
+    let root = host.root_path();
+    let spec = if host.settings().commands_in_root || root == std::path::Path::new("/") {
+        host.command(["groupadd", "--system", name])
+    } else {
+        super::command::CommandSpec::new([
+            "groupadd".to_string(),
+            "--system".to_string(),
+            "--prefix".to_string(),
+            root.display().to_string(),
+            name.to_string(),
+        ])
+    }
+    .timeout(std::time::Duration::from_secs(30));
+    let out = super::command::run(&spec).map_err(|e| format!("{}: {e}", spec.display()))?;
+    if !out.success() {
+        return Err(format!("{}: {}", spec.display(), out.summary()));
+    }
+    match lookup()? {
+        Some(gid) => Ok((gid, true)),
+        None => Err(format!(
+            "{} succeeded but the group is not in the node's /etc/group",
+            spec.display()
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

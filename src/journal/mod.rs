@@ -462,6 +462,11 @@ impl Journal {
         self.records
     }
 
+    /// Sequence number of the last record written (0 before the first).
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq.saturating_sub(1)
+    }
+
     /// The journal file.
     pub fn path(&self) -> &Path {
         &self.path

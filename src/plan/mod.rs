@@ -450,6 +450,7 @@ pub struct ExecChange {
     Default,
     serde::Serialize,
     serde::Deserialize,
+    schemars::JsonSchema,
 )]
 pub enum Disruption {
     /// Nothing restarts.
@@ -566,6 +567,21 @@ impl Plan {
 impl serde::Serialize for ChangeKind {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(self.as_str())
+    }
+}
+
+impl schemars::JsonSchema for ChangeKind {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ChangeKind".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let keys: Vec<&str> = ChangeKind::ALL.iter().map(|k| k.as_str()).collect();
+        schemars::json_schema!({
+            "description": "The kind of a change, as named in plan files.",
+            "type": "string",
+            "enum": keys,
+        })
     }
 }
 

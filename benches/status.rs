@@ -1,0 +1,353 @@
+//! Benchmarks of the local status socket against the real `inplace-agent serve` binary
+//! (bench profile) on a sandbox node whose journal holds 10,000 records:
+//!
+//! - `GET /v1/status` latency (p50, p99, max) at a fixed request rate (open loop: one new
+//!   connection per request, started on schedule whether or not earlier ones answered;
+//!   latency is measured from the scheduled start, so a stall counts for every request
+//!   behind it);
+//! - resident memory of `serve` with the socket, the metrics (also on a TCP listener) and
+//!   the journal loaded: after start, and after the load.
+//!
+//! Run: `cargo bench --bench status` (benches/README.md lists the options). It prints a
+//! table and, with `--json FILE`, writes the figures for the performance suite.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inplace_agent::config::SettingsInput;
+use inplace_agent::engine::Engine;
+use inplace_agent::host::Host;
+use inplace_agent::plan::{Limits, parse_plan};
+use inplace_agent::rpc::pki::{DEFAULT_UPDATER_IDENTITY, PkiFiles, PkiInitOptions};
+
+const NODE: &str = "bench-node";
+
+struct Options {
+    rate: u32,
+    seconds: u64,
+    records: u64,
+    json: Option<PathBuf>,
+}
+
+impl Options {
+    fn parse() -> Result<Options, String> {
+        let mut o = Options {
+            rate: 1000,
+            seconds: 10,
+            records: 10_000,
+            json: None,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
+            match arg.as_str() {
+                // What `cargo bench` passes to every bench target.
+                "--bench" => {}
+                "--rate" => {
+                    o.rate = value("--rate")?
+                        .parse()
+                        .map_err(|e| format!("--rate: {e}"))?
+                }
+                "--seconds" => {
+                    o.seconds = value("--seconds")?
+                        .parse()
+                        .map_err(|e| format!("--seconds: {e}"))?
+                }
+                "--records" => {
+                    o.records = value("--records")?
+                        .parse()
+                        .map_err(|e| format!("--records: {e}"))?
+                }
+                "--json" => o.json = Some(value("--json")?.into()),
+                other => return Err(format!("unknown argument {other:?}")),
+            }
+        }
+        if o.rate == 0 || o.seconds == 0 {
+            return Err("--rate and --seconds must be above 0".into());
+        }
+        Ok(o)
+    }
+}
+
+/// Fills the node's journal with at least `records` records by applying small plans with the
+/// engine in-process (compaction off, so the records stay). Returns the count.
+fn fill_journal(root: &Path, records: u64) -> Result<u64, String> {
+    let mut settings = SettingsInput {
+        root: Some(root.to_path_buf()),
+        no_chroot: true,
+        services_off: true,
+        ..SettingsInput::default()
+    }
+    .resolve()?;
+    settings.engine.compact_bytes = u64::MAX;
+    let host = Arc::new(Host::open(settings.host.clone()).map_err(|e| e.to_string())?);
+    let (engine, _) = Engine::open(settings.engine.clone(), host).map_err(|e| e.to_string())?;
+    let mut i = 0u64;
+    while engine.journal_info().records < records {
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: fill-{i}\nnodeName: {NODE}\nchanges:\n  - file: {{path: /etc/kubernetes/fill.conf, content: \"{i}\\n\"}}\n"
+        );
+        let plan =
+            parse_plan(text.as_bytes(), "bench", &Limits::default()).map_err(|e| e.to_string())?;
+        engine
+            .submit(plan, "bench", false)
+            .map_err(|e| e.to_string())?;
+        engine.run_until_idle();
+        i += 1;
+    }
+    Ok(engine.journal_info().records)
+}
+
+struct Serve {
+    child: Child,
+}
+
+impl Serve {
+    fn start(root: &Path, pki: &PkiFiles) -> Result<Serve, String> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
+            .args([
+                "serve",
+                "--config",
+                "/dev/null",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--no-chroot",
+                "--services",
+                "off",
+            ])
+            .args(["--node-name", NODE, "--root"])
+            .arg(root)
+            .arg("--tls-cert")
+            .arg(&pki.server_cert)
+            .arg("--tls-key")
+            .arg(&pki.server_key)
+            .arg("--client-ca")
+            .arg(&pki.ca_cert)
+            .args(["--admin", DEFAULT_UPDATER_IDENTITY])
+            .env("INPLACE_AGENT_LOG", "warn,inplace_agent::cli::serve=info")
+            .env_remove("NOTIFY_SOCKET")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("start serve: {e}"))?;
+        let stderr = child.stderr.take().ok_or("no stderr")?;
+        let mut lines = BufReader::new(stderr).lines();
+        loop {
+            let line = lines
+                .next()
+                .ok_or("serve exited before listening")?
+                .map_err(|e| e.to_string())?;
+            if line.contains("listening on ") {
+                break;
+            }
+        }
+        // Keep draining the log so the daemon never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Serve { child })
+    }
+
+    /// Memory in KiB: (VmRSS, VmHWM, RssAnon, RssFile).
+    fn memory(&self) -> (u64, u64, u64, u64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        (
+            field("VmRSS:"),
+            field("VmHWM:"),
+            field("RssAnon:"),
+            field("RssFile:"),
+        )
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let _ = self.child.wait();
+    }
+}
+
+/// One `GET /v1/status` on a new connection; the body length.
+async fn status_request(socket: &Path) -> Result<usize, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    s.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    let mut raw = Vec::with_capacity(4096);
+    s.read_to_end(&mut raw)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    let r = inplace_agent::status::client::parse_response(&raw)?;
+    if r.status != 200 {
+        return Err(format!("status {}", r.status));
+    }
+    Ok(r.body.len())
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+async fn run(options: Options) -> Result<(), String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let root = dir.path().join("node");
+    inplace_agent::cli::demo::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
+    let pki = inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), NODE))
+        .map_err(|e| e.to_string())?;
+    let filling = Instant::now();
+    let root_for_fill = root.clone();
+    let records = options.records;
+    let records = tokio::task::spawn_blocking(move || fill_journal(&root_for_fill, records))
+        .await
+        .map_err(|e| e.to_string())??;
+    let fill_seconds = filling.elapsed().as_secs_f64();
+    let journal_bytes = std::fs::metadata(root.join("var/lib/inplace-agent/journal/journal.log"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    let serve = Serve::start(&root, &pki)?;
+    let socket = Arc::new(root.join("run/inplace-agent/status.sock"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss_start, _, anon_start, file_start) = serve.memory();
+
+    // Warm-up, then the open-loop run.
+    let mut body_bytes = 0;
+    for _ in 0..200 {
+        body_bytes = status_request(&socket).await?;
+    }
+    let total = u64::from(options.rate) * options.seconds;
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(options.rate)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for _ in 0..total {
+        let scheduled = tick.tick().await;
+        let socket = socket.clone();
+        tasks.spawn(async move {
+            let result = status_request(&socket).await;
+            (scheduled.elapsed(), result)
+        });
+    }
+    let mut latencies = Vec::with_capacity(total as usize);
+    let mut errors = 0usize;
+    let mut first_error = None;
+    while let Some(joined) = tasks.join_next().await {
+        let (latency, result) = joined.map_err(|e| e.to_string())?;
+        match result {
+            Ok(_) => latencies.push(latency),
+            Err(e) => {
+                errors += 1;
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    latencies.sort();
+    if latencies.is_empty() {
+        return Err(format!("no request succeeded: {first_error:?}"));
+    }
+    let (p50, p99, max) = (
+        percentile(&latencies, 0.50),
+        percentile(&latencies, 0.99),
+        *latencies.last().unwrap_or(&Duration::ZERO),
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss_after, peak, anon_after, file_after) = serve.memory();
+
+    println!(
+        "status socket: GET /v1/status, {} requests at {}/s (open loop, new connection each)",
+        total, options.rate
+    );
+    println!(
+        "  journal: {records} records ({:.1} MiB, filled in {fill_seconds:.1}s); answer {body_bytes} bytes",
+        journal_bytes as f64 / 1048576.0
+    );
+    println!(
+        "  latency: p50 {:.0} us, p99 {:.0} us, max {:.0} us; {} ok, {errors} failed{}; achieved {:.0}/s",
+        micros(p50),
+        micros(p99),
+        micros(max),
+        latencies.len(),
+        first_error
+            .as_ref()
+            .map(|e| format!(" (first: {e})"))
+            .unwrap_or_default(),
+        latencies.len() as f64 / wall
+    );
+    println!(
+        "  RSS of serve: {rss_start} KiB after start (anon {anon_start}, file {file_start}), {rss_after} KiB after the load (anon {anon_after}, file {file_after}), peak {peak} KiB"
+    );
+    if let Some(path) = &options.json {
+        let figures = serde_json::json!({
+            "statusLatency": {
+                "rate": options.rate,
+                "requests": total,
+                "ok": latencies.len(),
+                "failed": errors,
+                "p50Micros": micros(p50).round(),
+                "p99Micros": micros(p99).round(),
+                "maxMicros": micros(max).round(),
+                "achievedPerSecond": (latencies.len() as f64 / wall).round(),
+            },
+            "journal": {"records": records, "bytes": journal_bytes},
+            "rssKiB": {
+                "start": rss_start, "startAnon": anon_start, "startFile": file_start,
+                "afterLoad": rss_after, "afterLoadAnon": anon_after, "afterLoadFile": file_after,
+                "peak": peak,
+            },
+        });
+        std::fs::write(path, format!("{figures:#}\n"))
+            .map_err(|e| format!("write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    let options = match Options::parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    // The client on one worker thread, so the daemon keeps the other core of a 2-core box.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(options)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! `inplace-agent config`: print the default configuration, check a file.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use super::{EXIT_INVALID, EXIT_OK};
+use crate::config::{DEFAULT_CONFIG, load_config};
+
+/// Arguments of `config`.
+#[derive(Debug, Args, Clone)]
+pub struct ConfigArgs {
+    #[command(subcommand)]
+    command: ConfigCommand,
+}
+
+#[derive(Debug, Subcommand, Clone)]
+enum ConfigCommand {
+    /// Print a fully commented config.toml with every key at its default
+    PrintDefault,
+    /// Check a configuration file as `serve` would read it (keys, values, the node name);
+    /// exit 2 naming the key and line of the first problem
+    Check {
+        /// The file [default: /etc/inplace-agent/config.toml]
+        #[arg(default_value = crate::config::DEFAULT_CONFIG_PATH)]
+        file: PathBuf,
+    },
+}
+
+/// Runs `config`.
+pub fn run(args: &ConfigArgs) -> u8 {
+    match &args.command {
+        ConfigCommand::PrintDefault => {
+            print!("{DEFAULT_CONFIG}");
+            EXIT_OK
+        }
+        ConfigCommand::Check { file } => {
+            let checked = load_config(file)
+                .map_err(|e| e.to_string())
+                .and_then(|input| {
+                    input
+                        .resolve()
+                        .map_err(|e| format!("config {}: {e}", file.display()))
+                });
+            match checked {
+                Ok(settings) => {
+                    println!(
+                        "config {}: valid (node {}, gRPC on {}, status socket {}{})",
+                        file.display(),
+                        settings.node_name,
+                        settings.listen,
+                        settings.status.path.display(),
+                        settings
+                            .metrics_listen
+                            .map(|a| format!(", metrics on {a}"))
+                            .unwrap_or_default()
+                    );
+                    EXIT_OK
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    EXIT_INVALID
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,623 @@
+//! The documents of the status socket, versioned like plans (`apiVersion: inplace.agent/v1`,
+//! a `kind`). Fields are only ever added. `docs/status-api.schema.json` is their JSON Schema,
+//! generated from these types ([`schema`]); a test fails when it drifts.
+
+use std::path::Path;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::status::{
+    ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, ErrorInfo, HookResponse, Phase,
+    PlanStatus,
+};
+use crate::engine::table::Table;
+use crate::journal::{Entry, JournalError, Reader, Record};
+
+/// `kind` of the agent's status.
+pub const KIND_AGENT_STATUS: &str = "AgentStatus";
+/// `kind` of one plan's status.
+pub const KIND_PLAN_STATUS: &str = "PlanStatus";
+/// `kind` of a page of journal records.
+pub const KIND_JOURNAL_RECORDS: &str = "JournalRecords";
+/// `kind` of an error answer.
+pub const KIND_ERROR: &str = "Error";
+
+/// How many finished plans `AgentStatus.recent` lists.
+pub const RECENT_PLANS: usize = 10;
+
+/// Where a status came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Source {
+    /// The running agent answered on its status socket.
+    Agent,
+    /// No agent answered; the journal was read directly (read-only, without its lock).
+    Journal,
+}
+
+/// `GET /v1/status`: what the agent is doing and what it did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentStatus {
+    /// `inplace.agent/v1`.
+    pub api_version: String,
+    /// `AgentStatus`.
+    pub kind: String,
+    /// Whether the running agent said this or the journal was read without it.
+    pub source: Source,
+    /// When this was put together (Unix ms).
+    pub generated_at_ms: u64,
+    /// The node.
+    pub node: NodeInfo,
+    /// The agent process; absent when read from the journal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentInfo>,
+    /// How the agent manages units (`systemd on unix:path=...`, or `off`).
+    pub services: String,
+    /// The plan running (or accepted and waiting), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current: Option<CurrentPlan>,
+    /// The most recent finished plans, newest first (at most 10).
+    pub recent: Vec<PlanSummary>,
+    /// The newest plan that did not succeed, however old, with the step that failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<PlanSummary>,
+    /// The journal.
+    pub journal: JournalSummary,
+}
+
+/// The node the agent manages.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeInfo {
+    /// The node's Kubernetes name (empty when unknown).
+    pub name: String,
+    /// The node's root directory as the agent sees it (`/`, or `/host` in the DaemonSet).
+    pub root: String,
+    /// os-release `ID` (`debian`).
+    #[serde(default)]
+    pub os_id: String,
+    /// os-release `VERSION_ID` (`12`).
+    #[serde(default)]
+    pub os_version_id: String,
+    /// os-release `PRETTY_NAME`.
+    #[serde(default)]
+    pub os_pretty_name: String,
+    /// Kernel release.
+    #[serde(default)]
+    pub kernel_release: String,
+    /// Machine architecture.
+    #[serde(default)]
+    pub architecture: String,
+    /// `kubelet --version` (`v1.31.2`), refreshed after every plan; empty when unknown.
+    #[serde(default)]
+    pub kubelet_version: String,
+}
+
+/// The agent process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentInfo {
+    /// Version of the agent.
+    pub version: String,
+    /// Git commit it was built from (`unknown` when not recorded).
+    pub commit: String,
+    /// Process id.
+    pub pid: u32,
+    /// When it started (Unix ms).
+    pub started_at_ms: u64,
+    /// Seconds since then.
+    pub uptime_seconds: u64,
+    /// The gRPC listener.
+    pub grpc_listen: String,
+    /// This socket.
+    pub status_socket: String,
+    /// The TCP metrics listener, when configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<String>,
+}
+
+/// The plan being run: where it is and what it is doing now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentPlan {
+    /// Plan id.
+    pub id: String,
+    /// Plan digest (`sha256:...`).
+    pub digest: String,
+    /// Attempt number.
+    pub attempt: u32,
+    /// Journal run number.
+    pub run: u64,
+    /// Where it came from (`cli`, `grpc`).
+    pub source: String,
+    /// Phase.
+    pub phase: Phase,
+    /// Step i of `steps`: the change or gate running now (1-based), else the last one run
+    /// (0 before the first).
+    pub step: u32,
+    /// Changes plus gates.
+    pub steps: u32,
+    /// What is happening, for people.
+    pub message: String,
+    /// The change being applied (Preparing, Applying), if one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_change: Option<ChangeStatus>,
+    /// The health gate being polled (Verifying), if one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_check: Option<CheckStatus>,
+    /// When it was accepted (Unix ms).
+    pub accepted_at_ms: u64,
+    /// When it started running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// How long it has been running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elapsed_ms: Option<u64>,
+    /// Changes so far.
+    pub counts: Counts,
+    /// Why it is rolling back, when it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+    /// A reboot was requested and the node has not come back yet.
+    pub rebooting: bool,
+    /// The `UpdateMachine` hook response for it right now.
+    pub hook_response: HookResponse,
+}
+
+/// A plan attempt in one line: its result and how long it took.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanSummary {
+    /// Plan id.
+    pub id: String,
+    /// Plan digest.
+    pub digest: String,
+    /// Attempt number.
+    pub attempt: u32,
+    /// Journal run number.
+    pub run: u64,
+    /// Where it came from.
+    pub source: String,
+    /// Phase: the result once it is terminal.
+    pub phase: Phase,
+    /// When it was accepted (Unix ms).
+    pub accepted_at_ms: u64,
+    /// When it started running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// When it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    /// From start to end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// Changes by result.
+    pub counts: Counts,
+    /// Why it did not succeed, with the step that failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+}
+
+/// The journal file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JournalSummary {
+    /// Its path.
+    pub path: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Records in it.
+    pub records: u64,
+    /// Sequence number of the last record (0 when empty); `GET /v1/journal?since=` it.
+    pub last_seq: u64,
+}
+
+/// `GET /v1/plans/{id}` (and `inplace-agent status ID -o json`): the latest attempt of a
+/// plan with every change and gate, and its hook response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanStatusDocument {
+    /// `inplace.agent/v1`.
+    pub api_version: String,
+    /// `PlanStatus`.
+    pub kind: String,
+    /// The status.
+    #[serde(flatten)]
+    pub status: PlanStatus,
+    /// The `UpdateMachine` hook response for it.
+    pub hook_response: HookResponse,
+}
+
+impl PlanStatusDocument {
+    /// The document for a status.
+    pub fn new(status: PlanStatus) -> PlanStatusDocument {
+        PlanStatusDocument {
+            api_version: crate::plan::API_VERSION.to_string(),
+            kind: KIND_PLAN_STATUS.to_string(),
+            hook_response: status.hook_response(),
+            status,
+        }
+    }
+}
+
+/// `GET /v1/journal?since=SEQ&limit=N`: records after `since`, oldest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JournalRecords {
+    /// `inplace.agent/v1`.
+    pub api_version: String,
+    /// `JournalRecords`.
+    pub kind: String,
+    /// The `since` asked for.
+    pub since: u64,
+    /// The records, as `inplace-agent journal -o json` prints them.
+    pub records: Vec<JournalItem>,
+    /// True when more records follow the last one here (ask again with its `seq`).
+    pub more: bool,
+}
+
+/// One journal record (the items of `inplace-agent journal -o json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JournalItem {
+    /// Sequence number.
+    pub seq: u64,
+    /// When it was written (RFC 3339, UTC).
+    pub time: String,
+    /// Its chain hash (hex).
+    pub hash: String,
+    /// The run it belongs to.
+    pub run: Option<u64>,
+    /// Record type (`planAccepted`, `stepDone`, ...).
+    #[serde(rename = "type")]
+    pub record_type: String,
+    /// The record as the journal stores it (`{"stepDone": {...}}`; see docs/observability.md).
+    pub record: serde_json::Value,
+    /// Fields left out (set to null) because they carry plan content: `plan` of
+    /// `planAccepted` and `summary` records. Only on the status socket; `inplace-agent journal`
+    /// (root) shows everything.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub redacted: Vec<String>,
+}
+
+impl JournalItem {
+    /// The item for a journal entry; with `redact`, plan documents are left out.
+    pub fn new(entry: &Entry, redact: bool) -> JournalItem {
+        let mut record = serde_json::to_value(&entry.record).unwrap_or_default();
+        let mut redacted = Vec::new();
+        if redact
+            && matches!(
+                entry.record,
+                Record::PlanAccepted { .. } | Record::Summary { .. }
+            )
+            && let Some(fields) = record
+                .get_mut(entry.record.name())
+                .and_then(|v| v.as_object_mut())
+            && let Some(plan) = fields.get_mut("plan")
+            && !plan.is_null()
+        {
+            *plan = serde_json::Value::Null;
+            redacted.push("plan".to_string());
+        }
+        JournalItem {
+            seq: entry.seq,
+            time: crate::cli::rfc3339(entry.ts),
+            hash: entry.hash_hex(),
+            run: entry.record.run(),
+            record_type: entry.record.name().to_string(),
+            record,
+            redacted,
+        }
+    }
+}
+
+/// An error answer of the socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ErrorDocument {
+    /// `inplace.agent/v1`.
+    pub api_version: String,
+    /// `Error`.
+    pub kind: String,
+    /// The HTTP status code.
+    pub code: u16,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl ErrorDocument {
+    /// An error answer.
+    pub fn new(code: u16, message: impl Into<String>) -> ErrorDocument {
+        ErrorDocument {
+            api_version: crate::plan::API_VERSION.to_string(),
+            kind: KIND_ERROR.to_string(),
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+// === Building the documents ===
+
+/// What the status needs beside the table.
+#[derive(Debug, Clone)]
+pub struct Context {
+    /// Where the answer comes from.
+    pub source: Source,
+    /// The node.
+    pub node: NodeInfo,
+    /// The agent process, when it answers.
+    pub agent: Option<AgentInfo>,
+    /// How units are managed (empty: the last run's choice is used).
+    pub services: String,
+    /// The journal.
+    pub journal: JournalSummary,
+}
+
+/// The agent's status from the engine's table (read under its lock: nothing here copies a
+/// per-change list).
+pub fn agent_status(table: &Table, ctx: Context, now_ms: u64) -> AgentStatus {
+    let plans = table.plans();
+    let current = table
+        .unfinished()
+        .next()
+        .and_then(|(run, _)| table.by_run(*run))
+        .map(|s| current_plan(s, now_ms));
+    let recent: Vec<PlanSummary> = plans
+        .iter()
+        .rev()
+        .filter(|p| p.phase.is_terminal())
+        .take(RECENT_PLANS)
+        .map(plan_summary)
+        .collect();
+    let last_failure = plans
+        .iter()
+        .rev()
+        .find(|p| p.phase.is_terminal() && p.phase.is_failure())
+        .map(plan_summary);
+    let services = if ctx.services.is_empty() {
+        plans
+            .iter()
+            .rev()
+            .find(|p| !p.services.is_empty())
+            .map(|p| p.services.clone())
+            .unwrap_or_default()
+    } else {
+        ctx.services
+    };
+    AgentStatus {
+        api_version: crate::plan::API_VERSION.to_string(),
+        kind: KIND_AGENT_STATUS.to_string(),
+        source: ctx.source,
+        generated_at_ms: now_ms,
+        node: ctx.node,
+        agent: ctx.agent,
+        services,
+        current,
+        recent,
+        last_failure,
+        journal: ctx.journal,
+    }
+}
+
+/// Where a running plan is: phase, step i of n, the change or gate running now.
+pub fn current_plan(s: &PlanStatus, now_ms: u64) -> CurrentPlan {
+    let running_change = match s.phase {
+        Phase::Preparing | Phase::Applying => s
+            .changes
+            .iter()
+            .find(|c| c.state == ChangeState::Running)
+            .cloned(),
+        _ => None,
+    };
+    let running_check = match s.phase {
+        Phase::Verifying => s
+            .checks
+            .iter()
+            .find(|c| matches!(c.state, CheckState::Pending | CheckState::Running))
+            .cloned(),
+        _ => None,
+    };
+    // The step running now when one is known; otherwise the last one run.
+    let step = match (&running_change, &running_check) {
+        (Some(c), _) => c.index + 1,
+        (None, Some(c)) => s.changes.len() as u32 + c.index + 1,
+        (None, None) => s.progress.current,
+    };
+    CurrentPlan {
+        id: s.id.clone(),
+        digest: s.digest.clone(),
+        attempt: s.attempt,
+        run: s.run,
+        source: s.source.clone(),
+        phase: s.phase,
+        step,
+        steps: s.progress.total,
+        message: s.progress.message.clone(),
+        running_change,
+        running_check,
+        accepted_at_ms: s.accepted_at_ms,
+        started_at_ms: s.started_at_ms,
+        elapsed_ms: s.duration_ms(now_ms),
+        counts: s.counts,
+        error: s.error.clone(),
+        rebooting: s.rebooting,
+        hook_response: s.hook_response(),
+    }
+}
+
+/// A plan attempt in one line.
+pub fn plan_summary(s: &PlanStatus) -> PlanSummary {
+    PlanSummary {
+        id: s.id.clone(),
+        digest: s.digest.clone(),
+        attempt: s.attempt,
+        run: s.run,
+        source: s.source.clone(),
+        phase: s.phase,
+        accepted_at_ms: s.accepted_at_ms,
+        started_at_ms: s.started_at_ms,
+        finished_at_ms: s.finished_at_ms,
+        duration_ms: s.finished_at_ms.and_then(|_| s.duration_ms(0)),
+        counts: s.counts,
+        error: s.error.clone(),
+    }
+}
+
+/// Most bytes of records one journal page carries (a page always has at least one record).
+pub const MAX_JOURNAL_PAGE_BYTES: usize = 8 << 20;
+
+/// Records after `since` from the journal file at `path`, at most `limit` (and about
+/// [`MAX_JOURNAL_PAGE_BYTES`]), and whether more follow. Reads the file as it is, without
+/// the journal's lock: a record being appended is simply not there yet.
+pub fn journal_page(
+    path: &Path,
+    since: u64,
+    limit: usize,
+    redact: bool,
+) -> Result<JournalRecords, JournalError> {
+    let mut records = Vec::new();
+    let mut more = false;
+    let mut bytes = 0usize;
+    if let Some(reader) = Reader::open(path)? {
+        for entry in reader {
+            let entry = entry?;
+            if entry.seq <= since {
+                continue;
+            }
+            if records.len() >= limit || bytes >= MAX_JOURNAL_PAGE_BYTES {
+                more = true;
+                break;
+            }
+            let item = JournalItem::new(&entry, redact);
+            bytes += item.record.to_string().len();
+            records.push(item);
+        }
+    }
+    Ok(JournalRecords {
+        api_version: crate::plan::API_VERSION.to_string(),
+        kind: KIND_JOURNAL_RECORDS.to_string(),
+        since,
+        records,
+        more,
+    })
+}
+
+/// The engine's table folded from a journal file read directly (read-only, without the
+/// journal's lock: `inplace-agent status` when no agent runs), and the file's summary.
+pub fn read_journal(
+    path: &Path,
+    keep_plans: usize,
+) -> Result<(Table, JournalSummary), JournalError> {
+    let mut table = Table::new(keep_plans);
+    let mut summary = JournalSummary {
+        path: path.display().to_string(),
+        ..JournalSummary::default()
+    };
+    if let Some(mut reader) = Reader::open(path)? {
+        for entry in reader.by_ref() {
+            let entry = entry?;
+            summary.records += 1;
+            summary.last_seq = entry.seq;
+            table.apply(entry);
+        }
+        summary.bytes = reader.valid_len();
+    }
+    table.finish_replay();
+    Ok((table, summary))
+}
+
+/// The JSON Schema of every document the socket serves, as kept in
+/// `docs/status-api.schema.json`.
+pub fn schema() -> serde_json::Value {
+    let mut generator = schemars::SchemaGenerator::default();
+    let mut documents = serde_json::Map::new();
+    for (name, schema) in [
+        (KIND_AGENT_STATUS, generator.subschema_for::<AgentStatus>()),
+        (
+            KIND_PLAN_STATUS,
+            generator.subschema_for::<PlanStatusDocument>(),
+        ),
+        (
+            KIND_JOURNAL_RECORDS,
+            generator.subschema_for::<JournalRecords>(),
+        ),
+        (KIND_ERROR, generator.subschema_for::<ErrorDocument>()),
+    ] {
+        documents.insert(name.to_string(), schema.to_value());
+    }
+    let definitions: serde_json::Map<String, serde_json::Value> =
+        generator.take_definitions(true).into_iter().collect();
+    serde_json::json!({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://inplace-agent.dev/schemas/status-api/v1",
+        "title": "inplace-agent status socket documents (apiVersion inplace.agent/v1)",
+        "description": "Generated from the Rust types (src/status/api.rs) by the test status::api::tests::the_schema_in_docs_is_current; regenerate with INPLACE_AGENT_BLESS=1 cargo test --lib the_schema_in_docs_is_current",
+        "oneOf": [
+            {"$ref": "#/$defs/AgentStatus"},
+            {"$ref": "#/$defs/PlanStatusDocument"},
+            {"$ref": "#/$defs/JournalRecords"},
+            {"$ref": "#/$defs/ErrorDocument"}
+        ],
+        "$defs": definitions,
+        "x-documents": documents,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SCHEMA_FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/status-api.schema.json");
+
+    /// The schema kept in docs/ is the one the types generate. To regenerate after changing
+    /// a type: `INPLACE_AGENT_BLESS=1 cargo test --lib the_schema_in_docs_is_current`.
+    #[test]
+    fn the_schema_in_docs_is_current() {
+        let generated = format!("{:#}\n", schema());
+        if std::env::var_os("INPLACE_AGENT_BLESS").is_some() {
+            std::fs::write(SCHEMA_FILE, &generated).unwrap();
+        }
+        let kept = std::fs::read_to_string(SCHEMA_FILE).unwrap_or_default();
+        assert!(
+            kept == generated,
+            "docs/status-api.schema.json is not what the types in src/status/api.rs generate; \
+             if the change is intended (fields are only ever added), regenerate it with \
+             `INPLACE_AGENT_BLESS=1 cargo test --lib the_schema_in_docs_is_current` and commit it"
+        );
+    }
+
+    #[test]
+    fn the_schema_describes_what_the_types_serialize() {
+        let schema = schema();
+        let defs = &schema["$defs"];
+        let agent = &defs["AgentStatus"];
+        for field in ["apiVersion", "kind", "node", "recent", "journal", "current"] {
+            assert!(
+                agent["properties"].get(field).is_some(),
+                "{field}: {agent:#}"
+            );
+        }
+        // The flattened PlanStatus fields are in the document's properties.
+        let plan = &defs["PlanStatusDocument"]["properties"];
+        for field in [
+            "id",
+            "digest",
+            "phase",
+            "progress",
+            "changes",
+            "hookResponse",
+        ] {
+            assert!(plan.get(field).is_some(), "{field}: {plan:#}");
+        }
+        let kinds = &defs["ChangeKind"]["enum"];
+        assert!(
+            kinds
+                .as_array()
+                .unwrap()
+                .contains(&"kubeadmUpgradeNode".into())
+        );
+    }
+}
