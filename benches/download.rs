@@ -85,9 +85,16 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
+    let all: Vec<String> = std::env::args().skip(1).collect();
+    // `--json FILE` writes the figures for the performance suite (benches/run).
+    let json_out = all
+        .windows(2)
+        .find(|w| w[0] == "--json")
+        .map(|w| w[1].clone());
+    let args: Vec<String> = all
+        .iter()
+        .filter(|a| !a.starts_with("--") && Some(*a) != json_out.as_ref())
+        .cloned()
         .collect();
     let mib: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(512);
     let rounds: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(7);
@@ -137,12 +144,21 @@ fn main() {
     // Each round's two downloads run back to back, so their ratio is the least disturbed by
     // other load on the machine; the median of those ratios is the figure.
     let paired = median(ours.iter().zip(&theirs).map(|(a, b)| a / b).collect());
-    let (a, b) = (median(ours), median(theirs));
+    let (a, b) = (median(ours.clone()), median(theirs.clone()));
     let ratio = paired;
     println!(
         "median: inplace-agent {a:.1} MiB/s, curl {b:.1} MiB/s; median ratio of the rounds \
          {ratio:.2} (target >= 0.90)"
     );
+    if let Some(path) = json_out {
+        let figures = serde_json::json!({
+            "mib": mib, "rounds": rounds,
+            "oursMiBps": a, "curlMiBps": b, "ratio": ratio,
+            "ratioMin": ours.iter().zip(&theirs).map(|(x, y)| x / y).fold(f64::INFINITY, f64::min),
+            "ratioMax": ours.iter().zip(&theirs).map(|(x, y)| x / y).fold(0.0, f64::max),
+        });
+        std::fs::write(&path, format!("{figures:#}\n")).unwrap();
+    }
     drop(work);
     if ratio < 0.9 {
         std::process::exit(1);

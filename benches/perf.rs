@@ -1,20 +1,30 @@
 //! The performance suite's measuring program (`benches/run` builds and runs it).
 //!
-//! Every figure is a median over several runs, and every comparison is measured side by side
-//! in the same run (A and B alternate), because these machines are noisy. Whole-process
-//! measurements spawn the release binary of the agent (`INPLACE_AGENT_BIN`).
+//! Every figure is a median over several runs with its spread, and every comparison is
+//! measured side by side in the same run (A and B alternate, the ratio is the median of the
+//! rounds' ratios), because these machines are noisy. Each figure carries the 1-minute load
+//! average when it was taken. Whole-process measurements spawn the release binary of the
+//! agent (`INPLACE_AGENT_BIN`); the no-op re-apply is timed by `hyperfine` when it is on the
+//! `PATH` (`benches/run` installs it), by this program otherwise.
 //!
 //! ```text
-//! perf all [--out FILE] [--quick]      every measurement, Markdown to FILE (and stdout)
+//! perf all [--json FILE] [--quick]     every measurement below, figures as JSON
 //! perf apply-files [--files N] [--size BYTES] [--runs R]
 //! perf noop [--files N] [--runs R]
 //! perf replay [--records N] [--runs R]
+//! perf journal-size [--plans N]
+//! perf footprint [--runs R]
+//! perf ansible [--files N] [--runs R]
 //! perf baseline-writes DIR N SIZE      (internal) the raw atomic-write baseline
 //! ```
 
+use std::io::Write as _;
+use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
 
 use inplace_agent::engine::{Engine, EngineConfig};
 use inplace_agent::host::{Host, HostSettings};
@@ -33,37 +43,61 @@ fn arg(args: &[String], name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// Median, min and max of durations in milliseconds.
+/// The 1-minute load average now.
+fn load() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(-1.0)
+}
+
+/// Median, min and max of a sample (milliseconds, or any unit).
 #[derive(Debug, Clone, Copy)]
 struct Stats {
     median: f64,
     min: f64,
     max: f64,
+    n: usize,
 }
 
-fn stats(mut v: Vec<Duration>) -> Stats {
-    v.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+fn stats_f(mut v: Vec<f64>) -> Stats {
+    assert!(!v.is_empty(), "no samples");
+    v.sort_by(f64::total_cmp);
     let median = if v.len() % 2 == 1 {
-        ms(v[v.len() / 2])
+        v[v.len() / 2]
     } else {
-        (ms(v[v.len() / 2 - 1]) + ms(v[v.len() / 2])) / 2.0
+        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
     };
     Stats {
         median,
-        min: ms(v[0]),
-        max: ms(v[v.len() - 1]),
+        min: v[0],
+        max: v[v.len() - 1],
+        n: v.len(),
     }
 }
 
-impl std::fmt::Display for Stats {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{:.1} ms (min {:.1}, max {:.1})",
-            self.median, self.min, self.max
-        )
+fn ms(v: &[Duration]) -> Vec<f64> {
+    v.iter().map(|d| d.as_secs_f64() * 1000.0).collect()
+}
+
+fn stats(v: &[Duration]) -> Stats {
+    stats_f(ms(v))
+}
+
+impl Stats {
+    fn json(&self) -> Value {
+        json!({"median": self.median, "min": self.min, "max": self.max, "n": self.n})
     }
+}
+
+/// Median of the per-round ratios a[i] / b[i] (each round measured both back to back).
+fn paired_ratio(a: &[Duration], b: &[Duration]) -> Stats {
+    stats_f(
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| x.as_secs_f64() / y.as_secs_f64())
+            .collect(),
+    )
 }
 
 fn copy_tree(from: &Path, to: &Path) {
@@ -116,7 +150,7 @@ fn time_cmd(cmd: &mut Command) -> Duration {
 
 fn apply_cmd(root: &Path, plan: &Path) -> Command {
     let mut c = Command::new(agent_bin());
-    c.args(["apply", "--no-progress", "--root"])
+    c.args(["apply", "--no-progress", "--services", "off", "--root"])
         .arg(root)
         .arg(plan);
     c
@@ -125,7 +159,6 @@ fn apply_cmd(root: &Path, plan: &Path) -> Command {
 /// The raw atomic durable writes the agent is compared with: temp (O_EXCL), write, fsync,
 /// rename, fsync of the directory — per file, as the agent does.
 fn baseline_writes(dir: &Path, n: usize, size: usize) {
-    use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let target = dir.join("etc/kubernetes/bench");
     std::fs::create_dir_all(&target).expect("mkdir");
@@ -148,18 +181,9 @@ fn baseline_writes(dir: &Path, n: usize, size: usize) {
     }
 }
 
-struct Report {
-    lines: Vec<String>,
-}
-
-impl Report {
-    fn say(&mut self, s: String) {
-        println!("{s}");
-        self.lines.push(s);
-    }
-}
-
-fn apply_files(r: &mut Report, files: usize, size: usize, runs: usize) {
+/// Apply N files against the baseline, side by side.
+fn apply_files(files: usize, size: usize, runs: usize) -> Value {
+    let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let (template, plan) = setup(work.path(), files, size, "bench/apply");
     let mut agent = Vec::new();
@@ -191,64 +215,155 @@ fn apply_files(r: &mut Report, files: usize, size: usize, runs: usize) {
         let _ = std::fs::remove_dir_all(&a);
         let _ = std::fs::remove_dir_all(&b);
     }
-    let (sa, sb) = (stats(agent), stats(base));
-    r.say(format!(
-        "| apply {files} files of {} KiB | agent {sa} | baseline {sb} | **{:.2}×** (target ≤ 1.25×) |",
-        size / 1024,
-        sa.median / sb.median
-    ));
+    // One more apply under GNU time for the agent's peak memory.
+    let peak_kib = Path::new("/usr/bin/time").exists().then(|| {
+        let a = work.path().join("timed");
+        copy_tree(&template, &a);
+        let mut c = Command::new("/usr/bin/time");
+        c.arg("-v")
+            .arg(agent_bin())
+            .args(apply_cmd(&a, &plan).get_args())
+            .stdout(Stdio::null());
+        let out = c.output().expect("spawn /usr/bin/time");
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix("Maximum resident set size (kbytes): ")
+            })
+            .and_then(|v| v.parse::<u64>().ok())
+    });
+    let (sa, sb, r) = (stats(&agent), stats(&base), paired_ratio(&agent, &base));
+    eprintln!(
+        "apply {files}×{size}: agent {:.1} ms, baseline {:.1} ms, ratio {:.2}",
+        sa.median, sb.median, r.median
+    );
+    json!({"files": files, "size": size, "agent": sa.json(), "baseline": sb.json(),
+           "ratio": r.json(), "agentPeakRssKiB": peak_kib.flatten(), "load": [load_before, load()]})
 }
 
-fn noop(r: &mut Report, files: usize, runs: usize) {
+/// Times `commands` with hyperfine (each with its `prepare`), when hyperfine is installed;
+/// returns one sample list per command, in milliseconds.
+fn hyperfine(commands: &[(String, String)], runs: usize) -> Option<Vec<Vec<f64>>> {
+    let bin = std::env::var_os("HYPERFINE").unwrap_or_else(|| "hyperfine".into());
+    let out = tempfile::NamedTempFile::new().ok()?;
+    let mut cmd = Command::new(bin);
+    cmd.args(["--style", "none", "--warmup", "1", "--shell", "bash"])
+        .args(["--runs", &runs.to_string()])
+        .arg("--export-json")
+        .arg(out.path());
+    for (prepare, command) in commands {
+        cmd.args(["--prepare", prepare]).arg(command);
+    }
+    let status = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .status()
+        .ok()?;
+    if !status.success() {
+        return None;
+    }
+    let report: Value = serde_json::from_slice(&std::fs::read(out.path()).ok()?).ok()?;
+    report["results"]
+        .as_array()?
+        .iter()
+        .map(|r| {
+            r["times"].as_array().map(|t| {
+                t.iter()
+                    .filter_map(|x| x.as_f64())
+                    .map(|s| s * 1000.0)
+                    .collect()
+            })
+        })
+        .collect()
+}
+
+fn shell_quote(p: &Path) -> String {
+    format!("'{}'", p.display().to_string().replace('\'', r"'\''"))
+}
+
+/// No-op re-apply of the 500-file plan: the same desired state under a new id (every file is
+/// diffed, the plan is journaled), and the very same plan again (already succeeded).
+fn noop(files: usize, runs: usize) -> Value {
+    let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let (template, plan) = setup(work.path(), files, 4096, "bench/noop");
     let root = work.path().join("node");
     copy_tree(&template, &root);
     time_cmd(&mut apply_cmd(&root, &plan));
-    let text = std::fs::read_to_string(&plan).expect("plan");
-    let mut same_id = Vec::new();
-    let mut new_id = Vec::new();
-    for i in 0..runs {
-        same_id.push(time_cmd(&mut apply_cmd(&root, &plan)));
-        let p = work.path().join(format!("again{i}.yaml"));
-        std::fs::write(
-            &p,
-            text.replace("id: bench/noop", &format!("id: bench/noop-{i}")),
+    let again = work.path().join("again.yaml");
+    std::fs::copy(&plan, &again).expect("plan");
+    let apply = |p: &Path| {
+        format!(
+            "{} apply --no-progress --services off --root {} {} >/dev/null",
+            shell_quote(&agent_bin()),
+            shell_quote(&root),
+            shell_quote(p)
         )
-        .expect("plan");
-        new_id.push(time_cmd(&mut apply_cmd(&root, &p)));
+    };
+    let new_id = format!(
+        "sed -i \"s|^id: .*|id: bench/noop-$(date +%s%N)|\" {}",
+        shell_quote(&again)
+    );
+    let (new_ms, same_ms, tool) = match hyperfine(
+        &[(new_id, apply(&again)), ("true".into(), apply(&plan))],
+        runs,
+    ) {
+        Some(mut v) if v.len() == 2 => {
+            let same = v.pop().unwrap_or_default();
+            let new = v.pop().unwrap_or_default();
+            (new, same, "hyperfine")
+        }
+        _ => {
+            let text = std::fs::read_to_string(&plan).expect("plan");
+            let (mut same, mut new) = (Vec::new(), Vec::new());
+            for i in 0..runs {
+                same.push(time_cmd(&mut apply_cmd(&root, &plan)));
+                std::fs::write(
+                    &again,
+                    text.replace("id: bench/noop", &format!("id: bench/noop-{i}")),
+                )
+                .expect("plan");
+                new.push(time_cmd(&mut apply_cmd(&root, &again)));
+            }
+            (ms(&new), ms(&same), "std::process + Instant")
+        }
+    };
+    let (n, s) = (stats_f(new_ms), stats_f(same_ms));
+    eprintln!(
+        "no-op re-apply: new id {:.1} ms, same plan {:.1} ms ({tool})",
+        n.median, s.median
+    );
+    json!({"files": files, "newId": n.json(), "samePlan": s.json(), "tool": tool,
+           "load": [load_before, load()]})
+}
+
+/// A plan with 100 file changes whose content names its run, parsed.
+fn bench_plan(run: u64, changes: usize) -> inplace_agent::plan::Plan {
+    let mut plan = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: ns/m@{run}\nchanges:\n");
+    for i in 0..changes {
+        plan.push_str(&format!(
+            "  - file: {{path: /etc/kubernetes/r/f{i}.conf, content: \"run {run} value {i}\"}}\n"
+        ));
     }
-    r.say(format!(
-        "| no-op re-apply, {files} files, same desired state under a new id (diffs every file) | {} | target ≤ 50 ms |",
-        stats(new_id)
-    ));
-    r.say(format!(
-        "| no-op re-apply, {files} files, the same plan again (already succeeded) | {} | |",
-        stats(same_id)
-    ));
+    inplace_agent::plan::parse_plan(
+        plan.as_bytes(),
+        "bench",
+        &inplace_agent::plan::Limits::default(),
+    )
+    .expect("plan")
 }
 
 /// Writes a journal of about `records` records shaped like real runs (100-change plans).
 fn write_journal(state: &Path, records: u64) -> u64 {
+    use inplace_agent::engine::status::Phase;
     let (mut j, _) = Journal::open(state, |_| {}).expect("journal");
     let mut written = 0;
     let mut run = 1;
     let ts = 1_700_000_000_000;
     while written < records {
         // Every plan differs (its content names its run), as on a real node.
-        let mut plan =
-            format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: ns/m@{run}\nchanges:\n");
-        for i in 0..100 {
-            plan.push_str(&format!(
-                "  - file: {{path: /etc/kubernetes/r/f{i}.conf, content: \"run {run} value {i}\"}}\n"
-            ));
-        }
-        let parsed = inplace_agent::plan::parse_plan(
-            plan.as_bytes(),
-            "bench",
-            &inplace_agent::plan::Limits::default(),
-        )
-        .expect("plan");
+        let parsed = bench_plan(run, 100);
         let (changes, checks) = inplace_agent::engine::table::summaries(&parsed);
         let mut recs = vec![Record::PlanAccepted {
             run,
@@ -259,11 +374,9 @@ fn write_journal(state: &Path, records: u64) -> u64 {
             plan: inplace_agent::journal::PlanDoc::from_value(&parsed.canonical_json()),
             changes,
             checks,
+            bodies: None,
         }];
-        for phase in [
-            inplace_agent::engine::status::Phase::Preparing,
-            inplace_agent::engine::status::Phase::Applying,
-        ] {
+        for phase in [Phase::Preparing, Phase::Applying] {
             recs.push(Record::Phase {
                 run,
                 phase,
@@ -292,12 +405,12 @@ fn write_journal(state: &Path, records: u64) -> u64 {
         }
         recs.push(Record::Phase {
             run,
-            phase: inplace_agent::engine::status::Phase::Verifying,
+            phase: Phase::Verifying,
             error: None,
         });
         recs.push(Record::PlanFinished {
             run,
-            phase: inplace_agent::engine::status::Phase::Succeeded,
+            phase: Phase::Succeeded,
             error: None,
         });
         for rec in recs {
@@ -310,7 +423,22 @@ fn write_journal(state: &Path, records: u64) -> u64 {
     written
 }
 
-fn replay(r: &mut Report, records: u64, runs: usize) {
+fn sandbox_host(root: PathBuf, state: &Path) -> std::sync::Arc<Host> {
+    std::sync::Arc::new(
+        Host::open(HostSettings {
+            root,
+            commands_in_root: false,
+            boot_id_path: None,
+            services: inplace_agent::host::ServiceSettings::Off,
+            packages: Default::default(),
+            downloads: inplace_agent::host::download::DownloadConfig::new(state),
+        })
+        .expect("host"),
+    )
+}
+
+fn replay(records: u64, runs: usize) -> Value {
+    let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let root = work.path().join("node");
     std::fs::create_dir_all(&root).expect("root");
@@ -319,17 +447,7 @@ fn replay(r: &mut Report, records: u64, runs: usize) {
     let size = std::fs::metadata(state.join("journal/journal.log"))
         .map(|m| m.len())
         .unwrap_or(0);
-    let host = std::sync::Arc::new(
-        Host::open(HostSettings {
-            root,
-            commands_in_root: false,
-            boot_id_path: None,
-            services: inplace_agent::host::ServiceSettings::Off,
-            packages: Default::default(),
-            downloads: inplace_agent::host::download::DownloadConfig::new(&state),
-        })
-        .expect("host"),
-    );
+    let host = sandbox_host(root, &state);
     let mut times = Vec::new();
     for _ in 0..runs {
         let cfg = EngineConfig::new(state.clone());
@@ -339,25 +457,215 @@ fn replay(r: &mut Report, records: u64, runs: usize) {
         assert_eq!(report.records, written);
         drop(engine);
     }
-    let target = if records >= 1_000_000 {
-        "target ≤ 1500 ms"
-    } else {
-        "target ≤ 200 ms"
+    let s = stats(&times);
+    eprintln!("replay {written} records: {:.1} ms", s.median);
+    json!({"records": written, "bytes": size, "time": s.json(), "load": [load_before, load()]})
+}
+
+/// Size of a directory tree in bytes (files only).
+fn tree_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
     };
-    r.say(format!(
-        "| replay a journal of {written} records ({:.1} MiB) into the engine's state | {} | {target} |",
-        size as f64 / (1 << 20) as f64,
-        stats(times)
-    ));
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => tree_bytes(&e.path()),
+            _ => e.metadata().map(|m| m.len()).unwrap_or(0),
+        })
+        .sum()
+}
+
+/// The journal's size on disk after `plans` plans (each a 10-file change, run through the
+/// engine as the daemon does, compaction included).
+fn journal_size(plans: u64) -> Value {
+    let load_before = load();
+    let work = tempfile::tempdir().expect("tempdir");
+    let root = work.path().join("node");
+    inplace_agent::cli::demo::build_kubeadm_worker(&root).expect("tree");
+    let state = work.path().join("state");
+    let host = sandbox_host(root, &state);
+    let (engine, _) = Engine::open(EngineConfig::new(state.clone()), host).expect("open");
+    let journal = state.join("journal/journal.log");
+    let (mut peak, mut compactions, mut last) = (0u64, 0u64, 0u64);
+    let started = Instant::now();
+    for run in 1..=plans {
+        let mut plan = bench_plan(run, 10);
+        plan.id = format!("default/md-0@{run}");
+        engine.submit(plan, "bench", false).expect("submit");
+        engine.run_until_idle();
+        let size = std::fs::metadata(&journal).map(|m| m.len()).unwrap_or(0);
+        if size < last {
+            compactions += 1;
+        }
+        peak = peak.max(size);
+        last = size;
+    }
+    let took = started.elapsed();
+    let (size, records) = engine.journal_stats();
+    let plans_known = engine.plans().len();
+    drop(engine);
+    eprintln!(
+        "journal after {plans} plans: {size} bytes, {records} records, peak {peak}, {compactions} compactions"
+    );
+    json!({"plans": plans, "bytes": size, "records": records, "peakBytes": peak,
+           "compactions": compactions, "plansKnown": plans_known,
+           "backupBytes": tree_bytes(&state.join("backups")),
+           "msPerPlan": took.as_secs_f64() * 1000.0 / plans as f64,
+           "load": [load_before, load()]})
+}
+
+/// A running `serve` started with `NOTIFY_SOCKET`; stopped on drop.
+struct Serve {
+    child: std::process::Child,
+    ready_after: Duration,
+}
+
+impl Serve {
+    fn start(
+        home: &Path,
+        root: &Path,
+        state: &Path,
+        pki: &inplace_agent::rpc::pki::PkiFiles,
+    ) -> Serve {
+        let sock = home.join("notify.sock");
+        let _ = std::fs::remove_file(&sock);
+        let socket = UnixDatagram::bind(&sock).expect("notify socket");
+        socket
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("timeout");
+        let spawned = Instant::now();
+        let child = Command::new(agent_bin())
+            .args(["serve", "--config", "/dev/null", "--listen", "127.0.0.1:0"])
+            .args([
+                "--no-chroot",
+                "--services",
+                "off",
+                "--node-name",
+                "bench-node",
+            ])
+            .args(["--admin", inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY])
+            .arg("--root")
+            .arg(root)
+            .arg("--state-dir")
+            .arg(state)
+            .arg("--tls-cert")
+            .arg(&pki.server_cert)
+            .arg("--tls-key")
+            .arg(&pki.server_key)
+            .arg("--client-ca")
+            .arg(&pki.ca_cert)
+            .env("NOTIFY_SOCKET", &sock)
+            .env("INPLACE_AGENT_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn serve");
+        let mut serve = Serve {
+            child,
+            ready_after: Duration::ZERO,
+        };
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = socket.recv(&mut buf).expect("READY=1 within 30 s");
+            if String::from_utf8_lossy(&buf[..n])
+                .lines()
+                .any(|l| l == "READY=1")
+            {
+                serve.ready_after = spawned.elapsed();
+                return serve;
+            }
+        }
+    }
+
+    /// (VmRSS, RssAnon, RssFile, VmHWM) in KiB.
+    fn memory(&self) -> (u64, u64, u64, u64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        (
+            field("VmRSS:"),
+            field("RssAnon:"),
+            field("RssFile:"),
+            field("VmHWM:"),
+        )
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let _ = self.child.wait();
+    }
+}
+
+/// Footprint: the stripped binary, start-up to READY=1 (empty state and a 10,000-record
+/// journal), and the idle memory of `serve` with that journal.
+fn footprint(runs: usize) -> Value {
+    let load_before = load();
+    let bin = agent_bin();
+    let size = std::fs::metadata(&bin).map(|m| m.len()).unwrap_or(0);
+    let stripped = {
+        let copy = tempfile::NamedTempFile::new().expect("temp");
+        std::fs::copy(&bin, copy.path()).expect("copy binary");
+        let ok = Command::new("strip")
+            .arg(copy.path())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        ok.then(|| std::fs::metadata(copy.path()).map(|m| m.len()).unwrap_or(0))
+    };
+    let work = tempfile::tempdir().expect("tempdir");
+    let root = work.path().join("node");
+    inplace_agent::cli::demo::build_kubeadm_worker(&root).expect("tree");
+    let pki = inplace_agent::rpc::pki::init(&inplace_agent::rpc::pki::PkiInitOptions::new(
+        work.path().join("pki"),
+        "bench-node",
+    ))
+    .expect("pki");
+    let empty = work.path().join("state-empty");
+    let full = work.path().join("state-10k");
+    let records = write_journal(&full, 10_000);
+    let (mut cold, mut warm) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let _ = std::fs::remove_dir_all(&empty);
+        cold.push(Serve::start(work.path(), &root, &empty, &pki).ready_after);
+        warm.push(Serve::start(work.path(), &root, &full, &pki).ready_after);
+    }
+    // Idle memory with the 10,000-record journal: 15 s after READY (the runtime's idle
+    // blocking threads are gone by then).
+    let serve = Serve::start(work.path(), &root, &full, &pki);
+    std::thread::sleep(Duration::from_secs(15));
+    let (rss, anon, file, hwm) = serve.memory();
+    drop(serve);
+    let (c, w) = (stats(&cold), stats(&warm));
+    eprintln!(
+        "footprint: binary {size} bytes; ready in {:.1} ms (empty), {:.1} ms ({records} records); idle RSS {rss} KiB (anon {anon}, file {file})",
+        c.median, w.median
+    );
+    json!({"binaryBytes": size, "strippedBytes": stripped,
+           "startupEmpty": c.json(), "startupJournal": w.json(), "journalRecords": records,
+           "idleRssKiB": {"rss": rss, "anon": anon, "file": file, "peak": hwm},
+           "load": [load_before, load()]})
 }
 
 /// The same 500-file change with Ansible (`copy` module, `connection: local`), first apply
 /// and no-op re-apply, against `inplace-agent apply` of the same plan, side by side.
-fn ansible(r: &mut Report, files: usize, runs: usize) {
+fn ansible(files: usize, runs: usize) -> Value {
     let Some(playbook_bin) = std::env::var_os("ANSIBLE_PLAYBOOK") else {
-        r.say("| Ansible comparison | skipped: ANSIBLE_PLAYBOOK is not set (benches/run installs ansible-core into a virtualenv) | | |".into());
-        return;
+        eprintln!("ansible: skipped (ANSIBLE_PLAYBOOK is not set)");
+        return json!({"skipped": "ANSIBLE_PLAYBOOK is not set (benches/run installs ansible-core into a virtualenv)"});
     };
+    let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let (template, plan) = setup(work.path(), files, 4096, "bench/ansible");
     let playbook = work.path().join("playbook.yml");
@@ -400,8 +708,8 @@ fn ansible(r: &mut Report, files: usize, runs: usize) {
         copy_tree(&template, &a);
         copy_tree(&template, &g);
         a_first.push(time_cmd(&mut ansible_cmd(&a)));
-        a_noop.push(time_cmd(&mut ansible_cmd(&a)));
         g_first.push(time_cmd(&mut apply_cmd(&g, &plan)));
+        a_noop.push(time_cmd(&mut ansible_cmd(&a)));
         let again = work.path().join(format!("again{i}.yaml"));
         std::fs::write(
             &again,
@@ -421,18 +729,20 @@ fn ansible(r: &mut Report, files: usize, runs: usize) {
         let _ = std::fs::remove_dir_all(&a);
         let _ = std::fs::remove_dir_all(&g);
     }
-    let (af, an, gf, gn) = (stats(a_first), stats(a_noop), stats(g_first), stats(g_noop));
-    r.say(format!(
-        "| {files} files, first apply: Ansible copy vs agent | Ansible {af} | agent {gf} | **{:.1}× faster** (target ≥ 20×) |",
-        af.median / gf.median
-    ));
-    r.say(format!(
-        "| {files} files, no-op re-apply: Ansible copy vs agent | Ansible {an} | agent {gn} | **{:.1}× faster** (target ≥ 20×) |",
-        an.median / gn.median
-    ));
+    let first = paired_ratio(&a_first, &g_first);
+    let again = paired_ratio(&a_noop, &g_noop);
+    eprintln!(
+        "ansible: first apply {:.0}× slower, no-op {:.0}× slower than the agent",
+        first.median, again.median
+    );
+    json!({"files": files, "runs": runs,
+           "ansibleFirst": stats(&a_first).json(), "agentFirst": stats(&g_first).json(),
+           "ansibleNoop": stats(&a_noop).json(), "agentNoop": stats(&g_noop).json(),
+           "firstRatio": first.json(), "noopRatio": again.json(),
+           "load": [load_before, load()]})
 }
 
-fn machine() -> String {
+fn machine() -> Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -445,17 +755,32 @@ fn machine() -> String {
         .map(|n| n.get())
         .unwrap_or(0);
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    format!("{cores} cores, {cpu}, Linux {}", kernel.trim())
+    let mem_kib: u64 = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0);
+    json!({"cores": cores, "cpu": cpu, "kernel": kernel.trim(), "memGiB": mem_kib as f64 / 1048576.0})
+}
+
+fn write_json(args: &[String], v: &Value) {
+    if let Some(out) = args.windows(2).find(|w| w[0] == "--json").map(|w| &w[1]) {
+        std::fs::write(out, format!("{v:#}\n")).expect("write figures");
+    }
+    println!("{v:#}");
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     // `cargo bench` passes `--bench`; ignore it.
     let args: Vec<String> = args.into_iter().filter(|a| a != "--bench").collect();
-    let mut r = Report { lines: Vec::new() };
     let quick = args.iter().any(|a| a == "--quick");
     let runs = |n: usize| if quick { n.min(3) } else { n };
-    match args.first().map(String::as_str) {
+    let r = |name: &str, default: u64| arg(&args, name, default) as usize;
+    let v = match args.first().map(String::as_str) {
         Some("baseline-writes") => {
             let dir = PathBuf::from(&args[1]);
             baseline_writes(
@@ -463,51 +788,30 @@ fn main() {
                 args[2].parse().expect("n"),
                 args[3].parse().expect("size"),
             );
+            return;
         }
-        Some("apply-files") => apply_files(
-            &mut r,
-            arg(&args, "--files", 500) as usize,
-            arg(&args, "--size", 4096) as usize,
-            arg(&args, "--runs", 7) as usize,
-        ),
-        Some("noop") => noop(
-            &mut r,
-            arg(&args, "--files", 500) as usize,
-            arg(&args, "--runs", 10) as usize,
-        ),
-        Some("replay") => replay(
-            &mut r,
-            arg(&args, "--records", 100_000),
-            arg(&args, "--runs", 5) as usize,
-        ),
-        Some("ansible") => ansible(
-            &mut r,
-            arg(&args, "--files", 500) as usize,
-            arg(&args, "--runs", 3) as usize,
-        ),
-        Some("all") | None => {
-            r.say(format!("Machine: {}", machine()));
-            r.say(String::new());
-            r.say("| measurement | result | baseline / target | ratio |".into());
-            r.say("|---|---|---|---|".into());
-            apply_files(&mut r, 500, 4096, runs(7));
-            apply_files(&mut r, 50, 1 << 20, runs(5));
-            noop(&mut r, 500, runs(10));
-            replay(&mut r, 100_000, runs(5));
-            replay(&mut r, 1_000_000, runs(3));
-            ansible(&mut r, 500, 1);
-            ansible(&mut r, 500, 1);
-            if let Some(out) = args
-                .windows(2)
-                .find(|w| w[0] == "--out")
-                .map(|w| w[1].clone())
-            {
-                std::fs::write(&out, r.lines.join("\n") + "\n").expect("write results");
-            }
-        }
+        Some("apply-files") => apply_files(r("--files", 500), r("--size", 4096), r("--runs", 7)),
+        Some("noop") => noop(r("--files", 500), r("--runs", 10)),
+        Some("replay") => replay(arg(&args, "--records", 100_000), r("--runs", 5)),
+        Some("journal-size") => journal_size(arg(&args, "--plans", 1000)),
+        Some("footprint") => footprint(r("--runs", 10)),
+        Some("ansible") => ansible(r("--files", 500), r("--runs", 1)),
+        Some("all") | None => json!({
+            "machine": machine(),
+            "apply4k": apply_files(500, 4096, runs(9)),
+            "apply1m": apply_files(50, 1 << 20, runs(7)),
+            "noop": noop(500, runs(15)),
+            "replay100k": replay(100_000, runs(5)),
+            "replay1m": replay(1_000_000, runs(3)),
+            "journalSize": journal_size(1000),
+            "footprint": footprint(runs(10)),
+            // One round: Ansible takes minutes per apply of 500 files.
+            "ansible": ansible(500, 1),
+        }),
         Some(other) => {
             eprintln!("unknown measurement {other:?}");
             std::process::exit(2);
         }
-    }
+    };
+    write_json(&args, &v);
 }

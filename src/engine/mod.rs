@@ -157,7 +157,14 @@ pub(crate) struct Inner {
     journal: Journal,
     table: Table,
     phases: PhaseHistory,
+    /// Bytes of plan bodies blobs stored since the journal was last compacted (compaction
+    /// also removes the blobs no kept plan needs).
+    bodies_bytes: u64,
 }
+
+/// Compact (when idle) once this many bytes of plan bodies blobs were stored since the last
+/// compaction, even if the journal itself is still small.
+pub(crate) const COMPACT_BODIES_BYTES: u64 = 64 << 20;
 
 /// How many runs keep their phase snapshots (see [`Engine::phase_history`]). A snapshot is
 /// as large as its plan's change list, so this bounds what the history holds.
@@ -251,17 +258,35 @@ impl Shared {
 
     /// Journals a record, folds it into the table and tells watchers.
     fn record(&self, record: Record, sync: bool) -> Result<(), JournalError> {
-        self.record_with_plan(record, sync, None)
+        self.record_with_plan(record, sync, None, None)
     }
 
-    /// As `record`; for `PlanAccepted`, the validated plan it carries.
+    /// A backup store failure while journaling a plan's bodies, as a journal error.
+    fn backup_error(&self, e: crate::journal::backup::BackupError) -> JournalError {
+        JournalError::Io {
+            path: self.config.state_dir.join("backups"),
+            source: match e.raw_os_error() {
+                Some(code) => std::io::Error::from_raw_os_error(code),
+                None => std::io::Error::other(e.to_string()),
+            },
+        }
+    }
+
+    /// As `record`; for `PlanAccepted`, the validated plan it carries and the blob of its
+    /// file bodies when they are kept apart (stored again, under the lock, if compaction
+    /// removed it since the caller stored it: compaction runs under the same lock).
     fn record_with_plan(
         &self,
         record: Record,
         sync: bool,
         plan: Option<Arc<Plan>>,
+        bodies: Option<&[u8]>,
     ) -> Result<(), JournalError> {
         let mut inner = self.lock();
+        if let Some(blob) = bodies {
+            self.backups.put(blob).map_err(|e| self.backup_error(e))?;
+            inner.bodies_bytes += blob.len() as u64;
+        }
         let run = record.run();
         let phase_change = matches!(
             record,
@@ -339,15 +364,16 @@ impl Engine {
     ) -> Result<(Engine, OpenReport), JournalError> {
         let mut table = Table::new(config.keep_plans);
         let (journal, report) = Journal::open(&config.state_dir, |e| table.apply(e))?;
-        table.finish_replay();
-        let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let backups = BackupStore::at(&config.state_dir);
+        table.finish_replay(&|sha| backups.get(sha).map_err(|e| e.to_string()));
+        let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let engine = Engine {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
                     journal,
                     table,
                     phases: PhaseHistory::default(),
+                    bodies_bytes: 0,
                 }),
                 submissions: Mutex::new(()),
                 work: Condvar::new(),
@@ -433,18 +459,36 @@ impl Engine {
             inner.table.next_run()
         };
         let (changes, checks) = table::summaries(&plan);
+        // Large file contents go to one blob in the backup store (written and synced here,
+        // outside the engine lock), not into the record (`journal::bodies`).
+        let mut doc = plan.canonical_json();
+        let blob = crate::journal::bodies::pack(&plan);
+        let bodies = match &blob {
+            Some(b) => {
+                let sha = self
+                    .shared
+                    .backups
+                    .put(b)
+                    .map_err(|e| self.shared.backup_error(e))?;
+                crate::journal::bodies::strip(&mut doc);
+                Some(sha)
+            }
+            None => None,
+        };
         let record = Record::PlanAccepted {
             run,
             id: plan.id.clone(),
             digest,
             attempt,
             source: source.to_string(),
-            plan: crate::journal::PlanDoc::from_value(&plan.canonical_json()),
+            plan: crate::journal::PlanDoc::from_value(&doc),
             changes,
             checks,
+            bodies,
         };
+        drop(doc);
         self.shared
-            .record_with_plan(record, true, Some(Arc::new(plan)))?;
+            .record_with_plan(record, true, Some(Arc::new(plan)), blob.as_deref())?;
         self.shared.work.notify_all();
         let inner = self.shared.lock();
         let status = inner
@@ -492,8 +536,13 @@ impl Engine {
                 })?;
             (status, plan)
         };
-        let plan = validate_value(&plan.to_value(), id, &Limits::replay())
-            .map_err(SubmitError::Invalid)?;
+        let backups = &self.shared.backups;
+        let value = plan
+            .to_value(&|sha| backups.get(sha).map_err(|e| e.to_string()))
+            .map_err(|e| {
+                SubmitError::Conflict(format!("the content of plan {id} cannot be read: {e}"))
+            })?;
+        let plan = validate_value(&value, id, &Limits::replay()).map_err(SubmitError::Invalid)?;
         self.admit(&plan)?;
         self.accept(plan, status.digest.clone(), status.attempt + 1, source)
     }
@@ -684,6 +733,119 @@ mod tests {
             "apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n  - file: {{path: /etc/kubernetes/{content}.conf, content: \"{content}\"}}\n"
         );
         crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap()
+    }
+
+    fn sandbox(dir: &std::path::Path, compact_bytes: u64) -> (EngineConfig, Arc<Host>) {
+        crate::cli::demo::build_kubeadm_worker(dir).unwrap();
+        let mut settings = SettingsInput {
+            root: Some(dir.to_path_buf()),
+            no_chroot: true,
+            services_off: true,
+            ..SettingsInput::default()
+        }
+        .resolve()
+        .unwrap();
+        settings.engine.compact_bytes = compact_bytes;
+        let host = Arc::new(Host::open(settings.host.clone()).unwrap());
+        (settings.engine, host)
+    }
+
+    /// A plan with more file content than `journal::bodies::THRESHOLD`, and a gate.
+    fn big_plan(id: &str, gate: &str) -> (Plan, String) {
+        let big = "0123456789abcdef".repeat(crate::journal::bodies::THRESHOLD / 16 + 1);
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n\
+             \x20 - file: {{path: /etc/kubernetes/big.conf, content: \"{big}\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"small\"}}\n{gate}"
+        );
+        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
+        (plan, big)
+    }
+
+    #[test]
+    fn a_plan_whose_bodies_are_in_a_blob_resumes_from_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        let (plan, big) = big_plan("bodies", "");
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            let s = engine.submit(plan.clone(), "test", false).unwrap();
+            assert!(matches!(s, Submission::Accepted(_)));
+            // Not run: as if the agent stopped right after accepting it.
+        }
+        let journal = std::fs::read_to_string(
+            config
+                .state_dir
+                .join("journal")
+                .join(crate::journal::JOURNAL_FILE),
+        )
+        .unwrap();
+        assert!(journal.contains("\"bodies\":\"") && journal.len() < big.len());
+        let (engine, _) = Engine::open(config, host).unwrap();
+        engine.run_until_idle();
+        let status = engine.status("bodies").unwrap();
+        assert_eq!(status.phase, Phase::Succeeded, "{status:?}");
+        assert_eq!(status.digest, plan.digest());
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/big.conf")).unwrap(),
+            big
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/small.conf")).unwrap(),
+            "small"
+        );
+    }
+
+    #[test]
+    fn a_failed_plan_with_bodies_is_retried_after_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        // Compaction after every plan.
+        let (config, host) = sandbox(dir.path(), 0);
+        // A health endpoint that does not answer until the retry.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let gate = format!(
+            "verify:\n  - httpGet: {{url: \"http://{}/healthz\", timeoutSeconds: 1, periodSeconds: 1}}\n",
+            listener.local_addr().unwrap()
+        );
+        let (plan, big) = big_plan("fails", &gate);
+        let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+        engine.submit(plan, "test", false).unwrap();
+        engine.run_until_idle();
+        assert_eq!(engine.status("fails").unwrap().phase, Phase::RolledBack);
+        assert!(!dir.path().join("etc/kubernetes/big.conf").exists());
+        // A succeeding plan with other bodies: its blob is not kept by compaction.
+        let (other, _) = big_plan("other", "");
+        engine.submit(other, "test", false).unwrap();
+        engine.run_until_idle();
+        let blobs = std::fs::read_dir(config.state_dir.join("backups"))
+            .unwrap()
+            .count();
+        assert_eq!(blobs, 1, "only the failed plan's bodies are kept");
+        drop(engine);
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut stream in listener.incoming().flatten() {
+                let mut buf = [0u8; 1024];
+                let _ = stream.read(&mut buf);
+                let _ = stream.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+            }
+        });
+        // The compacted journal kept the failed plan, its content in the blob, for a retry.
+        let (engine, _) = Engine::open(config, host).unwrap();
+        engine.retry("fails", "test").unwrap();
+        engine.run_until_idle();
+        let status = engine.status("fails").unwrap();
+        assert_eq!(
+            (status.attempt, status.phase),
+            (2, Phase::Succeeded),
+            "{status:?}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/big.conf")).unwrap(),
+            big
+        );
     }
 
     #[test]

@@ -735,7 +735,8 @@ impl Runner {
     fn maybe_compact(&self) {
         let mut inner = self.shared.lock();
         if inner.table.unfinished().next().is_some()
-            || inner.journal.size() < self.shared.config.compact_bytes
+            || (inner.journal.size() < self.shared.config.compact_bytes
+                && inner.bodies_bytes < super::COMPACT_BODIES_BYTES)
         {
             return;
         }
@@ -744,12 +745,12 @@ impl Runner {
         match inner.journal.compact(now_ms(), records) {
             Ok(()) => {
                 let after = inner.journal.size();
+                inner.bodies_bytes = 0;
+                // Under the lock: a plan being accepted stores its bodies blob again under
+                // this lock if it finds it removed (`Shared::record_with_plan`).
+                let keep = inner.table.retained_bodies();
+                let removed = self.shared.backups.retain(&keep).unwrap_or_default();
                 drop(inner);
-                let removed = self
-                    .shared
-                    .backups
-                    .retain(&Default::default())
-                    .unwrap_or_default();
                 tracing::info!(
                     before,
                     after,

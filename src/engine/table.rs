@@ -75,14 +75,39 @@ impl RunState {
     }
 }
 
+/// A journaled plan document: the canonical plan, and the backup-store blob holding its
+/// file contents when they were kept out of the document (`journal::bodies`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeptPlan {
+    /// The canonical plan document (file contents empty when `bodies` is set).
+    pub doc: PlanDoc,
+    /// sha256 of the bodies blob.
+    pub bodies: Option<String>,
+}
+
+impl KeptPlan {
+    /// The complete plan document; `load` reads a bodies blob (by sha256) when there is one.
+    pub fn to_value(
+        &self,
+        load: &dyn Fn(&str) -> Result<Vec<u8>, String>,
+    ) -> Result<serde_json::Value, String> {
+        let mut value = self.doc.to_value();
+        if let Some(sha) = &self.bodies {
+            let blob = load(sha).map_err(|e| format!("plan bodies {sha}: {e}"))?;
+            crate::journal::bodies::fill(&mut value, &blob)?;
+        }
+        Ok(value)
+    }
+}
+
 /// All plans the agent knows, newest last.
 #[derive(Debug, Default)]
 pub struct Table {
     plans: Vec<PlanStatus>,
     runs: BTreeMap<u64, RunState>,
     /// The plan documents of unfinished runs.
-    docs: BTreeMap<u64, PlanDoc>,
-    retained: BTreeMap<u64, PlanDoc>,
+    docs: BTreeMap<u64, KeptPlan>,
+    retained: BTreeMap<u64, KeptPlan>,
     next_run: u64,
     /// How many finished plans to remember at all.
     pub keep_plans: usize,
@@ -193,6 +218,7 @@ impl Table {
                 plan: doc,
                 changes,
                 checks,
+                bodies,
             } => {
                 let status = PlanStatus {
                     id,
@@ -212,12 +238,16 @@ impl Table {
                     finished_at_ms: None,
                     counts: Counts::default(),
                 };
-                self.accept(status, doc, changes, checks, plan);
+                self.accept(status, KeptPlan { doc, bodies }, changes, checks, plan);
             }
-            Record::Summary { status, plan } => {
+            Record::Summary {
+                status,
+                plan,
+                bodies,
+            } => {
                 self.next_run = self.next_run.max(status.run + 1);
-                if let Some(p) = plan {
-                    self.retained.insert(status.run, p);
+                if let Some(doc) = plan {
+                    self.retained.insert(status.run, KeptPlan { doc, bodies });
                 }
                 self.plans.push(*status);
             }
@@ -228,14 +258,20 @@ impl Table {
         }
     }
 
-    /// Ends the replay: from now on records are live, and unfinished runs get the progress
+    /// Ends the replay: from now on records are live, and unfinished runs get their plan
+    /// (read back from its document; `load` reads a bodies blob by sha256) and the progress
     /// message their last record implies.
-    pub fn finish_replay(&mut self) {
+    pub fn finish_replay(&mut self, load: &dyn Fn(&str) -> Result<Vec<u8>, String>) {
         self.live = true;
         let runs: Vec<u64> = self.runs.keys().copied().collect();
         for run in runs {
             let parsed = match self.docs.get(&run) {
-                Some(doc) => validate_value(&doc.to_value(), "journal", &Limits::replay()),
+                Some(kept) => kept
+                    .to_value(load)
+                    .map_err(|e| e.to_string())
+                    .and_then(|v| {
+                        validate_value(&v, "journal", &Limits::replay()).map_err(|e| e.to_string())
+                    }),
                 None => continue,
             };
             let plan = match parsed {
@@ -271,7 +307,7 @@ impl Table {
     fn accept(
         &mut self,
         mut status: PlanStatus,
-        doc: PlanDoc,
+        kept: KeptPlan,
         mut changes: Vec<ChangeSummary>,
         mut checks: Vec<CheckSummary>,
         plan: Option<Arc<Plan>>,
@@ -280,8 +316,13 @@ impl Table {
         self.next_run = self.next_run.max(run + 1);
         // Records written before summaries existed (or an empty plan): read the plan now.
         let mut plan = plan;
-        if plan.is_none() && (self.live || (changes.is_empty() && checks.is_empty())) {
-            match validate_value(&doc.to_value(), "journal", &Limits::replay()) {
+        // (A plan whose bodies are in a blob always has summaries; it is read at the end of
+        // the replay if it is unfinished.)
+        if plan.is_none()
+            && kept.bodies.is_none()
+            && (self.live || (changes.is_empty() && checks.is_empty()))
+        {
+            match validate_value(&kept.doc.to_value(), "journal", &Limits::replay()) {
                 Ok(p) => plan = Some(Arc::new(p)),
                 Err(e) => {
                     status.phase = Phase::Failed;
@@ -349,7 +390,7 @@ impl Table {
                 last_ts,
             },
         );
-        self.docs.insert(run, doc);
+        self.docs.insert(run, kept);
         self.plans.push(status);
     }
 
@@ -731,8 +772,16 @@ impl Table {
     }
 
     /// The canonical plan of a finished, unsuccessful run, kept for retries.
-    pub fn retained_plan(&self, run: u64) -> Option<&PlanDoc> {
+    pub fn retained_plan(&self, run: u64) -> Option<&KeptPlan> {
         self.retained.get(&run)
+    }
+
+    /// The bodies blobs the plans kept for retries need (what compaction must not remove).
+    pub fn retained_bodies(&self) -> std::collections::HashSet<String> {
+        self.retained
+            .values()
+            .filter_map(|k| k.bodies.clone())
+            .collect()
     }
 
     /// Every known plan, oldest first.
@@ -746,9 +795,13 @@ impl Table {
         self.plans
             .iter()
             .filter(|p| p.phase.is_terminal())
-            .map(|p| Record::Summary {
-                status: Box::new(p.clone()),
-                plan: self.retained.get(&p.run).cloned(),
+            .map(|p| {
+                let kept = self.retained.get(&p.run);
+                Record::Summary {
+                    status: Box::new(p.clone()),
+                    plan: kept.map(|k| k.doc.clone()),
+                    bodies: kept.and_then(|k| k.bodies.clone()),
+                }
             })
             .collect()
     }
@@ -781,6 +834,7 @@ mod tests {
             plan: PlanDoc::from_value(&plan.canonical_json()),
             changes,
             checks,
+            bodies: None,
         }
     }
 
@@ -877,7 +931,7 @@ mod tests {
             table.by_run(1).unwrap().changes[0].target,
             "/etc/kubernetes/a"
         );
-        table.finish_replay();
+        table.finish_replay(&|_| Err("no bodies in this test".into()));
         assert_eq!(*table.run_state(1).unwrap().plan, plan);
     }
 }

@@ -16,6 +16,7 @@
 //! `<state>/journal/lock` keeps two agents from writing at once.
 
 pub mod backup;
+pub mod bodies;
 mod record;
 
 use std::fs::{File, OpenOptions};
@@ -576,6 +577,12 @@ pub fn verify(state_dir: &Path) -> Result<VerifyReport, JournalError> {
         report.records += 1;
         report.first_seq.get_or_insert(entry.seq);
         report.last_seq = Some(entry.seq);
+        if let Record::PlanAccepted {
+            bodies: Some(sha), ..
+        } = &entry.record
+        {
+            referenced.push(sha.clone());
+        }
         if let Record::StepStarted { preimages, .. } = &entry.record {
             for p in preimages {
                 if let Preimage::File {

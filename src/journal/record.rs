@@ -95,6 +95,11 @@ pub enum Record {
         /// Kind and target of each gate.
         #[serde(default)]
         checks: Vec<CheckSummary>,
+        /// sha256 of the blob in the backup store that holds the plan's file contents, when
+        /// they were kept out of `plan` (whose file contents are then empty; see
+        /// `journal::bodies`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bodies: Option<String>,
     },
     /// The run entered a phase.
     Phase {
@@ -273,6 +278,9 @@ pub enum Record {
         status: Box<PlanStatus>,
         /// The canonical plan, kept for recent unsuccessful plans so they can be retried.
         plan: Option<PlanDoc>,
+        /// The blob holding `plan`'s file contents, as in `PlanAccepted`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bodies: Option<String>,
     },
 }
 

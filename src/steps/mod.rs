@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::engine::status::ErrorKind;
-use crate::host::fs::{Existing, FileMeta, FsError};
+use crate::host::fs::{FileMeta, FsError};
 use crate::host::systemd::{SystemdError, UnitBefore, UnitFileOp};
 use crate::host::users::Accounts;
 use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
@@ -387,22 +387,30 @@ pub fn preflight(
         step_timeout: plan.options.step_timeout,
         ..Prepared::default()
     };
+    // Directories shared by many paths (500 files in one directory) are resolved once.
+    let mut dirs = crate::host::fs::DirCache::default();
     for (i, change) in plan.changes.iter().enumerate() {
         let base = format!("changes[{i}].{}", change.kind());
         let mut ids = None;
-        let check_path = |field: &str, p: &NodePath, errors: &mut Vec<FieldError>| {
-            if let Err(e) = host.root.check_path(p, allow) {
+        // What is at the path when it is neither absent nor a regular file.
+        let mut check_path = |field: &str, p: &NodePath, errors: &mut Vec<FieldError>| match host
+            .root
+            .check_path_in(p, allow, &mut dirs)
+        {
+            Ok(kind) => kind,
+            Err(e) => {
                 errors.push(FieldError::new(format!("{base}.{field}"), e.to_string()));
+                None
             }
         };
         match change {
             Change::File(f) => {
-                check_path("path", &f.path, &mut errors);
+                let other = check_path("path", &f.path, &mut errors);
                 match accounts.resolve(&f.owner) {
                     Ok(resolved) => ids = Some(resolved),
                     Err(e) => errors.push(FieldError::new(format!("{base}.owner"), e)),
                 }
-                if let Ok(Existing::Other { kind }) = host.root.read(&f.path) {
+                if let Some(kind) = other {
                     errors.push(FieldError::new(
                         format!("{base}.path"),
                         format!("{} is a {kind} on the node, not a regular file", f.path),
@@ -410,8 +418,7 @@ pub fn preflight(
                 }
             }
             Change::Absent(a) => {
-                check_path("path", &a.path, &mut errors);
-                if let Ok(Existing::Other { kind }) = host.root.read(&a.path) {
+                if let Some(kind) = check_path("path", &a.path, &mut errors) {
                     errors.push(FieldError::new(
                         format!("{base}.path"),
                         format!(
@@ -428,7 +435,9 @@ pub fn preflight(
                     errors.push(FieldError::new(format!("{base}.mergePatch"), e.detail));
                 }
             }
-            Change::KubeletFlags(_) => check_path("set", &kubelet::flags_path(), &mut errors),
+            Change::KubeletFlags(_) => {
+                check_path("set", &kubelet::flags_path(), &mut errors);
+            }
             Change::Unit(u) => {
                 if u.content.is_some()
                     && let Some(p) = unit::unit_file_path(&u.name)

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Renders benches/RESULTS.md from the figures benches/run collected.
+
+usage: report.py RESULTS_DIR CRITERION_DIR > benches/RESULTS.md
+"""
+
+import datetime
+import json
+import os
+import sys
+
+res, crit = sys.argv[1], sys.argv[2]
+
+
+def load(name):
+    try:
+        with open(os.path.join(res, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def text(name, default=""):
+    try:
+        with open(os.path.join(res, name)) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+perf = load("perf.json") or {}
+rpc = load("rpc.json")
+download = load("download.json")
+fleet = load("fleet.json")
+rows = []
+
+
+def ms(s):
+    return f"{s['median']:.1f} ms (min {s['min']:.1f}, max {s['max']:.1f}, n={s['n']})"
+
+
+def loads(v):
+    la = v.get("load") if isinstance(v, dict) else None
+    return f"{la[0]:.1f}→{la[1]:.1f}" if la else ""
+
+
+def verdict(ok):
+    return "met" if ok else "**missed**"
+
+
+def row(what, result, target, ratio, ok, la):
+    rows.append(f"| {what} | {result} | {target} | {ratio} | {verdict(ok) if ok is not None else ''} | {la} |")
+
+
+for key, label in (("apply4k", "500 files of 4 KiB"), ("apply1m", "50 files of 1 MiB")):
+    a = perf.get(key)
+    if a:
+        r = a["ratio"]
+        row(f"apply {label} vs raw atomic writes",
+            f"agent {ms(a['agent'])}; baseline {ms(a['baseline'])}",
+            "≤ 1.25× baseline",
+            f"{r['median']:.2f}× (rounds {r['min']:.2f}–{r['max']:.2f})",
+            r["median"] <= 1.25, loads(a))
+n = perf.get("noop")
+if n:
+    row("no-op re-apply, 500 files, same desired state under a new id (diffs every file, journals the plan)",
+        ms(n["newId"]) + f" ({n['tool']})", "≤ 50 ms", "", n["newId"]["median"] <= 50, loads(n))
+    row("no-op re-apply, 500 files, the same plan again (already succeeded: parse, digest, journal replay)",
+        ms(n["samePlan"]), "≤ 50 ms", "", n["samePlan"]["median"] <= 50, loads(n))
+an = perf.get("ansible")
+if an and "skipped" not in an:
+    for k, label in (("first", "first apply"), ("noop", "no-op re-apply")):
+        r = an[f"{k}Ratio"]
+        A = an["ansibleFirst" if k == "first" else "ansibleNoop"]
+        G = an["agentFirst" if k == "first" else "agentNoop"]
+        row(f"Ansible `copy` vs agent, 500 files, {label} ({an['runs']} round)",
+            f"Ansible {A['median'] / 1000:.1f} s; agent {G['median']:.1f} ms",
+            "agent ≥ 20× faster", f"{r['median']:.0f}× faster", r["median"] >= 20, loads(an))
+elif an:
+    row("Ansible comparison", "skipped: " + an["skipped"], "", "", None, "")
+for key, target in (("replay100k", None), ("replay1m", 1500)):
+    r = perf.get(key)
+    if r:
+        row(f"replay a journal of {r['records']:,} records ({r['bytes'] / 2**20:.0f} MiB) into the engine's state",
+            ms(r["time"]), f"≤ {target} ms" if target else "", "",
+            (r["time"]["median"] <= target) if target else None, loads(r))
+j = perf.get("journalSize")
+if j:
+    row(f"journal on disk after {j['plans']:,} plans (10 files each), compaction on",
+        f"{j['bytes'] / 1024:.0f} KiB, {j['records']} records (peak {j['peakBytes'] / 1024:.0f} KiB; "
+        f"{j['compactions']} compactions; {j['msPerPlan']:.1f} ms per plan)", "", "", None, loads(j))
+fp = perf.get("footprint")
+if fp:
+    stripped = fp.get("strippedBytes") or fp["binaryBytes"]
+    row("stripped binary", f"{stripped / 2**20:.1f} MiB", "≤ 15 MiB", "", stripped <= 15 * 2**20, loads(fp))
+    row("start-up: spawn → sd_notify READY=1, empty state", ms(fp["startupEmpty"]), "≤ 50 ms", "",
+        fp["startupEmpty"]["median"] <= 50, loads(fp))
+    row(f"start-up: spawn → READY=1, {fp['journalRecords']:,}-record journal", ms(fp["startupJournal"]),
+        "≤ 50 ms", "", fp["startupJournal"]["median"] <= 50, loads(fp))
+    m = fp["idleRssKiB"]
+    row(f"idle RSS of `serve` (mTLS listener, {fp['journalRecords']:,}-record journal), 15 s after ready",
+        f"{m['rss'] / 1024:.1f} MiB (anon {m['anon'] / 1024:.1f}, file {m['file'] / 1024:.1f}; peak {m['peak'] / 1024:.1f})",
+        "≤ 8 MiB", "", m["rss"] <= 8192, loads(fp))
+if rpc:
+    m = rpc["rssKiB"]
+    row(f"idle RSS of `serve` after {rpc['plans']['count']:,} plans over gRPC",
+        f"{m['idle'] / 1024:.1f} MiB (anon {m['idleAnon'] / 1024:.1f}, file {m['idleFile'] / 1024:.1f}; peak {m['peak'] / 1024:.1f})",
+        "≤ 8 MiB", "", m["idle"] <= 8192, "")
+    g = rpc["getPlanStatus"]
+    row(f"`GetPlanStatus` over mTLS, one connection, {g['calls']:,} calls",
+        f"p50 {g['p50Micros']:.0f} µs, p99 {g['p99Micros']:.0f} µs, max {g['maxMicros'] / 1000:.1f} ms ({g['callsPerSecond']:.0f} calls/s)",
+        "", "", None, "")
+    row("new mTLS connections per second (handshake + HTTP/2 + one call)", f"{rpc['connectionsPerSecond']:.0f}/s",
+        "", "", None, "")
+if download:
+    row(f"artifact download, {download['mib']} MiB over TLS from 127.0.0.1 ({download['rounds']} rounds)",
+        f"{download['oursMiBps']:.0f} MiB/s (curl {download['curlMiBps']:.0f} MiB/s)", "≥ 0.9× curl",
+        f"{download['ratio']:.2f}× (rounds {download['ratioMin']:.2f}–{download['ratioMax']:.2f})",
+        download["ratio"] >= 0.9, "")
+if fleet:
+    u = fleet["updater"]
+    a = fleet["agentsKiB"]
+    row(f"fleet: {fleet['agents']} agents, one updater ({fleet['concurrency']} at a time), plan submitted → all SUCCEEDED",
+        f"{u['wallSeconds']:.1f} s ({u['succeeded']} succeeded, {u['failed']} failed; per agent p50 "
+        f"{u['perAgentMillis']['p50']:.0f} ms, p99 {u['perAgentMillis']['p99']:.0f} ms)",
+        "≤ 30 s", "", u["wallSeconds"] <= 30 and u["failed"] == 0, "")
+    row("fleet: every agent's RSS, idle after the plan",
+        f"max {a['rssMax'] / 1024:.1f} MiB (anon max {a['anonMax'] / 1024:.1f}, file max {a['fileMax'] / 1024:.1f}); "
+        f"{a['over8MiB']} agents over 8 MiB",
+        "each ≤ 8 MiB", "", a["over8MiB"] == 0, "")
+    row("fleet: sum of the agents' memory",
+        f"RSS {a['rssSum'] / 2**20:.2f} GiB (anon {a['anonSum'] / 2**20:.2f} GiB); Pss {a['pssSum'] / 2**20:.2f} GiB; "
+        f"{a['threads']} threads", "", "", None, "")
+    row("fleet: the updater's memory", f"peak RSS {u['peakRssKiB'] / 1024:.1f} MiB", "", "", None, "")
+
+
+def criterion_rows():
+    out = []
+    if not os.path.isdir(crit):
+        return out
+    for group in sorted(os.listdir(crit)):
+        gdir = os.path.join(crit, group)
+        if not os.path.isdir(gdir) or group == "report":
+            continue
+        for bench in sorted(os.listdir(gdir)):
+            est = os.path.join(gdir, bench, "new", "estimates.json")
+            meta = os.path.join(gdir, bench, "new", "benchmark.json")
+            if not os.path.exists(est):
+                continue
+            with open(est) as f:
+                e = json.load(f)
+            thr = None
+            try:
+                with open(meta) as f:
+                    thr = json.load(f).get("throughput")
+            except (OSError, ValueError):
+                pass
+            med = e["median"]
+            ci = med["confidence_interval"]
+
+            def t(ns):
+                return f"{ns / 1e6:.2f} ms" if ns >= 1e5 else f"{ns / 1e3:.1f} µs"
+            extra = ""
+            if thr and "Bytes" in thr:
+                extra = f"{thr['Bytes'] / (med['point_estimate'] / 1e9) / 2**20:.0f} MiB/s"
+            elif thr and "Elements" in thr:
+                extra = f"{med['point_estimate'] / thr['Elements']:.0f} ns per record"
+            out.append(f"| {group}/{bench} | {t(med['point_estimate'])} ({t(ci['lower_bound'])} – {t(ci['upper_bound'])}) | {extra} |")
+    return out
+
+
+machine = perf.get("machine", {})
+commit = text("commit.txt", "unknown").split()
+print("# Benchmark results")
+print()
+print(f"Produced by `benches/run` on {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}, "
+      f"commit {commit[0]}{' (with uncommitted changes)' if 'dirty' in commit else ''}; "
+      f"the suite took {int(text('seconds.txt', '0')) // 60} min.")
+print()
+if machine:
+    print(f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memGiB']:.0f} GiB, Linux {machine['kernel']}. "
+          f"Load average (1, 5, 15 min) at the start: {text('load-start.txt')}; at the end: {text('load-end.txt')}.")
+print()
+print("Each figure is the median of several runs with its spread (min, max, n). Comparisons are measured")
+print("side by side in the same run (who goes first alternates) and the ratio is the median of the rounds'")
+print("ratios. The last column is the 1-minute load average before → after the measurement. How each")
+print("figure is measured: `benches/README.md`.")
+print()
+print("| measurement | result | target | ratio | | load |")
+print("|---|---|---|---|---|---|")
+for r in rows:
+    print(r)
+cr = criterion_rows()
+if cr:
+    print()
+    print("## Micro-benchmarks (Criterion, in-process)")
+    print()
+    print("| benchmark | median (95% CI) | throughput |")
+    print("|---|---|---|")
+    for r in cr:
+        print(r)
+if fleet:
+    print()
+    print("## Fleet details")
+    print()
+    s = fleet["startupMillis"]
+    print(f"{fleet['agents']} agents started (8 at a time) in {fleet['startAllSeconds']:.1f} s; spawn → READY=1 per agent "
+          f"p50 {s['p50']:.0f} ms, p99 {s['p99']:.0f} ms, max {s['max']:.0f} ms. {fleet['alive']} agents alive at the end.")
+if perf.get("apply4k", {}).get("agentPeakRssKiB"):
+    print()
+    print(f"Peak RSS of one `apply` of the 500-file plan (`/usr/bin/time -v`): "
+          f"{perf['apply4k']['agentPeakRssKiB'] / 1024:.1f} MiB; of the 50×1 MiB plan: "
+          f"{(perf.get('apply1m', {}).get('agentPeakRssKiB') or 0) / 1024:.1f} MiB.")
+av = text("ansible-version.txt")
+if av:
+    print()
+    print(f"Ansible: {av}.")

@@ -1,0 +1,128 @@
+//! File bodies of a large plan, kept out of its `PlanAccepted` record.
+//!
+//! The journal must hold the whole plan durably before anything changes (a run resumes
+//! from it), but base64 inside a JSON line is the most expensive way to store megabytes of
+//! file content: it is encoded, escaped, hashed into the chain and fdatasynced as 4/3 of its
+//! size, and written again for every plan that carries it. A plan whose file contents add up
+//! to [`THRESHOLD`] or more journals them as **one blob** in the content-addressed backup
+//! store instead (raw bytes, durable before the record), and its record keeps the canonical
+//! document with those contents emptied plus the blob's sha256 (`bodies`). The same desired
+//! state submitted again (a no-op re-apply under a new id) finds the blob already stored
+//! and writes nothing but a small record.
+//!
+//! Blob format: for each `file` change in plan order, its content length as 8 bytes
+//! little-endian, then the content.
+
+use base64::Engine as _;
+use serde_json::Value;
+
+use crate::plan::{Change, Plan};
+
+/// Plans with at least this many bytes of file content keep them in a blob.
+pub const THRESHOLD: usize = 64 * 1024;
+
+/// The blob of a plan's file bodies, when they are large enough to be kept apart.
+pub fn pack(plan: &Plan) -> Option<Vec<u8>> {
+    let files = || {
+        plan.changes.iter().filter_map(|c| match c {
+            Change::File(f) => Some(&f.content),
+            _ => None,
+        })
+    };
+    let total: usize = files().map(Vec::len).sum();
+    if total < THRESHOLD {
+        return None;
+    }
+    let mut blob = Vec::with_capacity(total + 8 * files().count());
+    for content in files() {
+        blob.extend_from_slice(&(content.len() as u64).to_le_bytes());
+        blob.extend_from_slice(content);
+    }
+    Some(blob)
+}
+
+/// The `file` change objects of a canonical plan document, in order.
+fn file_changes(doc: &mut Value) -> impl Iterator<Item = &mut serde_json::Map<String, Value>> {
+    doc.get_mut("changes")
+        .and_then(Value::as_array_mut)
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.get_mut("file").and_then(Value::as_object_mut))
+}
+
+/// Empties the content of every `file` change of a canonical plan document (the blob
+/// carries it).
+pub fn strip(doc: &mut Value) {
+    for f in file_changes(doc) {
+        f.insert("content".into(), Value::String(String::new()));
+    }
+}
+
+/// Puts the contents from `blob` back into a document emptied by [`strip`].
+pub fn fill(doc: &mut Value, blob: &[u8]) -> Result<(), String> {
+    let mut rest = blob;
+    for f in file_changes(doc) {
+        let (len, tail) = rest
+            .split_first_chunk::<8>()
+            .ok_or("the plan bodies blob ends early")?;
+        let len = usize::try_from(u64::from_le_bytes(*len))
+            .map_err(|_| "the plan bodies blob is damaged".to_string())?;
+        if tail.len() < len {
+            return Err("the plan bodies blob ends early".into());
+        }
+        let (content, tail) = tail.split_at(len);
+        f.insert(
+            "content".into(),
+            Value::String(base64::engine::general_purpose::STANDARD.encode(content)),
+        );
+        f.insert("encoding".into(), Value::String("base64".into()));
+        rest = tail;
+    }
+    if !rest.is_empty() {
+        return Err("the plan bodies blob has more files than the plan".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Limits, parse_plan, validate_value};
+
+    #[test]
+    fn stripped_and_filled_again_is_the_same_plan() {
+        let big = "x".repeat(THRESHOLD);
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n\
+             \x20 - file: {{path: /etc/kubernetes/a, content: \"{big}\"}}\n\
+             \x20 - absent: {{path: /etc/kubernetes/b}}\n\
+             \x20 - file: {{path: /etc/kubernetes/c, content: \"\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/d, content: \"small\\n\", mode: \"0600\"}}\n"
+        );
+        let plan = parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
+        let blob = pack(&plan).expect("large enough");
+        let mut doc = plan.canonical_json();
+        strip(&mut doc);
+        assert!(!doc.to_string().contains(&big[..100]));
+        fill(&mut doc, &blob).unwrap();
+        let back = validate_value(&doc, "test", &Limits::replay()).unwrap();
+        assert_eq!(back.digest(), plan.digest());
+        assert_eq!(back.canonical_json(), plan.canonical_json());
+
+        let mut doc = plan.canonical_json();
+        strip(&mut doc);
+        assert!(fill(&mut doc, &blob[..blob.len() - 1]).is_err());
+        assert!(fill(&mut doc, &[blob.as_slice(), &[0u8; 8]].concat()).is_err());
+    }
+
+    #[test]
+    fn small_plans_stay_inline() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n",
+            "test",
+            &Limits::default(),
+        )
+        .unwrap();
+        assert!(pack(&plan).is_none());
+    }
+}
