@@ -565,22 +565,33 @@ fn config_check_names_the_key_and_line_and_the_default_file_is_valid() {
     let file = dir.path().join("config.toml");
     std::fs::write(
         &file,
-        default.replace("root = \"/\"", &format!("root = {:?}", node.root().display().to_string())),
+        default.replace(
+            "root = \"/\"",
+            &format!("root = {:?}", node.root().display().to_string()),
+        ),
     )
     .unwrap();
     let out = cli(&["config", "check", file.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("valid (node worker-5, gRPC on 0.0.0.0:9443, status socket "),
+        String::from_utf8_lossy(&out.stdout)
+            .contains("valid (node worker-5, gRPC on 0.0.0.0:9443, status socket "),
         "{}",
         text(&out)
     );
-    std::fs::write(&file, "[status]\ngroup = \"inplace-agent\"\nmode = \"0999\"\n").unwrap();
+    std::fs::write(
+        &file,
+        "[status]\ngroup = \"inplace-agent\"\nmode = \"0999\"\n",
+    )
+    .unwrap();
     let out = cli(&["config", "check", file.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.starts_with(&format!("error: config {} line 3 key status.mode: ", file.display())),
+        stderr.starts_with(&format!(
+            "error: config {} line 3 key status.mode: ",
+            file.display()
+        )),
         "{stderr}"
     );
 }

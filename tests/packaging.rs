@@ -549,8 +549,7 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
     let options = |target: &str| {
         mounts
             .lines()
-            .filter(|l| l.split_whitespace().nth(4) == Some(target))
-            .last()
+            .rfind(|l| l.split_whitespace().nth(4) == Some(target))
             .and_then(|l| l.split_whitespace().nth(5))
             .unwrap_or_else(|| panic!("no mount at {target}:\n{mounts}"))
             .to_string()
@@ -694,7 +693,10 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
     assert_eq!(unit_property(&node, AGENT, "ActiveState"), "inactive");
     assert!(!node.path("/usr/bin/inplace-agent").exists());
     assert!(node.path("/etc/inplace-agent/config.toml").exists());
-    assert!(node.path("/var/lib/inplace-agent/journal/journal.log").exists());
+    assert!(
+        node.path("/var/lib/inplace-agent/journal/journal.log")
+            .exists()
+    );
     in_node_ok(&node, "dpkg -P inplace-agent");
     assert!(!node.path("/etc/inplace-agent/config.toml").exists());
     assert!(!node.path("/var/lib/inplace-agent").exists());

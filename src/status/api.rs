@@ -525,7 +525,13 @@ pub fn read_journal(
         }
         summary.bytes = reader.valid_len();
     }
-    table.finish_replay();
+    // `<state>/journal/journal.log`: large plan bodies live in `<state>`'s backup store.
+    let state_dir = path
+        .parent()
+        .and_then(Path::parent)
+        .unwrap_or(Path::new("."));
+    let backups = crate::journal::backup::BackupStore::at(state_dir);
+    table.finish_replay(&|sha| backups.get(sha).map_err(|e| e.to_string()));
     Ok((table, summary))
 }
 
