@@ -135,6 +135,9 @@ pub fn snapshot(root: &Path, skip: &[&str]) -> Snapshot {
             } else if meta.is_dir() {
                 stack.push(path.clone());
                 ('d', String::new())
+            } else if !meta.is_file() {
+                // A socket (the status socket of a `serve` on this root) or a FIFO.
+                ('s', String::new())
             } else {
                 (
                     'f',
