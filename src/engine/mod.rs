@@ -461,19 +461,17 @@ impl Engine {
         let (changes, checks) = table::summaries(&plan);
         // Large file contents go to one blob in the backup store (written and synced here,
         // outside the engine lock), not into the record (`journal::bodies`).
-        let mut doc = plan.canonical_json();
         let blob = crate::journal::bodies::pack(&plan);
-        let bodies = match &blob {
+        let (doc, bodies) = match &blob {
             Some(b) => {
                 let sha = self
                     .shared
                     .backups
                     .put(b)
                     .map_err(|e| self.shared.backup_error(e))?;
-                crate::journal::bodies::strip(&mut doc);
-                Some(sha)
+                (plan.canonical_json_without_bodies(), Some(sha))
             }
-            None => None,
+            None => (plan.canonical_json(), None),
         };
         let record = Record::PlanAccepted {
             run,

@@ -51,8 +51,9 @@ fn file_changes(doc: &mut Value) -> impl Iterator<Item = &mut serde_json::Map<St
 }
 
 /// Empties the content of every `file` change of a canonical plan document (the blob
-/// carries it).
-pub fn strip(doc: &mut Value) {
+/// carries it); the engine builds that form directly (`Plan::canonical_json_without_bodies`).
+#[cfg(test)]
+fn strip(doc: &mut Value) {
     for f in file_changes(doc) {
         f.insert("content".into(), Value::String(String::new()));
     }
@@ -103,6 +104,7 @@ mod tests {
         let blob = pack(&plan).expect("large enough");
         let mut doc = plan.canonical_json();
         strip(&mut doc);
+        assert_eq!(doc, plan.canonical_json_without_bodies());
         assert!(!doc.to_string().contains(&big[..100]));
         fill(&mut doc, &blob).unwrap();
         let back = validate_value(&doc, "test", &Limits::replay()).unwrap();

@@ -15,17 +15,35 @@ use super::*;
 const DIGEST_DOMAIN: &[u8] = b"inplace.agent/v1 plan\n";
 
 pub(super) fn digest(plan: &Plan) -> String {
-    let mut doc = canonical_value(plan);
+    let mut doc = canonical_value(plan, true);
     if let Value::Object(m) = &mut doc {
         m.remove("id");
     }
-    let mut bytes = Vec::with_capacity(4096);
-    bytes.extend_from_slice(DIGEST_DOMAIN);
-    write_canonical(&doc, &mut bytes);
-    format!("sha256:{}", hex::encode(Sha256::digest(&bytes)))
+    // Streamed into the hash: a plan with megabytes of file content is not written out
+    // a second time in memory.
+    let mut hasher = HashWriter(Sha256::new());
+    hasher.0.update(DIGEST_DOMAIN);
+    write_canonical(&doc, &mut hasher);
+    format!("sha256:{}", hex::encode(hasher.0.finalize()))
 }
 
-pub(super) fn canonical_value(plan: &Plan) -> Value {
+/// `io::Write` into a running sha256.
+struct HashWriter(Sha256);
+
+impl std::io::Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The canonical document; with `bodies` false every `file` content is left empty (the
+/// journal keeps large bodies apart, `journal::bodies`), which skips encoding them.
+pub(super) fn canonical_value(plan: &Plan, bodies: bool) -> Value {
     let mut doc = Map::new();
     doc.insert("apiVersion".into(), json!(parse::API_VERSION));
     doc.insert("kind".into(), json!("Plan"));
@@ -43,7 +61,12 @@ pub(super) fn canonical_value(plan: &Plan) -> Value {
     );
     doc.insert(
         "changes".into(),
-        Value::Array(plan.changes.iter().map(change_value).collect()),
+        Value::Array(
+            plan.changes
+                .iter()
+                .map(|c| change_value(c, bodies))
+                .collect(),
+        ),
     );
     doc.insert(
         "verify".into(),
@@ -62,11 +85,11 @@ fn opt<T: serde::Serialize>(m: &mut Map<String, Value>, key: &str, v: &Option<T>
     }
 }
 
-fn change_value(c: &Change) -> Value {
+fn change_value(c: &Change, bodies: bool) -> Value {
     let body = match c {
         Change::File(f) => json!({
             "path": f.path.as_str(),
-            "content": b64(&f.content),
+            "content": if bodies { b64(&f.content) } else { String::new() },
             "encoding": "base64",
             "mode": f.mode.to_string(),
             "owner": f.owner.to_string(),
@@ -148,39 +171,44 @@ fn check_value(c: &Check) -> Value {
 }
 
 /// JSON with object keys sorted by their UTF-8 bytes and no insignificant whitespace.
-pub(crate) fn write_canonical(v: &Value, out: &mut Vec<u8>) {
+pub(crate) fn write_canonical(v: &Value, out: &mut impl std::io::Write) {
     match v {
         Value::Object(m) => {
             let mut keys: Vec<&String> = m.keys().collect();
             keys.sort();
-            out.push(b'{');
+            put(out, b"{");
             for (i, k) in keys.iter().enumerate() {
                 if i > 0 {
-                    out.push(b',');
+                    put(out, b",");
                 }
                 write_scalar(&Value::String((*k).clone()), out);
-                out.push(b':');
+                put(out, b":");
                 write_canonical(&m[k.as_str()], out);
             }
-            out.push(b'}');
+            put(out, b"}");
         }
         Value::Array(items) => {
-            out.push(b'[');
+            put(out, b"[");
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(b',');
+                    put(out, b",");
                 }
                 write_canonical(item, out);
             }
-            out.push(b']');
+            put(out, b"]");
         }
         scalar => write_scalar(scalar, out),
     }
 }
 
-fn write_scalar(v: &Value, out: &mut Vec<u8>) {
+/// The writers used here (a `Vec`, a hash) cannot fail.
+fn put(out: &mut impl std::io::Write, bytes: &[u8]) {
+    let _ = out.write_all(bytes);
+}
+
+fn write_scalar(v: &Value, out: &mut impl std::io::Write) {
     // serde_json's scalar output is already canonical (shortest round-trip numbers,
-    // minimal string escapes); writing into a Vec cannot fail.
+    // minimal string escapes).
     let _ = serde_json::to_writer(&mut *out, v);
 }
 

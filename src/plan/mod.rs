@@ -548,7 +548,13 @@ impl Plan {
     /// The canonical plan document: plan-file shape, every default explicit, content as
     /// base64. The journal stores it and [`validate_value`] reads it back into the same plan.
     pub fn canonical_json(&self) -> serde_json::Value {
-        digest::canonical_value(self)
+        digest::canonical_value(self, true)
+    }
+
+    /// [`Plan::canonical_json`] with every `file` content empty, as the journal stores a
+    /// plan whose bodies it keeps in a blob (`journal::bodies::strip` of the full form).
+    pub fn canonical_json_without_bodies(&self) -> serde_json::Value {
+        digest::canonical_value(self, false)
     }
 
     /// Every unit named anywhere in the plan, for restart computation.

@@ -1661,6 +1661,19 @@ mod tests {
         assert_eq!(plan.digest(), again.digest());
     }
 
+    /// Journals keep digests across agent versions: the same plan must keep its digest.
+    #[test]
+    fn the_digest_of_a_known_plan_does_not_change() {
+        let plan = parse(include_str!(
+            "../../tests/fixtures/plans/design-example.yaml"
+        ))
+        .unwrap();
+        assert_eq!(
+            plan.digest(),
+            "sha256:5b24db0ac4bad5e2b7fc431b4f761c559987e9e7b20ada932ba240b89dab0596"
+        );
+    }
+
     #[test]
     fn field_helpers() {
         assert_eq!(parse_mode("0640"), Some(Mode(0o640)));
