@@ -31,6 +31,8 @@ def text(name, default=""):
 perf = load("perf.json") or {}
 rpc = load("rpc.json")
 download = load("download.json")
+status = load("status.json")
+upgrade = load("upgrade.json")
 fleet = load("fleet.json")
 rows = []
 
@@ -111,6 +113,23 @@ if rpc:
         f"p50 {g['p50Micros']:.0f} µs, p99 {g['p99Micros']:.0f} µs, max {g['maxMicros'] / 1000:.1f} ms ({g['callsPerSecond']:.0f} calls/s)",
         "", "", None, "")
     row("new mTLS connections per second (handshake + HTTP/2 + one call)", f"{rpc['connectionsPerSecond']:.0f}/s",
+        "", "", None, "")
+if status:
+    l, m, j = status["statusLatency"], status["rssKiB"], status["journal"]
+    row(f"`GET /v1/status` over the socket at {l['rate']:,}/s (open loop, {l['requests']:,} requests, {l['failed']} failed)",
+        f"p50 {l['p50Micros']:.0f} µs, p99 {l['p99Micros']:.0f} µs, max {l['maxMicros'] / 1000:.1f} ms",
+        "", "", None, "")
+    row(f"RSS of `serve` with the status socket, metrics and a {j['records']:,}-record journal, after that load",
+        f"{m['afterLoad'] / 1024:.1f} MiB (anon {m['afterLoadAnon'] / 1024:.1f}, file {m['afterLoadFile'] / 1024:.1f}; "
+        f"at start {m['start'] / 1024:.1f}; peak {m['peak'] / 1024:.1f})",
+        "≤ 8 MiB", "", m["afterLoad"] <= 8192, "")
+if upgrade and "skipped" in upgrade:
+    row("version bump 1.30 → 1.31 on a sandboxed real systemd", f"skipped: {upgrade['skipped']}", "", "", None, "")
+elif upgrade:
+    parts = ", ".join(f"{f['name']} {f['medianMs']:.0f} ms" for f in upgrade["figures"][1:] if f["depth"] == 1)
+    total = next(f for f in upgrade["figures"] if f["name"].startswith("accepted → Succeeded"))
+    row(f"version bump 1.30 → 1.31 ({upgrade['manager']}) on a sandboxed real systemd, accepted → Succeeded ({upgrade['rounds']} rounds)",
+        f"{total['medianMs']:.0f} ms (min {total['minMs']:.0f}, max {total['maxMs']:.0f}); {parts}",
         "", "", None, "")
 if download:
     row(f"artifact download, {download['mib']} MiB over TLS from 127.0.0.1 ({download['rounds']} rounds)",
