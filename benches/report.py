@@ -131,6 +131,10 @@ elif upgrade:
     row(f"version bump 1.30 → 1.31 ({upgrade['manager']}) on a sandboxed real systemd, accepted → Succeeded ({upgrade['rounds']} rounds)",
         f"{total['medianMs']:.0f} ms (min {total['minMs']:.0f}, max {total['maxMs']:.0f}); {parts}",
         "", "", None, "")
+    noop = next((f for f in upgrade["figures"] if f["name"].startswith("no-op re-apply")), None)
+    if noop:
+        row("version bump plan applied again under a new id (nothing to do: no package command, no restart)",
+            f"{noop['medianMs']:.0f} ms (min {noop['minMs']:.0f}, max {noop['maxMs']:.0f})", "", "", None, "")
 if download:
     row(f"artifact download, {download['mib']} MiB over TLS from 127.0.0.1 ({download['rounds']} rounds)",
         f"{download['oursMiBps']:.0f} MiB/s (curl {download['curlMiBps']:.0f} MiB/s)", "≥ 0.9× curl",

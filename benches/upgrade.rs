@@ -240,6 +240,32 @@ fn round(opts: &Options, payload: Option<&Path>) -> Result<(Figures, Value), Rou
             _ => {}
         }
     }
+    // The same desired state again under a new plan id: every change diffs to nothing (no
+    // package command, no reload, no restart); the idempotent re-apply an updater's retry
+    // costs on an upgraded node.
+    let text = std::fs::read_to_string(&example).map_err(|e| format!("read the plan: {e}"))?;
+    let again = node.path("/tmp/upgrade-again.yaml");
+    let renamed: String = text
+        .lines()
+        .map(|l| match l.strip_prefix("id: ") {
+            Some(id) => format!("id: {id}-again\n"),
+            None => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(&again, renamed).map_err(|e| format!("write the plan: {e}"))?;
+    let started = Instant::now();
+    let out = agent(&["apply", "--no-progress", "-o", "json"])
+        .arg(&again)
+        .output()
+        .map_err(|e| format!("run the agent: {e}"))?;
+    let noop = started.elapsed().as_secs_f64() * 1000.0;
+    let status: Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| format!("status of the re-apply: {e}"))?;
+    if status["phase"] != "Succeeded" || status["counts"]["changed"] != 0 {
+        return Err(format!("the re-apply changed something: {status:#}").into());
+    }
+    figures.push(("no-op re-apply, new id (process, wall)".into(), noop));
+
     // The package sizes, for the record.
     let sizes = match opts.kind {
         ManagerKind::Apt => repo_sizes(&node.path(packages::APT_REPO), ".deb"),
