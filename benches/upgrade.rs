@@ -259,8 +259,8 @@ fn round(opts: &Options, payload: Option<&Path>) -> Result<(Figures, Value), Rou
         .output()
         .map_err(|e| format!("run the agent: {e}"))?;
     let noop = started.elapsed().as_secs_f64() * 1000.0;
-    let status: Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| format!("status of the re-apply: {e}"))?;
+    let status: Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("status of the re-apply: {e}"))?;
     if status["phase"] != "Succeeded" || status["counts"]["changed"] != 0 {
         return Err(format!("the re-apply changed something: {status:#}").into());
     }
