@@ -48,7 +48,8 @@ impl Renderer {
         match &self.bar {
             Some(bar) => bar.println(s),
             None => {
-                let _ = writeln!(std::io::stderr(), "{s}");
+                // One write per line (stderr is unbuffered; `writeln!` would make two).
+                let _ = std::io::stderr().write_all(format!("{s}\n").as_bytes());
             }
         }
     }
