@@ -12,7 +12,6 @@ use crate::config::{
     DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
 };
 use crate::engine::status::{Phase, PlanStatus, now_ms};
-use crate::journal::JOURNAL_FILE;
 use crate::status::api::{
     self, AgentStatus, Context, NodeInfo, PlanStatusDocument, PlanSummary, Source,
 };
@@ -28,8 +27,8 @@ const WATCH_EVERY: Duration = Duration::from_millis(250);
 pub struct Local {
     /// The status socket.
     pub socket: PathBuf,
-    /// The journal file, read when no agent answers.
-    pub journal: PathBuf,
+    /// The state directory, whose journal is read when no agent answers.
+    pub state_dir: PathBuf,
     /// The node's root.
     pub root: PathBuf,
     /// The node's name, when the configuration says.
@@ -70,7 +69,7 @@ impl Local {
             .unwrap_or_else(|| root.join(DEFAULT_STATE_SUBDIR));
         Ok(Local {
             socket,
-            journal: state_dir.join("journal").join(JOURNAL_FILE),
+            state_dir,
             root,
             node_name: file.settings.node_name.clone(),
         })
@@ -117,7 +116,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
                     "no agent is serving on {}; read the journal {} directly (read-only; a \
                      plan applied by `inplace-agent apply` right now may be ahead of it)",
                     local.socket.display(),
-                    local.journal.display()
+                    crate::journal::file_path(&local.state_dir).display()
                 );
             }
             from_journal(local, id)
@@ -130,7 +129,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
 }
 
 fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, u8> {
-    let (table, journal) = api::read_journal(&local.journal, usize::MAX).map_err(|e| {
+    let (table, journal) = api::read_journal(&local.state_dir, usize::MAX).map_err(|e| {
         eprintln!("error: read the journal: {e}");
         EXIT_FAILED
     })?;

@@ -555,10 +555,15 @@ pub struct VerifyReport {
     pub bad_backups: Vec<String>,
 }
 
+/// The journal file of a state directory: `<state_dir>/journal/journal.log`.
+pub fn file_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("journal").join(JOURNAL_FILE)
+}
+
 /// Reads the whole journal without modifying it, checking the chain; stops with the error at
 /// a corrupt record.
 pub fn verify(state_dir: &Path) -> Result<VerifyReport, JournalError> {
-    let path = state_dir.join("journal").join(JOURNAL_FILE);
+    let path = file_path(state_dir);
     let mut report = VerifyReport {
         path: path.clone(),
         records: 0,

@@ -505,12 +505,14 @@ pub fn journal_page(
     })
 }
 
-/// The engine's table folded from a journal file read directly (read-only, without the
-/// journal's lock: `inplace-agent status` when no agent runs), and the file's summary.
+/// The engine's table folded from the journal of `state_dir` read directly (read-only,
+/// without the journal's lock: `inplace-agent status` when no agent runs), and the file's
+/// summary. Large plan bodies are read from the state directory's backup store.
 pub fn read_journal(
-    path: &Path,
+    state_dir: &Path,
     keep_plans: usize,
 ) -> Result<(Table, JournalSummary), JournalError> {
+    let path = &crate::journal::file_path(state_dir);
     let mut table = Table::new(keep_plans);
     let mut summary = JournalSummary {
         path: path.display().to_string(),
@@ -525,11 +527,6 @@ pub fn read_journal(
         }
         summary.bytes = reader.valid_len();
     }
-    // `<state>/journal/journal.log`: large plan bodies live in `<state>`'s backup store.
-    let state_dir = path
-        .parent()
-        .and_then(Path::parent)
-        .unwrap_or(Path::new("."));
     let backups = crate::journal::backup::BackupStore::at(state_dir);
     table.finish_replay(&|sha| backups.get(sha).map_err(|e| e.to_string()));
     Ok((table, summary))
