@@ -611,7 +611,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
             Ok(r) => r.into_inner(),
             Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &status),
         };
-        let Some(mut status) = response.status else {
+        let Some(status) = response.status else {
             eprintln!("error: the agent at {} answered without a status", args.addr);
             return EXIT_FAILED;
         };
@@ -634,27 +634,37 @@ pub fn submit(args: &SubmitArgs) -> u8 {
                 status.id, status.digest, args.addr, status.attempt, status.run
             );
         }
-        if args.wait && !is_terminal(&status) {
-            status = match follow(
-                &mut client,
-                &plan.id,
-                args.no_progress,
-                Duration::from_secs(args.wait_timeout),
-            )
-            .await
-            {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return EXIT_FAILED;
-                }
-            };
-        }
-        if let Err(code) = print_status(&status, args.output, false) {
-            return code;
-        }
-        exit_for(&status)
+        let wait = args.wait.then(|| Duration::from_secs(args.wait_timeout));
+        conclude(&mut client, status, wait, args.no_progress, args.output, false).await
     })
+}
+
+/// The end of `submit`, `status` and `retry`: follows the plan to its end when `wait` says
+/// for how long (and it has not ended yet), prints it, and returns the exit code.
+async fn conclude(
+    client: &mut NodeAgentClient<Channel>,
+    mut status: pb::PlanStatus,
+    wait: Option<Duration>,
+    plain: bool,
+    output: RemoteOutput,
+    detailed: bool,
+) -> u8 {
+    if let Some(timeout) = wait
+        && !is_terminal(&status)
+    {
+        let id = status.id.clone();
+        status = match follow(client, &id, plain, timeout).await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return EXIT_FAILED;
+            }
+        };
+    }
+    if let Err(code) = print_status(&status, output, detailed) {
+        return code;
+    }
+    exit_for(&status)
 }
 
 /// `inplace-agent status`.
@@ -676,24 +686,20 @@ pub fn status(args: &StatusArgs) -> u8 {
             }
         };
         let request = pb::GetPlanStatusRequest { id: id.clone() };
-        let mut status = match client.get_plan_status(call(request)).await {
+        let status = match client.get_plan_status(call(request)).await {
             Ok(r) => r.into_inner(),
             Err(status) => return refused("get plan status", addr, &status),
         };
-        if args.watch && !is_terminal(&status) {
-            status = match follow(&mut client, &status.id.clone(), args.no_progress, FOREVER).await
-            {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return EXIT_FAILED;
-                }
-            };
-        }
-        if let Err(code) = print_status(&status, args.output, true) {
-            return code;
-        }
-        exit_for(&status)
+        let wait = args.watch.then_some(FOREVER);
+        conclude(
+            &mut client,
+            status,
+            wait,
+            args.no_progress,
+            args.output,
+            true,
+        )
+        .await
     })
 }
 
@@ -746,23 +752,20 @@ pub fn retry(args: &RetryArgs) -> u8 {
             id: args.id.clone(),
             from_attempt: args.from_attempt,
         };
-        let mut status = match client.retry_plan(call(request)).await {
+        let status = match client.retry_plan(call(request)).await {
             Ok(r) => r.into_inner(),
             Err(status) => return refused(&format!("retry plan {}", args.id), &args.addr, &status),
         };
-        if args.wait && !is_terminal(&status) {
-            status = match follow(&mut client, &args.id, args.no_progress, FOREVER).await {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return EXIT_FAILED;
-                }
-            };
-        }
-        if let Err(code) = print_status(&status, args.output, false) {
-            return code;
-        }
-        exit_for(&status)
+        let wait = args.wait.then_some(FOREVER);
+        conclude(
+            &mut client,
+            status,
+            wait,
+            args.no_progress,
+            args.output,
+            false,
+        )
+        .await
     })
 }
 

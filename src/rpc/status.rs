@@ -33,7 +33,15 @@ pub fn bounded(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_owned();
     }
-    let room = max.saturating_sub(GAP.len());
+    if max < 2 * GAP.len() {
+        // Too short to show both ends: only the start.
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        return s[..end].to_owned();
+    }
+    let room = max - GAP.len();
     let mut head = room / 3;
     while !s.is_char_boundary(head) {
         head -= 1;
@@ -480,6 +488,7 @@ mod tests {
     #[test]
     fn messages_are_bounded_at_char_boundaries() {
         assert_eq!(bounded("short", 10), "short");
+        assert_eq!(bounded("longer than four", 4), "long");
         let long = "é".repeat(300);
         let cut = bounded(&long, MAX_STEP_MESSAGE);
         assert!(cut.len() <= MAX_STEP_MESSAGE && cut.len() >= MAX_STEP_MESSAGE - 2);
