@@ -292,7 +292,8 @@ impl Shared {
         let (change_index, check_index, restart) = match &record {
             Record::StepDone { index, .. }
             | Record::StepFailed { index, .. }
-            | Record::StepRolledBack { index, .. } => (Some(*index), None, None),
+            | Record::StepRolledBack { index, .. }
+            | Record::StepRollbackFailed { index, .. } => (Some(*index), None, None),
             Record::CheckDone { index, .. } => (None, Some(*index), None),
             other => (None, None, other.note()),
         };
