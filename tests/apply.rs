@@ -324,10 +324,7 @@ fn rollback_restores_every_change_it_can_and_names_the_one_it_cannot() {
     std::fs::write(dir.join("b.conf"), "b before\n").unwrap();
     let before = node.snapshot_without_state();
     let b = dir.join("b.conf");
-    let gate = format!(
-        "rm -f {b} && mkdir -p {b}/x && exit 1",
-        b = b.display()
-    );
+    let gate = format!("rm -f {b} && mkdir -p {b}/x && exit 1", b = b.display());
     let plan = format!(
         "{}changes:
   - file: {{path: /etc/kubernetes/ra/a.conf, content: \"a\\n\"}}
@@ -340,7 +337,13 @@ verify:
         header("ns/m@rollback-all")
     );
     let p = node.plan_file("p.yaml", &plan);
-    let out = node.agent(&["apply", "--no-chroot", "--output", "json", p.to_str().unwrap()]);
+    let out = node.agent(&[
+        "apply",
+        "--no-chroot",
+        "--output",
+        "json",
+        p.to_str().unwrap(),
+    ]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status["phase"], "Failed", "{status}");
@@ -383,7 +386,12 @@ verify:
         .collect();
     assert_eq!(
         kinds,
-        ["stepRolledBack", "stepRolledBack", "stepRollbackFailed", "stepRolledBack"]
+        [
+            "stepRolledBack",
+            "stepRolledBack",
+            "stepRollbackFailed",
+            "stepRolledBack"
+        ]
     );
 }
 
@@ -407,10 +415,15 @@ fn a_plan_whose_paths_fight_is_refused_before_anything_changes() {
         let out = node.agent(&[cmd, p.to_str().unwrap()]);
         assert_eq!(out.status.code(), Some(2), "{cmd}: {}", text(&out));
         assert!(
-            text(&out).contains("changes[2].file.path: /etc/kubernetes/d/y.conf is below /etc/kubernetes/d"),
+            text(&out).contains(
+                "changes[2].file.path: /etc/kubernetes/d/y.conf is below /etc/kubernetes/d"
+            ),
             "{cmd}: {}",
             text(&out)
         );
     }
-    assert_eq!(common::diff(&before, &node.snapshot()), Vec::<String>::new());
+    assert_eq!(
+        common::diff(&before, &node.snapshot()),
+        Vec::<String>::new()
+    );
 }
