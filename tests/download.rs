@@ -1035,7 +1035,7 @@ fn a_symlink_planted_during_the_download_leads_no_write_outside_the_allow_list()
         ),
     );
     let path = env.node.plan_file("1.yaml", &plan);
-    let mut child = std::process::Command::new(common::bin())
+    let child = std::process::Command::new(common::bin())
         .args([
             "apply",
             "--no-progress",

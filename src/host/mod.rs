@@ -8,6 +8,7 @@ pub mod download;
 pub mod fs;
 pub mod http;
 pub mod locks;
+pub mod memory;
 pub mod node;
 pub mod packages;
 pub mod pkgversion;

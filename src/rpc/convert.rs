@@ -21,7 +21,14 @@ pub const REQUEST_SOURCE: &str = "request";
 
 /// Validates a wire plan exactly as a plan file would be.
 pub fn validate_plan(plan: &pb::Plan, limits: &Limits) -> Result<Plan, InvalidPlan> {
-    let document = plan_document(plan).map_err(|error| InvalidPlan {
+    validate_owned(plan.clone(), limits)
+}
+
+/// [`validate_plan`] consuming the wire plan: its contents move into the document instead
+/// of being copied, so a large request is held at most twice (document, then plan) while it
+/// is validated, never three times.
+pub fn validate_owned(plan: pb::Plan, limits: &Limits) -> Result<Plan, InvalidPlan> {
+    let document = plan_document_owned(plan).map_err(|error| InvalidPlan {
         source: REQUEST_SOURCE.to_owned(),
         errors: vec![error],
     })?;
@@ -202,6 +209,10 @@ pub fn disruption_to_pb(d: crate::plan::Disruption) -> pb::Disruption {
 /// expressed as a document (a merge patch that is not JSON, base64 content that is not
 /// text); everything else is left to the validator.
 pub fn plan_document(plan: &pb::Plan) -> Result<Value, FieldError> {
+    plan_document_owned(plan.clone())
+}
+
+fn plan_document_owned(plan: pb::Plan) -> Result<Value, FieldError> {
     let mut doc = Map::new();
     doc.insert("apiVersion".into(), json!(crate::plan::API_VERSION));
     doc.insert("kind".into(), json!("Plan"));
@@ -218,7 +229,7 @@ pub fn plan_document(plan: &pb::Plan) -> Result<Value, FieldError> {
     }
     let changes = plan
         .changes
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, c)| change(i, c))
         .collect::<Result<Vec<_>, _>>()?;
@@ -312,25 +323,26 @@ fn disruption_name(d: pb::Disruption) -> Option<&'static str> {
     }
 }
 
-fn change(index: usize, change: &pb::Change) -> Result<Value, FieldError> {
+fn change(index: usize, change: pb::Change) -> Result<Value, FieldError> {
     use pb::change::Kind;
-    let Some(kind) = &change.kind else {
+    let Some(kind) = change.kind else {
         // The validator names the problem: no change kind.
         return Ok(Value::Object(Map::new()));
     };
     let mut m = Map::new();
     let key = match kind {
-        Kind::File(f) => {
+        Kind::File(mut f) => {
             m.insert("path".into(), json!(f.path));
-            let (encoding, content) = file_content(index, f)?;
-            m.insert("encoding".into(), json!(encoding));
-            m.insert("content".into(), json!(content));
             put_str(&mut m, "mode", &f.mode);
             put_str(&mut m, "owner", &f.owner);
             if f.append {
                 m.insert("append".into(), json!(true));
             }
             put_list(&mut m, "restartUnits", &f.restart_units);
+            f.restart_units = Vec::new();
+            let (encoding, content) = file_content(index, f)?;
+            m.insert("encoding".into(), json!(encoding));
+            m.insert("content".into(), Value::String(content));
             "file"
         }
         Kind::Absent(a) => {
@@ -428,26 +440,27 @@ fn change(index: usize, change: &pb::Change) -> Result<Value, FieldError> {
 }
 
 /// The plan-file `encoding` and `content` string for a file's bytes.
-fn file_content(index: usize, f: &pb::FileChange) -> Result<(&'static str, String), FieldError> {
-    let as_text = |what: &str| {
-        String::from_utf8(f.content.clone()).map_err(|_| {
+fn file_content(index: usize, f: pb::FileChange) -> Result<(&'static str, String), FieldError> {
+    let encoding = known(f.encoding, || format!("changes[{index}].file.encoding"))?;
+    let content = f.content;
+    let as_text = |what: &str, content: Vec<u8>| {
+        String::from_utf8(content).map_err(|_| {
             FieldError::new(
                 format!("changes[{index}].file.content"),
                 format!("is not {what} text"),
             )
         })
     };
-    let encoding = known(f.encoding, || format!("changes[{index}].file.encoding"))?;
     Ok(match encoding {
-        pb::Encoding::Unspecified | pb::Encoding::Plain => match std::str::from_utf8(&f.content) {
-            Ok(text) => ("plain", text.to_owned()),
+        pb::Encoding::Unspecified | pb::Encoding::Plain => match String::from_utf8(content) {
+            Ok(text) => ("plain", text),
             // Binary content: carried as base64, decoded by the validator to the same bytes.
-            Err(_) => ("base64", BASE64.encode(&f.content)),
+            Err(e) => ("base64", BASE64.encode(e.as_bytes())),
         },
-        pb::Encoding::Base64 => ("base64", as_text("base64")?),
-        pb::Encoding::GzipBase64 => ("gzip+base64", as_text("base64")?),
+        pb::Encoding::Base64 => ("base64", as_text("base64", content)?),
+        pb::Encoding::GzipBase64 => ("gzip+base64", as_text("base64", content)?),
         // Raw gzip bytes cannot be a JSON string; base64 them.
-        pb::Encoding::Gzip => ("gzip+base64", BASE64.encode(&f.content)),
+        pb::Encoding::Gzip => ("gzip+base64", BASE64.encode(&content)),
     })
 }
 
