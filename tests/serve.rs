@@ -1149,13 +1149,22 @@ async fn large_concurrent_requests_are_held_to_a_memory_bound() {
     loop {
         let anon_mib = proc_kib(pid, "RssAnon") / 1024;
         if anon_mib <= 16 {
-            eprintln!("RssAnon back to {anon_mib} MiB, RSS {} MiB", proc_kib(pid, "VmRSS") / 1024);
+            eprintln!(
+                "RssAnon back to {anon_mib} MiB, RSS {} MiB",
+                proc_kib(pid, "VmRSS") / 1024
+            );
             break;
         }
-        assert!(Instant::now() < deadline, "RssAnon still {anon_mib} MiB after a minute");
+        assert!(
+            Instant::now() < deadline,
+            "RssAnon still {anon_mib} MiB after a minute"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     // And the agent still answers.
     let mut client = pki.client(&agent.addr, As::Reader).await;
-    client.get_node_info(pb::GetNodeInfoRequest {}).await.unwrap();
+    client
+        .get_node_info(pb::GetNodeInfoRequest {})
+        .await
+        .unwrap();
 }
