@@ -114,6 +114,14 @@ if rpc:
         "", "", None, "")
     row("new mTLS connections per second (handshake + HTTP/2 + one call)", f"{rpc['connectionsPerSecond']:.0f}/s",
         "", "", None, "")
+    ab = rpc.get("abuse")
+    if ab:
+        row(f"{ab['requests']} concurrent `CheckPlan`s of {ab['requestBytes'] / 2**20:.0f} MiB, one connection each: peak RSS",
+            f"{ab['peakKiB'] / 1024:.1f} MiB ({ab['answered']} answered, {ab['busy']} told busy, in {ab['seconds']:.1f} s)",
+            "≤ 64 MiB", "", ab["peakKiB"] <= 64 * 1024, "")
+        row("... then RSS back under 16 MiB",
+            f"{ab['rssAfterKiB'] / 1024:.1f} MiB (anon {ab['anonAfterKiB'] / 1024:.1f}) after {ab['backUnder16MiBAfterSeconds']:.1f} s",
+            "≤ 16 MiB within 60 s", "", ab["rssAfterKiB"] <= 16 * 1024 and ab["backUnder16MiBAfterSeconds"] <= 60, "")
 if status:
     l, m, j = status["statusLatency"], status["rssKiB"], status["journal"]
     row(f"`GET /v1/status` over the socket at {l['rate']:,}/s (open loop, {l['requests']:,} requests, {l['failed']} failed)",

@@ -5,7 +5,10 @@
 //! - new mTLS connections per second (TCP connect, TLS 1.3 handshake with client
 //!   certificate, HTTP/2 setup, one `GetPlanStatus`), sequential;
 //! - resident memory of `serve`: after start, and idle after N applied plans (each a file
-//!   change, applied one after another), plus the peak.
+//!   change, applied one after another), plus the peak;
+//! - memory under abuse: a fresh `serve` gets 64 concurrent 16 MiB `CheckPlan`s, each on its
+//!   own connection (a reader's identity is enough): the peak RSS, how many were answered and
+//!   how many were told the agent is busy, and how long until RSS is back under 16 MiB.
 //!
 //! Run: `cargo bench --bench rpc` (see benches/README.md for the options). It prints a
 //! table and, with `--json FILE`, writes the figures for the performance suite.
@@ -321,8 +324,31 @@ async fn run(options: Options) -> Result<(), String> {
         mib(file_idle),
         mib(rss_peak)
     );
+    drop(serve);
+    let abuse = abuse(&root, &pki).await?;
+    println!(
+        "  64 concurrent 16 MiB CheckPlans: peak RSS {:.1} MiB ({} answered, {} busy in {:.1}s); RSS {:.1} MiB (anon {:.1}) {:.0}s later",
+        mib(abuse.peak),
+        abuse.answered,
+        abuse.busy,
+        abuse.seconds,
+        mib(abuse.rss_after),
+        mib(abuse.anon_after),
+        abuse.back_after_seconds
+    );
     if let Some(path) = &options.json {
         let figures = serde_json::json!({
+            "abuse": {
+                "requests": 64,
+                "requestBytes": abuse.request_bytes,
+                "answered": abuse.answered,
+                "busy": abuse.busy,
+                "seconds": abuse.seconds,
+                "peakKiB": abuse.peak,
+                "rssAfterKiB": abuse.rss_after,
+                "anonAfterKiB": abuse.anon_after,
+                "backUnder16MiBAfterSeconds": abuse.back_after_seconds,
+            },
             "getPlanStatus": {
                 "calls": options.calls,
                 "p50Micros": micros(p50),
@@ -346,6 +372,87 @@ async fn run(options: Options) -> Result<(), String> {
             .map_err(|e| format!("write {}: {e}", path.display()))?;
     }
     Ok(())
+}
+
+/// What 64 concurrent 16 MiB `CheckPlan`s did to a fresh daemon.
+struct Abuse {
+    request_bytes: usize,
+    answered: usize,
+    busy: usize,
+    seconds: f64,
+    peak: u64,
+    rss_after: u64,
+    anon_after: u64,
+    back_after_seconds: f64,
+}
+
+async fn abuse(root: &std::path::Path, pki: &PkiFiles) -> Result<Abuse, String> {
+    let serve = Serve::start(root, pki)?;
+    let config = Arc::new(
+        client_config(&ClientTlsPaths {
+            ca: pki.ca_cert.clone(),
+            cert: pki.reader_cert.clone(),
+            key: pki.reader_key.clone(),
+        })
+        .map_err(|e| e.to_string())?,
+    );
+    // Four files of just under the 4 MiB content limit: a valid plan of 16 MiB.
+    let content = vec![b'x'; (4 << 20) - 4096];
+    let plan = pb::Plan {
+        id: "default/bench@big".into(),
+        node_name: NODE.into(),
+        changes: (0..4)
+            .map(|i| pb::Change {
+                kind: Some(pb::change::Kind::File(pb::FileChange {
+                    path: format!("/etc/kubernetes/big-{i}.conf"),
+                    content: content.clone(),
+                    ..Default::default()
+                })),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let request_bytes = prost::Message::encoded_len(&plan);
+    let mut clients = Vec::new();
+    for _ in 0..64 {
+        clients.push(client(&serve.addr, &config).await?);
+    }
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for mut c in clients {
+        let plan = plan.clone();
+        tasks.spawn(async move { c.check_plan(pb::CheckPlanRequest { plan: Some(plan) }).await });
+    }
+    let (mut answered, mut busy) = (0, 0);
+    while let Some(result) = tasks.join_next().await {
+        match result.map_err(|e| e.to_string())? {
+            Ok(_) => answered += 1,
+            Err(e) if e.code() == tonic::Code::ResourceExhausted => busy += 1,
+            Err(e) => return Err(format!("CheckPlan: {e}")),
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let (_, peak, _, _) = serve.memory();
+    let done = Instant::now();
+    let (mut rss_after, mut anon_after) = (0, 0);
+    while done.elapsed() < Duration::from_secs(60) {
+        let (rss, _, anon, _) = serve.memory();
+        (rss_after, anon_after) = (rss, anon);
+        if rss <= 16 * 1024 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Ok(Abuse {
+        request_bytes,
+        answered,
+        busy,
+        seconds,
+        peak,
+        rss_after,
+        anon_after,
+        back_after_seconds: done.elapsed().as_secs_f64(),
+    })
 }
 
 fn main() -> std::process::ExitCode {

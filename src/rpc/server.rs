@@ -63,9 +63,9 @@ impl Default for ServeOptions {
             max_connection_age_grace: Duration::from_secs(5 * 60),
             request_budget_bytes: 16 * 1024 * 1024,
             request_budget_wait: Duration::from_secs(20),
-            // 128 KiB: 64 connections waiting hold 8 MiB; a 16 MiB plan over a LAN still
-            // arrives in well under a second.
-            window_bytes: 128 * 1024,
+            // 64 KiB (HTTP/2's own default): 64 connections waiting hold 4 MiB; a 16 MiB
+            // plan over a LAN still arrives in well under a second.
+            window_bytes: 64 * 1024,
             accept: AcceptOptions::default(),
         }
     }
