@@ -812,13 +812,11 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
         get("inplace_agent_journal_records", &[]),
         journal_lines as f64
     );
+    let commit = inplace_agent::cli::version::commit_label();
     assert_eq!(
         get(
             "inplace_agent_build_info",
-            &[
-                ("version", env!("CARGO_PKG_VERSION")),
-                ("commit", "unknown")
-            ]
+            &[("version", env!("CARGO_PKG_VERSION")), ("commit", &commit)]
         ),
         1.0
     );

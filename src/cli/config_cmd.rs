@@ -31,7 +31,7 @@ enum ConfigCommand {
 pub fn run(args: &ConfigArgs) -> u8 {
     match &args.command {
         ConfigCommand::PrintDefault => {
-            print!("{DEFAULT_CONFIG}");
+            crate::cli::write_out(format_args!("{DEFAULT_CONFIG}"));
             EXIT_OK
         }
         ConfigCommand::Check { file } => {
@@ -44,7 +44,7 @@ pub fn run(args: &ConfigArgs) -> u8 {
                 });
             match checked {
                 Ok(settings) => {
-                    println!(
+                    outln!(
                         "config {}: valid (node {}, gRPC on {}, status socket {}{})",
                         file.display(),
                         settings.node_name,
@@ -58,7 +58,7 @@ pub fn run(args: &ConfigArgs) -> u8 {
                     EXIT_OK
                 }
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    errln!("error: {e}");
                     EXIT_INVALID
                 }
             }

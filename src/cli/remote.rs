@@ -220,7 +220,7 @@ fn code_name(code: tonic::Code) -> String {
 /// Prints a failed call and returns the exit code: 2 when the agent refused the input
 /// (invalid, too large, not for this node), 1 otherwise.
 fn refused(what: &str, addr: &str, status: &tonic::Status) -> u8 {
-    eprintln!(
+    errln!(
         "error: {what} on {addr}: {}: {}",
         code_name(status.code()),
         status.message()
@@ -238,7 +238,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, u8> {
         .enable_all()
         .build()
         .map_err(|e| {
-            eprintln!("error: start the async runtime: {e}");
+            errln!("error: start the async runtime: {e}");
             EXIT_FAILED
         })
 }
@@ -350,17 +350,17 @@ pub fn describe(status: &PlanStatus) -> String {
 fn print_status(wire: &pb::PlanStatus, output: RemoteOutput, detailed: bool) -> Result<(), u8> {
     if output == RemoteOutput::HookResponse {
         let hook = wire.hook_response.clone().unwrap_or_default();
-        println!("{}", hook_response_json(&hook));
+        outln!("{}", hook_response_json(&hook));
         return Ok(());
     }
     let status = status_from_pb(wire).map_err(|e| {
-        eprintln!("error: the agent's answer: {e}");
+        errln!("error: the agent's answer: {e}");
         EXIT_FAILED
     })?;
     match output {
-        RemoteOutput::Json => println!("{:#}", status_json(&status)),
-        _ if detailed => println!("{}", describe(&status)),
-        _ => println!("{}", summary(&status)),
+        RemoteOutput::Json => outln!("{:#}", status_json(&status)),
+        _ if detailed => outln!("{}", describe(&status)),
+        _ => outln!("{}", summary(&status)),
     }
     Ok(())
 }
@@ -407,7 +407,7 @@ impl SnapshotView {
     pub(crate) fn line(&self, s: &str) {
         match &self.bar {
             Some(bar) => bar.println(s),
-            None => eprintln!("{s}"),
+            None => errln!("{s}"),
         }
     }
 
@@ -571,7 +571,7 @@ fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, u8> {
         std::fs::read(path)
     };
     let bytes = bytes.map_err(|e| {
-        eprintln!("error: read plan {name}: {e}");
+        errln!("error: read plan {name}: {e}");
         EXIT_INVALID
     })?;
     parse_plan(&bytes, &name, &client_limits()).map_err(|invalid| {
@@ -599,7 +599,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -612,12 +612,12 @@ pub fn submit(args: &SubmitArgs) -> u8 {
             Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &status),
         };
         let Some(status) = response.status else {
-            eprintln!("error: the agent at {} answered without a status", args.addr);
+            errln!("error: the agent at {} answered without a status", args.addr);
             return EXIT_FAILED;
         };
         if !response.created {
             let phase = phase_from_pb(status.phase).map_or("?".to_owned(), |p| p.to_string());
-            eprintln!(
+            errln!(
                 "plan {} ({}) is already known to the agent: attempt {}, {phase}; nothing new starts{}",
                 status.id,
                 status.digest,
@@ -629,7 +629,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
                 }
             );
         } else if args.output == RemoteOutput::Text {
-            eprintln!(
+            errln!(
                 "plan {} ({}) accepted by {}: attempt {}, run {}",
                 status.id, status.digest, args.addr, status.attempt, status.run
             );
@@ -656,7 +656,7 @@ async fn conclude(
         status = match follow(client, &id, plain, timeout).await {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -681,7 +681,7 @@ pub fn status(args: &StatusArgs) -> u8 {
         let mut client = match connect_agent(addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -713,7 +713,7 @@ pub fn cancel(args: &CancelArgs) -> u8 {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -744,7 +744,7 @@ pub fn retry(args: &RetryArgs) -> u8 {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };

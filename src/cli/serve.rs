@@ -245,9 +245,7 @@ impl Daemon {
             metrics,
             AgentInfo {
                 version: env!("CARGO_PKG_VERSION").to_string(),
-                commit: option_env!("INPLACE_AGENT_GIT_COMMIT")
-                    .unwrap_or("unknown")
-                    .to_string(),
+                commit: super::version::commit_label(),
                 pid: std::process::id(),
                 started_at_ms,
                 uptime_seconds: 0,
@@ -425,7 +423,7 @@ pub fn run(args: &ServeArgs) -> u8 {
         Ok(s) => s,
         Err(e) => {
             super::logging::init("info", args.log_format.unwrap_or_default(), true);
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return EXIT_INVALID;
         }
     };
@@ -439,14 +437,14 @@ pub fn run(args: &ServeArgs) -> u8 {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: start the async runtime: {e}");
+            errln!("error: start the async runtime: {e}");
             return EXIT_FAILED;
         }
     };
     match runtime.block_on(serve_until_signalled(settings)) {
         Ok(()) => EXIT_OK,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             EXIT_FAILED
         }
     }

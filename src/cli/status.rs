@@ -44,7 +44,7 @@ impl Local {
                 match load_config(Path::new(DEFAULT_CONFIG_PATH)) {
                     Ok(input) => Some(input),
                     Err(e) => {
-                        eprintln!("warning: {e}; using the defaults");
+                        errln!("warning: {e}; using the defaults");
                         None
                     }
                 }
@@ -96,7 +96,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
                 None => serde_json::from_slice(&r.body).map(|a| Doc::Agent(Box::new(a))),
             };
             parsed.map_err(|e| {
-                eprintln!(
+                errln!(
                     "error: the agent's answer on {}: {e}",
                     local.socket.display()
                 );
@@ -107,12 +107,12 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
             let message = serde_json::from_slice::<api::ErrorDocument>(&r.body)
                 .map(|d| d.message)
                 .unwrap_or_else(|_| String::from_utf8_lossy(&r.body).trim().to_string());
-            eprintln!("error: {message}");
+            errln!("error: {message}");
             Err(EXIT_FAILED)
         }
         Err(ClientError::NotServing { .. }) => {
             if !quiet_fallback {
-                eprintln!(
+                errln!(
                     "no agent is serving on {}; read the journal {} directly (read-only; a \
                      plan applied by `inplace-agent apply` right now may be ahead of it)",
                     local.socket.display(),
@@ -122,7 +122,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
             from_journal(local, id)
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             Err(EXIT_FAILED)
         }
     }
@@ -130,14 +130,14 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
 
 fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, u8> {
     let (table, journal) = api::read_journal(&local.state_dir, usize::MAX).map_err(|e| {
-        eprintln!("error: read the journal: {e}");
+        errln!("error: read the journal: {e}");
         EXIT_FAILED
     })?;
     match id {
         Some(id) => match table.latest(id) {
             Some(s) => Ok(Doc::Plan(Box::new(PlanStatusDocument::new(s.clone())))),
             None => {
-                eprintln!("error: no plan with id {id:?} is in the journal");
+                errln!("error: no plan with id {id:?} is in the journal");
                 Err(EXIT_FAILED)
             }
         },
@@ -185,7 +185,7 @@ pub fn local(args: &StatusArgs) -> u8 {
     let local = match Local::resolve(args) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return super::EXIT_INVALID;
         }
     };
@@ -200,7 +200,7 @@ pub fn local(args: &StatusArgs) -> u8 {
         };
         match id {
             Some(id) => return watch(&local, &id, args),
-            None => eprintln!("no plan is running; nothing to watch"),
+            None => errln!("no plan is running; nothing to watch"),
         }
     }
     print(&local, doc, args.output)
@@ -211,22 +211,22 @@ pub fn local(args: &StatusArgs) -> u8 {
 fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
     match (doc, output) {
         (Doc::Plan(p), RemoteOutput::Json) => {
-            println!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
+            outln!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
             exit_for(p.status.phase)
         }
         (Doc::Plan(p), RemoteOutput::HookResponse) => {
-            println!(
+            outln!(
                 "{}",
                 hook_response_json(&crate::rpc::status::hook_response_to_pb(&p.hook_response))
             );
             exit_for(p.status.phase)
         }
         (Doc::Plan(p), RemoteOutput::Text) => {
-            println!("{}", describe(&p.status));
+            outln!("{}", describe(&p.status));
             exit_for(p.status.phase)
         }
         (Doc::Agent(a), RemoteOutput::Json) => {
-            println!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
+            outln!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
             agent_exit(&a)
         }
         (Doc::Agent(a), RemoteOutput::HookResponse) => {
@@ -236,7 +236,7 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
                 .map(|c| c.id.clone())
                 .or_else(|| a.recent.first().map(|r| r.id.clone()));
             let Some(id) = id else {
-                eprintln!("error: no plan is known; nothing to answer for");
+                errln!("error: no plan is known; nothing to answer for");
                 return EXIT_FAILED;
             };
             match fetch(local, Some(&id), true) {
@@ -245,7 +245,7 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
             }
         }
         (Doc::Agent(a), RemoteOutput::Text) => {
-            println!("{}", render(&a, now_ms()));
+            outln!("{}", render(&a, now_ms()));
             agent_exit(&a)
         }
     }
@@ -284,7 +284,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                 let doc: PlanStatusDocument = match serde_json::from_slice(&r.body) {
                     Ok(d) => d,
                     Err(e) => {
-                        eprintln!("error: the agent's answer: {e}");
+                        errln!("error: the agent's answer: {e}");
                         return EXIT_FAILED;
                     }
                 };
@@ -298,7 +298,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                 }
             }
             Ok(r) => {
-                eprintln!(
+                errln!(
                     "error: {}",
                     serde_json::from_slice::<api::ErrorDocument>(&r.body)
                         .map(|d| d.message)
@@ -318,7 +318,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                 continue;
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         }

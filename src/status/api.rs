@@ -101,7 +101,8 @@ pub struct NodeInfo {
 pub struct AgentInfo {
     /// Version of the agent.
     pub version: String,
-    /// Git commit it was built from (`unknown` when not recorded).
+    /// Git commit it was built from: 12 hex digits, `+modified` when its sources differed
+    /// from that commit, `unknown` when it was built without git metadata.
     pub commit: String,
     /// Process id.
     pub pid: u32,
