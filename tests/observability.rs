@@ -368,6 +368,11 @@ async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
     assert!(current["elapsedMs"].as_u64().is_some(), "{current:#}");
     assert_eq!(status["agent"]["pid"], agent.child.id());
 
+    // The readiness probe of the DaemonSet.
+    let out = cli(&["status", "--root", &root, "--healthz"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+
     // The same through the command, in JSON and for people.
     let out = cli(&["status", "--root", &root, "--output", "json"]);
     assert!(out.status.success(), "{}", text(&out));
@@ -540,6 +545,16 @@ fn without_an_agent_status_reads_the_journal_and_says_so() {
         v["journal"]["records"].as_u64(),
         Some(common::journal(&node).len() as u64)
     );
+
+    // A probe never takes the journal for an agent.
+    let out = cli(&["status", "--root", &root, "--healthz"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("no agent is serving on"),
+        "{}",
+        text(&out)
+    );
+    assert!(!text(&out).contains("read the journal"), "{}", text(&out));
 
     let out = cli(&["status", "--root", &root, "bad", "-o", "json"]);
     assert_eq!(

@@ -836,6 +836,28 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
         );
     }
 
+    // The readiness probe, as the manifest says, with the pod's /host: ready, and no TLS
+    // handshake for it (a TCP probe was a failed handshake on every node every 10 s).
+    let probe: Vec<String> = container["readinessProbe"]["exec"]["command"]
+        .as_array()
+        .expect("an exec readiness probe")
+        .iter()
+        .map(|a| a.as_str().unwrap().replace("/host", &root))
+        .collect();
+    assert_eq!(probe[0], "/usr/bin/inplace-agent", "{probe:?}");
+    for _ in 0..3 {
+        let out = Command::new(BIN)
+            .args(&probe[1..])
+            .env_remove("INPLACE_AGENT_CONFIG")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "readiness probe {probe:?}: {}",
+            text(&out)
+        );
+    }
+
     let client = Client::new(&node, files.ca_cert.parent().unwrap().to_path_buf());
     let starts = kubelet_starts(&node);
     let applied = client.submit(
@@ -843,6 +865,18 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
         &node_plan("default/md-0@daemonset-route", &name),
         true,
     );
+    let metrics = inplace_agent::status::client::get(
+        &node.path("/run/inplace-agent/status.sock"),
+        "/metrics",
+        Duration::from_secs(10),
+    )
+    .expect("metrics on the status socket");
+    let failures: f64 = String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .filter(|l| l.starts_with("inplace_agent_tls_handshake_failures_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(failures, 0.0, "no handshake failed for the probes");
     rustix::process::kill_process(
         rustix::process::Pid::from_child(&agent),
         rustix::process::Signal::TERM,

@@ -1052,6 +1052,87 @@ async fn submit_and_status_against_serve() {
     assert!(all.contains("not found"), "{all}");
 }
 
+/// The client commands that cannot reach the agent say why and what to do (issue 15).
+#[tokio::test]
+async fn clients_that_cannot_connect_say_why_and_what_to_do() {
+    let node = Node::new();
+    let pki = pki();
+    let agent = Agent::start(&node, &pki, &[]);
+    let run = |addr: &str, flags: Vec<String>| {
+        let out = Command::new(bin())
+            .args(["status", "--addr", addr])
+            .args(flags)
+            .env("INPLACE_AGENT_LOG", "error")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let with = |flag: &str, value: &str| {
+        let mut flags = pki.client_flags(As::Reader);
+        let at = flags.iter().position(|f| f == flag).unwrap();
+        flags[at + 1] = value.to_string();
+        flags
+    };
+
+    // TCP probes first: logged at debug level, never as a failed handshake.
+    for _ in 0..3 {
+        drop(std::net::TcpStream::connect(&agent.addr).unwrap());
+    }
+    let deadline = Instant::now() + PATIENCE;
+    while !agent
+        .log()
+        .contains("connection closed before any tls byte")
+    {
+        assert!(Instant::now() < deadline, "{}", agent.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !agent.log().contains("tls handshake failed"),
+        "{}",
+        agent.log()
+    );
+
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nobody = free.local_addr().unwrap().to_string();
+    drop(free);
+    let said = run(&nobody, pki.client_flags(As::Reader));
+    assert!(said.contains("Connection refused"), "{said}");
+    assert!(said.contains("systemctl status inplace-agent"), "{said}");
+
+    let said = run(&agent.addr, with("--server-name", "worker-7"));
+    assert!(
+        said.contains("the agent's certificate is not valid for \"worker-7\": it names test-node"),
+        "{said}"
+    );
+    assert!(said.contains("--server-name test-node"), "{said}");
+
+    let other = tempfile::tempdir().unwrap();
+    let theirs =
+        inplace_agent::rpc::pki::init(&PkiInitOptions::new(other.path().join("pki"), NODE))
+            .unwrap();
+    let said = run(
+        &agent.addr,
+        with("--ca", &theirs.ca_cert.display().to_string()),
+    );
+    assert!(said.contains("(bad signature): another PKI's CA"), "{said}");
+    assert!(
+        said.contains("pass the agents' CA bundle with --ca"),
+        "{said}"
+    );
+
+    let mut flags = with("--cert", &theirs.reader_cert.display().to_string());
+    let at = flags.iter().position(|f| f == "--key").unwrap();
+    flags[at + 1] = theirs.reader_key.display().to_string();
+    let said = run(&agent.addr, flags);
+    assert!(
+        said.contains("the agent refused the TLS handshake"),
+        "{said}"
+    );
+    assert!(said.contains("tls handshake failed"), "{said}");
+    drop(agent);
+}
+
 // === The config file ===
 
 #[test]

@@ -20,7 +20,7 @@ use crate::rpc::convert::plan_to_pb;
 use crate::rpc::pb;
 use crate::rpc::pb::node_agent_client::NodeAgentClient;
 use crate::rpc::status::{phase_from_pb, status_from_pb};
-use crate::rpc::tls::{ClientTlsPaths, client_config, connect};
+use crate::rpc::tls::{ClientTlsPaths, ConnectProblem, client_config, connect, diagnose};
 
 /// `apiVersion` of the CAPI hook response `--output hook-response` prints.
 pub const HOOK_API_VERSION: &str = "hooks.runtime.cluster.x-k8s.io/v1alpha1";
@@ -128,6 +128,10 @@ pub struct StatusArgs {
     /// Follow the plan until it ends
     #[arg(long)]
     pub watch: bool,
+    /// Only ask the local agent's socket for /healthz: exit 0 when it answers ok, 1 otherwise
+    /// (never reads the journal); for readiness probes and scripts
+    #[arg(long, conflicts_with_all = ["addr", "id", "watch"])]
+    pub healthz: bool,
     /// Never draw a progress bar, print a line per step
     #[arg(long)]
     pub no_progress: bool,
@@ -194,8 +198,70 @@ pub async fn connect_agent(addr: &str, tls: &TlsArgs) -> Result<NodeAgentClient<
     let config = client_config(&paths).map_err(|e| format!("client tls: {e}"))?;
     let channel = connect(addr, tls.server_name.as_deref(), Arc::new(config))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| match e.problem() {
+            Some(problem) => format!("{e}\n  hint: {}", hint(&problem, addr, tls)),
+            None => e.to_string(),
+        })?;
     Ok(NodeAgentClient::new(channel))
+}
+
+/// What to do about a connection problem, naming the flags and keys involved.
+pub(crate) fn hint(problem: &ConnectProblem, addr: &str, tls: &TlsArgs) -> String {
+    let file = |f: &Option<PathBuf>| {
+        f.as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    match problem {
+        ConnectProblem::Refused => format!(
+            "nothing accepts connections on {addr}: is the agent running, and is this its \
+             grpc.listen address? On the node: systemctl status inplace-agent"
+        ),
+        ConnectProblem::TimedOut => format!(
+            "no answer from {addr}: a firewall may drop the connection (the agent listens on TCP \
+             9443 by default), or the node is down or rebooting"
+        ),
+        ConnectProblem::WrongName { presented, .. } => {
+            let name = presented
+                .iter()
+                .find(|n| n.parse::<std::net::IpAddr>().is_err() && *n != "localhost")
+                .map(|n| format!(" (such as --server-name {n})"))
+                .unwrap_or_default();
+            format!(
+                "pass --server-name with the node's name that the certificate has{name}; when \
+                 connecting by IP address the name to verify is the node's name"
+            )
+        }
+        ConnectProblem::UnknownIssuer | ConnectProblem::BadSignature => format!(
+            "--ca {} does not hold the CA that issued the agent's certificate: pass the agents' \
+             CA bundle with --ca (docs/pki.md)",
+            file(&tls.ca)
+        ),
+        ConnectProblem::Expired { .. } => "renew the agent's certificate on the node (tls.cert in \
+             its configuration; docs/pki.md): the agent re-reads it without a restart"
+            .to_string(),
+        ConnectProblem::NotYetValid { .. } => {
+            "check the clocks of this machine and of the CA that issued it".to_string()
+        }
+        ConnectProblem::WrongKeyUsage => "the agent's certificate (tls.cert) must carry the \
+             serverAuth extended key usage (docs/pki.md)"
+            .to_string(),
+        ConnectProblem::Closed => format!(
+            "the agent closed the connection at once; most likely it did not accept --cert {}: \
+             its log on the node says why: journalctl -u inplace-agent | grep 'tls handshake \
+             failed'",
+            file(&tls.cert)
+        ),
+        ConnectProblem::RefusedByPeer(_) => format!(
+            "the agent did not accept --cert {}; its log on the node says why: journalctl -u \
+             inplace-agent | grep 'tls handshake failed' (reason=unknown_issuer: not issued by \
+             the agent's tls.client_ca; expired; wrong_key_usage: no clientAuth usage)",
+            file(&tls.cert)
+        ),
+        ConnectProblem::NotTls => {
+            format!("{addr} does not answer like the agent: is it the agent's grpc.listen address?")
+        }
+    }
 }
 
 fn call<T>(message: T) -> tonic::Request<T> {
@@ -218,13 +284,23 @@ fn code_name(code: tonic::Code) -> String {
 }
 
 /// Prints a failed call and returns the exit code: 2 when the agent refused the input
-/// (invalid, too large, not for this node), 1 otherwise.
-fn refused(what: &str, addr: &str, status: &tonic::Status) -> u8 {
-    errln!(
-        "error: {what} on {addr}: {}: {}",
-        code_name(status.code()),
-        status.message()
-    );
+/// (invalid, too large, not for this node), 1 otherwise. A call that failed on the way (the
+/// connection, its TLS) says why, with the whole cause chain and what to do.
+fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> u8 {
+    let diagnosis = diagnose(status);
+    match &diagnosis.problem {
+        Some(problem) => errln!(
+            "error: {what} on {addr}: {}: {}\n  hint: {}",
+            code_name(status.code()),
+            diagnosis.chain(),
+            hint(problem, addr, tls)
+        ),
+        None => errln!(
+            "error: {what} on {addr}: {}: {}",
+            code_name(status.code()),
+            diagnosis.chain()
+        ),
+    }
     match status.code() {
         tonic::Code::InvalidArgument
         | tonic::Code::ResourceExhausted
@@ -609,7 +685,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
         };
         let response = match client.apply_plan(call(request)).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &status),
+            Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &args.tls, &status),
         };
         let Some(status) = response.status else {
             errln!("error: the agent at {} answered without a status", args.addr);
@@ -688,7 +764,7 @@ pub fn status(args: &StatusArgs) -> u8 {
         let request = pb::GetPlanStatusRequest { id: id.clone() };
         let status = match client.get_plan_status(call(request)).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return refused("get plan status", addr, &status),
+            Err(status) => return refused("get plan status", addr, &args.tls, &status),
         };
         let wait = args.watch.then_some(FOREVER);
         conclude(
@@ -724,7 +800,12 @@ pub fn cancel(args: &CancelArgs) -> u8 {
         let status = match client.cancel_plan(call(request)).await {
             Ok(r) => r.into_inner(),
             Err(status) => {
-                return refused(&format!("cancel plan {}", args.id), &args.addr, &status);
+                return refused(
+                    &format!("cancel plan {}", args.id),
+                    &args.addr,
+                    &args.tls,
+                    &status,
+                );
             }
         };
         if let Err(code) = print_status(&status, args.output, true) {
@@ -754,7 +835,14 @@ pub fn retry(args: &RetryArgs) -> u8 {
         };
         let status = match client.retry_plan(call(request)).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return refused(&format!("retry plan {}", args.id), &args.addr, &status),
+            Err(status) => {
+                return refused(
+                    &format!("retry plan {}", args.id),
+                    &args.addr,
+                    &args.tls,
+                    &status,
+                );
+            }
         };
         let wait = args.wait.then_some(FOREVER);
         conclude(

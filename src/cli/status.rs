@@ -189,6 +189,9 @@ pub fn local(args: &StatusArgs) -> u8 {
             return super::EXIT_INVALID;
         }
     };
+    if args.healthz {
+        return healthz(&local);
+    }
     let doc = match fetch(&local, args.id.as_deref(), false) {
         Ok(d) => d,
         Err(code) => return code,
@@ -204,6 +207,28 @@ pub fn local(args: &StatusArgs) -> u8 {
         }
     }
     print(&local, doc, args.output)
+}
+
+/// `status --healthz`: whether the agent serves its status socket, without any fallback.
+fn healthz(local: &Local) -> u8 {
+    match client::get(&local.socket, "/healthz", REQUEST_TIMEOUT) {
+        Ok(r) if r.status == 200 => {
+            outln!("{}", String::from_utf8_lossy(&r.body).trim());
+            EXIT_OK
+        }
+        Ok(r) => {
+            errln!(
+                "error: {} answered /healthz with {}",
+                local.socket.display(),
+                r.status
+            );
+            EXIT_FAILED
+        }
+        Err(e) => {
+            errln!("error: {e}");
+            EXIT_FAILED
+        }
+    }
 }
 
 /// Prints a document in the chosen format and returns the exit code: 1 when the plan shown
