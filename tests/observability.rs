@@ -586,6 +586,46 @@ fn config_check_names_the_key_and_line_and_the_default_file_is_valid() {
         ),
     )
     .unwrap();
+    // The default names certificates that are not there and lets nobody in: valid TOML,
+    // but serve would not start, and config check says so, with the fixes.
+    let out = cli(&["config", "check", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let said = text(&out);
+    assert!(
+        said.contains("serve would not start (4 problems)")
+            && said.contains("tls.cert /etc/inplace-agent/pki/server.crt: no such file")
+            && said.contains("authorization.admin is empty"),
+        "{said}"
+    );
+    assert_eq!(said.matches("inplace-agent pki init").count(), 1, "{said}");
+    // With certificates for the node and an updater, it is valid.
+    let pki = inplace_agent::rpc::pki::init(&inplace_agent::rpc::pki::PkiInitOptions::new(
+        dir.path().join("pki"),
+        "worker-5",
+    ))
+    .unwrap();
+    let edited = default
+        .replace(
+            "root = \"/\"",
+            &format!("root = {:?}", node.root().display().to_string()),
+        )
+        .replace(
+            "cert = \"/etc/inplace-agent/pki/server.crt\"",
+            &format!("cert = {:?}", pki.server_cert),
+        )
+        .replace(
+            "key = \"/etc/inplace-agent/pki/server.key\"",
+            &format!("key = {:?}", pki.server_key),
+        )
+        .replace(
+            "client_ca = \"/etc/inplace-agent/pki/ca.crt\"",
+            &format!("client_ca = {:?}", pki.ca_cert),
+        )
+        .replace(
+            "admin = []",
+            &format!("admin = [{DEFAULT_UPDATER_IDENTITY:?}]"),
+        );
+    std::fs::write(&file, edited).unwrap();
     let out = cli(&["config", "check", file.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(

@@ -501,29 +501,52 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
         text(&verify)
     );
 
-    // --- Configure as docs/install.md says: certificates, then who may call; the edit makes
-    // the conffile "modified" for the upgrade below.
+    // --- Not configured yet: started (as at every boot, the unit is enabled), it waits
+    // quietly: inactive, not failed, not restarted, and its status says what is missing.
+    in_node_ok(&node, "systemctl start inplace-agent");
+    assert_eq!(unit_property(&node, AGENT, "ActiveState"), "inactive");
+    assert_eq!(unit_property(&node, AGENT, "NRestarts"), "0");
+    let said = in_node(&node, "systemctl status inplace-agent --no-pager -l -n 20");
+    assert!(
+        text(&said).contains("not configured yet")
+            && text(&said).contains("/etc/inplace-agent/pki/server.crt"),
+        "{}",
+        text(&said)
+    );
+
+    // --- Certificates, but nobody may call it yet: it refuses to start with exit 2, says
+    // how to fix it, and is not restarted (RestartPreventExitStatus=2).
     let name = node_name(&node);
     in_node_ok(
         &node,
         &format!("inplace-agent pki init /etc/inplace-agent/pki --node-name {name}"),
     );
-    let edited = node
-        .read_file("/etc/inplace-agent/config.toml")
-        .replace(
-            &format!("# admin = [\"{DEFAULT_UPDATER_IDENTITY}\"]"),
-            &format!("admin = [\"{DEFAULT_UPDATER_IDENTITY}\"]"),
-        )
-        .replace(
-            &format!("# reader = [\"{DEFAULT_READER_IDENTITY}\"]"),
-            &format!("reader = [\"{DEFAULT_READER_IDENTITY}\"]"),
-        )
-        + "# edited on this node\n";
-    assert!(
-        edited.contains("\nadmin = ["),
-        "the packaged file has the admin example"
+    let refused = in_node(&node, "systemctl start inplace-agent");
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert_eq!(unit_property(&node, AGENT, "ExecMainStatus"), "2");
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(unit_property(&node, AGENT, "ActiveState"), "failed");
+    assert_eq!(
+        unit_property(&node, AGENT, "NRestarts"),
+        "0",
+        "no restart on exit 2"
     );
+    let said = in_node_ok(&node, "journalctl -u inplace-agent --no-pager -o cat");
+    assert!(
+        said.contains("authorization.admin is empty")
+            && said.contains("admin = [\"spiffe://inplace-agent/updater\"] under [authorization]"),
+        "{said}"
+    );
+    in_node_ok(&node, "systemctl reset-failed inplace-agent");
+
+    // --- Configure as docs/install.md says: append who may call; the edit makes the
+    // conffile "modified" for the upgrade below.
+    let edited = node.read_file("/etc/inplace-agent/config.toml")
+        + &format!(
+            "\n# edited on this node\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n"
+        );
     node.write_file("/etc/inplace-agent/config.toml", &edited, 0o644);
+    in_node_ok(&node, "inplace-agent config check");
 
     // --- Start through systemd (Type=notify: returns once the agent sent READY=1).
     in_node_ok(&node, "systemctl start inplace-agent");
@@ -965,7 +988,16 @@ fn uncommented(examples: bool) -> String {
     PACKAGED_CONFIG
         .lines()
         .map(|line| match line.strip_prefix("# ") {
-            Some(rest) if rest.contains(" = ") && (examples || !rest.contains("# default:")) => {
+            // (Indented lines are the example in the file's introduction.)
+            Some(rest)
+                if !rest.starts_with(' ')
+                    && rest.contains(" = ")
+                    && (examples || !rest.contains("# default:")) =>
+            {
+                rest.to_string()
+            }
+            // The table headers, commented out too.
+            Some(rest) if rest.starts_with('[') && rest.ends_with(']') && !rest.contains(' ') => {
                 rest.to_string()
             }
             _ => line.to_string(),
@@ -1015,6 +1047,23 @@ fn the_packaged_config_is_the_defaults_and_names_every_key() {
     assert!(
         missing.is_empty(),
         "packaging/config.toml lacks {missing:?}"
+    );
+    // The documented edit works on the file as shipped: appending a table (every header in
+    // it is commented out, so nothing is defined twice).
+    let appended = format!(
+        "{PACKAGED_CONFIG}\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n\n[node]\nname = \"worker-9\"\n\n[tls]\ncert = \"/etc/inplace-agent/tls/tls.crt\"\n"
+    );
+    let input = parse_config(&appended, Path::new("/etc/inplace-agent/config.toml"))
+        .unwrap_or_else(|e| panic!("appending tables to the packaged file: {e}"));
+    let settings = input.resolve().unwrap();
+    assert_eq!(settings.node_name, "worker-9");
+    assert_eq!(
+        settings.rules.admin(),
+        [DEFAULT_UPDATER_IDENTITY.parse().unwrap()]
+    );
+    assert_eq!(
+        settings.tls.cert,
+        Path::new("/etc/inplace-agent/tls/tls.crt")
     );
     // The ConfigMap's configuration parses too.
     parse_config(&configmap_config(), Path::new("configmap.yaml"))

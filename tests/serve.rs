@@ -1133,6 +1133,150 @@ async fn clients_that_cannot_connect_say_why_and_what_to_do() {
     drop(agent);
 }
 
+/// `serve` checks what it needs before it opens anything, exits 2 naming the setting, the
+/// file and the fix; `--check-configured` (the unit's ExecCondition=) only looks for the
+/// TLS files (issue 15).
+#[test]
+fn serve_refuses_to_start_without_what_it_needs_and_says_how_to_fix_it() {
+    let node = Node::new();
+    let pki = pki();
+    let f = &pki.files;
+    let other = tempfile::tempdir().unwrap();
+    let theirs =
+        inplace_agent::rpc::pki::init(&PkiInitOptions::new(other.path().join("pki"), "other-node"))
+            .unwrap();
+    let garbage = other.path().join("garbage.crt");
+    std::fs::write(&garbage, "not a certificate\n").unwrap();
+    let serve = |cert: &Path, key: &Path, ca: &Path, admin: bool, extra: &[&str]| {
+        let mut cmd = Command::new(bin());
+        cmd.args([
+            "serve",
+            "--config",
+            "/dev/null",
+            "--node-name",
+            NODE,
+            "--listen",
+        ])
+        .arg("127.0.0.1:0")
+        .arg("--root")
+        .arg(node.root())
+        .arg("--tls-cert")
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key)
+        .arg("--client-ca")
+        .arg(ca)
+        .args(["--reader", DEFAULT_READER_IDENTITY])
+        .args(extra)
+        .env("INPLACE_AGENT_SERVICES", "off")
+        .env_remove("INPLACE_AGENT_CONFIG")
+        .stdin(Stdio::null());
+        if admin {
+            cmd.args(["--admin", DEFAULT_UPDATER_IDENTITY]);
+        }
+        let out = cmd.output().unwrap();
+        (out.status.code(), text(&out))
+    };
+    let missing = other.path().join("missing.crt");
+    let cases: [(&Path, &Path, &Path, bool, &[&str]); 5] = [
+        (
+            &missing,
+            &f.server_key,
+            &f.ca_cert,
+            true,
+            &[
+                "tls.cert ",
+                "missing.crt: no such file",
+                "fix: put the agent's server certificate there, or point tls.cert in /dev/null (or --tls-cert) at it",
+                "inplace-agent pki init",
+            ],
+        ),
+        (
+            &theirs.server_cert,
+            &theirs.server_key,
+            &f.ca_cert,
+            true,
+            &[
+                "does not name this node \"test-node\" (it has only other-node, localhost)",
+                "with the DNS name test-node",
+                "node.name in /dev/null (or --node-name)",
+            ],
+        ),
+        (
+            &f.server_cert,
+            &f.server_key,
+            &f.ca_cert,
+            false,
+            &[
+                "authorization.admin is empty: only readers may call the agent",
+                "authorization.admin in /dev/null (or --admin)",
+            ],
+        ),
+        (
+            &f.server_cert,
+            &f.updater_key,
+            &f.ca_cert,
+            true,
+            &[
+                "tls: server certificate and key",
+                "fix: tls.key must be the private key of the certificate in tls.cert",
+            ],
+        ),
+        (
+            &f.server_cert,
+            &f.server_key,
+            &garbage,
+            true,
+            &[
+                "tls.client_ca: ",
+                "garbage.crt",
+                "fix: tls.client_ca must hold the CA certificates",
+            ],
+        ),
+    ];
+    for (cert, key, ca, admin, said) in cases {
+        let (code, out) = serve(cert, key, ca, admin, &[]);
+        assert_eq!(code, Some(2), "{out}");
+        assert!(
+            out.contains(
+                "error: inplace-agent cannot serve with the configuration /dev/null (1 problem):"
+            ),
+            "{out}"
+        );
+        for s in said {
+            assert!(out.contains(s), "{s:?} not in:\n{out}");
+        }
+        assert!(
+            !node.path("/var/lib/inplace-agent").exists(),
+            "nothing is opened before the check"
+        );
+    }
+
+    // The unit's ExecCondition=: quiet about a configuration, only the files count.
+    let (code, out) = serve(
+        &missing,
+        &f.server_key,
+        &f.ca_cert,
+        false,
+        &["--check-configured"],
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("inplace-agent is not configured yet, so it does not start: missing ")
+            && out.contains("missing.crt"),
+        "{out}"
+    );
+    let (code, out) = serve(
+        &f.server_cert,
+        &f.server_key,
+        &f.ca_cert,
+        false,
+        &["--check-configured"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    assert!(!node.path("/var/lib/inplace-agent").exists());
+}
+
 // === The config file ===
 
 #[test]

@@ -28,6 +28,7 @@ mod logging;
 mod pki;
 pub mod remote;
 mod render;
+pub mod selfcheck;
 pub mod serve;
 mod status;
 pub mod version;
