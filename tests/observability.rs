@@ -365,6 +365,14 @@ async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
     assert_eq!(current["runningChange"]["state"], "Running");
     assert_eq!(current["counts"]["changed"], 1);
     assert_eq!(current["hookResponse"]["retryAfterSeconds"], 10);
+    // One numbering: the hook response says the same step.
+    assert!(
+        current["hookResponse"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("plan slow: Applying step 2/4: changes[1] kubeadmUpgradeNode"),
+        "{current:#}"
+    );
     assert!(current["elapsedMs"].as_u64().is_some(), "{current:#}");
     assert_eq!(status["agent"]["pid"], agent.child.id());
 

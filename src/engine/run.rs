@@ -562,6 +562,7 @@ impl Runner {
                 return Err(Abort::Stop(stop));
             }
             let name = check_name(index, check);
+            self.shared.lock().table.set_check_running(run, index);
             // A gate being polled is not cut short by a shutdown (it would read as failed).
             let stop = || {
                 self.boundary(run)

@@ -235,9 +235,11 @@ pub struct CheckStatus {
 /// Progress through a run: step `current` of `total`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Progress {
-    /// 1-based number of the step running or last run (0 before the first).
+    /// 1-based number of the step running (the change being applied, the gate being
+    /// polled), else of the last one run (0 before the first). While units restart it stays
+    /// at the last change.
     pub current: u32,
-    /// Changes plus gates plus the restart step when there is one.
+    /// Changes plus gates.
     pub total: u32,
     /// What is happening, for people.
     pub message: String,

@@ -135,6 +135,25 @@ fn phase_message(phase: Phase) -> String {
     }
 }
 
+/// Points "step i of n" at the change being applied now — the first one running, since a
+/// batch announces several before it applies them one by one — else at `finished` (the
+/// 1-based step that just ended). Every view (status, hook response, remote status,
+/// sd_notify, the metric) reads this one number; with `live`, the message names that step.
+fn point_at_step(status: &mut PlanStatus, live: bool, finished: Option<u32>) {
+    let running = status
+        .changes
+        .iter()
+        .find(|c| c.state == ChangeState::Running)
+        .map(|c| c.index);
+    let Some(index) = running.or(finished.and_then(|f| f.checked_sub(1))) else {
+        return;
+    };
+    status.progress.current = index + 1;
+    if live && let Some(c) = status.changes.get(index as usize) {
+        status.progress.message = format!("changes[{index}] {} {}", c.kind, c.target);
+    }
+}
+
 /// An empty plan standing in for one not read back yet (during replay).
 fn placeholder() -> Arc<Plan> {
     static EMPTY: std::sync::OnceLock<Arc<Plan>> = std::sync::OnceLock::new();
@@ -429,10 +448,7 @@ impl Table {
                 if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Running;
                 }
-                status.progress.current = index + 1;
-                if live {
-                    status.progress.message = step_name(index, &rs.plan);
-                }
+                point_at_step(status, live, Some(index + 1));
             }
             (
                 Record::StepDone {
@@ -459,10 +475,7 @@ impl Table {
                     c.message = message;
                     c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
                 }
-                status.progress.current = index + 1;
-                if live {
-                    status.progress.message = step_name(index, &rs.plan);
-                }
+                point_at_step(status, live, Some(index + 1));
                 rs.last_ts = ts;
                 let is_reboot = status
                     .changes
@@ -482,6 +495,7 @@ impl Table {
                     c.message = error.detail.clone();
                     c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
                 }
+                status.progress.current = index + 1;
                 status.error = Some(error);
                 rs.last_ts = ts;
             }
@@ -490,6 +504,7 @@ impl Table {
                 if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Pending;
                 }
+                point_at_step(status, live, None);
             }
             (Record::StepRolledBack { index, .. }, Some(rs)) => {
                 if rs.rolled_back.insert(index) {
@@ -727,13 +742,28 @@ impl Table {
     /// Marks a change as running (not journaled; a change with nothing to do never writes a
     /// `StepStarted`).
     pub fn set_running(&mut self, run: u64, index: u32) {
+        let live = self.live;
         if let Some(p) = self.plans.iter_mut().rev().find(|p| p.run == run) {
             if let Some(c) = p.changes.get_mut(index as usize)
                 && c.state == ChangeState::Pending
             {
                 c.state = ChangeState::Running;
             }
-            p.progress.current = index + 1;
+            point_at_step(p, live, Some(index + 1));
+        }
+    }
+
+    /// Marks a health gate as being polled (not journaled: its `CheckDone` says how it
+    /// ended), so step i of n points at it.
+    pub fn set_check_running(&mut self, run: u64, index: u32) {
+        if let Some(p) = self.plans.iter_mut().rev().find(|p| p.run == run) {
+            if let Some(c) = p.checks.get_mut(index as usize)
+                && c.state == CheckState::Pending
+            {
+                c.state = CheckState::Running;
+                p.progress.message = format!("verify[{index}] {} {}", c.kind, c.target);
+            }
+            p.progress.current = p.changes.len() as u32 + index + 1;
         }
     }
 
@@ -911,6 +941,92 @@ mod tests {
         let rs = table.run_state(1).unwrap();
         assert_eq!(rs.rebooted_at, Some(1));
         assert!(rs.reboot.is_none());
+    }
+
+    /// One step numbering (issue 15): while a batch of announced changes is applied, step
+    /// i of n is the change being applied, and the hook message, the status socket's
+    /// `current.step` and `progress` (the remote status, sd_notify, the metric) agree.
+    #[test]
+    fn step_i_of_n_is_the_change_being_applied_everywhere() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n  - file: {path: /etc/kubernetes/b, content: x}\n  - file: {path: /etc/kubernetes/c, content: x}\nverify:\n  - command: {argv: [\"true\"]}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        table.finish_replay(&|_| Err("no bodies".into()));
+        let mut seq = 0;
+        let mut apply = |table: &mut Table, r: Record| {
+            seq += 1;
+            table.apply(entry(seq, 1000 + seq, r));
+        };
+        apply(&mut table, accepted(&plan));
+        apply(
+            &mut table,
+            Record::Phase {
+                run: 1,
+                phase: Phase::Applying,
+                error: None,
+            },
+        );
+        for index in 0..3 {
+            table.set_running(1, index);
+            apply(
+                &mut table,
+                Record::StepStarted {
+                    run: 1,
+                    index,
+                    preimages: Vec::new(),
+                },
+            );
+        }
+        let agree = |table: &Table, step: u32, what: &str| {
+            let s = table.by_run(1).unwrap();
+            assert_eq!(s.progress.current, step, "{s:#?}");
+            assert_eq!(s.progress.total, 4);
+            assert_eq!(crate::status::api::current_plan(s, 0).step, step);
+            let hook = s.hook_response().message;
+            assert!(hook.contains(&format!("step {step}/4: {what}")), "{hook}");
+        };
+        agree(&table, 1, "changes[0] file /etc/kubernetes/a");
+        for index in 0..3 {
+            apply(
+                &mut table,
+                Record::StepDone {
+                    run: 1,
+                    index,
+                    changed: true,
+                    message: "write".into(),
+                },
+            );
+            let next = (index + 1).min(2);
+            agree(
+                &table,
+                next + 1,
+                &format!(
+                    "changes[{next}] file /etc/kubernetes/{}",
+                    ["a", "b", "c"][next as usize]
+                ),
+            );
+        }
+        apply(
+            &mut table,
+            Record::Phase {
+                run: 1,
+                phase: Phase::Verifying,
+                error: None,
+            },
+        );
+        table.set_check_running(1, 0);
+        agree(&table, 4, "verify[0] command true");
+        let s = table.by_run(1).unwrap();
+        assert_eq!(
+            crate::status::api::current_plan(s, 0)
+                .running_check
+                .map(|c| c.index),
+            Some(0)
+        );
     }
 
     #[test]

@@ -136,7 +136,7 @@ pub struct CurrentPlan {
     /// Phase.
     pub phase: Phase,
     /// Step i of `steps`: the change or gate running now (1-based), else the last one run
-    /// (0 before the first).
+    /// (0 before the first); the same number as the hook response's "step i/n".
     pub step: u32,
     /// Changes plus gates.
     pub steps: u32,
@@ -417,16 +417,14 @@ pub fn current_plan(s: &PlanStatus, now_ms: u64) -> CurrentPlan {
         Phase::Verifying => s
             .checks
             .iter()
-            .find(|c| matches!(c.state, CheckState::Pending | CheckState::Running))
+            .find(|c| c.state == CheckState::Running)
+            .or_else(|| s.checks.iter().find(|c| c.state == CheckState::Pending))
             .cloned(),
         _ => None,
     };
-    // The step running now when one is known; otherwise the last one run.
-    let step = match (&running_change, &running_check) {
-        (Some(c), _) => c.index + 1,
-        (None, Some(c)) => s.changes.len() as u32 + c.index + 1,
-        (None, None) => s.progress.current,
-    };
+    // One numbering everywhere: the engine's step i of n, which the hook response, the
+    // remote status, sd_notify and the metric show too.
+    let step = s.progress.current;
     CurrentPlan {
         id: s.id.clone(),
         digest: s.digest.clone(),
