@@ -127,3 +127,62 @@ fn the_demo_into_a_closed_pipe_stops_quietly_and_removes_its_sandbox() {
         assert!(left.is_empty(), "the demo left {left:?} in its TMPDIR");
     }
 }
+
+/// A change finished after a crash says what it wrote, as an uninterrupted run does, and the
+/// progress line does not wrap "changed" twice (issue 15: "changed (changed (completed after
+/// a restart))" on a real node).
+#[cfg(feature = "failpoints")]
+#[test]
+fn a_change_finished_after_a_crash_still_says_what_it_wrote() {
+    let node = Node::new();
+    let plan = node.plan_file(
+        "p.yaml",
+        &format!(
+            "{}changes:\n  - file: {{path: /etc/kubernetes/audit.yaml, content: \"kind: Policy\\n\", mode: \"0640\"}}\n",
+            header("crash-detail")
+        ),
+    );
+    let apply = |env: &[(&str, &str)]| {
+        node.agent_env(
+            &[
+                "apply",
+                "--services",
+                "off",
+                "--no-progress",
+                "-o",
+                "json",
+                plan.to_str().unwrap(),
+            ],
+            env,
+        )
+    };
+    let crashed = apply(&[("INPLACE_AGENT_CRASH_AT", "step.after_mutation")]);
+    assert!(!crashed.status.success(), "{}", common::text(&crashed));
+    let resumed = node.agent_env(
+        &[
+            "apply",
+            "--services",
+            "off",
+            "--no-progress",
+            plan.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(resumed.status.success(), "{}", common::text(&resumed));
+    let said = common::text(&resumed);
+    assert!(
+        said.contains(
+            "changes[0] file /etc/kubernetes/audit.yaml: changed (write /etc/kubernetes/audit.yaml (13 bytes, 0640 "
+        ) && said.contains(" (completed after a restart))"),
+        "{said}"
+    );
+    assert!(!said.contains("changed (changed"), "{said}");
+    let status = apply(&[]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let message = status["changes"][0]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("write /etc/kubernetes/audit.yaml (13 bytes, 0640 ")
+            && message.ends_with(" (completed after a restart)"),
+        "{status:#}"
+    );
+}

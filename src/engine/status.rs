@@ -376,7 +376,13 @@ impl PlanStatus {
                 Some(e) => format!("plan {} is rolling back after: {e}", self.id),
                 None => format!("plan {} is rolling back", self.id),
             },
-            _ if self.rebooting => format!("plan {}: waiting for the node to reboot", self.id),
+            phase if self.rebooting => format!(
+                "plan {}: {phase} step {}/{}: {}",
+                self.id,
+                self.progress.current,
+                self.progress.total,
+                super::table::reboot_message(self)
+            ),
             phase => {
                 let p = &self.progress;
                 if p.message.is_empty() {

@@ -21,6 +21,8 @@ pub struct RunState {
     pub plan: Arc<Plan>,
     /// Pre-images of changes that started mutating, by change index.
     pub preimages: BTreeMap<u32, Vec<Preimage>>,
+    /// What those changes said they would do when they were announced, by change index.
+    pub planned: BTreeMap<u32, Vec<String>>,
     /// Changes in their desired state.
     pub done: BTreeSet<u32>,
     /// Changes restored by rollback.
@@ -151,6 +153,19 @@ fn point_at_step(status: &mut PlanStatus, live: bool, finished: Option<u32>) {
     status.progress.current = index + 1;
     if live && let Some(c) = status.changes.get(index as usize) {
         status.progress.message = format!("changes[{index}] {} {}", c.kind, c.target);
+    }
+}
+
+/// What a run waiting for its reboot says, everywhere: the status, the hook response,
+/// sd_notify (step i of n is the reboot change).
+pub fn reboot_message(status: &PlanStatus) -> String {
+    let index = status.progress.current.saturating_sub(1);
+    match status.changes.get(index as usize) {
+        Some(c) => format!(
+            "waiting for the node to reboot (changes[{index}] {} {})",
+            c.kind, c.target
+        ),
+        None => "waiting for the node to reboot".to_string(),
     }
 }
 
@@ -314,6 +329,7 @@ impl Table {
             }
             if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) {
                 status.progress.message = match status.phase {
+                    Phase::Applying if status.rebooting => reboot_message(status),
                     Phase::Applying if status.progress.current > 0 => {
                         step_name(status.progress.current - 1, &plan)
                     }
@@ -398,6 +414,7 @@ impl Table {
             RunState {
                 plan: plan.unwrap_or_else(placeholder),
                 preimages: BTreeMap::new(),
+                planned: BTreeMap::new(),
                 done: BTreeSet::new(),
                 rolled_back: BTreeSet::new(),
                 checks_passed: BTreeSet::new(),
@@ -435,10 +452,16 @@ impl Table {
             }
             (
                 Record::StepStarted {
-                    index, preimages, ..
+                    index,
+                    preimages,
+                    planned,
+                    ..
                 },
                 Some(rs),
             ) => {
+                if !planned.is_empty() {
+                    rs.planned.insert(index, planned);
+                }
                 let entry = rs.preimages.entry(index).or_default();
                 for p in preimages {
                     if !entry.contains(&p) {
@@ -501,6 +524,7 @@ impl Table {
             }
             (Record::StepAbandoned { index, .. }, Some(rs)) => {
                 rs.preimages.remove(&index);
+                rs.planned.remove(&index);
                 if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Pending;
                 }
@@ -632,12 +656,11 @@ impl Table {
                     });
                 }
                 status.rebooting = true;
-                let target = status
-                    .changes
-                    .get(index as usize)
-                    .map(|c| format!("changes[{index}] {} {}", c.kind, c.target))
-                    .unwrap_or_default();
-                status.progress.message = format!("waiting for the node to reboot ({target})");
+                if let Some(c) = status.changes.get_mut(index as usize) {
+                    c.state = ChangeState::Running;
+                }
+                point_at_step(status, false, Some(index + 1));
+                status.progress.message = reboot_message(status);
             }
             (
                 Record::CheckDone {
@@ -898,7 +921,44 @@ mod tests {
         let hook = status.hook_response();
         assert_eq!(hook.status, HookStatus::Success);
         assert_eq!(hook.retry_after_seconds, RETRY_REBOOTING);
-        assert_eq!(hook.message, "plan p: waiting for the node to reboot");
+        assert_eq!(
+            hook.message,
+            "plan p: Applying step 2/2: waiting for the node to reboot (changes[1] reboot kernel)"
+        );
+        assert_eq!(
+            status.progress.message,
+            "waiting for the node to reboot (changes[1] reboot kernel)"
+        );
+        assert_eq!(crate::status::api::current_plan(status, 0).step, 2);
+        // A restarted agent (the journal replayed) says the same, not the change before.
+        let mut replayed = Table::new(10);
+        let records = [
+            accepted(&plan),
+            Record::Phase {
+                run: 1,
+                phase: Phase::Applying,
+                error: None,
+            },
+            Record::StepDone {
+                run: 1,
+                index: 0,
+                changed: true,
+                message: "write".into(),
+            },
+            Record::RebootRequested {
+                run: 1,
+                index: 1,
+                boot_id: "b1".into(),
+            },
+        ];
+        for (i, r) in records.into_iter().enumerate() {
+            replayed.apply(entry(i as u64 + 1, 1000 + i as u64, r));
+        }
+        replayed.finish_replay(&|_| Err("no bodies in this test".into()));
+        assert_eq!(
+            replayed.by_run(1).unwrap().hook_response().message,
+            "plan p: Applying step 2/2: waiting for the node to reboot (changes[1] reboot kernel)"
+        );
         let request = table.run_state(1).unwrap().reboot.clone().unwrap();
         assert_eq!((request.index, request.requested_at_ms), (1, 1002));
         // Asked again from the same boot (after a restart of the agent): the first request
@@ -978,6 +1038,7 @@ mod tests {
                     run: 1,
                     index,
                     preimages: Vec::new(),
+                    planned: Vec::new(),
                 },
             );
         }

@@ -121,6 +121,11 @@ pub enum Record {
         index: u32,
         /// What the node looked like before, in mutation order.
         preimages: Vec<Preimage>,
+        /// What the change is about to do ("write /etc/x (12 bytes, 0644 0:0)"), so that a
+        /// change finished after a restart still says what it wrote. Absent in journals of
+        /// earlier versions.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        planned: Vec<String>,
     },
     /// A change is in its desired state.
     StepDone {

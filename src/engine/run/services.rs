@@ -544,13 +544,20 @@ impl Runner {
             {
                 return Err(Abort::Stop(Stop::Shutdown));
             }
-            self.shared.lock().table.set_message(
+            let mut inner = self.shared.lock();
+            let waiting = inner
+                .table
+                .by_run(run)
+                .map(crate::engine::table::reboot_message)
+                .unwrap_or_default();
+            inner.table.set_message(
                 run,
                 format!(
-                    "waiting for the node to reboot ({}s since the request)",
+                    "{waiting}, {}s since the request",
                     now_ms().saturating_sub(request.requested_at_ms) / 1000
                 ),
             );
+            drop(inner);
             std::thread::sleep(REBOOT_POLL.min(left()));
         }
     }
