@@ -186,3 +186,59 @@ fn a_change_finished_after_a_crash_still_says_what_it_wrote() {
         "{status:#}"
     );
 }
+
+/// After a crash, with no agent running, `status` says so and where the plan will resume,
+/// instead of "running ... for 2.7s" (issue 15).
+#[cfg(feature = "failpoints")]
+#[test]
+fn status_after_a_crash_says_the_agent_is_not_running_and_where_the_plan_resumes() {
+    let node = Node::new();
+    let plan = node.plan_file(
+        "p.yaml",
+        &format!(
+            "{}changes:\n  - file: {{path: /etc/kubernetes/a.conf, content: \"a\\n\"}}\n  - file: {{path: /etc/kubernetes/b.conf, content: \"b\\n\"}}\nverify:\n  - command: {{argv: [\"true\"]}}\n",
+            header("crashed")
+        ),
+    );
+    let crashed = node.agent_env(
+        &[
+            "apply",
+            "--services",
+            "off",
+            "--no-progress",
+            plan.to_str().unwrap(),
+        ],
+        &[("INPLACE_AGENT_CRASH_AT", "step.after_mutation@2")],
+    );
+    assert!(!crashed.status.success(), "{}", common::text(&crashed));
+    let status = |args: &[&str]| {
+        Command::new(bin())
+            .arg("status")
+            .arg("--root")
+            .arg(node.root())
+            .args(args)
+            .env_remove("INPLACE_AGENT_CONFIG")
+            .output()
+            .unwrap()
+    };
+    let out = status(&[]);
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        shown.contains("unfinished: plan crashed attempt 1")
+            && shown.contains("the agent is not running: the plan stopped in Applying, step 2/3")
+            && shown.contains(
+                "it resumes at changes[1] file /etc/kubernetes/b.conf (step 2/3) when the agent starts"
+            ),
+        "{}",
+        common::text(&out)
+    );
+    assert!(!shown.contains("running: plan"), "{shown}");
+    let out = status(&["-o", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["source"], "journal", "{v:#}");
+    assert_eq!(
+        v["current"]["resumesAt"], "changes[1] file /etc/kubernetes/b.conf (step 2/3)",
+        "{v:#}"
+    );
+    assert!(v["current"].get("elapsedMs").is_none(), "{v:#}");
+}

@@ -431,6 +431,28 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
     ));
     out.push(String::new());
     match &a.current {
+        Some(c) if a.agent.is_none() => {
+            // Read from the journal: nothing runs it now.
+            out.push(format!(
+                "unfinished: plan {} attempt {} ({}), from {}",
+                c.id,
+                c.attempt,
+                short(&c.digest),
+                c.source
+            ));
+            out.push(format!(
+                "  the agent is not running: the plan stopped in {}, step {}/{}",
+                c.phase, c.step, c.steps
+            ));
+            if let Some(at) = &c.resumes_at {
+                out.push(format!(
+                    "  it resumes at {at} when the agent starts (systemctl start inplace-agent)"
+                ));
+            }
+            if let Some(e) = &c.error {
+                out.push(format!("  rolling back after ({}): {e}", e.kind.as_str()));
+            }
+        }
         Some(c) => {
             out.push(format!(
                 "running: plan {} attempt {} ({}), from {}",

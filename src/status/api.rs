@@ -153,9 +153,14 @@ pub struct CurrentPlan {
     /// When it started running.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at_ms: Option<u64>,
-    /// How long it has been running.
+    /// How long it has been running; absent when read from the journal (no agent runs it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elapsed_ms: Option<u64>,
+    /// Read from the journal (no agent runs it): where the run goes on when the agent starts
+    /// again (`changes[1] kubeletConfig /var/lib/kubelet/config.yaml`, the Restarting phase,
+    /// a gate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumes_at: Option<String>,
     /// Changes so far.
     pub counts: Counts,
     /// Why it is rolling back, when it is.
@@ -365,7 +370,14 @@ pub fn agent_status(table: &Table, ctx: Context, now_ms: u64) -> AgentStatus {
         .unfinished()
         .next()
         .and_then(|(run, _)| table.by_run(*run))
-        .map(|s| current_plan(s, now_ms));
+        .map(|s| {
+            let mut c = current_plan(s, now_ms);
+            if ctx.source == Source::Journal {
+                c.elapsed_ms = None;
+                c.resumes_at = Some(resume_point(s));
+            }
+            c
+        });
     let recent: Vec<PlanSummary> = plans
         .iter()
         .rev()
@@ -440,10 +452,59 @@ pub fn current_plan(s: &PlanStatus, now_ms: u64) -> CurrentPlan {
         accepted_at_ms: s.accepted_at_ms,
         started_at_ms: s.started_at_ms,
         elapsed_ms: s.duration_ms(now_ms),
+        resumes_at: None,
         counts: s.counts,
         error: s.error.clone(),
         rebooting: s.rebooting,
         hook_response: s.hook_response(),
+    }
+}
+
+/// Where an unfinished run goes on when the agent starts again: what the runner does first
+/// when it resumes from the journal.
+pub fn resume_point(s: &PlanStatus) -> String {
+    let n = s.changes.len();
+    let total = s.progress.total;
+    match s.phase {
+        Phase::Pending | Phase::Preparing => {
+            "the start: the plan is checked against the node again (Preparing)".to_string()
+        }
+        Phase::Applying => match s
+            .changes
+            .iter()
+            .find(|c| !matches!(c.state, ChangeState::Changed | ChangeState::Unchanged))
+        {
+            Some(c) if s.rebooting => format!(
+                "changes[{}] {} {} (step {}/{total}): the boot id tells whether the node rebooted",
+                c.index,
+                c.kind,
+                c.target,
+                c.index + 1
+            ),
+            Some(c) => format!(
+                "changes[{}] {} {} (step {}/{total})",
+                c.index,
+                c.kind,
+                c.target,
+                c.index + 1
+            ),
+            None => "the restarts and gates after the last change".to_string(),
+        },
+        Phase::Restarting => {
+            "the Restarting phase: unit jobs already done are not repeated".to_string()
+        }
+        Phase::Verifying => match s.checks.iter().find(|c| c.state != CheckState::Passed) {
+            Some(c) => format!(
+                "verify[{}] {} {} (step {}/{total})",
+                c.index,
+                c.kind,
+                c.target,
+                n as u32 + c.index + 1
+            ),
+            None => "the end of the gates".to_string(),
+        },
+        Phase::RollingBack => "rolling back: changes already restored stay restored".to_string(),
+        other => other.to_string(),
     }
 }
 
