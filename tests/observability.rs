@@ -303,7 +303,7 @@ fn slow_plan(id: &str) -> String {
     plan_yaml(
         id,
         &format!(
-            "changes:\n  - file: {{path: /etc/kubernetes/kubeadm-{id}.yaml, content: \"{SECRET}\\n\"}}\n  - kubeadmUpgradeNode: {{extraArgs: [--config, /etc/kubernetes/kubeadm-{id}.yaml]}}\n  - file: {{path: /etc/kubernetes/after-{id}.conf, content: \"after\\n\"}}\nverify:\n  - command: {{argv: [\"true\"]}}\n"
+            "changes:\n  - file: {{path: /etc/kubernetes/kubeadm-{id}.yaml, content: \"{SECRET}\\n\"}}\n  - kubeadmUpgradeNode: {{extraArgs: [--config, /etc/kubernetes/kubeadm-{id}.yaml]}}\n  - file: {{path: /etc/kubernetes/after-{id}.conf, content: \"after\\n\", restartUnits: [kubelet.service]}}\nverify:\n  - command: {{argv: [\"true\"]}}\n"
         ),
     )
 }
@@ -418,6 +418,11 @@ async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
         lines.contains("[2/3] changes[1] kubeadmUpgradeNode")
             && lines.contains("[3/3] changes[2] file")
             && lines.contains("plan slow attempt 1: Succeeded"),
+        "{lines}"
+    );
+    // What happened to the units is shown as it happens (here: no service management).
+    assert!(
+        lines.contains("  kubelet.service not restarted: this agent's service management is off"),
         "{lines}"
     );
     assert!(
@@ -983,15 +988,17 @@ fn only_root_and_the_group_can_read_the_socket() {
         text(&out)
     );
     assert_eq!(json_out(&out)["source"], "agent");
-    // The refused connection never reached the server; the member's did, with its uid.
-    assert!(
-        agent
-            .log()
-            .lines()
-            .any(|l| l.contains("status request") && l.contains("uid=65534")),
-        "{}",
-        agent.log()
-    );
+    // The refused connection never reached the server; the member's did, with its uid
+    // (the log is read by another thread: wait for the line).
+    let deadline = Instant::now() + PATIENCE;
+    while !agent
+        .log()
+        .lines()
+        .any(|l| l.contains("status request") && l.contains("uid=65534"))
+    {
+        assert!(Instant::now() < deadline, "{}", agent.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 // === Load ===

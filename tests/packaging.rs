@@ -343,6 +343,11 @@ impl<'a> Client<'a> {
 
     /// Submits a plan; with `wait`, returns its final status.
     fn submit(&self, name: &str, plan: &str, wait: bool) -> Value {
+        self.submit_and_watch(name, plan, wait).0
+    }
+
+    /// Submits a plan; with `wait`, returns its final status and what the watch printed.
+    fn submit_and_watch(&self, name: &str, plan: &str, wait: bool) -> (Value, String) {
         let path = self.plans.path().join(name);
         std::fs::write(&path, plan).unwrap();
         let path = path.display().to_string();
@@ -351,8 +356,9 @@ impl<'a> Client<'a> {
             args.push("--wait");
         }
         let out = self.command(&args, true);
-        serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|_| panic!("submit {name}: {}", text(&out)))
+        let status = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("submit {name}: {}", text(&out)));
+        (status, String::from_utf8_lossy(&out.stderr).into_owned())
     }
 
     /// The plan's status, or None while the agent does not answer (restarting).
@@ -588,12 +594,32 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
 
     // --- A plan over mTLS: kubelet configuration, sysctl, file, package, gates.
     let starts = kubelet_starts(&node);
-    let applied = client.submit(
+    let (applied, watched) = client.submit_and_watch(
         "node.yaml",
         &node_plan("default/md-0@package-route", &name),
         true,
     );
     assert_node_plan_applied(&node, starts, &applied);
+    // The restart is seen as it happens (WatchPlan), with the unit's InvocationIDs.
+    assert!(
+        watched.contains("systemd reloaded unit files")
+            && watched.contains("restarting kubelet.service (it was active/running, InvocationID ")
+            && watched.contains("restarted kubelet.service in ")
+            && watched.contains("unit is active/running"),
+        "{watched}"
+    );
+    let events: Vec<&str> = applied["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["message"].as_str())
+        .collect();
+    assert!(
+        events.iter().any(
+            |e| e.starts_with("restarted kubelet.service in ") && e.contains(", InvocationID ")
+        ),
+        "{events:?}"
+    );
     let vm = agent_proc(&node, "status");
     let field = |k: &str| {
         vm.lines()

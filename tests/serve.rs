@@ -743,6 +743,14 @@ async fn kill_9_mid_plan_then_the_plan_resumes_and_is_reported() {
     );
     let done = finished(&mut client, id).await;
     assert_eq!(phase(&done), pb::Phase::Succeeded, "{:?}", done.error);
+    // The restart is in the plan's events, for watchers and `status ID`.
+    assert!(
+        done.events.iter().any(|e| e
+            .message
+            .starts_with("the agent restarted; the run resumes in Verifying at step ")),
+        "{:?}",
+        done.events
+    );
     assert_eq!(
         std::fs::read_to_string(node.path("/etc/kubernetes/resume.conf")).unwrap(),
         format!("{SECRET}\n")

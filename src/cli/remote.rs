@@ -406,6 +406,9 @@ pub fn describe(status: &PlanStatus) -> String {
             c.index, c.kind, c.target, c.state
         ));
     }
+    for e in &status.events {
+        line(format!("  {} {}", rfc3339(e.at_ms), e.message));
+    }
     let counts = status.counts;
     line(format!(
         "changes: {} total, {} changed, {} unchanged, {} rolled back",
@@ -461,6 +464,8 @@ fn exit_for(wire: &pb::PlanStatus) -> u8 {
 pub(crate) struct SnapshotView {
     bar: Option<ProgressBar>,
     last: Option<PlanStatus>,
+    /// The newest event shown (journal sequence number).
+    shown_seq: u64,
 }
 
 impl SnapshotView {
@@ -477,7 +482,11 @@ impl SnapshotView {
             bar.enable_steady_tick(Duration::from_millis(120));
             bar
         });
-        SnapshotView { bar, last: None }
+        SnapshotView {
+            bar,
+            last: None,
+            shown_seq: 0,
+        }
     }
 
     pub(crate) fn line(&self, s: &str) {
@@ -523,6 +532,13 @@ impl SnapshotView {
                 c.kind,
                 c.target
             ));
+        }
+        // Unit jobs, reloads, reboots, agent restarts: as they happen.
+        for e in status.events.iter().filter(|e| e.seq > self.shown_seq) {
+            self.line(&format!("  {}", e.message));
+        }
+        if let Some(e) = status.events.last() {
+            self.shown_seq = self.shown_seq.max(e.seq);
         }
         for c in &status.checks {
             let before = same_run.and_then(|l| l.checks.get(c.index as usize));

@@ -452,6 +452,9 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
             if let Some(e) = &c.error {
                 out.push(format!("  rolling back after ({}): {e}", e.kind.as_str()));
             }
+            for e in &c.events {
+                out.push(format!("  {}: {}", rfc3339(e.at_ms), e.message));
+            }
         }
         Some(c) => {
             out.push(format!(
@@ -495,6 +498,13 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
             }
             if let Some(e) = &c.error {
                 out.push(format!("  rolling back after ({}): {e}", e.kind.as_str()));
+            }
+            for e in &c.events {
+                out.push(format!(
+                    "  {} ago: {}",
+                    duration(now.saturating_sub(e.at_ms)),
+                    e.message
+                ));
             }
         }
         None => out.push("idle: no plan is running".to_string()),

@@ -315,7 +315,28 @@ pub struct PlanStatus {
     pub finished_at_ms: Option<u64>,
     /// Counts, kept when the per-change list is trimmed from old plans.
     pub counts: Counts,
+    /// What happened to the node's units and the node itself as the run went, oldest first
+    /// (the newest 32): unit jobs queued and done (with the unit's InvocationID),
+    /// daemon-reloads, reboots, a lost systemd connection, the agent restarting, a cancel.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<RunEvent>,
 }
+
+/// One thing that happened in a run, from its journal record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunEvent {
+    /// The journal record's sequence number (increasing: a watcher shows each once).
+    pub seq: u64,
+    /// When it was journaled (Unix ms).
+    pub at_ms: u64,
+    /// What happened, for people ("restarted kubelet.service in 230 ms: unit is
+    /// active/running, InvocationID 9f8e...").
+    pub message: String,
+}
+
+/// How many events a run keeps (the newest).
+pub const MAX_RUN_EVENTS: usize = 32;
 
 /// How many changes ended in each state.
 #[derive(

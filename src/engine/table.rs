@@ -39,6 +39,8 @@ pub struct RunState {
     pub rebooted_at: Option<u32>,
     /// Somebody asked to cancel.
     pub cancel_requested: bool,
+    /// How many times an agent started driving the run (its `ServiceManager` records).
+    pub drives: u32,
     /// Timestamp of the last record of this run (step durations).
     pub last_ts: u64,
 }
@@ -169,6 +171,18 @@ pub fn reboot_message(status: &PlanStatus) -> String {
     }
 }
 
+/// Appends an event to a run's news, keeping the newest [`MAX_RUN_EVENTS`].
+fn push_event(status: &mut PlanStatus, seq: u64, at_ms: u64, message: String) {
+    if status.events.len() >= MAX_RUN_EVENTS {
+        status.events.remove(0);
+    }
+    status.events.push(RunEvent {
+        seq,
+        at_ms,
+        message,
+    });
+}
+
 /// An empty plan standing in for one not read back yet (during replay).
 fn placeholder() -> Arc<Plan> {
     static EMPTY: std::sync::OnceLock<Arc<Plan>> = std::sync::OnceLock::new();
@@ -271,6 +285,7 @@ impl Table {
                     started_at_ms: None,
                     finished_at_ms: None,
                     counts: Counts::default(),
+                    events: Vec::new(),
                 };
                 self.accept(status, KeptPlan { doc, bodies }, changes, checks, plan);
             }
@@ -287,7 +302,7 @@ impl Table {
             }
             rec => {
                 let Some(run) = rec.run() else { return };
-                self.apply_run(run, rec, ts);
+                self.apply_run(run, rec, entry.seq, ts);
             }
         }
     }
@@ -423,6 +438,7 @@ impl Table {
                 reboot: None,
                 rebooted_at: None,
                 cancel_requested: false,
+                drives: 0,
                 last_ts,
             },
         );
@@ -430,13 +446,17 @@ impl Table {
         self.plans.push(status);
     }
 
-    fn apply_run(&mut self, run: u64, rec: Record, ts: u64) {
+    fn apply_run(&mut self, run: u64, rec: Record, seq: u64, ts: u64) {
         let Some(pos) = self.plans.iter().rposition(|p| p.run == run) else {
             return;
         };
         let live = self.live;
         let status = &mut self.plans[pos];
         let state = self.runs.get_mut(&run);
+        // Unit jobs, reloads, reboots, a lost bus, a cancel: news for watchers.
+        if let Some(message) = rec.note() {
+            push_event(status, seq, ts, message);
+        }
         let mut finished = false;
         match (rec, state) {
             (Record::Phase { phase, error, .. }, Some(rs)) => {
@@ -509,6 +529,12 @@ impl Table {
                     rs.reboot = None;
                     if changed {
                         rs.rebooted_at = Some(index);
+                        let said = status
+                            .changes
+                            .get(index as usize)
+                            .map(|c| format!("changes[{index}]: {}", c.message))
+                            .unwrap_or_default();
+                        push_event(status, seq, ts, said);
                     }
                 }
             }
@@ -640,7 +666,21 @@ impl Table {
             (Record::SystemdUnreachable { message, .. }, Some(_)) => {
                 status.progress.message = message;
             }
-            (Record::ServiceManager { description, .. }, Some(_)) => {
+            (Record::ServiceManager { description, .. }, Some(rs)) => {
+                // Journaled each time the agent (re)starts driving the run: a second one
+                // means it restarted in the middle and resumed.
+                rs.drives += 1;
+                if rs.drives > 1 {
+                    push_event(
+                        status,
+                        seq,
+                        ts,
+                        format!(
+                            "the agent restarted; the run resumes in {} at step {}/{}",
+                            status.phase, status.progress.current, status.progress.total
+                        ),
+                    );
+                }
                 status.services = description;
             }
             (Record::RebootRequested { index, boot_id, .. }, Some(rs)) => {
@@ -742,6 +782,7 @@ impl Table {
                 if p.phase.is_terminal() && p.run <= cut && !p.changes.is_empty() {
                     p.changes = Vec::new();
                     p.checks = Vec::new();
+                    p.events = Vec::new();
                 }
             }
         }
@@ -1087,6 +1128,93 @@ mod tests {
                 .running_check
                 .map(|c| c.index),
             Some(0)
+        );
+    }
+
+    /// Unit jobs, reloads and an agent restart are a run's events, in journal order, with
+    /// the unit's InvocationID (issue 15: restarts were in the root-only journal only).
+    #[test]
+    fn restarts_reloads_and_resumes_are_events_of_the_run() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x, restartUnits: [kubelet.service]}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        let service = |description: &str| Record::ServiceManager {
+            run: 1,
+            description: description.into(),
+        };
+        let records = [
+            accepted(&plan),
+            service("systemd"),
+            Record::Phase {
+                run: 1,
+                phase: Phase::Restarting,
+                error: None,
+            },
+            service("systemd"),
+            Record::DaemonReloaded {
+                run: 1,
+                rollback: false,
+            },
+            Record::UnitJobStarted {
+                run: 1,
+                unit: "kubelet.service".into(),
+                job: crate::host::systemd::UnitJob::Restart,
+                rollback: false,
+                before: crate::host::systemd::UnitBefore {
+                    active_state: "active".into(),
+                    sub_state: "running".into(),
+                    invocation_id: Some("0123456789abcdef0123456789abcdef".into()),
+                },
+            },
+            Record::UnitJobDone {
+                run: 1,
+                unit: "kubelet.service".into(),
+                job: crate::host::systemd::UnitJob::Restart,
+                rollback: false,
+                outcome: crate::journal::UnitJobOutcome::Done,
+                message: "restarted kubelet.service in 20 ms: unit is active/running, InvocationID fedcba987654".into(),
+            },
+        ];
+        for (i, r) in records.into_iter().enumerate() {
+            table.apply(entry(i as u64 + 1, 1000 + i as u64, r));
+        }
+        let events: Vec<(u64, &str)> = table
+            .by_run(1)
+            .unwrap()
+            .events
+            .iter()
+            .map(|e| (e.seq, e.message.as_str()))
+            .collect();
+        assert_eq!(
+            events,
+            [
+                (
+                    4,
+                    "the agent restarted; the run resumes in Restarting at step 0/1"
+                ),
+                (5, "systemd reloaded unit files"),
+                (
+                    6,
+                    "restarting kubelet.service (it was active/running, InvocationID 0123456789ab)"
+                ),
+                (
+                    7,
+                    "restarted kubelet.service in 20 ms: unit is active/running, InvocationID fedcba987654"
+                ),
+            ]
+        );
+        assert!(
+            table
+                .by_run(1)
+                .unwrap()
+                .hook_response()
+                .message
+                .contains("restarted kubelet.service in 20 ms"),
+            "the hook message says it too"
         );
     }
 

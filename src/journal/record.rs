@@ -358,6 +358,28 @@ impl Record {
         let rb = |rollback: bool| if rollback { " (rollback)" } else { "" };
         match self {
             Record::UnitRestarted { message, .. } => Some(message.clone()),
+            Record::UnitJobStarted {
+                unit,
+                job,
+                rollback,
+                before,
+                ..
+            } => Some(format!(
+                "{} {unit}{} (it was {}/{}{})",
+                match job {
+                    crate::host::systemd::UnitJob::Start => "starting",
+                    crate::host::systemd::UnitJob::Stop => "stopping",
+                    crate::host::systemd::UnitJob::Restart => "restarting",
+                },
+                rb(*rollback),
+                before.active_state,
+                before.sub_state,
+                before
+                    .invocation_id
+                    .as_deref()
+                    .map(|id| format!(", InvocationID {}", &id[..id.len().min(12)]))
+                    .unwrap_or_default()
+            )),
             Record::UnitJobDone {
                 rollback, message, ..
             } => Some(format!("{message}{}", rb(*rollback))),

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::status::{
     ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, ErrorInfo, HookResponse, Phase,
-    PlanStatus,
+    PlanStatus, RunEvent,
 };
 use crate::engine::table::Table;
 use crate::journal::{Entry, JournalError, Reader, Record};
@@ -170,7 +170,14 @@ pub struct CurrentPlan {
     pub rebooting: bool,
     /// The `UpdateMachine` hook response for it right now.
     pub hook_response: HookResponse,
+    /// Its newest events (at most 5; `/v1/plans/{id}` has up to 32): unit jobs, reloads,
+    /// reboots, the agent restarting.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<RunEvent>,
 }
+
+/// How many events `CurrentPlan` carries.
+pub const CURRENT_EVENTS: usize = 5;
 
 /// A plan attempt in one line: its result and how long it took.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -457,6 +464,7 @@ pub fn current_plan(s: &PlanStatus, now_ms: u64) -> CurrentPlan {
         error: s.error.clone(),
         rebooting: s.rebooting,
         hook_response: s.hook_response(),
+        events: s.events[s.events.len().saturating_sub(CURRENT_EVENTS)..].to_vec(),
     }
 }
 

@@ -250,7 +250,17 @@ impl Runner {
                 } else {
                     format!("{:.1}s", took.as_secs_f64())
                 };
-                let message = format!("{} {unit} in {took}: {}", job.past(), outcome.state);
+                let invocation = outcome
+                    .state
+                    .invocation_id
+                    .as_ref()
+                    .map(|id| format!(", InvocationID {}", &id.to_string()[..12]))
+                    .unwrap_or_default();
+                let message = format!(
+                    "{} {unit} in {took}: {}{invocation}",
+                    job.past(),
+                    outcome.state
+                );
                 self.record(done(UnitJobOutcome::Done, message.clone()), true)?;
                 Ok(Ok(message))
             }
