@@ -908,10 +908,23 @@ async fn node_info_cancel_and_retry() {
         !node.path("/etc/kubernetes/cancel.conf").exists(),
         "rolled back before ending cancelled"
     );
-    assert_eq!(
-        cancelled.hook_response.unwrap().status,
-        pb::HookStatus::Failure as i32
+    // Who cancelled and why are journaled and shown: the error, the hook message, the
+    // events, the journal.
+    let said = format!("by {DEFAULT_UPDATER_IDENTITY}: operator asked");
+    let error = cancelled.error.clone().unwrap();
+    assert_eq!(error.detail, format!("cancelled on request {said}"));
+    assert!(
+        cancelled.events.iter().any(|e| e.message
+            == format!("cancel requested {said}; the run stops at the next step boundary")),
+        "{:?}",
+        cancelled.events
     );
+    let hook = cancelled.hook_response.unwrap();
+    assert_eq!(hook.status, pb::HookStatus::Failure as i32);
+    assert!(hook.message.contains(&said), "{}", hook.message);
+    let journaled = records(&node, "cancelRequested");
+    assert_eq!(journaled.len(), 1);
+    assert_eq!(journaled[0]["reason"], "operator asked");
 
     let retry = |from_attempt| pb::RetryPlanRequest {
         id: id.into(),

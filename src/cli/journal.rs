@@ -168,7 +168,19 @@ pub fn describe(record: &Record) -> String {
             "verify[{index}] {}: {message}",
             if *passed { "passed" } else { "failed" }
         ),
-        Record::CancelRequested { .. } => "cancel requested".into(),
+        Record::CancelRequested { reason, by, .. } => format!(
+            "cancel requested{}{}",
+            if by.is_empty() {
+                String::new()
+            } else {
+                format!(" by {by}")
+            },
+            if reason.is_empty() {
+                String::new()
+            } else {
+                format!(": {reason}")
+            }
+        ),
         Record::PlanFinished { phase, error, .. } => match error {
             Some(e) => format!("{phase}: {e}"),
             None => phase.to_string(),

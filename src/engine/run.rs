@@ -644,7 +644,7 @@ impl Runner {
                 let error = ErrorInfo {
                     kind: ErrorKind::Cancelled,
                     step: None,
-                    detail: "cancelled on request".into(),
+                    detail: format!("cancelled on request{}", rs.cancel_reason),
                 };
                 if rs.plan.options.rollback_on_failure && rs.changed_anything() {
                     self.phase(run, Phase::RollingBack, Some(error.clone()))?;

@@ -39,6 +39,8 @@ pub struct RunState {
     pub rebooted_at: Option<u32>,
     /// Somebody asked to cancel.
     pub cancel_requested: bool,
+    /// Who asked to cancel and why ("by spiffe://x/updater: wrong plan"), as journaled.
+    pub cancel_reason: String,
     /// How many times an agent started driving the run (its `ServiceManager` records).
     pub drives: u32,
     /// Timestamp of the last record of this run (step durations).
@@ -438,6 +440,7 @@ impl Table {
                 reboot: None,
                 rebooted_at: None,
                 cancel_requested: false,
+                cancel_reason: String::new(),
                 drives: 0,
                 last_ts,
             },
@@ -732,7 +735,15 @@ impl Table {
                 status.progress.message = format!("verify[{index}]");
                 rs.last_ts = ts;
             }
-            (Record::CancelRequested { .. }, Some(rs)) => rs.cancel_requested = true,
+            (Record::CancelRequested { reason, by, .. }, Some(rs)) => {
+                rs.cancel_requested = true;
+                rs.cancel_reason = match (by.is_empty(), reason.is_empty()) {
+                    (true, true) => String::new(),
+                    (false, true) => format!(" by {by}"),
+                    (true, false) => format!(": {reason}"),
+                    (false, false) => format!(" by {by}: {reason}"),
+                };
+            }
             (Record::PlanFinished { phase, error, .. }, _) => {
                 status.phase = phase;
                 status.finished_at_ms = Some(ts);
@@ -1216,6 +1227,23 @@ mod tests {
                 .contains("restarted kubelet.service in 20 ms"),
             "the hook message says it too"
         );
+    }
+
+    /// Records of earlier versions, without the fields added since, still read.
+    #[test]
+    fn records_written_before_the_cancel_reason_and_the_planned_writes_still_read() {
+        let old: Record = serde_json::from_str(r#"{"cancelRequested":{"run":3}}"#).unwrap();
+        assert_eq!(
+            old,
+            Record::CancelRequested {
+                run: 3,
+                reason: String::new(),
+                by: String::new()
+            }
+        );
+        let old: Record =
+            serde_json::from_str(r#"{"stepStarted":{"run":3,"index":0,"preimages":[]}}"#).unwrap();
+        assert!(matches!(old, Record::StepStarted { planned, .. } if planned.is_empty()));
     }
 
     #[test]

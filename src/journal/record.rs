@@ -267,6 +267,13 @@ pub enum Record {
     CancelRequested {
         /// Run number.
         run: u64,
+        /// Why, as the caller said (`cancel --reason`); absent in journals of earlier
+        /// versions and when none was given.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+        /// Who asked (the caller's identity; `cli` for a local caller), when known.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        by: String,
     },
     /// The run ended.
     PlanFinished {
@@ -311,7 +318,7 @@ impl Record {
             | Record::ServiceManager { run, .. }
             | Record::RebootRequested { run, .. }
             | Record::CheckDone { run, .. }
-            | Record::CancelRequested { run }
+            | Record::CancelRequested { run, .. }
             | Record::PlanFinished { run, .. } => Some(*run),
         }
     }
@@ -358,6 +365,19 @@ impl Record {
         let rb = |rollback: bool| if rollback { " (rollback)" } else { "" };
         match self {
             Record::UnitRestarted { message, .. } => Some(message.clone()),
+            Record::CancelRequested { reason, by, .. } => Some(format!(
+                "cancel requested{}{}; the run stops at the next step boundary",
+                if by.is_empty() {
+                    String::new()
+                } else {
+                    format!(" by {by}")
+                },
+                if reason.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {reason}")
+                }
+            )),
             Record::UnitJobStarted {
                 unit,
                 job,
