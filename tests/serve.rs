@@ -759,6 +759,87 @@ async fn kill_9_mid_plan_then_the_plan_resumes_and_is_reported() {
     assert!(!agent.log().contains(SECRET), "plan content in the log");
 }
 
+/// A remote `status --watch` survives the agent's restart: it says it lost the agent,
+/// reconnects with backoff, and follows the plan to its end (issue 15).
+#[tokio::test]
+async fn a_remote_watch_survives_a_restart_of_the_agent() {
+    let node = Node::new();
+    let pki = pki();
+    let f = &pki.files;
+    let port = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap().port()
+    };
+    let config = node.root().with_extension("toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:{port}\"\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n",
+            node.root().display(),
+            f.server_cert.display(),
+            f.server_key.display(),
+            f.ca_cert.display()
+        ),
+    )
+    .unwrap();
+    let mut agent = Agent::start_with_config(&config);
+    let mut client = pki.client(&agent.addr, As::Updater).await;
+    let id = "default/md-0@watched";
+    apply(&mut client, &wire(&slow_plan(id, "watched.conf", 3, 2)))
+        .await
+        .unwrap();
+    wait_for(&mut client, id, "verifying", |s| {
+        phase(s) == pb::Phase::Verifying
+    })
+    .await;
+    let watcher = Command::new(bin())
+        .args([
+            "status",
+            id,
+            "--watch",
+            "--no-progress",
+            "--addr",
+            &agent.addr,
+        ])
+        .args(pki.client_flags(As::Reader))
+        .env("INPLACE_AGENT_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    agent.kill9();
+    // Down for a while: the watcher keeps trying.
+    std::thread::sleep(Duration::from_secs(2));
+    let agent = Agent::start_with_config(&config);
+    let watched = tokio::task::spawn_blocking(move || watcher.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let said = text(&watched);
+    assert_eq!(watched.status.code(), Some(0), "{said}\n{}", agent.log());
+    assert_eq!(
+        said.matches("(lost the agent: ").count(),
+        1,
+        "said once: {said}"
+    );
+    assert!(said.contains("watching again"), "{said}");
+    assert!(
+        said.contains("(the agent answers again after ")
+            && said.contains("following the plan from its status: Verifying step "),
+        "{said}"
+    );
+    assert!(
+        said.contains("the agent restarted; the run resumes"),
+        "{said}"
+    );
+    assert!(
+        String::from_utf8_lossy(&watched.stdout).contains("phase: Succeeded"),
+        "{said}"
+    );
+}
+
 #[tokio::test]
 async fn a_failed_plan_answers_the_same_before_and_after_a_restart() {
     let node = Node::new();

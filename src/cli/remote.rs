@@ -584,6 +584,8 @@ pub async fn follow(
     let mut view = SnapshotView::new(plain);
     let mut backoff = Duration::from_millis(200);
     let mut last: Option<pb::PlanStatus> = None;
+    // When the agent went away (for the message when it is back).
+    let mut lost_since: Option<Instant> = None;
     loop {
         let outcome = async {
             let mut stream = client
@@ -591,6 +593,17 @@ pub async fn follow(
                 .await?
                 .into_inner();
             while let Some(snapshot) = stream.message().await? {
+                if let Some(since) = lost_since.take() {
+                    view.line(&format!(
+                        "  (the agent answers again after {}s; following the plan from its \
+                         status: {} step {}/{})",
+                        since.elapsed().as_secs(),
+                        phase_from_pb(snapshot.phase).map_or("?".to_string(), |p| p.to_string()),
+                        snapshot.step.as_ref().map_or(0, |s| s.index),
+                        snapshot.step.as_ref().map_or(0, |s| s.total)
+                    ));
+                    backoff = Duration::from_millis(200);
+                }
                 if let Ok(status) = status_from_pb(&snapshot) {
                     view.show(status);
                 }
@@ -616,11 +629,21 @@ pub async fn follow(
                 }
             }
             Ok(Err(status)) => match status.code() {
-                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
-                    view.line(&format!(
-                        "  (lost the agent: {}; watching again)",
-                        status.message()
-                    ));
+                // The connection or the agent went away (a restart, a reboot, a drained
+                // connection): not an answer about the plan.
+                tonic::Code::Unavailable
+                | tonic::Code::Unknown
+                | tonic::Code::Cancelled
+                | tonic::Code::Internal
+                | tonic::Code::Aborted
+                | tonic::Code::DeadlineExceeded => {
+                    if lost_since.is_none() {
+                        view.line(&format!(
+                            "  (lost the agent: {}; watching again, trying every few seconds)",
+                            diagnose(&status).chain()
+                        ));
+                        lost_since = Some(Instant::now());
+                    }
                 }
                 _ => {
                     return Err(format!(

@@ -305,6 +305,9 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
             REQUEST_TIMEOUT,
         ) {
             Ok(r) if r.status == 200 => {
+                if lost {
+                    view.line("  (the agent answers again; following the plan from its status)");
+                }
                 lost = false;
                 let doc: PlanStatusDocument = match serde_json::from_slice(&r.body) {
                     Ok(d) => d,
