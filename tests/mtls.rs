@@ -1317,3 +1317,61 @@ async fn a_tcp_probe_is_not_a_failed_handshake() {
     );
     server.shutdown().await;
 }
+
+/// The kubelet's serving certificate as the agent's (a certificate per node, renewed by the
+/// kubelet): one PEM file with certificate and key, reached through the symlink
+/// `kubelet-server-current.pem` that the kubelet points at a new dated file when it renews.
+/// The agent serves it and picks the renewed one up without a restart
+/// (packaging/kubernetes/kubelet-serving, docs/pki.md).
+#[tokio::test]
+async fn a_kubelet_serving_certificate_is_served_and_its_renewal_picked_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("kubernetes");
+    let pki = dir.path().join("var/lib/kubelet/pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let current = pki.join("kubelet-server-current.pem");
+    let renew = |stamp: &str| {
+        let m = ca.issue(server_leaf());
+        let file = pki.join(format!("kubelet-server-{stamp}.pem"));
+        std::fs::write(&file, format!("{}{}", m.cert, m.key)).unwrap();
+        // As the kubelet does: a new symlink renamed over the old one.
+        let tmp = pki.join("kubelet-server-current.pem.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&file, &tmp).unwrap();
+        std::fs::rename(&tmp, &current).unwrap();
+        CertificateDer::from_pem_slice(m.cert.as_bytes()).unwrap()
+    };
+    let first = renew("2026-01-01-00-00-00");
+    let client_ca = dir.path().join("ca.crt");
+    std::fs::write(&client_ca, &ca.pem).unwrap();
+    let paths = ServerTlsPaths {
+        cert: current.clone(),
+        key: current.clone(),
+        client_ca,
+    };
+    let server = start(paths, ServeOptions::default()).await;
+    let s = setup();
+    let reader = install_client_material(
+        s.dir.path(),
+        "reader",
+        &[&ca.pem],
+        &ca.issue(client_leaf(READER)),
+    );
+    assert_eq!(
+        raw_handshake(server.addr, client_config_from(&reader))
+            .await
+            .unwrap(),
+        first
+    );
+    let second = renew("2026-09-01-00-00-00");
+    assert_ne!(first, second);
+    assert_eq!(
+        raw_handshake(server.addr, client_config_from(&reader))
+            .await
+            .unwrap(),
+        second,
+        "the renewed certificate is served"
+    );
+    assert_eq!(server.tls_counters.reloads(), 1);
+    server.shutdown().await;
+}

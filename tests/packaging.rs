@@ -1146,7 +1146,11 @@ fn the_manifests_validate_and_agree_with_each_other() {
     run(Command::new("bash").arg(Path::new(REPO).join("packaging/validate")));
 
     // Every resource a kustomization names exists.
-    for dir in ["packaging/kubernetes", "packaging/kubernetes/cert-manager"] {
+    for dir in [
+        "packaging/kubernetes",
+        "packaging/kubernetes/cert-manager",
+        "packaging/kubernetes/kubelet-serving",
+    ] {
         let k = &yaml_documents(&format!("{dir}/kustomization.yaml"))[0];
         for r in k["resources"].as_array().unwrap() {
             let path = Path::new(REPO).join(dir).join(r.as_str().unwrap());
@@ -1157,6 +1161,23 @@ fn the_manifests_validate_and_agree_with_each_other() {
             );
         }
     }
+    // A certificate per node: the overlay replaces the base ConfigMap (same name) with one
+    // whose certificate and key are the node's kubelet serving certificate under /host, a
+    // path the pod has (the host's / is mounted there).
+    let base = &yaml_documents("packaging/kubernetes/configmap.yaml")[0];
+    let per_node = &yaml_documents("packaging/kubernetes/kubelet-serving/configmap.yaml")[0];
+    assert_eq!(per_node["metadata"], base["metadata"]);
+    let config = parse_config(
+        per_node["data"]["config.toml"].as_str().unwrap(),
+        Path::new("kubelet-serving/configmap.yaml"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let kubelet = Path::new("/host/var/lib/kubelet/pki/kubelet-server-current.pem");
+    assert_eq!(config.tls_cert.as_deref(), Some(kubelet));
+    assert_eq!(config.tls_key.as_deref(), Some(kubelet));
+    let overlay = &yaml_documents("packaging/kubernetes/kubelet-serving/kustomization.yaml")[0];
+    assert_eq!(overlay["patches"][0]["path"], "configmap.yaml");
+
     // The DaemonSet as the issue asks for it.
     let ds = &yaml_documents("packaging/kubernetes/daemonset.yaml")[0];
     let pod = &ds["spec"]["template"]["spec"];
