@@ -744,6 +744,20 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
     // the state, and leaves the certificates (they are the operator's).
     in_node_ok(&node, "dpkg -r inplace-agent");
     assert_eq!(unit_property(&node, AGENT, "ActiveState"), "inactive");
+    // debhelper masks a removed package's unit (docs/install.md says so), purge unmasks it.
+    assert_eq!(
+        String::from_utf8_lossy(&in_node(&node, "systemctl is-enabled inplace-agent").stdout)
+            .trim(),
+        "masked"
+    );
+    // Installing it again unmasks it; remove once more for the purge below.
+    in_node_ok(&node, "dpkg -i /root/inplace-agent-2.deb");
+    assert_eq!(
+        String::from_utf8_lossy(&in_node(&node, "systemctl is-enabled inplace-agent").stdout)
+            .trim(),
+        "enabled"
+    );
+    in_node_ok(&node, "dpkg -r inplace-agent");
     assert!(!node.path("/usr/bin/inplace-agent").exists());
     assert!(node.path("/etc/inplace-agent/config.toml").exists());
     assert!(
@@ -760,6 +774,14 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
             .success(),
         "not enabled after purge"
     );
+    assert!(
+        !node
+            .path("/etc/systemd/system/inplace-agent.service")
+            .exists(),
+        "unmasked"
+    );
+    // The group stays (docs/install.md): files and people may still name it.
+    in_node_ok(&node, "getent group inplace-agent");
     drop(systemd);
     say(&format!(
         "the .deb test took {:.1}s",
@@ -973,9 +995,35 @@ fn the_rpm_has_the_expected_files_config_and_scripts() {
             "/usr/share/doc/inplace-agent/examples/config.toml",
             "/usr/share/doc/inplace-agent/hardening.md",
             "/usr/share/doc/inplace-agent/install.md",
+            "/usr/share/doc/inplace-agent/observability.md",
+            "/usr/share/doc/inplace-agent/packages.md",
             "/usr/share/doc/inplace-agent/pki.md",
+            "/usr/share/doc/inplace-agent/status-api.schema.json",
         ]
     );
+    // Every doc a shipped doc links to is shipped too (the developers' testing docs aside).
+    for doc in listed.iter().filter(|f| f.ends_with(".md")) {
+        let name = Path::new(doc).file_name().unwrap().to_str().unwrap();
+        let source = if name == "README.md" {
+            Path::new(REPO).join(name)
+        } else {
+            Path::new(REPO).join("docs").join(name)
+        };
+        let text = std::fs::read_to_string(&source).unwrap();
+        for link in text.split("](").skip(1) {
+            let target = link.split([')', '#']).next().unwrap_or_default();
+            let Some(file) = target.rsplit('/').next().filter(|f| f.ends_with(".md")) else {
+                continue;
+            };
+            if target.contains("://") || file.starts_with("testing-") {
+                continue;
+            }
+            assert!(
+                listed.iter().any(|l| l.ends_with(&format!("/{file}"))),
+                "{name} links to {target}, which the package does not ship"
+            );
+        }
+    }
     assert_eq!(query(&["-c"]), "/etc/inplace-agent/config.toml\n");
     let flags = query(&["--queryformat", "[%{FILENAMES} %{FILEFLAGS:fflags}\\n]"]);
     assert!(

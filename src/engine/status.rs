@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::{ChangeKind, Disruption};
 
-/// Phases of a plan run (DESIGN §3).
+/// Phases of a plan run: Pending → Preparing → Applying → Restarting → Verifying →
+/// Succeeded, or Failed / RollingBack → RolledBack, Superseded, Cancelled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum Phase {
     /// Accepted, not started.
@@ -56,7 +57,7 @@ impl Phase {
         )
     }
 
-    /// Whether a run may move from `self` to `next`: the state machine of DESIGN §3.
+    /// Whether a run may move from `self` to `next`: the phases' state machine.
     pub fn can_become(self, next: Phase) -> bool {
         use Phase::*;
         match (self, next) {

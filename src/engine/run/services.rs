@@ -423,7 +423,7 @@ impl Runner {
         Ok(Ok(()))
     }
 
-    /// The reboot change at `index` (DESIGN §2): when a change before it changed something,
+    /// The reboot change at `index`: when a change before it changed something,
     /// journal the request with the current boot id (fdatasynced), ask systemd to reboot and
     /// wait to be taken down. At the next start the run resumes here: a different boot id
     /// means the node rebooted and the run goes on with the next change; the same boot id
