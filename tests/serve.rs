@@ -824,7 +824,7 @@ async fn a_remote_watch_survives_a_restart_of_the_agent() {
         1,
         "said once: {said}"
     );
-    assert!(said.contains("watching again"), "{said}");
+    assert!(said.contains("trying again every few seconds"), "{said}");
     assert!(
         said.contains("(the agent answers again after ")
             && said.contains("following the plan from its status: Verifying step "),

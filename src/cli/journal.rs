@@ -80,9 +80,13 @@ pub fn describe(record: &Record) -> String {
             None => phase.to_string(),
         },
         Record::StepStarted {
-            index, preimages, ..
+            index,
+            preimages,
+            planned,
+            ..
         } => format!(
-            "changes[{index}]: {} pre-image{} saved",
+            "changes[{index}]: {}{} pre-image{} saved",
+            planned.iter().map(|p| format!("{p}; ")).collect::<String>(),
             preimages.len(),
             if preimages.len() == 1 { "" } else { "s" }
         ),

@@ -639,7 +639,7 @@ pub async fn follow(
                 | tonic::Code::DeadlineExceeded => {
                     if lost_since.is_none() {
                         view.line(&format!(
-                            "  (lost the agent: {}; watching again, trying every few seconds)",
+                            "  (lost the agent: {}; trying again every few seconds)",
                             diagnose(&status).chain()
                         ));
                         lost_since = Some(Instant::now());

@@ -412,8 +412,9 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
     };
     match (&a.agent, a.source) {
         (Some(agent), _) => out.push(format!(
-            "node {name}{about}: inplace-agent {} pid {}, up {}, gRPC on {}",
+            "node {name}{about}: inplace-agent {} (commit {}) pid {}, up {}, gRPC on {}",
             agent.version,
+            agent.commit,
             agent.pid,
             duration(agent.uptime_seconds * 1000),
             agent.grpc_listen

@@ -572,6 +572,10 @@ impl Table {
                 rs.last_ts = ts;
             }
             (Record::DaemonReloaded { rollback, .. }, Some(rs)) => {
+                status.progress.message = format!(
+                    "systemd reloaded unit files{}",
+                    if rollback { " (rollback)" } else { "" }
+                );
                 if rollback {
                     rs.reloaded.1 = true;
                 } else {

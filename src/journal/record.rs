@@ -391,7 +391,7 @@ impl Record {
                     crate::host::systemd::UnitJob::Stop => "stopping",
                     crate::host::systemd::UnitJob::Restart => "restarting",
                 },
-                rb(*rollback),
+                if *rollback { " to roll back" } else { "" },
                 before.active_state,
                 before.sub_state,
                 before

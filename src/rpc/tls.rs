@@ -963,6 +963,22 @@ impl ConnectProblem {
     }
 }
 
+/// An error's words without what is for a library's users, not for a person at a node: the
+/// link to rustls' manual, its wording of an unexpected end of the connection.
+fn plain_words(message: &str) -> String {
+    let mut words = message.to_string();
+    while let Some(at) = words.find(": https://docs.rs/") {
+        let end = words[at + 2..]
+            .find(' ')
+            .map_or(words.len(), |e| at + 2 + e);
+        words.replace_range(at..end, "");
+    }
+    words.replace(
+        "peer closed connection without sending TLS close_notify",
+        "the connection was closed",
+    )
+}
+
 /// `test-node` for rustls' `DnsName("test-node")`, `127.0.0.1` for `IpAddress(127.0.0.1)`.
 fn plain_name(presented: &str) -> String {
     let inner = presented
@@ -1009,7 +1025,7 @@ pub fn diagnose(error: &(dyn std::error::Error + 'static)) -> Diagnosis {
             Some(status) => status.message().to_string(),
             None => e.to_string(),
         };
-        let message = message.trim().to_string();
+        let message = plain_words(message.trim());
         if found.is_none()
             && let Some(problem) = recognise(e)
         {
@@ -1230,6 +1246,18 @@ mod tests {
         assert_eq!(counters.failures(HandshakeFailure::Expired), 0);
         let total: u64 = counters.failures_by_reason().iter().map(|(_, n)| n).sum();
         assert_eq!(total, 3);
+    }
+
+    #[test]
+    fn causes_are_said_for_people() {
+        let e = io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "peer closed connection without sending TLS close_notify: \
+             https://docs.rs/rustls/latest/rustls/manual/_03_howto/index.html#unexpected-eof",
+        );
+        assert_eq!(diagnose(&e).chain(), "the connection was closed");
+        let refused = io::Error::from(io::ErrorKind::ConnectionRefused);
+        assert_eq!(diagnose(&refused).problem, Some(ConnectProblem::Refused));
     }
 
     #[test]
