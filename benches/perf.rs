@@ -387,6 +387,7 @@ fn write_journal(state: &Path, records: u64) -> u64 {
             recs.push(Record::StepStarted {
                 run,
                 index,
+                planned: Vec::new(),
                 preimages: vec![Preimage::File {
                     path: inplace_agent::plan::NodePath::parse(&format!(
                         "/etc/kubernetes/r/f{index}.conf"

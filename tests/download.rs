@@ -944,8 +944,9 @@ fn plain_http_to_a_host_not_allowed_is_an_invalid_plan() {
     assert_eq!(status["kind"], "InvalidPlan");
     assert_eq!(
         status["errors"][0]["message"],
-        "plain http to 127.0.0.1 is not allowed; use https or list the host in \
-         downloads.allowHttpHosts in the agent configuration"
+        "plain http to 127.0.0.1 is not allowed; use https, or allow the host with \
+         --allow-http-host 127.0.0.1 (apply, check) or in plans.allow_http_hosts of the agent's \
+         configuration (serve)"
     );
     assert!(
         !env.node.path("/var/lib/inplace-agent").exists(),

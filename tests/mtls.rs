@@ -1169,3 +1169,209 @@ async fn openssl_generated_material_works() {
     .await;
     server.shutdown().await;
 }
+
+// === Tests: why a client cannot connect (issue 15) ===
+
+/// Connects like the CLI does and makes one call; on failure, the diagnosis of whichever
+/// step failed.
+async fn reach(
+    target: &str,
+    server_name: Option<&str>,
+    config: rustls::ClientConfig,
+) -> Result<(), tls::Diagnosis> {
+    let attempt = async {
+        let channel = tls::connect(target, server_name, Arc::new(config))
+            .await
+            .map_err(|e| match &e {
+                tls::ConnectError::Transport { source, .. } => tls::diagnose(source),
+                other => tls::diagnose(other),
+            })?;
+        NodeAgentClient::new(channel)
+            .get_node_info(pb::GetNodeInfoRequest {})
+            .await
+            .map(|_| ())
+            .map_err(|status| tls::diagnose(&status))
+    };
+    tokio::time::timeout(STEP, attempt)
+        .await
+        .expect("connect finishes")
+}
+
+#[tokio::test]
+async fn a_client_that_cannot_connect_is_told_why() {
+    let s = setup();
+    let reader = client_config_from(&s.client("reader", READER));
+
+    // Nothing listening.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = free.local_addr().unwrap().port();
+    drop(free);
+    let d = reach(&format!("127.0.0.1:{port}"), None, reader.clone())
+        .await
+        .unwrap_err();
+    eprintln!("nothing listening: {}", d.chain());
+    assert_eq!(d.problem, Some(tls::ConnectProblem::Refused), "{d:?}");
+    assert!(
+        d.chain().to_lowercase().contains("connection refused"),
+        "{d:?}"
+    );
+
+    let server = start(s.server_paths.clone(), ServeOptions::default()).await;
+
+    // A name the certificate does not have: the names it has are listed.
+    let d = reach(&server.target(), Some("worker-7"), reader.clone())
+        .await
+        .unwrap_err();
+    eprintln!("wrong server name: {}", d.chain());
+    match &d.problem {
+        Some(tls::ConnectProblem::WrongName {
+            expected,
+            presented,
+        }) => {
+            assert_eq!(expected, "worker-7");
+            assert!(presented.iter().any(|n| n == "test-node"), "{presented:?}");
+        }
+        other => panic!("{other:?}: {d:?}"),
+    }
+    assert!(d.chain().contains("test-node"), "{d:?}");
+
+    // A CA bundle that did not issue the agent's certificate.
+    let other = TestCa::new("another CA");
+    let mut config = client_config_from(&install_client_material(
+        s.dir.path(),
+        "wrong-ca",
+        &[&other.pem],
+        &s.ca.issue(client_leaf(READER)),
+    ));
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let d = reach(&server.target(), None, config).await.unwrap_err();
+    eprintln!("unknown CA: {}", d.chain());
+    assert_eq!(d.problem, Some(tls::ConnectProblem::UnknownIssuer), "{d:?}");
+
+    // A client certificate the agent does not accept: the agent ends the handshake.
+    let stranger = TestCa::new("stranger CA").issue(client_leaf(ADMIN));
+    let paths = install_client_material(s.dir.path(), "stranger", &[&s.ca.pem], &stranger);
+    let d = reach(&server.target(), None, client_config_from(&paths))
+        .await
+        .unwrap_err();
+    eprintln!("client certificate refused: {}", d.chain());
+    assert!(
+        matches!(&d.problem, Some(tls::ConnectProblem::RefusedByPeer(_))),
+        "{d:?}"
+    );
+    server.shutdown().await;
+
+    // An agent whose certificate expired.
+    let dir = tempfile::tempdir().unwrap();
+    let mut leaf = server_leaf();
+    leaf.expired = true;
+    let paths = install_server_material(dir.path(), &s.ca, &s.ca.issue(leaf));
+    let server = start(paths, ServeOptions::default()).await;
+    let d = reach(&server.target(), None, reader).await.unwrap_err();
+    eprintln!("expired server certificate: {}", d.chain());
+    assert!(
+        matches!(
+            d.problem,
+            Some(tls::ConnectProblem::Expired { not_after: Some(_) })
+        ),
+        "{d:?}"
+    );
+    assert!(
+        d.chain().contains("the agent's certificate expired at "),
+        "{d:?}"
+    );
+    server.shutdown().await;
+}
+
+/// A TCP probe (the kubelet's tcpSocket probe, a load balancer) connects and closes without
+/// a byte: not a failed handshake, so the handshake-failure alert does not fire on probes.
+#[tokio::test]
+async fn a_tcp_probe_is_not_a_failed_handshake() {
+    let s = setup();
+    let server = start(s.server_paths.clone(), ServeOptions::default()).await;
+    for _ in 0..5 {
+        let probe = TcpStream::connect(server.addr).await.unwrap();
+        drop(probe);
+    }
+    // A real client after the probes: served, and counted as a handshake.
+    let mut reader = node_agent(&server, &s.client("reader", READER)).await;
+    reader
+        .get_node_info(pb::GetNodeInfoRequest {})
+        .await
+        .unwrap();
+    eventually("the client's handshake", || {
+        server.tls_counters.handshakes() == 1
+    })
+    .await;
+    let failures: u64 = server
+        .tls_counters
+        .failures_by_reason()
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(
+        failures,
+        0,
+        "{:?}",
+        server.tls_counters.failures_by_reason()
+    );
+    server.shutdown().await;
+}
+
+/// The kubelet's serving certificate as the agent's (a certificate per node, renewed by the
+/// kubelet): one PEM file with certificate and key, reached through the symlink
+/// `kubelet-server-current.pem` that the kubelet points at a new dated file when it renews.
+/// The agent serves it and picks the renewed one up without a restart
+/// (packaging/kubernetes/kubelet-serving, docs/pki.md).
+#[tokio::test]
+async fn a_kubelet_serving_certificate_is_served_and_its_renewal_picked_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("kubernetes");
+    let pki = dir.path().join("var/lib/kubelet/pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let current = pki.join("kubelet-server-current.pem");
+    let renew = |stamp: &str| {
+        let m = ca.issue(server_leaf());
+        let file = pki.join(format!("kubelet-server-{stamp}.pem"));
+        std::fs::write(&file, format!("{}{}", m.cert, m.key)).unwrap();
+        // As the kubelet does: a new symlink renamed over the old one.
+        let tmp = pki.join("kubelet-server-current.pem.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&file, &tmp).unwrap();
+        std::fs::rename(&tmp, &current).unwrap();
+        CertificateDer::from_pem_slice(m.cert.as_bytes()).unwrap()
+    };
+    let first = renew("2026-01-01-00-00-00");
+    let client_ca = dir.path().join("ca.crt");
+    std::fs::write(&client_ca, &ca.pem).unwrap();
+    let paths = ServerTlsPaths {
+        cert: current.clone(),
+        key: current.clone(),
+        client_ca,
+    };
+    let server = start(paths, ServeOptions::default()).await;
+    let s = setup();
+    let reader = install_client_material(
+        s.dir.path(),
+        "reader",
+        &[&ca.pem],
+        &ca.issue(client_leaf(READER)),
+    );
+    assert_eq!(
+        raw_handshake(server.addr, client_config_from(&reader))
+            .await
+            .unwrap(),
+        first
+    );
+    let second = renew("2026-09-01-00-00-00");
+    assert_ne!(first, second);
+    assert_eq!(
+        raw_handshake(server.addr, client_config_from(&reader))
+            .await
+            .unwrap(),
+        second,
+        "the renewed certificate is served"
+    );
+    assert_eq!(server.tls_counters.reloads(), 1);
+    server.shutdown().await;
+}

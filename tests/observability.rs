@@ -303,7 +303,7 @@ fn slow_plan(id: &str) -> String {
     plan_yaml(
         id,
         &format!(
-            "changes:\n  - file: {{path: /etc/kubernetes/kubeadm-{id}.yaml, content: \"{SECRET}\\n\"}}\n  - kubeadmUpgradeNode: {{extraArgs: [--config, /etc/kubernetes/kubeadm-{id}.yaml]}}\n  - file: {{path: /etc/kubernetes/after-{id}.conf, content: \"after\\n\"}}\nverify:\n  - command: {{argv: [\"true\"]}}\n"
+            "changes:\n  - file: {{path: /etc/kubernetes/kubeadm-{id}.yaml, content: \"{SECRET}\\n\"}}\n  - kubeadmUpgradeNode: {{extraArgs: [--config, /etc/kubernetes/kubeadm-{id}.yaml]}}\n  - file: {{path: /etc/kubernetes/after-{id}.conf, content: \"after\\n\", restartUnits: [kubelet.service]}}\nverify:\n  - command: {{argv: [\"true\"]}}\n"
         ),
     )
 }
@@ -365,8 +365,21 @@ async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
     assert_eq!(current["runningChange"]["state"], "Running");
     assert_eq!(current["counts"]["changed"], 1);
     assert_eq!(current["hookResponse"]["retryAfterSeconds"], 10);
+    // One numbering: the hook response says the same step.
+    assert!(
+        current["hookResponse"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("plan slow: Applying step 2/4: changes[1] kubeadmUpgradeNode"),
+        "{current:#}"
+    );
     assert!(current["elapsedMs"].as_u64().is_some(), "{current:#}");
     assert_eq!(status["agent"]["pid"], agent.child.id());
+
+    // The readiness probe of the DaemonSet.
+    let out = cli(&["status", "--root", &root, "--healthz"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
 
     // The same through the command, in JSON and for people.
     let out = cli(&["status", "--root", &root, "--output", "json"]);
@@ -405,6 +418,11 @@ async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
         lines.contains("[2/3] changes[1] kubeadmUpgradeNode")
             && lines.contains("[3/3] changes[2] file")
             && lines.contains("plan slow attempt 1: Succeeded"),
+        "{lines}"
+    );
+    // What happened to the units is shown as it happens (here: no service management).
+    assert!(
+        lines.contains("  kubelet.service not restarted: this agent's service management is off"),
         "{lines}"
     );
     assert!(
@@ -541,6 +559,16 @@ fn without_an_agent_status_reads_the_journal_and_says_so() {
         Some(common::journal(&node).len() as u64)
     );
 
+    // A probe never takes the journal for an agent.
+    let out = cli(&["status", "--root", &root, "--healthz"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("no agent is serving on"),
+        "{}",
+        text(&out)
+    );
+    assert!(!text(&out).contains("read the journal"), "{}", text(&out));
+
     let out = cli(&["status", "--root", &root, "bad", "-o", "json"]);
     assert_eq!(
         out.status.code(),
@@ -571,6 +599,46 @@ fn config_check_names_the_key_and_line_and_the_default_file_is_valid() {
         ),
     )
     .unwrap();
+    // The default names certificates that are not there and lets nobody in: valid TOML,
+    // but serve would not start, and config check says so, with the fixes.
+    let out = cli(&["config", "check", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let said = text(&out);
+    assert!(
+        said.contains("serve would not start (4 problems)")
+            && said.contains("tls.cert /etc/inplace-agent/pki/server.crt: no such file")
+            && said.contains("authorization.admin is empty"),
+        "{said}"
+    );
+    assert_eq!(said.matches("inplace-agent pki init").count(), 1, "{said}");
+    // With certificates for the node and an updater, it is valid.
+    let pki = inplace_agent::rpc::pki::init(&inplace_agent::rpc::pki::PkiInitOptions::new(
+        dir.path().join("pki"),
+        "worker-5",
+    ))
+    .unwrap();
+    let edited = default
+        .replace(
+            "root = \"/\"",
+            &format!("root = {:?}", node.root().display().to_string()),
+        )
+        .replace(
+            "cert = \"/etc/inplace-agent/pki/server.crt\"",
+            &format!("cert = {:?}", pki.server_cert),
+        )
+        .replace(
+            "key = \"/etc/inplace-agent/pki/server.key\"",
+            &format!("key = {:?}", pki.server_key),
+        )
+        .replace(
+            "client_ca = \"/etc/inplace-agent/pki/ca.crt\"",
+            &format!("client_ca = {:?}", pki.ca_cert),
+        )
+        .replace(
+            "admin = []",
+            &format!("admin = [{DEFAULT_UPDATER_IDENTITY:?}]"),
+        );
+    std::fs::write(&file, edited).unwrap();
     let out = cli(&["config", "check", file.to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
@@ -812,13 +880,11 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
         get("inplace_agent_journal_records", &[]),
         journal_lines as f64
     );
+    let commit = inplace_agent::cli::version::commit_label();
     assert_eq!(
         get(
             "inplace_agent_build_info",
-            &[
-                ("version", env!("CARGO_PKG_VERSION")),
-                ("commit", "unknown")
-            ]
+            &[("version", env!("CARGO_PKG_VERSION")), ("commit", &commit)]
         ),
         1.0
     );
@@ -922,15 +988,17 @@ fn only_root_and_the_group_can_read_the_socket() {
         text(&out)
     );
     assert_eq!(json_out(&out)["source"], "agent");
-    // The refused connection never reached the server; the member's did, with its uid.
-    assert!(
-        agent
-            .log()
-            .lines()
-            .any(|l| l.contains("status request") && l.contains("uid=65534")),
-        "{}",
-        agent.log()
-    );
+    // The refused connection never reached the server; the member's did, with its uid
+    // (the log is read by another thread: wait for the line).
+    let deadline = Instant::now() + PATIENCE;
+    while !agent
+        .log()
+        .lines()
+        .any(|l| l.contains("status request") && l.contains("uid=65534"))
+    {
+        assert!(Instant::now() < deadline, "{}", agent.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 // === Load ===

@@ -343,6 +343,11 @@ impl<'a> Client<'a> {
 
     /// Submits a plan; with `wait`, returns its final status.
     fn submit(&self, name: &str, plan: &str, wait: bool) -> Value {
+        self.submit_and_watch(name, plan, wait).0
+    }
+
+    /// Submits a plan; with `wait`, returns its final status and what the watch printed.
+    fn submit_and_watch(&self, name: &str, plan: &str, wait: bool) -> (Value, String) {
         let path = self.plans.path().join(name);
         std::fs::write(&path, plan).unwrap();
         let path = path.display().to_string();
@@ -351,8 +356,9 @@ impl<'a> Client<'a> {
             args.push("--wait");
         }
         let out = self.command(&args, true);
-        serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|_| panic!("submit {name}: {}", text(&out)))
+        let status = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|_| panic!("submit {name}: {}", text(&out)));
+        (status, String::from_utf8_lossy(&out.stderr).into_owned())
     }
 
     /// The plan's status, or None while the agent does not answer (restarting).
@@ -501,29 +507,52 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
         text(&verify)
     );
 
-    // --- Configure as docs/install.md says: certificates, then who may call; the edit makes
-    // the conffile "modified" for the upgrade below.
+    // --- Not configured yet: started (as at every boot, the unit is enabled), it waits
+    // quietly: inactive, not failed, not restarted, and its status says what is missing.
+    in_node_ok(&node, "systemctl start inplace-agent");
+    assert_eq!(unit_property(&node, AGENT, "ActiveState"), "inactive");
+    assert_eq!(unit_property(&node, AGENT, "NRestarts"), "0");
+    let said = in_node(&node, "systemctl status inplace-agent --no-pager -l -n 20");
+    assert!(
+        text(&said).contains("not configured yet")
+            && text(&said).contains("/etc/inplace-agent/pki/server.crt"),
+        "{}",
+        text(&said)
+    );
+
+    // --- Certificates, but nobody may call it yet: it refuses to start with exit 2, says
+    // how to fix it, and is not restarted (RestartPreventExitStatus=2).
     let name = node_name(&node);
     in_node_ok(
         &node,
         &format!("inplace-agent pki init /etc/inplace-agent/pki --node-name {name}"),
     );
-    let edited = node
-        .read_file("/etc/inplace-agent/config.toml")
-        .replace(
-            &format!("# admin = [\"{DEFAULT_UPDATER_IDENTITY}\"]"),
-            &format!("admin = [\"{DEFAULT_UPDATER_IDENTITY}\"]"),
-        )
-        .replace(
-            &format!("# reader = [\"{DEFAULT_READER_IDENTITY}\"]"),
-            &format!("reader = [\"{DEFAULT_READER_IDENTITY}\"]"),
-        )
-        + "# edited on this node\n";
-    assert!(
-        edited.contains("\nadmin = ["),
-        "the packaged file has the admin example"
+    let refused = in_node(&node, "systemctl start inplace-agent");
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert_eq!(unit_property(&node, AGENT, "ExecMainStatus"), "2");
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(unit_property(&node, AGENT, "ActiveState"), "failed");
+    assert_eq!(
+        unit_property(&node, AGENT, "NRestarts"),
+        "0",
+        "no restart on exit 2"
     );
+    let said = in_node_ok(&node, "journalctl -u inplace-agent --no-pager -o cat");
+    assert!(
+        said.contains("authorization.admin is empty")
+            && said.contains("admin = [\"spiffe://inplace-agent/updater\"] under [authorization]"),
+        "{said}"
+    );
+    in_node_ok(&node, "systemctl reset-failed inplace-agent");
+
+    // --- Configure as docs/install.md says: append who may call; the edit makes the
+    // conffile "modified" for the upgrade below.
+    let edited = node.read_file("/etc/inplace-agent/config.toml")
+        + &format!(
+            "\n# edited on this node\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n"
+        );
     node.write_file("/etc/inplace-agent/config.toml", &edited, 0o644);
+    in_node_ok(&node, "inplace-agent config check");
 
     // --- Start through systemd (Type=notify: returns once the agent sent READY=1).
     in_node_ok(&node, "systemctl start inplace-agent");
@@ -565,12 +594,32 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
 
     // --- A plan over mTLS: kubelet configuration, sysctl, file, package, gates.
     let starts = kubelet_starts(&node);
-    let applied = client.submit(
+    let (applied, watched) = client.submit_and_watch(
         "node.yaml",
         &node_plan("default/md-0@package-route", &name),
         true,
     );
     assert_node_plan_applied(&node, starts, &applied);
+    // The restart is seen as it happens (WatchPlan), with the unit's InvocationIDs.
+    assert!(
+        watched.contains("systemd reloaded unit files")
+            && watched.contains("restarting kubelet.service (it was active/running, InvocationID ")
+            && watched.contains("restarted kubelet.service in ")
+            && watched.contains("unit is active/running"),
+        "{watched}"
+    );
+    let events: Vec<&str> = applied["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["message"].as_str())
+        .collect();
+    assert!(
+        events.iter().any(
+            |e| e.starts_with("restarted kubelet.service in ") && e.contains(", InvocationID ")
+        ),
+        "{events:?}"
+    );
     let vm = agent_proc(&node, "status");
     let field = |k: &str| {
         vm.lines()
@@ -695,6 +744,20 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
     // the state, and leaves the certificates (they are the operator's).
     in_node_ok(&node, "dpkg -r inplace-agent");
     assert_eq!(unit_property(&node, AGENT, "ActiveState"), "inactive");
+    // debhelper masks a removed package's unit (docs/install.md says so), purge unmasks it.
+    assert_eq!(
+        String::from_utf8_lossy(&in_node(&node, "systemctl is-enabled inplace-agent").stdout)
+            .trim(),
+        "masked"
+    );
+    // Installing it again unmasks it; remove once more for the purge below.
+    in_node_ok(&node, "dpkg -i /root/inplace-agent-2.deb");
+    assert_eq!(
+        String::from_utf8_lossy(&in_node(&node, "systemctl is-enabled inplace-agent").stdout)
+            .trim(),
+        "enabled"
+    );
+    in_node_ok(&node, "dpkg -r inplace-agent");
     assert!(!node.path("/usr/bin/inplace-agent").exists());
     assert!(node.path("/etc/inplace-agent/config.toml").exists());
     assert!(
@@ -711,6 +774,14 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
             .success(),
         "not enabled after purge"
     );
+    assert!(
+        !node
+            .path("/etc/systemd/system/inplace-agent.service")
+            .exists(),
+        "unmasked"
+    );
+    // The group stays (docs/install.md): files and people may still name it.
+    in_node_ok(&node, "getent group inplace-agent");
     drop(systemd);
     say(&format!(
         "the .deb test took {:.1}s",
@@ -836,6 +907,28 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
         );
     }
 
+    // The readiness probe, as the manifest says, with the pod's /host: ready, and no TLS
+    // handshake for it (a TCP probe was a failed handshake on every node every 10 s).
+    let probe: Vec<String> = container["readinessProbe"]["exec"]["command"]
+        .as_array()
+        .expect("an exec readiness probe")
+        .iter()
+        .map(|a| a.as_str().unwrap().replace("/host", &root))
+        .collect();
+    assert_eq!(probe[0], "/usr/bin/inplace-agent", "{probe:?}");
+    for _ in 0..3 {
+        let out = Command::new(BIN)
+            .args(&probe[1..])
+            .env_remove("INPLACE_AGENT_CONFIG")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "readiness probe {probe:?}: {}",
+            text(&out)
+        );
+    }
+
     let client = Client::new(&node, files.ca_cert.parent().unwrap().to_path_buf());
     let starts = kubelet_starts(&node);
     let applied = client.submit(
@@ -843,6 +936,18 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
         &node_plan("default/md-0@daemonset-route", &name),
         true,
     );
+    let metrics = inplace_agent::status::client::get(
+        &node.path("/run/inplace-agent/status.sock"),
+        "/metrics",
+        Duration::from_secs(10),
+    )
+    .expect("metrics on the status socket");
+    let failures: f64 = String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .filter(|l| l.starts_with("inplace_agent_tls_handshake_failures_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(failures, 0.0, "no handshake failed for the probes");
     rustix::process::kill_process(
         rustix::process::Pid::from_child(&agent),
         rustix::process::Signal::TERM,
@@ -890,9 +995,35 @@ fn the_rpm_has_the_expected_files_config_and_scripts() {
             "/usr/share/doc/inplace-agent/examples/config.toml",
             "/usr/share/doc/inplace-agent/hardening.md",
             "/usr/share/doc/inplace-agent/install.md",
+            "/usr/share/doc/inplace-agent/observability.md",
+            "/usr/share/doc/inplace-agent/packages.md",
             "/usr/share/doc/inplace-agent/pki.md",
+            "/usr/share/doc/inplace-agent/status-api.schema.json",
         ]
     );
+    // Every doc a shipped doc links to is shipped too (the developers' testing docs aside).
+    for doc in listed.iter().filter(|f| f.ends_with(".md")) {
+        let name = Path::new(doc).file_name().unwrap().to_str().unwrap();
+        let source = if name == "README.md" {
+            Path::new(REPO).join(name)
+        } else {
+            Path::new(REPO).join("docs").join(name)
+        };
+        let text = std::fs::read_to_string(&source).unwrap();
+        for link in text.split("](").skip(1) {
+            let target = link.split([')', '#']).next().unwrap_or_default();
+            let Some(file) = target.rsplit('/').next().filter(|f| f.ends_with(".md")) else {
+                continue;
+            };
+            if target.contains("://") || file.starts_with("testing-") {
+                continue;
+            }
+            assert!(
+                listed.iter().any(|l| l.ends_with(&format!("/{file}"))),
+                "{name} links to {target}, which the package does not ship"
+            );
+        }
+    }
     assert_eq!(query(&["-c"]), "/etc/inplace-agent/config.toml\n");
     let flags = query(&["--queryformat", "[%{FILENAMES} %{FILEFLAGS:fflags}\\n]"]);
     assert!(
@@ -931,7 +1062,16 @@ fn uncommented(examples: bool) -> String {
     PACKAGED_CONFIG
         .lines()
         .map(|line| match line.strip_prefix("# ") {
-            Some(rest) if rest.contains(" = ") && (examples || !rest.contains("# default:")) => {
+            // (Indented lines are the example in the file's introduction.)
+            Some(rest)
+                if !rest.starts_with(' ')
+                    && rest.contains(" = ")
+                    && (examples || !rest.contains("# default:")) =>
+            {
+                rest.to_string()
+            }
+            // The table headers, commented out too.
+            Some(rest) if rest.starts_with('[') && rest.ends_with(']') && !rest.contains(' ') => {
                 rest.to_string()
             }
             _ => line.to_string(),
@@ -981,6 +1121,23 @@ fn the_packaged_config_is_the_defaults_and_names_every_key() {
     assert!(
         missing.is_empty(),
         "packaging/config.toml lacks {missing:?}"
+    );
+    // The documented edit works on the file as shipped: appending a table (every header in
+    // it is commented out, so nothing is defined twice).
+    let appended = format!(
+        "{PACKAGED_CONFIG}\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n\n[node]\nname = \"worker-9\"\n\n[tls]\ncert = \"/etc/inplace-agent/tls/tls.crt\"\n"
+    );
+    let input = parse_config(&appended, Path::new("/etc/inplace-agent/config.toml"))
+        .unwrap_or_else(|e| panic!("appending tables to the packaged file: {e}"));
+    let settings = input.resolve().unwrap();
+    assert_eq!(settings.node_name, "worker-9");
+    assert_eq!(
+        settings.rules.admin(),
+        [DEFAULT_UPDATER_IDENTITY.parse().unwrap()]
+    );
+    assert_eq!(
+        settings.tls.cert,
+        Path::new("/etc/inplace-agent/tls/tls.crt")
     );
     // The ConfigMap's configuration parses too.
     parse_config(&configmap_config(), Path::new("configmap.yaml"))
@@ -1037,7 +1194,11 @@ fn the_manifests_validate_and_agree_with_each_other() {
     run(Command::new("bash").arg(Path::new(REPO).join("packaging/validate")));
 
     // Every resource a kustomization names exists.
-    for dir in ["packaging/kubernetes", "packaging/kubernetes/cert-manager"] {
+    for dir in [
+        "packaging/kubernetes",
+        "packaging/kubernetes/cert-manager",
+        "packaging/kubernetes/kubelet-serving",
+    ] {
         let k = &yaml_documents(&format!("{dir}/kustomization.yaml"))[0];
         for r in k["resources"].as_array().unwrap() {
             let path = Path::new(REPO).join(dir).join(r.as_str().unwrap());
@@ -1048,6 +1209,23 @@ fn the_manifests_validate_and_agree_with_each_other() {
             );
         }
     }
+    // A certificate per node: the overlay replaces the base ConfigMap (same name) with one
+    // whose certificate and key are the node's kubelet serving certificate under /host, a
+    // path the pod has (the host's / is mounted there).
+    let base = &yaml_documents("packaging/kubernetes/configmap.yaml")[0];
+    let per_node = &yaml_documents("packaging/kubernetes/kubelet-serving/configmap.yaml")[0];
+    assert_eq!(per_node["metadata"], base["metadata"]);
+    let config = parse_config(
+        per_node["data"]["config.toml"].as_str().unwrap(),
+        Path::new("kubelet-serving/configmap.yaml"),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let kubelet = Path::new("/host/var/lib/kubelet/pki/kubelet-server-current.pem");
+    assert_eq!(config.tls_cert.as_deref(), Some(kubelet));
+    assert_eq!(config.tls_key.as_deref(), Some(kubelet));
+    let overlay = &yaml_documents("packaging/kubernetes/kubelet-serving/kustomization.yaml")[0];
+    assert_eq!(overlay["patches"][0]["path"], "configmap.yaml");
+
     // The DaemonSet as the issue asks for it.
     let ds = &yaml_documents("packaging/kubernetes/daemonset.yaml")[0];
     let pod = &ds["spec"]["template"]["spec"];

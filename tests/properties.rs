@@ -125,7 +125,7 @@ proptest! {
         {
             let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
             for run in 0..8 {
-                j.append(run, inplace_agent::journal::Record::CancelRequested { run }, false).unwrap();
+                j.append(run, inplace_agent::journal::Record::CancelRequested { run, reason: String::new(), by: String::new() }, false).unwrap();
             }
         }
         let path = t.path().join("journal").join("journal.log");

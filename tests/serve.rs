@@ -743,12 +743,101 @@ async fn kill_9_mid_plan_then_the_plan_resumes_and_is_reported() {
     );
     let done = finished(&mut client, id).await;
     assert_eq!(phase(&done), pb::Phase::Succeeded, "{:?}", done.error);
+    // The restart is in the plan's events, for watchers and `status ID`.
+    assert!(
+        done.events.iter().any(|e| e
+            .message
+            .starts_with("the agent restarted; the run resumes in Verifying at step ")),
+        "{:?}",
+        done.events
+    );
     assert_eq!(
         std::fs::read_to_string(node.path("/etc/kubernetes/resume.conf")).unwrap(),
         format!("{SECRET}\n")
     );
     assert_eq!(records(&node, "planAccepted").len(), 1);
     assert!(!agent.log().contains(SECRET), "plan content in the log");
+}
+
+/// A remote `status --watch` survives the agent's restart: it says it lost the agent,
+/// reconnects with backoff, and follows the plan to its end (issue 15).
+#[tokio::test]
+async fn a_remote_watch_survives_a_restart_of_the_agent() {
+    let node = Node::new();
+    let pki = pki();
+    let f = &pki.files;
+    let port = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap().port()
+    };
+    let config = node.root().with_extension("toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:{port}\"\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n",
+            node.root().display(),
+            f.server_cert.display(),
+            f.server_key.display(),
+            f.ca_cert.display()
+        ),
+    )
+    .unwrap();
+    let mut agent = Agent::start_with_config(&config);
+    let mut client = pki.client(&agent.addr, As::Updater).await;
+    let id = "default/md-0@watched";
+    apply(&mut client, &wire(&slow_plan(id, "watched.conf", 3, 2)))
+        .await
+        .unwrap();
+    wait_for(&mut client, id, "verifying", |s| {
+        phase(s) == pb::Phase::Verifying
+    })
+    .await;
+    let watcher = Command::new(bin())
+        .args([
+            "status",
+            id,
+            "--watch",
+            "--no-progress",
+            "--addr",
+            &agent.addr,
+        ])
+        .args(pki.client_flags(As::Reader))
+        .env("INPLACE_AGENT_LOG", "error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    agent.kill9();
+    // Down for a while: the watcher keeps trying.
+    std::thread::sleep(Duration::from_secs(2));
+    let agent = Agent::start_with_config(&config);
+    let watched = tokio::task::spawn_blocking(move || watcher.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let said = text(&watched);
+    assert_eq!(watched.status.code(), Some(0), "{said}\n{}", agent.log());
+    assert_eq!(
+        said.matches("(lost the agent: ").count(),
+        1,
+        "said once: {said}"
+    );
+    assert!(said.contains("trying again every few seconds"), "{said}");
+    assert!(
+        said.contains("(the agent answers again after ")
+            && said.contains("following the plan from its status: Verifying step "),
+        "{said}"
+    );
+    assert!(
+        said.contains("the agent restarted; the run resumes"),
+        "{said}"
+    );
+    assert!(
+        String::from_utf8_lossy(&watched.stdout).contains("phase: Succeeded"),
+        "{said}"
+    );
 }
 
 #[tokio::test]
@@ -900,10 +989,23 @@ async fn node_info_cancel_and_retry() {
         !node.path("/etc/kubernetes/cancel.conf").exists(),
         "rolled back before ending cancelled"
     );
-    assert_eq!(
-        cancelled.hook_response.unwrap().status,
-        pb::HookStatus::Failure as i32
+    // Who cancelled and why are journaled and shown: the error, the hook message, the
+    // events, the journal.
+    let said = format!("by {DEFAULT_UPDATER_IDENTITY}: operator asked");
+    let error = cancelled.error.clone().unwrap();
+    assert_eq!(error.detail, format!("cancelled on request {said}"));
+    assert!(
+        cancelled.events.iter().any(|e| e.message
+            == format!("cancel requested {said}; the run stops at the next step boundary")),
+        "{:?}",
+        cancelled.events
     );
+    let hook = cancelled.hook_response.unwrap();
+    assert_eq!(hook.status, pb::HookStatus::Failure as i32);
+    assert!(hook.message.contains(&said), "{}", hook.message);
+    let journaled = records(&node, "cancelRequested");
+    assert_eq!(journaled.len(), 1);
+    assert_eq!(journaled[0]["reason"], "operator asked");
 
     let retry = |from_attempt| pb::RetryPlanRequest {
         id: id.into(),
@@ -1050,6 +1152,231 @@ async fn submit_and_status_against_serve() {
     let (code, _, all) = run(&["status", "never-submitted"], As::Reader);
     assert_eq!(code, Some(1), "{all}");
     assert!(all.contains("not found"), "{all}");
+}
+
+/// The client commands that cannot reach the agent say why and what to do (issue 15).
+#[tokio::test]
+async fn clients_that_cannot_connect_say_why_and_what_to_do() {
+    let node = Node::new();
+    let pki = pki();
+    let agent = Agent::start(&node, &pki, &[]);
+    let run = |addr: &str, flags: Vec<String>| {
+        let out = Command::new(bin())
+            .args(["status", "--addr", addr])
+            .args(flags)
+            .env("INPLACE_AGENT_LOG", "error")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let with = |flag: &str, value: &str| {
+        let mut flags = pki.client_flags(As::Reader);
+        let at = flags.iter().position(|f| f == flag).unwrap();
+        flags[at + 1] = value.to_string();
+        flags
+    };
+
+    // TCP probes first: logged at debug level, never as a failed handshake.
+    for _ in 0..3 {
+        drop(std::net::TcpStream::connect(&agent.addr).unwrap());
+    }
+    let deadline = Instant::now() + PATIENCE;
+    while !agent
+        .log()
+        .contains("connection closed before any tls byte")
+    {
+        assert!(Instant::now() < deadline, "{}", agent.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        !agent.log().contains("tls handshake failed"),
+        "{}",
+        agent.log()
+    );
+
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nobody = free.local_addr().unwrap().to_string();
+    drop(free);
+    let said = run(&nobody, pki.client_flags(As::Reader));
+    assert!(said.contains("Connection refused"), "{said}");
+    assert!(said.contains("systemctl status inplace-agent"), "{said}");
+
+    let said = run(&agent.addr, with("--server-name", "worker-7"));
+    assert!(
+        said.contains("the agent's certificate is not valid for \"worker-7\": it names test-node"),
+        "{said}"
+    );
+    assert!(said.contains("--server-name test-node"), "{said}");
+
+    let other = tempfile::tempdir().unwrap();
+    let theirs =
+        inplace_agent::rpc::pki::init(&PkiInitOptions::new(other.path().join("pki"), NODE))
+            .unwrap();
+    let said = run(
+        &agent.addr,
+        with("--ca", &theirs.ca_cert.display().to_string()),
+    );
+    assert!(said.contains("(bad signature): another PKI's CA"), "{said}");
+    assert!(
+        said.contains("pass the agents' CA bundle with --ca"),
+        "{said}"
+    );
+
+    let mut flags = with("--cert", &theirs.reader_cert.display().to_string());
+    let at = flags.iter().position(|f| f == "--key").unwrap();
+    flags[at + 1] = theirs.reader_key.display().to_string();
+    let said = run(&agent.addr, flags);
+    assert!(
+        said.contains("the agent refused the TLS handshake"),
+        "{said}"
+    );
+    assert!(said.contains("tls handshake failed"), "{said}");
+    drop(agent);
+}
+
+/// `serve` checks what it needs before it opens anything, exits 2 naming the setting, the
+/// file and the fix; `--check-configured` (the unit's ExecCondition=) only looks for the
+/// TLS files (issue 15).
+#[test]
+fn serve_refuses_to_start_without_what_it_needs_and_says_how_to_fix_it() {
+    let node = Node::new();
+    let pki = pki();
+    let f = &pki.files;
+    let other = tempfile::tempdir().unwrap();
+    let theirs =
+        inplace_agent::rpc::pki::init(&PkiInitOptions::new(other.path().join("pki"), "other-node"))
+            .unwrap();
+    let garbage = other.path().join("garbage.crt");
+    std::fs::write(&garbage, "not a certificate\n").unwrap();
+    let serve = |cert: &Path, key: &Path, ca: &Path, admin: bool, extra: &[&str]| {
+        let mut cmd = Command::new(bin());
+        cmd.args([
+            "serve",
+            "--config",
+            "/dev/null",
+            "--node-name",
+            NODE,
+            "--listen",
+        ])
+        .arg("127.0.0.1:0")
+        .arg("--root")
+        .arg(node.root())
+        .arg("--tls-cert")
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key)
+        .arg("--client-ca")
+        .arg(ca)
+        .args(["--reader", DEFAULT_READER_IDENTITY])
+        .args(extra)
+        .env("INPLACE_AGENT_SERVICES", "off")
+        .env_remove("INPLACE_AGENT_CONFIG")
+        .stdin(Stdio::null());
+        if admin {
+            cmd.args(["--admin", DEFAULT_UPDATER_IDENTITY]);
+        }
+        let out = cmd.output().unwrap();
+        (out.status.code(), text(&out))
+    };
+    let missing = other.path().join("missing.crt");
+    let cases: [(&Path, &Path, &Path, bool, &[&str]); 5] = [
+        (
+            &missing,
+            &f.server_key,
+            &f.ca_cert,
+            true,
+            &[
+                "tls.cert ",
+                "missing.crt: no such file",
+                "fix: put the agent's server certificate there, or point tls.cert in /dev/null (or --tls-cert) at it",
+                "inplace-agent pki init",
+            ],
+        ),
+        (
+            &theirs.server_cert,
+            &theirs.server_key,
+            &f.ca_cert,
+            true,
+            &[
+                "does not name this node \"test-node\" (it has only other-node, localhost)",
+                "with the DNS name test-node",
+                "node.name in /dev/null (or --node-name)",
+            ],
+        ),
+        (
+            &f.server_cert,
+            &f.server_key,
+            &f.ca_cert,
+            false,
+            &[
+                "authorization.admin is empty: only readers may call the agent",
+                "authorization.admin in /dev/null (or --admin)",
+            ],
+        ),
+        (
+            &f.server_cert,
+            &f.updater_key,
+            &f.ca_cert,
+            true,
+            &[
+                "tls: server certificate and key",
+                "fix: tls.key must be the private key of the certificate in tls.cert",
+            ],
+        ),
+        (
+            &f.server_cert,
+            &f.server_key,
+            &garbage,
+            true,
+            &[
+                "tls.client_ca: ",
+                "garbage.crt",
+                "fix: tls.client_ca must hold the CA certificates",
+            ],
+        ),
+    ];
+    for (cert, key, ca, admin, said) in cases {
+        let (code, out) = serve(cert, key, ca, admin, &[]);
+        assert_eq!(code, Some(2), "{out}");
+        assert!(
+            out.contains(
+                "error: inplace-agent cannot serve with the configuration /dev/null (1 problem):"
+            ),
+            "{out}"
+        );
+        for s in said {
+            assert!(out.contains(s), "{s:?} not in:\n{out}");
+        }
+        assert!(
+            !node.path("/var/lib/inplace-agent").exists(),
+            "nothing is opened before the check"
+        );
+    }
+
+    // The unit's ExecCondition=: quiet about a configuration, only the files count.
+    let (code, out) = serve(
+        &missing,
+        &f.server_key,
+        &f.ca_cert,
+        false,
+        &["--check-configured"],
+    );
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("inplace-agent is not configured yet, so it does not start: missing ")
+            && out.contains("missing.crt"),
+        "{out}"
+    );
+    let (code, out) = serve(
+        &f.server_cert,
+        &f.server_key,
+        &f.ca_cert,
+        false,
+        &["--check-configured"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    assert!(!node.path("/var/lib/inplace-agent").exists());
 }
 
 // === The config file ===

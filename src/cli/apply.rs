@@ -28,7 +28,7 @@ pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Pla
     let bytes = match bytes {
         Ok(b) => b,
         Err(e) => {
-            eprintln!("error: read plan {name}: {e}");
+            errln!("error: read plan {name}: {e}");
             return Err(EXIT_INVALID);
         }
     };
@@ -40,7 +40,7 @@ pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Pla
 
 pub(super) fn print_invalid(invalid: &InvalidPlan, output: Output) {
     match output {
-        Output::Json => println!(
+        Output::Json => outln!(
             "{:#}",
             serde_json::json!({
                 "apiVersion": crate::plan::API_VERSION,
@@ -49,13 +49,13 @@ pub(super) fn print_invalid(invalid: &InvalidPlan, output: Output) {
                 "errors": invalid.errors,
             })
         ),
-        Output::Text => eprintln!("error: {invalid}"),
+        Output::Text => errln!("error: {invalid}"),
     }
 }
 
 fn settings(node: &NodeArgs) -> Result<Settings, u8> {
     node.input().resolve().map_err(|e| {
-        eprintln!("error: {e}");
+        errln!("error: {e}");
         EXIT_INVALID
     })
 }
@@ -64,7 +64,7 @@ fn open_host(settings: &Settings) -> Result<Arc<Host>, u8> {
     Host::open(settings.host.clone())
         .map(Arc::new)
         .map_err(|e| {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             EXIT_INVALID
         })
 }
@@ -82,11 +82,11 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
         Err(code) => return code,
     };
     match output {
-        Output::Json => println!("{:#}", serde_json::to_value(&report).unwrap_or_default()),
+        Output::Json => outln!("{:#}", serde_json::to_value(&report).unwrap_or_default()),
         Output::Text => {
-            println!("plan {} ({})", report.id, report.digest);
+            outln!("plan {} ({})", report.id, report.digest);
             for e in &report.errors {
-                println!("  error: {e}");
+                outln!("  error: {e}");
             }
             let n = report.changes.len();
             let width = n.to_string().len();
@@ -102,7 +102,7 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
                 } else {
                     format!(": {}", c.detail)
                 };
-                println!(
+                outln!(
                     "  [{:>width$}/{n}] changes[{}] {} {}: {what}{detail}",
                     c.index + 1,
                     c.index,
@@ -116,7 +116,7 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
                 } else {
                     format!("NOT SUPPORTED: {}", g.detail)
                 };
-                println!("  verify[{}] {} {}: {what}", g.index, g.kind, g.target);
+                outln!("  verify[{}] {} {}: {what}", g.index, g.kind, g.target);
             }
             let units = if report.restart_units.is_empty() {
                 String::new()
@@ -128,10 +128,10 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
             } else {
                 ""
             };
-            println!("disruption: {}{units}{reload}", report.disruption);
-            println!("service management: {}", report.services);
+            outln!("disruption: {}{units}{reload}", report.disruption);
+            outln!("service management: {}", report.services);
             if !report.applicable {
-                println!("this node cannot apply the plan as it is");
+                outln!("this node cannot apply the plan as it is");
             }
         }
     }
@@ -170,37 +170,38 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
     if let Err(e) = crate::engine::admit(&settings.engine, &host, &plan) {
         match (&e, output) {
             (SubmitError::Invalid(invalid), _) => print_invalid(invalid, output),
-            (_, Output::Json) => println!(
+            (_, Output::Json) => outln!(
                 "{:#}",
                 serde_json::json!({"apiVersion": crate::plan::API_VERSION, "kind": "Refused", "error": e.to_string()})
             ),
-            _ => eprintln!("error: {e}"),
+            _ => errln!("error: {e}"),
         }
         return EXIT_INVALID;
     }
     if let Err(e) = services_ready(&host, &plan) {
-        eprintln!("error: {e}");
+        errln!("error: {e}");
         return EXIT_FAILED;
     }
     let (engine, report) = match Engine::open(settings.engine.clone(), host) {
         Ok(x) => x,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return EXIT_FAILED;
         }
     };
     if let Some(torn) = report.torn {
-        eprintln!(
+        errln!(
             "warning: the journal ended in a torn record ({} bytes at offset {}), left by a \
              crash; it was truncated and the agent continues from the last complete record",
-            torn.bytes, torn.offset
+            torn.bytes,
+            torn.offset
         );
     }
     match run_plan(&engine, plan, retry, plain, false) {
         Ok(status) => {
             match output {
-                Output::Json => println!("{:#}", status_json(&status)),
-                Output::Text => println!("{}", summary(&status)),
+                Output::Json => outln!("{:#}", status_json(&status)),
+                Output::Text => outln!("{}", summary(&status)),
             }
             exit_code(&status)
         }
@@ -249,14 +250,15 @@ pub fn run_plan(
     if let Some(current) = engine.current()
         && (current.id != plan.id || current.digest != plan.digest())
     {
-        eprintln!(
+        errln!(
             "note: plan {} (attempt {}) was left unfinished by an earlier run; it resumes \
              until this plan supersedes it at the next step boundary",
-            current.id, current.attempt
+            current.id,
+            current.attempt
         );
     }
     let submission = engine.submit(plan, "cli", retry).map_err(|e| {
-        eprintln!("error: {e}");
+        errln!("error: {e}");
         match e {
             SubmitError::Journal(_) | SubmitError::Conflict(_) => EXIT_FAILED,
             _ => EXIT_INVALID,
@@ -268,7 +270,7 @@ pub fn run_plan(
     {
         let when = s.finished_at_ms.map(super::rfc3339).unwrap_or_default();
         let _ = std::io::Write::flush(&mut std::io::stdout());
-        eprintln!(
+        errln!(
             "plan {} ({}) already ran on this node: attempt {} {} at {when}; nothing to do{}",
             s.id,
             s.digest,
@@ -301,10 +303,11 @@ pub fn run_plan(
     engine.run_until_idle();
     let finished = engine.status_of_run(run).unwrap_or(status);
     if !finished.phase.is_terminal() {
-        eprintln!(
+        errln!(
             "error: plan {} stopped in phase {} because its journal could not be written; it \
              resumes from the journal at the next start",
-            finished.id, finished.phase
+            finished.id,
+            finished.phase
         );
         return Err(EXIT_FAILED);
     }

@@ -18,8 +18,9 @@ pub struct ConfigArgs {
 enum ConfigCommand {
     /// Print a fully commented config.toml with every key at its default
     PrintDefault,
-    /// Check a configuration file as `serve` would read it (keys, values, the node name);
-    /// exit 2 naming the key and line of the first problem
+    /// Check a configuration file as `serve` would read it (keys, values, the node name)
+    /// and what it names (the TLS files, that they name the node, an admin identity); exit 2
+    /// naming the key and line, or the setting and the fix, of each problem
     Check {
         /// The file [default: /etc/inplace-agent/config.toml]
         #[arg(default_value = crate::config::DEFAULT_CONFIG_PATH)]
@@ -31,7 +32,7 @@ enum ConfigCommand {
 pub fn run(args: &ConfigArgs) -> u8 {
     match &args.command {
         ConfigCommand::PrintDefault => {
-            print!("{DEFAULT_CONFIG}");
+            crate::cli::write_out(format_args!("{DEFAULT_CONFIG}"));
             EXIT_OK
         }
         ConfigCommand::Check { file } => {
@@ -44,7 +45,27 @@ pub fn run(args: &ConfigArgs) -> u8 {
                 });
             match checked {
                 Ok(settings) => {
-                    println!(
+                    let findings = super::selfcheck::check(&settings, Some(file));
+                    for w in &findings.warnings {
+                        errln!("warning: {w}");
+                    }
+                    if !findings.problems.is_empty() {
+                        errln!(
+                            "error: config {}: serve would not start ({} problem{}):",
+                            file.display(),
+                            findings.problems.len(),
+                            if findings.problems.len() == 1 {
+                                ""
+                            } else {
+                                "s"
+                            }
+                        );
+                        for p in &findings.problems {
+                            errln!("error: {p}");
+                        }
+                        return EXIT_INVALID;
+                    }
+                    outln!(
                         "config {}: valid (node {}, gRPC on {}, status socket {}{})",
                         file.display(),
                         settings.node_name,
@@ -58,7 +79,7 @@ pub fn run(args: &ConfigArgs) -> u8 {
                     EXIT_OK
                 }
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    errln!("error: {e}");
                     EXIT_INVALID
                 }
             }

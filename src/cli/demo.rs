@@ -209,7 +209,36 @@ fn serve_healthz(mut stream: TcpStream, config: &Path) {
 }
 
 pub(super) fn heading(n: u32, text: &str) {
-    println!("\n== {n}. {text}");
+    outln!("\n== {n}. {text}");
+}
+
+/// Why the tour ended before its last section.
+enum Ended {
+    /// Something went wrong.
+    Failed(String),
+    /// Nobody reads any more (`demo | head`): stop quietly.
+    Unread,
+}
+
+impl From<String> for Ended {
+    fn from(e: String) -> Ended {
+        Ended::Failed(e)
+    }
+}
+
+impl From<&str> for Ended {
+    fn from(e: &str) -> Ended {
+        Ended::Failed(e.to_string())
+    }
+}
+
+/// A section heading; stops the tour when its output is no longer read.
+fn section(n: u32, text: &str) -> Result<(), Ended> {
+    if super::stdout_closed() {
+        return Err(Ended::Unread);
+    }
+    heading(n, text);
+    Ok(())
 }
 
 fn plan_for(text: &str, port: u16) -> Result<Plan, String> {
@@ -225,12 +254,14 @@ pub fn run(args: &DemoArgs) -> u8 {
     match tour(args) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: demo: {e}");
+            errln!("error: demo: {e}");
             EXIT_FAILED
         }
     }
 }
 
+/// Makes the sandbox, runs the sections in it and removes it again (unless told to keep
+/// it), however the sections end.
 fn tour(args: &DemoArgs) -> Result<u8, String> {
     let (dir, temp) = match &args.dir {
         Some(d) => {
@@ -257,13 +288,51 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
         }
     };
     let keep = args.keep || args.dir.is_some();
+    let ended = sections(args, &dir);
+    if keep {
+        outln!("The sandbox is kept at {}.", dir.display());
+        if let Some(t) = temp {
+            let _ = t.keep();
+        }
+    } else {
+        if matches!(ended, Ok(_) | Err(Ended::Failed(_))) {
+            outln!("The sandbox is removed now (use --keep to look around).");
+        }
+        if let Some(t) = temp {
+            t.close()
+                .map_err(|e| format!("remove the sandbox {}: {e}", dir.display()))?;
+        }
+    }
+    if ended.is_ok() {
+        if rustix::process::geteuid().is_root() {
+            outln!(
+                "\nWith a real systemd (restarts done, not only journaled) and the Kubernetes \
+                 version bump from packages: inplace-agent demo --systemd"
+            );
+        } else {
+            outln!(
+                "\n(inplace-agent demo --systemd shows restarts on a real systemd and the \
+                 Kubernetes version bump from packages; it needs root)"
+            );
+        }
+    }
+    match ended {
+        Ok(code) => Ok(code),
+        Err(Ended::Unread) => Ok(EXIT_OK),
+        Err(Ended::Failed(e)) => Err(e),
+    }
+}
 
-    println!("inplace-agent demo: a sandbox node at {}", dir.display());
-    println!("(nothing outside that directory is touched; the kubelet is an in-process stand-in)");
+/// The tour's sections in the sandbox `dir`; the exit code says whether everything behaved
+/// as the demo says.
+fn sections(args: &DemoArgs, dir: &Path) -> Result<u8, Ended> {
+    let dir = dir.to_path_buf();
+    outln!("inplace-agent demo: a sandbox node at {}", dir.display());
+    outln!("(nothing outside that directory is touched; the kubelet is an in-process stand-in)");
     build_kubeadm_worker(&dir).map_err(|e| format!("build the sandbox: {e}"))?;
     let kubelet =
         DemoKubelet::start(&dir).map_err(|e| format!("start the kubelet stand-in: {e}"))?;
-    println!(
+    outln!(
         "kubelet stand-in: http://127.0.0.1:{}/healthz answers 200 while the sandbox's \
          /var/lib/kubelet/config.yaml is valid",
         kubelet.port()
@@ -279,10 +348,10 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     let tuning = plan_for(TUNING, kubelet.port())?;
     let bad = plan_for(BAD, kubelet.port())?;
 
-    heading(
+    section(
         1,
         "check: what would examples/plans/kubelet-tuning.yaml change?",
-    );
+    )?;
     let report = check_plan(&settings.engine, &host, &tuning);
     for c in &report.changes {
         let what = match c.result {
@@ -290,9 +359,9 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
             CheckResultKind::Unchanged => "unchanged".into(),
             other => format!("{other:?}: {}", c.detail),
         };
-        println!("  changes[{}] {} {}: {what}", c.index, c.kind, c.target);
+        outln!("  changes[{}] {} {}: {what}", c.index, c.kind, c.target);
     }
-    println!(
+    outln!(
         "  plan disruption: {} (restarts: {})",
         report.disruption,
         report.restart_units.join(", ")
@@ -300,38 +369,38 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
 
     let (engine, _) =
         Engine::open(settings.engine.clone(), host.clone()).map_err(|e| e.to_string())?;
-    heading(2, "apply it");
+    section(2, "apply it")?;
     let first =
         run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "apply failed")?;
-    println!("{}", summary(&first));
-    println!(
+    outln!("{}", summary(&first));
+    outln!(
         "  (service management is off in the sandbox: the kubelet restart is recorded, not done)"
     );
 
-    heading(
+    section(
         3,
         "apply the same plan again: CAPI calls UpdateMachine again and again",
-    );
+    )?;
     let again = run_plan(&engine, tuning.clone(), false, args.plain, false)
         .map_err(|_| "re-apply failed")?;
-    println!(
+    outln!(
         "  hook response: {}",
         serde_json::to_string(&again.hook_response()).unwrap_or_default()
     );
 
-    heading(
+    section(
         4,
         "the same desired state under a new plan id: every change is already in place",
-    );
+    )?;
     let config = dir.join("var/lib/kubelet/config.yaml");
     let before = std::fs::metadata(&config).map_err(|e| e.to_string())?;
     let mut same = tuning.clone();
     same.id.push_str("-again");
     let noop = run_plan(&engine, same, false, args.plain, true).map_err(|_| "re-apply failed")?;
-    println!("{}", summary(&noop));
+    outln!("{}", summary(&noop));
     let after = std::fs::metadata(&config).map_err(|e| e.to_string())?;
     use std::os::unix::fs::MetadataExt;
-    println!(
+    outln!(
         "  config.yaml inode {} → {}, mtime {} → {}: nothing was rewritten",
         before.ino(),
         after.ino(),
@@ -339,20 +408,20 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
         after.mtime()
     );
 
-    heading(
+    section(
         5,
         "a bad kubelet configuration: the health gate fails and everything is restored",
-    );
+    )?;
     let config_before = std::fs::read(&config).map_err(|e| e.to_string())?;
     let failed =
         run_plan(&engine, bad, false, args.plain, false).map_err(|_| "bad plan could not run")?;
-    println!("{}", summary(&failed));
-    println!(
+    outln!("{}", summary(&failed));
+    outln!(
         "  hook response: {}",
         serde_json::to_string(&failed.hook_response()).unwrap_or_default()
     );
     let config_after = std::fs::read(&config).map_err(|e| e.to_string())?;
-    println!(
+    outln!(
         "  /var/lib/kubelet/config.yaml after rollback: {}",
         if config_before == config_after {
             "byte for byte what it was before"
@@ -364,41 +433,21 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
 
     let api_ok = super::demo_grpc::section(6, &dir, kubelet.port(), args.plain)?;
 
-    heading(
+    section(
         7,
         "the journal: every step, hash-chained, written before the node changed",
-    );
+    )?;
     super::journal::run(&super::journal::JournalArgs::for_root(&dir));
     let state = settings.engine.state_dir.clone();
     match crate::journal::verify(&state) {
-        Ok(r) => println!(
+        Ok(r) => outln!(
             "inplace-agent journal --verify: {} records, hash chain intact, {} missing backups",
             r.records,
             r.bad_backups.len()
         ),
-        Err(e) => println!("inplace-agent journal --verify: {e}"),
+        Err(e) => outln!("inplace-agent journal --verify: {e}"),
     }
     drop(kubelet);
-    if keep {
-        println!("The sandbox is kept at {}.", dir.display());
-        if let Some(t) = temp {
-            let _ = t.keep();
-        }
-    } else {
-        println!("The sandbox is removed now (use --keep to look around).");
-        drop(temp);
-    }
-    if rustix::process::geteuid().is_root() {
-        println!(
-            "\nWith a real systemd (restarts done, not only journaled) and the Kubernetes version \
-             bump from packages: inplace-agent demo --systemd"
-        );
-    } else {
-        println!(
-            "\n(inplace-agent demo --systemd shows restarts on a real systemd and the Kubernetes \
-             version bump from packages; it needs root)"
-        );
-    }
     let ok = first.phase == Phase::Succeeded
         && noop.counts.changed == 0
         && failed.phase == Phase::RolledBack

@@ -43,7 +43,7 @@ pub fn section(n: u32, dir: &Path, kubelet_port: u16, plain: bool) -> Result<boo
     let pki = dir.join("etc/inplace-agent/pki");
     let files = crate::rpc::pki::init(&PkiInitOptions::new(&pki, NODE))
         .map_err(|e| format!("pki init: {e}"))?;
-    println!(
+    outln!(
         "  pki init {}: a throwaway CA, a server certificate for {NODE}, an updater (admin) and \
          a reader client certificate (not for production)",
         pki.display()
@@ -85,13 +85,13 @@ pub fn section(n: u32, dir: &Path, kubelet_port: u16, plain: bool) -> Result<boo
     runtime.block_on(async {
         let daemon = Daemon::start(settings).await?;
         let addr = daemon.addr().to_string();
-        println!(
+        outln!(
             "  serve: listening on {addr} as node {NODE}: TLS 1.3, client certificate required \
              (clientAuth), admin {DEFAULT_UPDATER_IDENTITY}, reader {DEFAULT_READER_IDENTITY}"
         );
         let outcome = drive(&addr, &plan, &updater, &reader, plain).await;
         daemon.stop().await?;
-        println!("  serve: stopped (SIGTERM does the same: the current step finishes first)");
+        outln!("  serve: stopped (SIGTERM does the same: the current step finishes first)");
         outcome
     })
 }
@@ -109,7 +109,7 @@ async fn drive(
         .await
         .map_err(|e| format!("GetNodeInfo: {e}"))?
         .into_inner();
-    println!(
+    outln!(
         "  GetNodeInfo: node {}, agent {}, kernel {}, supported changes: {}",
         info.node_name,
         info.agent_version,
@@ -126,20 +126,23 @@ async fn drive(
         .map_err(|e| format!("ApplyPlan: {e}"))?
         .into_inner();
     let accepted = first.status.unwrap_or_default();
-    println!(
+    outln!(
         "  ApplyPlan {} as {DEFAULT_UPDATER_IDENTITY}: created={}, attempt {}, run {}; WatchPlan:",
-        plan.id, first.created, accepted.attempt, accepted.run
+        plan.id,
+        first.created,
+        accepted.attempt,
+        accepted.run
     );
     let done = follow(&mut client, &plan.id, plain, Duration::from_secs(120)).await?;
     let hook = done.hook_response.clone().unwrap_or_default();
-    println!("  hook response: {}", hook_response_json(&hook));
+    outln!("  hook response: {}", hook_response_json(&hook));
     let again = client
         .apply_plan(apply())
         .await
         .map_err(|e| format!("ApplyPlan again: {e}"))?
         .into_inner();
     let again_status = again.status.unwrap_or_default();
-    println!(
+    outln!(
         "  ApplyPlan again (CAPI polls UpdateMachine): created={}, the same run {}, the same hook \
          response: {}",
         again.created,
@@ -160,7 +163,7 @@ async fn drive(
         Ok(_) => "ACCEPTED (this is a bug)".to_owned(),
         Err(status) => format!("{:?}: {}", status.code(), status.message()),
     };
-    println!(
+    outln!(
         "  as {DEFAULT_READER_IDENTITY}: GetPlanStatus answers {:?}; ApplyPlan is refused: {refusal}",
         phase_from_pb(seen.phase)
             .map(|p| p.to_string())

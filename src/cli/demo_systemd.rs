@@ -74,28 +74,28 @@ verify:
 ";
 
 fn heading(n: u32, text: &str) {
-    println!("\n== {n}. {text}");
+    outln!("\n== {n}. {text}");
 }
 
 /// Runs `demo --systemd`.
 pub fn run(plain: bool) -> u8 {
-    println!("inplace-agent demo --systemd: the agent against a real systemd");
+    outln!("inplace-agent demo --systemd: the agent against a real systemd");
     let node = match SandboxNode::try_boot() {
         Ok(node) => node,
         Err(BootError::Unavailable(why)) => {
-            println!("skipped: a real-systemd sandbox cannot run here: {why}");
+            outln!("skipped: a real-systemd sandbox cannot run here: {why}");
             let ci = std::env::var("CI").is_ok_and(|v| v == "true");
             return if ci { EXIT_FAILED } else { EXIT_OK };
         }
         Err(BootError::Failed(why)) => {
-            eprintln!("error: demo --systemd: boot the sandboxed node: {why}");
+            errln!("error: demo --systemd: boot the sandboxed node: {why}");
             return EXIT_FAILED;
         }
     };
     let first = match tour(&node, plain) {
         Ok(ok) => ok,
         Err(e) => {
-            eprintln!("error: demo --systemd: {e}");
+            errln!("error: demo --systemd: {e}");
             return EXIT_FAILED;
         }
     };
@@ -103,12 +103,12 @@ pub fn run(plain: bool) -> u8 {
     let bump = match version_bump(plain) {
         Ok(ok) => ok,
         Err(e) => {
-            eprintln!("error: demo --systemd: the version bump: {e}");
+            errln!("error: demo --systemd: the version bump: {e}");
             return EXIT_FAILED;
         }
     };
     let ok = first && bump;
-    println!(
+    outln!(
         "\nThe sandboxed nodes are gone; the kernel dropped their overlays. {}",
         if ok {
             "Everything went as described."
@@ -141,7 +141,7 @@ fn show(cmd: &mut Command, what: &str) -> Result<i32, String> {
         .skip(3)
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
-    println!("$ inplace-agent {}", args.join(" "));
+    outln!("$ inplace-agent {}", args.join(" "));
     let status = cmd.status().map_err(|e| format!("run {what}: {e}"))?;
     Ok(status.code().unwrap_or(-1))
 }
@@ -169,24 +169,24 @@ fn starts(node: &SandboxNode) -> Vec<String> {
 fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
     let exe = std::env::current_exe().map_err(|e| format!("find this binary: {e}"))?;
     heading(1, "a sandboxed node");
-    println!(
+    outln!(
         "  this machine's systemd booted as PID 1 of new namespaces on an overlay of / in {} ms",
         node.boot_time().as_millis()
     );
-    println!(
+    outln!(
         "  (host PID {}; its root is {}, its bus {}).",
         node.pid(),
         node.root().display(),
         node.bus_address()
     );
-    println!("  Nothing outside the overlay changes; the node is killed at the end.");
+    outln!("  Nothing outside the overlay changes; the node is killed at the end.");
     let systemd = node.install_kubelet(Standin::Agent(&exe))?;
     let (id, state) = kubelet_line(&systemd);
-    println!(
+    outln!(
         "  kubelet.service runs a DEMO STAND-IN (this binary's hidden kubelet-standin mode: \
          /healthz on 127.0.0.1:10248, refuses bad configs): {state}"
     );
-    println!("  InvocationID {id}");
+    outln!("  InvocationID {id}");
 
     let plans = tempfile::Builder::new()
         .prefix("inplace-agent-demo-plans-")
@@ -226,7 +226,7 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
     )?;
     let (id_after, state) = kubelet_line(&systemd);
     let log = starts(node);
-    println!(
+    outln!(
         "  kubelet.service: InvocationID {id} → {id_after}; {} new start(s) of the stand-in; {state}",
         log.len() - before
     );
@@ -241,7 +241,7 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
         "apply",
     )?;
     let (id_again, _) = kubelet_line(&systemd);
-    println!(
+    outln!(
         "  kubelet.service InvocationID {}: {}",
         id_again,
         if id_again == id_after {
@@ -266,12 +266,12 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
     let (id_back, state) = kubelet_line(&systemd);
     let config_after = std::fs::read(node.path("/var/lib/kubelet/config.yaml"))
         .map_err(|e| format!("read the node's kubelet config: {e}"))?;
-    println!("  the stand-in's starts since: ");
+    outln!("  the stand-in's starts since: ");
     for line in &starts(node)[before..] {
-        println!("    {line}");
+        outln!("    {line}");
     }
-    println!("  kubelet.service now: {state} (InvocationID {id_back})");
-    println!(
+    outln!("  kubelet.service now: {state} (InvocationID {id_back})");
+    outln!(
         "  /var/lib/kubelet/config.yaml: {}",
         if config_before == config_after {
             "byte for byte what it was before"
@@ -324,7 +324,7 @@ fn version_bump(plain: bool) -> Result<bool, String> {
         "the Kubernetes version bump, 1.30 → 1.31, on a second node installed from packages",
     );
     if let Some(why) = packages::missing_tools(Path::new("/"), ManagerKind::Apt) {
-        println!(
+        outln!(
             "  skipped: the demo builds its stand-in packages with this machine's Debian \
              tools, and they are not all here: {why}."
         );
@@ -332,7 +332,7 @@ fn version_bump(plain: bool) -> Result<bool, String> {
     }
     let node = SandboxNode::try_boot().map_err(|e| format!("boot a second node: {e}"))?;
     let (old, new) = packages::versions(ManagerKind::Apt);
-    println!(
+    outln!(
         "  A fresh node (booted in {} ms). In it: stand-in kubeadm, kubelet and kubectl .debs at \
          {old} and {new}, built with dpkg-deb, indexed and served as file:{} (its only apt \
          source; no network). They are laid out like pkgs.k8s.io's (the kubelet package ships \
@@ -342,13 +342,13 @@ fn version_bump(plain: bool) -> Result<bool, String> {
         packages::APT_REPO
     );
     let systemd = node.install_kube_packages(ManagerKind::Apt, Standin::Agent(&exe))?;
-    println!(
+    outln!(
         "  1.30 installed with apt-get and held, as a kubeadm node has it: {}",
         package_line(&node)
     );
     let (id_before, state) = kubelet_line(&systemd);
-    println!("  kubelet.service (from the package): {state}");
-    println!("  InvocationID {id_before}");
+    outln!("  kubelet.service (from the package): {state}");
+    outln!("  InvocationID {id_before}");
 
     let plans = tempfile::Builder::new()
         .prefix("inplace-agent-demo-plans-")
@@ -381,21 +381,21 @@ fn version_bump(plain: bool) -> Result<bool, String> {
     )?;
     let (id_after, state) = kubelet_line(&systemd);
     let log = starts(&node);
-    println!("  packages now: {}", package_line(&node));
+    outln!("  packages now: {}", package_line(&node));
     let kubeadm_log = std::fs::read_to_string(node.path(KUBEADM_LOG)).unwrap_or_default();
-    println!(
+    outln!(
         "  the stand-in kubeadm logged: {}",
         kubeadm_log.trim_end().replace('\n', "; ")
     );
-    println!(
+    outln!(
         "  kubelet.service: InvocationID {id_before} → {id_after}; {} new start(s) of the \
          stand-in:",
         log.len() - before
     );
     for line in &log[before..] {
-        println!("    {line}");
+        outln!("    {line}");
     }
-    println!("  {state}");
+    outln!("  {state}");
     let upgraded = KUBE_PACKAGES.iter().all(|name| {
         packages::installed(&node.path("/"), ManagerKind::Apt, name)
             == Some((new.to_string(), true))
@@ -414,7 +414,7 @@ fn version_bump(plain: bool) -> Result<bool, String> {
         "apply",
     )?;
     let (id_again, _) = kubelet_line(&systemd);
-    println!(
+    outln!(
         "  kubelet.service InvocationID {id_again}: {}",
         if id_again == id_after {
             "unchanged, not restarted"

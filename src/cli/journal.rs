@@ -80,9 +80,13 @@ pub fn describe(record: &Record) -> String {
             None => phase.to_string(),
         },
         Record::StepStarted {
-            index, preimages, ..
+            index,
+            preimages,
+            planned,
+            ..
         } => format!(
-            "changes[{index}]: {} pre-image{} saved",
+            "changes[{index}]: {}{} pre-image{} saved",
+            planned.iter().map(|p| format!("{p}; ")).collect::<String>(),
             preimages.len(),
             if preimages.len() == 1 { "" } else { "s" }
         ),
@@ -171,7 +175,19 @@ pub fn describe(record: &Record) -> String {
             "verify[{index}] {}: {message}",
             if *passed { "passed" } else { "failed" }
         ),
-        Record::CancelRequested { .. } => "cancel requested".into(),
+        Record::CancelRequested { reason, by, .. } => format!(
+            "cancel requested{}{}",
+            if by.is_empty() {
+                String::new()
+            } else {
+                format!(" by {by}")
+            },
+            if reason.is_empty() {
+                String::new()
+            } else {
+                format!(": {reason}")
+            }
+        ),
         Record::PlanFinished { phase, error, .. } => match error {
             Some(e) => format!("{phase}: {e}"),
             None => phase.to_string(),
@@ -196,7 +212,7 @@ pub fn run(args: &JournalArgs) -> u8 {
     let settings = match args.node.input().resolve() {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return EXIT_INVALID;
         }
     };
@@ -206,26 +222,26 @@ pub fn run(args: &JournalArgs) -> u8 {
             Ok(report) => {
                 match args.output {
                     Output::Json => {
-                        println!("{:#}", serde_json::to_value(&report).unwrap_or_default())
+                        outln!("{:#}", serde_json::to_value(&report).unwrap_or_default())
                     }
                     Output::Text => {
                         let range = match (report.first_seq, report.last_seq) {
                             (Some(a), Some(b)) => format!(" (seq {a}..{b})"),
                             _ => String::new(),
                         };
-                        println!(
+                        outln!(
                             "journal {}: {} records{range}, hash chain intact",
                             report.path.display(),
                             report.records
                         );
                         if let Some(bytes) = report.torn_tail_bytes {
-                            println!(
+                            outln!(
                                 "torn tail: {bytes} bytes after the last complete record (a crash \
                                  left them; the agent truncates them at its next start)"
                             );
                         }
                         for b in &report.bad_backups {
-                            println!("missing or damaged backup: {b}");
+                            outln!("missing or damaged backup: {b}");
                         }
                     }
                 }
@@ -236,7 +252,7 @@ pub fn run(args: &JournalArgs) -> u8 {
                 }
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 EXIT_FAILED
             }
         };
@@ -246,13 +262,13 @@ pub fn run(args: &JournalArgs) -> u8 {
         Ok(Some(r)) => r,
         Ok(None) => {
             match args.output {
-                Output::Json => println!("[]"),
-                Output::Text => println!("journal {} is empty", path.display()),
+                Output::Json => outln!("[]"),
+                Output::Text => outln!("journal {} is empty", path.display()),
             }
             return EXIT_OK;
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return EXIT_FAILED;
         }
     };
@@ -287,19 +303,22 @@ pub fn run(args: &JournalArgs) -> u8 {
             // The same items as the status socket's `/v1/journal` (which leaves plans out).
             let items: Vec<JournalItem> =
                 entries.iter().map(|e| JournalItem::new(e, false)).collect();
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(&items).unwrap_or_default()
             );
         }
         Output::Text => {
-            println!(
+            outln!(
                 "{:>6}  {:<24}  {:>4}  {:<15}  DETAIL",
-                "SEQ", "TIME", "RUN", "EVENT"
+                "SEQ",
+                "TIME",
+                "RUN",
+                "EVENT"
             );
             for e in &entries {
                 let run = e.record.run().map(|r| r.to_string()).unwrap_or_default();
-                println!(
+                outln!(
                     "{:>6}  {:<24}  {:>4}  {:<15}  {}",
                     e.seq,
                     rfc3339(e.ts),
@@ -307,12 +326,16 @@ pub fn run(args: &JournalArgs) -> u8 {
                     e.record.name(),
                     describe(&e.record)
                 );
+                if super::stdout_closed() {
+                    // The reader has what it wanted (`| head`).
+                    return EXIT_OK;
+                }
             }
         }
     }
     match error {
         Some(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             EXIT_FAILED
         }
         None => EXIT_OK,

@@ -1,6 +1,22 @@
 //! Command-line entry points. Exit codes: 0 succeeded (or nothing to do), 1 the plan failed
 //! or was rolled back (or the agent could not run it), 2 the input was invalid and nothing
 //! was changed.
+//!
+//! Everything the commands print goes through `outln!` and `errln!`: a reader that goes
+//! away (`inplace-agent journal | head`) ends the output quietly instead of a panic.
+
+/// `println!` that never panics: when standard output is closed (its reader went away) the
+/// line is dropped and [`stdout_closed`] turns true, so long output can stop early.
+macro_rules! outln {
+    () => { $crate::cli::write_out(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::cli::write_out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `eprintln!` that never panics: a closed standard error drops the line.
+macro_rules! errln {
+    () => { $crate::cli::write_err(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::cli::write_err(format_args!("{}\n", format_args!($($arg)*))) };
+}
 
 mod apply;
 mod config_cmd;
@@ -12,11 +28,15 @@ mod logging;
 mod pki;
 pub mod remote;
 mod render;
+pub mod selfcheck;
 pub mod serve;
 mod status;
+pub mod version;
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -190,6 +210,37 @@ struct ApplyArgs {
     no_progress: bool,
 }
 
+/// Set once standard output could not be written (its reader is gone).
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// True once a write to standard output failed: the reader is gone (`| head` got its lines),
+/// so there is no point producing more.
+pub fn stdout_closed() -> bool {
+    STDOUT_CLOSED.load(Ordering::Relaxed)
+}
+
+/// Writes to standard output (in one piece); a failure marks it closed and is not an error.
+pub fn write_out(text: std::fmt::Arguments<'_>) {
+    if stdout_closed() {
+        return;
+    }
+    let mut out = std::io::stdout().lock();
+    if out.write_fmt(text).and_then(|()| out.flush()).is_err() {
+        STDOUT_CLOSED.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Writes to standard error (in one piece); a failure is ignored.
+pub fn write_err(text: std::fmt::Arguments<'_>) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_fmt(text);
+}
+
+/// The command line of `inplace-agent`, for tests that check what messages name.
+pub fn command() -> clap::Command {
+    <Cli as clap::CommandFactory>::command()
+}
+
 /// Runs the CLI and returns the process exit code.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -226,27 +277,28 @@ fn version(output: Output) -> u8 {
         .iter()
         .map(|k| k.as_str())
         .collect();
-    let commit = option_env!("INPLACE_AGENT_GIT_COMMIT").unwrap_or("unknown");
     match output {
         Output::Json => {
             let v = serde_json::json!({
                 "apiVersion": crate::plan::API_VERSION,
                 "kind": "Version",
-                "version": env!("CARGO_PKG_VERSION"),
-                "commit": commit,
+                "version": version::VERSION,
+                "commit": version::commit(),
+                "modified": version::modified(),
                 "changeKinds": kinds,
                 "failpoints": cfg!(feature = "failpoints"),
             });
-            println!("{v:#}");
+            outln!("{v:#}");
         }
         Output::Text => {
-            println!(
-                "inplace-agent {} (commit {commit})",
-                env!("CARGO_PKG_VERSION")
+            outln!(
+                "inplace-agent {} ({})",
+                version::VERSION,
+                version::describe_commit()
             );
-            println!("change kinds: {}", kinds.join(", "));
+            outln!("change kinds: {}", kinds.join(", "));
             if cfg!(feature = "failpoints") {
-                println!("built with crash-test failpoints (not for production)");
+                outln!("built with crash-test failpoints (not for production)");
             }
         }
     }

@@ -56,34 +56,34 @@ pub fn run(args: &PkiArgs) -> u8 {
     };
     match init(&options) {
         Ok(files) => {
-            println!(
+            outln!(
                 "wrote a throwaway PKI to {} (NOT FOR PRODUCTION: the CA key is kept next to the certificates; see docs/pki.md for cert-manager)",
                 a.dir.display()
             );
-            println!(
+            outln!(
                 "  CA:      {} {}",
                 files.ca_cert.display(),
                 files.ca_key.display()
             );
-            println!(
+            outln!(
                 "  agent:   {} {} (node {})",
                 files.server_cert.display(),
                 files.server_key.display(),
                 a.node_name
             );
-            println!(
+            outln!(
                 "  updater: {} {} (admin: {})",
                 files.updater_cert.display(),
                 files.updater_key.display(),
                 a.updater_identity
             );
-            println!(
+            outln!(
                 "  reader:  {} {} (reader: {})",
                 files.reader_cert.display(),
                 files.reader_key.display(),
                 a.reader_identity
             );
-            println!(
+            outln!(
                 "serve with: inplace-agent serve --node-name {} --tls-cert {} --tls-key {} --client-ca {} --admin {} --reader {}",
                 a.node_name,
                 files.server_cert.display(),
@@ -95,7 +95,7 @@ pub fn run(args: &PkiArgs) -> u8 {
             EXIT_OK
         }
         Err(e) => {
-            eprintln!("error: pki init {}: {e}", a.dir.display());
+            errln!("error: pki init {}: {e}", a.dir.display());
             EXIT_FAILED
         }
     }

@@ -20,7 +20,7 @@ use crate::rpc::convert::plan_to_pb;
 use crate::rpc::pb;
 use crate::rpc::pb::node_agent_client::NodeAgentClient;
 use crate::rpc::status::{phase_from_pb, status_from_pb};
-use crate::rpc::tls::{ClientTlsPaths, client_config, connect};
+use crate::rpc::tls::{ClientTlsPaths, ConnectProblem, client_config, connect, diagnose};
 
 /// `apiVersion` of the CAPI hook response `--output hook-response` prints.
 pub const HOOK_API_VERSION: &str = "hooks.runtime.cluster.x-k8s.io/v1alpha1";
@@ -128,6 +128,10 @@ pub struct StatusArgs {
     /// Follow the plan until it ends
     #[arg(long)]
     pub watch: bool,
+    /// Only ask the local agent's socket for /healthz: exit 0 when it answers ok, 1 otherwise
+    /// (never reads the journal); for readiness probes and scripts
+    #[arg(long, conflicts_with_all = ["addr", "id", "watch"])]
+    pub healthz: bool,
     /// Never draw a progress bar, print a line per step
     #[arg(long)]
     pub no_progress: bool,
@@ -194,8 +198,70 @@ pub async fn connect_agent(addr: &str, tls: &TlsArgs) -> Result<NodeAgentClient<
     let config = client_config(&paths).map_err(|e| format!("client tls: {e}"))?;
     let channel = connect(addr, tls.server_name.as_deref(), Arc::new(config))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| match e.problem() {
+            Some(problem) => format!("{e}\n  hint: {}", hint(&problem, addr, tls)),
+            None => e.to_string(),
+        })?;
     Ok(NodeAgentClient::new(channel))
+}
+
+/// What to do about a connection problem, naming the flags and keys involved.
+pub(crate) fn hint(problem: &ConnectProblem, addr: &str, tls: &TlsArgs) -> String {
+    let file = |f: &Option<PathBuf>| {
+        f.as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    match problem {
+        ConnectProblem::Refused => format!(
+            "nothing accepts connections on {addr}: is the agent running, and is this its \
+             grpc.listen address? On the node: systemctl status inplace-agent"
+        ),
+        ConnectProblem::TimedOut => format!(
+            "no answer from {addr}: a firewall may drop the connection (the agent listens on TCP \
+             9443 by default), or the node is down or rebooting"
+        ),
+        ConnectProblem::WrongName { presented, .. } => {
+            let name = presented
+                .iter()
+                .find(|n| n.parse::<std::net::IpAddr>().is_err() && *n != "localhost")
+                .map(|n| format!(" (such as --server-name {n})"))
+                .unwrap_or_default();
+            format!(
+                "pass --server-name with the node's name that the certificate has{name}; when \
+                 connecting by IP address the name to verify is the node's name"
+            )
+        }
+        ConnectProblem::UnknownIssuer | ConnectProblem::BadSignature => format!(
+            "--ca {} does not hold the CA that issued the agent's certificate: pass the agents' \
+             CA bundle with --ca (docs/pki.md)",
+            file(&tls.ca)
+        ),
+        ConnectProblem::Expired { .. } => "renew the agent's certificate on the node (tls.cert in \
+             its configuration; docs/pki.md): the agent re-reads it without a restart"
+            .to_string(),
+        ConnectProblem::NotYetValid { .. } => {
+            "check the clocks of this machine and of the CA that issued it".to_string()
+        }
+        ConnectProblem::WrongKeyUsage => "the agent's certificate (tls.cert) must carry the \
+             serverAuth extended key usage (docs/pki.md)"
+            .to_string(),
+        ConnectProblem::Closed => format!(
+            "the agent closed the connection at once; most likely it did not accept --cert {}: \
+             its log on the node says why: journalctl -u inplace-agent | grep 'tls handshake \
+             failed'",
+            file(&tls.cert)
+        ),
+        ConnectProblem::RefusedByPeer(_) => format!(
+            "the agent did not accept --cert {}; its log on the node says why: journalctl -u \
+             inplace-agent | grep 'tls handshake failed' (reason=unknown_issuer: not issued by \
+             the agent's tls.client_ca; expired; wrong_key_usage: no clientAuth usage)",
+            file(&tls.cert)
+        ),
+        ConnectProblem::NotTls => {
+            format!("{addr} does not answer like the agent: is it the agent's grpc.listen address?")
+        }
+    }
 }
 
 fn call<T>(message: T) -> tonic::Request<T> {
@@ -218,13 +284,23 @@ fn code_name(code: tonic::Code) -> String {
 }
 
 /// Prints a failed call and returns the exit code: 2 when the agent refused the input
-/// (invalid, too large, not for this node), 1 otherwise.
-fn refused(what: &str, addr: &str, status: &tonic::Status) -> u8 {
-    eprintln!(
-        "error: {what} on {addr}: {}: {}",
-        code_name(status.code()),
-        status.message()
-    );
+/// (invalid, too large, not for this node), 1 otherwise. A call that failed on the way (the
+/// connection, its TLS) says why, with the whole cause chain and what to do.
+fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> u8 {
+    let diagnosis = diagnose(status);
+    match &diagnosis.problem {
+        Some(problem) => errln!(
+            "error: {what} on {addr}: {}: {}\n  hint: {}",
+            code_name(status.code()),
+            diagnosis.chain(),
+            hint(problem, addr, tls)
+        ),
+        None => errln!(
+            "error: {what} on {addr}: {}: {}",
+            code_name(status.code()),
+            diagnosis.chain()
+        ),
+    }
     match status.code() {
         tonic::Code::InvalidArgument
         | tonic::Code::ResourceExhausted
@@ -238,7 +314,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, u8> {
         .enable_all()
         .build()
         .map_err(|e| {
-            eprintln!("error: start the async runtime: {e}");
+            errln!("error: start the async runtime: {e}");
             EXIT_FAILED
         })
 }
@@ -330,6 +406,9 @@ pub fn describe(status: &PlanStatus) -> String {
             c.index, c.kind, c.target, c.state
         ));
     }
+    for e in &status.events {
+        line(format!("  {} {}", rfc3339(e.at_ms), e.message));
+    }
     let counts = status.counts;
     line(format!(
         "changes: {} total, {} changed, {} unchanged, {} rolled back",
@@ -350,17 +429,17 @@ pub fn describe(status: &PlanStatus) -> String {
 fn print_status(wire: &pb::PlanStatus, output: RemoteOutput, detailed: bool) -> Result<(), u8> {
     if output == RemoteOutput::HookResponse {
         let hook = wire.hook_response.clone().unwrap_or_default();
-        println!("{}", hook_response_json(&hook));
+        outln!("{}", hook_response_json(&hook));
         return Ok(());
     }
     let status = status_from_pb(wire).map_err(|e| {
-        eprintln!("error: the agent's answer: {e}");
+        errln!("error: the agent's answer: {e}");
         EXIT_FAILED
     })?;
     match output {
-        RemoteOutput::Json => println!("{:#}", status_json(&status)),
-        _ if detailed => println!("{}", describe(&status)),
-        _ => println!("{}", summary(&status)),
+        RemoteOutput::Json => outln!("{:#}", status_json(&status)),
+        _ if detailed => outln!("{}", describe(&status)),
+        _ => outln!("{}", summary(&status)),
     }
     Ok(())
 }
@@ -385,6 +464,8 @@ fn exit_for(wire: &pb::PlanStatus) -> u8 {
 pub(crate) struct SnapshotView {
     bar: Option<ProgressBar>,
     last: Option<PlanStatus>,
+    /// The newest event shown (journal sequence number).
+    shown_seq: u64,
 }
 
 impl SnapshotView {
@@ -401,13 +482,17 @@ impl SnapshotView {
             bar.enable_steady_tick(Duration::from_millis(120));
             bar
         });
-        SnapshotView { bar, last: None }
+        SnapshotView {
+            bar,
+            last: None,
+            shown_seq: 0,
+        }
     }
 
     pub(crate) fn line(&self, s: &str) {
         match &self.bar {
             Some(bar) => bar.println(s),
-            None => eprintln!("{s}"),
+            None => errln!("{s}"),
         }
     }
 
@@ -448,6 +533,13 @@ impl SnapshotView {
                 c.kind,
                 c.target
             ));
+        }
+        // Unit jobs, reloads, reboots, agent restarts: as they happen.
+        for e in status.events.iter().filter(|e| e.seq > self.shown_seq) {
+            self.line(&format!("  {}", e.message));
+        }
+        if let Some(e) = status.events.last() {
+            self.shown_seq = self.shown_seq.max(e.seq);
         }
         for c in &status.checks {
             let before = same_run.and_then(|l| l.checks.get(c.index as usize));
@@ -493,6 +585,8 @@ pub async fn follow(
     let mut view = SnapshotView::new(plain);
     let mut backoff = Duration::from_millis(200);
     let mut last: Option<pb::PlanStatus> = None;
+    // When the agent went away (for the message when it is back).
+    let mut lost_since: Option<Instant> = None;
     loop {
         let outcome = async {
             let mut stream = client
@@ -500,6 +594,17 @@ pub async fn follow(
                 .await?
                 .into_inner();
             while let Some(snapshot) = stream.message().await? {
+                if let Some(since) = lost_since.take() {
+                    view.line(&format!(
+                        "  (the agent answers again after {}s; following the plan from its \
+                         status: {} step {}/{})",
+                        since.elapsed().as_secs(),
+                        phase_from_pb(snapshot.phase).map_or("?".to_string(), |p| p.to_string()),
+                        snapshot.step.as_ref().map_or(0, |s| s.index),
+                        snapshot.step.as_ref().map_or(0, |s| s.total)
+                    ));
+                    backoff = Duration::from_millis(200);
+                }
                 if let Ok(status) = status_from_pb(&snapshot) {
                     view.show(status);
                 }
@@ -525,11 +630,21 @@ pub async fn follow(
                 }
             }
             Ok(Err(status)) => match status.code() {
-                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
-                    view.line(&format!(
-                        "  (lost the agent: {}; watching again)",
-                        status.message()
-                    ));
+                // The connection or the agent went away (a restart, a reboot, a drained
+                // connection): not an answer about the plan.
+                tonic::Code::Unavailable
+                | tonic::Code::Unknown
+                | tonic::Code::Cancelled
+                | tonic::Code::Internal
+                | tonic::Code::Aborted
+                | tonic::Code::DeadlineExceeded => {
+                    if lost_since.is_none() {
+                        view.line(&format!(
+                            "  (lost the agent: {}; trying again every few seconds)",
+                            diagnose(&status).chain()
+                        ));
+                        lost_since = Some(Instant::now());
+                    }
                 }
                 _ => {
                     return Err(format!(
@@ -572,7 +687,7 @@ fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, u8> {
         std::fs::read(path)
     };
     let bytes = bytes.map_err(|e| {
-        eprintln!("error: read plan {name}: {e}");
+        errln!("error: read plan {name}: {e}");
         EXIT_INVALID
     })?;
     parse_plan(&bytes, &name, &client_limits()).map_err(|invalid| {
@@ -600,7 +715,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -610,15 +725,15 @@ pub fn submit(args: &SubmitArgs) -> u8 {
         };
         let response = match client.apply_plan(call(request)).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &status),
+            Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &args.tls, &status),
         };
         let Some(status) = response.status else {
-            eprintln!("error: the agent at {} answered without a status", args.addr);
+            errln!("error: the agent at {} answered without a status", args.addr);
             return EXIT_FAILED;
         };
         if !response.created {
             let phase = phase_from_pb(status.phase).map_or("?".to_owned(), |p| p.to_string());
-            eprintln!(
+            errln!(
                 "plan {} ({}) is already known to the agent: attempt {}, {phase}; nothing new starts{}",
                 status.id,
                 status.digest,
@@ -630,7 +745,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
                 }
             );
         } else if args.output == RemoteOutput::Text {
-            eprintln!(
+            errln!(
                 "plan {} ({}) accepted by {}: attempt {}, run {}",
                 status.id, status.digest, args.addr, status.attempt, status.run
             );
@@ -657,7 +772,7 @@ async fn conclude(
         status = match follow(client, &id, plain, timeout).await {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -682,14 +797,14 @@ pub fn status(args: &StatusArgs) -> u8 {
         let mut client = match connect_agent(addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
         let request = pb::GetPlanStatusRequest { id: id.clone() };
         let status = match client.get_plan_status(call(request)).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return refused("get plan status", addr, &status),
+            Err(status) => return refused("get plan status", addr, &args.tls, &status),
         };
         let wait = args.watch.then_some(FOREVER);
         conclude(
@@ -714,7 +829,7 @@ pub fn cancel(args: &CancelArgs) -> u8 {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -725,7 +840,12 @@ pub fn cancel(args: &CancelArgs) -> u8 {
         let status = match client.cancel_plan(call(request)).await {
             Ok(r) => r.into_inner(),
             Err(status) => {
-                return refused(&format!("cancel plan {}", args.id), &args.addr, &status);
+                return refused(
+                    &format!("cancel plan {}", args.id),
+                    &args.addr,
+                    &args.tls,
+                    &status,
+                );
             }
         };
         if let Err(code) = print_status(&status, args.output, true) {
@@ -745,7 +865,7 @@ pub fn retry(args: &RetryArgs) -> u8 {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         };
@@ -755,7 +875,14 @@ pub fn retry(args: &RetryArgs) -> u8 {
         };
         let status = match client.retry_plan(call(request)).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return refused(&format!("retry plan {}", args.id), &args.addr, &status),
+            Err(status) => {
+                return refused(
+                    &format!("retry plan {}", args.id),
+                    &args.addr,
+                    &args.tls,
+                    &status,
+                );
+            }
         };
         let wait = args.wait.then_some(FOREVER);
         conclude(

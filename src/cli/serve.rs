@@ -113,6 +113,11 @@ pub struct ServeArgs {
     /// How log lines look (log.format) [default: plain]
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub log_format: Option<crate::config::LogFormat>,
+    /// Only say whether the agent is configured enough to start: exit 0 when its TLS files
+    /// exist, 1 naming the missing ones (the unit's ExecCondition=, so that an unconfigured
+    /// agent waits quietly instead of failing); nothing is started
+    #[arg(long)]
+    pub check_configured: bool,
 }
 
 impl ServeArgs {
@@ -152,13 +157,21 @@ impl ServeArgs {
         }
     }
 
+    /// The configuration file read: `--config`, else the default file when it exists.
+    pub fn config_file(&self) -> Option<PathBuf> {
+        match &self.config {
+            Some(path) => Some(path.clone()),
+            None if std::path::Path::new(DEFAULT_CONFIG_PATH).exists() => {
+                Some(PathBuf::from(DEFAULT_CONFIG_PATH))
+            }
+            None => None,
+        }
+    }
+
     /// The configuration file (if any) with the flags over it, validated.
     pub fn settings(&self) -> Result<DaemonSettings, String> {
-        let file = match &self.config {
-            Some(path) => load_config(path).map_err(|e| e.to_string())?,
-            None if std::path::Path::new(DEFAULT_CONFIG_PATH).exists() => {
-                load_config(std::path::Path::new(DEFAULT_CONFIG_PATH)).map_err(|e| e.to_string())?
-            }
+        let file = match self.config_file() {
+            Some(path) => load_config(&path).map_err(|e| e.to_string())?,
             None => DaemonInput::default(),
         };
         file.overlay(self.input()).resolve()
@@ -246,9 +259,7 @@ impl Daemon {
             metrics,
             AgentInfo {
                 version: env!("CARGO_PKG_VERSION").to_string(),
-                commit: option_env!("INPLACE_AGENT_GIT_COMMIT")
-                    .unwrap_or("unknown")
-                    .to_string(),
+                commit: super::version::commit_label(),
                 pid: std::process::id(),
                 started_at_ms,
                 uptime_seconds: 0,
@@ -424,13 +435,42 @@ async fn report_status(n: Arc<crate::notify::Notifier>, engine: Engine, addr: So
 pub fn run(args: &ServeArgs) -> u8 {
     let settings = match args.settings() {
         Ok(s) => s,
+        // Whether it is configured is for serve itself to say, with the file and line.
+        Err(_) if args.check_configured => return EXIT_OK,
         Err(e) => {
             super::logging::init("info", args.log_format.unwrap_or_default(), true);
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return EXIT_INVALID;
         }
     };
+    let config = args.config_file();
+    if args.check_configured {
+        return configured(&settings, config.as_deref());
+    }
     super::logging::init("info", settings.log_format, true);
+    let findings = super::selfcheck::check(&settings, config.as_deref());
+    for warning in &findings.warnings {
+        tracing::warn!("{warning}");
+    }
+    if !findings.problems.is_empty() {
+        let file = config
+            .as_ref()
+            .map(|f| format!("the configuration {}", f.display()))
+            .unwrap_or_else(|| "the flags (no configuration file)".to_string());
+        errln!(
+            "error: inplace-agent cannot serve with {file} ({} problem{}):",
+            findings.problems.len(),
+            if findings.problems.len() == 1 {
+                ""
+            } else {
+                "s"
+            }
+        );
+        for p in &findings.problems {
+            errln!("error: {p}");
+        }
+        return EXIT_INVALID;
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(BLOCKING_THREADS)
@@ -440,17 +480,37 @@ pub fn run(args: &ServeArgs) -> u8 {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: start the async runtime: {e}");
+            errln!("error: start the async runtime: {e}");
             return EXIT_FAILED;
         }
     };
     match runtime.block_on(serve_until_signalled(settings)) {
         Ok(()) => EXIT_OK,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             EXIT_FAILED
         }
     }
+}
+
+/// `serve --check-configured`: 0 when the TLS files exist, 1 (saying which are missing and
+/// what to do) when the agent is not configured yet.
+fn configured(settings: &DaemonSettings, config: Option<&std::path::Path>) -> u8 {
+    let missing = super::selfcheck::missing_tls_files(&settings.tls);
+    if missing.is_empty() {
+        return EXIT_OK;
+    }
+    let list: Vec<String> = missing.iter().map(|p| p.display().to_string()).collect();
+    errln!(
+        "inplace-agent is not configured yet, so it does not start: missing {}. Put the \
+         certificates there, list the updater under [authorization] in {}, then: systemctl \
+         start inplace-agent (docs/install.md)",
+        list.join(", "),
+        config
+            .map(|f| f.display().to_string())
+            .unwrap_or_else(|| "the configuration".into()),
+    );
+    EXIT_FAILED
 }
 
 async fn serve_until_signalled(settings: DaemonSettings) -> Result<(), String> {

@@ -44,7 +44,7 @@ impl Local {
                 match load_config(Path::new(DEFAULT_CONFIG_PATH)) {
                     Ok(input) => Some(input),
                     Err(e) => {
-                        eprintln!("warning: {e}; using the defaults");
+                        errln!("warning: {e}; using the defaults");
                         None
                     }
                 }
@@ -96,7 +96,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
                 None => serde_json::from_slice(&r.body).map(|a| Doc::Agent(Box::new(a))),
             };
             parsed.map_err(|e| {
-                eprintln!(
+                errln!(
                     "error: the agent's answer on {}: {e}",
                     local.socket.display()
                 );
@@ -107,12 +107,12 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
             let message = serde_json::from_slice::<api::ErrorDocument>(&r.body)
                 .map(|d| d.message)
                 .unwrap_or_else(|_| String::from_utf8_lossy(&r.body).trim().to_string());
-            eprintln!("error: {message}");
+            errln!("error: {message}");
             Err(EXIT_FAILED)
         }
         Err(ClientError::NotServing { .. }) => {
             if !quiet_fallback {
-                eprintln!(
+                errln!(
                     "no agent is serving on {}; read the journal {} directly (read-only; a \
                      plan applied by `inplace-agent apply` right now may be ahead of it)",
                     local.socket.display(),
@@ -122,7 +122,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
             from_journal(local, id)
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             Err(EXIT_FAILED)
         }
     }
@@ -130,14 +130,14 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
 
 fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, u8> {
     let (table, journal) = api::read_journal(&local.state_dir, usize::MAX).map_err(|e| {
-        eprintln!("error: read the journal: {e}");
+        errln!("error: read the journal: {e}");
         EXIT_FAILED
     })?;
     match id {
         Some(id) => match table.latest(id) {
             Some(s) => Ok(Doc::Plan(Box::new(PlanStatusDocument::new(s.clone())))),
             None => {
-                eprintln!("error: no plan with id {id:?} is in the journal");
+                errln!("error: no plan with id {id:?} is in the journal");
                 Err(EXIT_FAILED)
             }
         },
@@ -185,10 +185,13 @@ pub fn local(args: &StatusArgs) -> u8 {
     let local = match Local::resolve(args) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return super::EXIT_INVALID;
         }
     };
+    if args.healthz {
+        return healthz(&local);
+    }
     let doc = match fetch(&local, args.id.as_deref(), false) {
         Ok(d) => d,
         Err(code) => return code,
@@ -200,10 +203,32 @@ pub fn local(args: &StatusArgs) -> u8 {
         };
         match id {
             Some(id) => return watch(&local, &id, args),
-            None => eprintln!("no plan is running; nothing to watch"),
+            None => errln!("no plan is running; nothing to watch"),
         }
     }
     print(&local, doc, args.output)
+}
+
+/// `status --healthz`: whether the agent serves its status socket, without any fallback.
+fn healthz(local: &Local) -> u8 {
+    match client::get(&local.socket, "/healthz", REQUEST_TIMEOUT) {
+        Ok(r) if r.status == 200 => {
+            outln!("{}", String::from_utf8_lossy(&r.body).trim());
+            EXIT_OK
+        }
+        Ok(r) => {
+            errln!(
+                "error: {} answered /healthz with {}",
+                local.socket.display(),
+                r.status
+            );
+            EXIT_FAILED
+        }
+        Err(e) => {
+            errln!("error: {e}");
+            EXIT_FAILED
+        }
+    }
 }
 
 /// Prints a document in the chosen format and returns the exit code: 1 when the plan shown
@@ -211,22 +236,22 @@ pub fn local(args: &StatusArgs) -> u8 {
 fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
     match (doc, output) {
         (Doc::Plan(p), RemoteOutput::Json) => {
-            println!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
+            outln!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
             exit_for(p.status.phase)
         }
         (Doc::Plan(p), RemoteOutput::HookResponse) => {
-            println!(
+            outln!(
                 "{}",
                 hook_response_json(&crate::rpc::status::hook_response_to_pb(&p.hook_response))
             );
             exit_for(p.status.phase)
         }
         (Doc::Plan(p), RemoteOutput::Text) => {
-            println!("{}", describe(&p.status));
+            outln!("{}", describe(&p.status));
             exit_for(p.status.phase)
         }
         (Doc::Agent(a), RemoteOutput::Json) => {
-            println!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
+            outln!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
             agent_exit(&a)
         }
         (Doc::Agent(a), RemoteOutput::HookResponse) => {
@@ -236,7 +261,7 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
                 .map(|c| c.id.clone())
                 .or_else(|| a.recent.first().map(|r| r.id.clone()));
             let Some(id) = id else {
-                eprintln!("error: no plan is known; nothing to answer for");
+                errln!("error: no plan is known; nothing to answer for");
                 return EXIT_FAILED;
             };
             match fetch(local, Some(&id), true) {
@@ -245,7 +270,7 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
             }
         }
         (Doc::Agent(a), RemoteOutput::Text) => {
-            println!("{}", render(&a, now_ms()));
+            outln!("{}", render(&a, now_ms()));
             agent_exit(&a)
         }
     }
@@ -280,11 +305,14 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
             REQUEST_TIMEOUT,
         ) {
             Ok(r) if r.status == 200 => {
+                if lost {
+                    view.line("  (the agent answers again; following the plan from its status)");
+                }
                 lost = false;
                 let doc: PlanStatusDocument = match serde_json::from_slice(&r.body) {
                     Ok(d) => d,
                     Err(e) => {
-                        eprintln!("error: the agent's answer: {e}");
+                        errln!("error: the agent's answer: {e}");
                         return EXIT_FAILED;
                     }
                 };
@@ -298,7 +326,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                 }
             }
             Ok(r) => {
-                eprintln!(
+                errln!(
                     "error: {}",
                     serde_json::from_slice::<api::ErrorDocument>(&r.body)
                         .map(|d| d.message)
@@ -318,7 +346,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                 continue;
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return EXIT_FAILED;
             }
         }
@@ -384,8 +412,9 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
     };
     match (&a.agent, a.source) {
         (Some(agent), _) => out.push(format!(
-            "node {name}{about}: inplace-agent {} pid {}, up {}, gRPC on {}",
+            "node {name}{about}: inplace-agent {} (commit {}) pid {}, up {}, gRPC on {}",
             agent.version,
+            agent.commit,
             agent.pid,
             duration(agent.uptime_seconds * 1000),
             agent.grpc_listen
@@ -406,6 +435,31 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
     ));
     out.push(String::new());
     match &a.current {
+        Some(c) if a.agent.is_none() => {
+            // Read from the journal: nothing runs it now.
+            out.push(format!(
+                "unfinished: plan {} attempt {} ({}), from {}",
+                c.id,
+                c.attempt,
+                short(&c.digest),
+                c.source
+            ));
+            out.push(format!(
+                "  the agent is not running: the plan stopped in {}, step {}/{}",
+                c.phase, c.step, c.steps
+            ));
+            if let Some(at) = &c.resumes_at {
+                out.push(format!(
+                    "  it resumes at {at} when the agent starts (systemctl start inplace-agent)"
+                ));
+            }
+            if let Some(e) = &c.error {
+                out.push(format!("  rolling back after ({}): {e}", e.kind.as_str()));
+            }
+            for e in &c.events {
+                out.push(format!("  {}: {}", rfc3339(e.at_ms), e.message));
+            }
+        }
         Some(c) => {
             out.push(format!(
                 "running: plan {} attempt {} ({}), from {}",
@@ -448,6 +502,13 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
             }
             if let Some(e) = &c.error {
                 out.push(format!("  rolling back after ({}): {e}", e.kind.as_str()));
+            }
+            for e in &c.events {
+                out.push(format!(
+                    "  {} ago: {}",
+                    duration(now.saturating_sub(e.at_ms)),
+                    e.message
+                ));
             }
         }
         None => out.push("idle: no plan is running".to_string()),

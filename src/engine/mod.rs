@@ -546,6 +546,17 @@ impl Engine {
     /// Asks the running attempt of `id` to stop at the next step boundary (rolling back
     /// what it changed when its plan says so).
     pub fn cancel(&self, id: &str) -> Result<PlanStatus, SubmitError> {
+        self.cancel_because(id, "", "")
+    }
+
+    /// [`Engine::cancel`], journaling who asked (`by`, a caller identity) and why
+    /// (`reason`): both end up in the run's events and in its error.
+    pub fn cancel_because(
+        &self,
+        id: &str,
+        by: &str,
+        reason: &str,
+    ) -> Result<PlanStatus, SubmitError> {
         let status = {
             let inner = self.shared.lock();
             inner
@@ -557,8 +568,14 @@ impl Engine {
         if status.phase.is_terminal() {
             return Ok(status);
         }
-        self.shared
-            .record(Record::CancelRequested { run: status.run }, true)?;
+        self.shared.record(
+            Record::CancelRequested {
+                run: status.run,
+                reason: reason.to_string(),
+                by: by.to_string(),
+            },
+            true,
+        )?;
         self.shared.work.notify_all();
         Ok(self.status_of_run(status.run).unwrap_or(status))
     }

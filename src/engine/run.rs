@@ -25,6 +25,8 @@ struct Work {
     diff: steps::Diff,
     preimages: Vec<crate::journal::Preimage>,
     resumed: bool,
+    /// What the change said it would do when it was announced before a restart.
+    planned: Vec<String>,
     announced: bool,
 }
 
@@ -391,6 +393,7 @@ impl Runner {
                     diff,
                     preimages,
                     resumed: in_flight.is_some(),
+                    planned: rs.planned.get(&index).cloned().unwrap_or_default(),
                     announced: false,
                 }),
                 Err(e) => {
@@ -408,6 +411,7 @@ impl Runner {
                     run,
                     index: w.index,
                     preimages,
+                    planned: w.diff.mutations.iter().map(|m| m.describe()).collect(),
                 },
                 false,
             )?;
@@ -490,7 +494,7 @@ impl Runner {
         let journal_err = |e: JournalError| StepError::new(ErrorKind::Io, e.to_string());
         if w.diff.mutations.is_empty() {
             let message = if w.resumed {
-                "changed (completed after a restart)".to_string()
+                completed_after_restart(&w.planned)
             } else {
                 w.diff
                     .note
@@ -562,6 +566,7 @@ impl Runner {
                 return Err(Abort::Stop(stop));
             }
             let name = check_name(index, check);
+            self.shared.lock().table.set_check_running(run, index);
             // A gate being polled is not cut short by a shutdown (it would read as failed).
             let stop = || {
                 self.boundary(run)
@@ -639,7 +644,7 @@ impl Runner {
                 let error = ErrorInfo {
                     kind: ErrorKind::Cancelled,
                     step: None,
-                    detail: "cancelled on request".into(),
+                    detail: format!("cancelled on request{}", rs.cancel_reason),
                 };
                 if rs.plan.options.rollback_on_failure && rs.changed_anything() {
                     self.phase(run, Phase::RollingBack, Some(error.clone()))?;
@@ -840,6 +845,16 @@ impl Runner {
 fn short(digest: &str) -> &str {
     let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
     &hex[..hex.len().min(12)]
+}
+
+/// What a change that was done before a restart says: what it wrote, as it said when it was
+/// announced (journals of earlier versions did not record that).
+fn completed_after_restart(planned: &[String]) -> String {
+    if planned.is_empty() {
+        "completed after a restart".to_string()
+    } else {
+        format!("{} (completed after a restart)", planned.join("; "))
+    }
 }
 
 fn mutation_target(m: &steps::Mutation) -> String {

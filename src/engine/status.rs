@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::plan::{ChangeKind, Disruption};
 
-/// Phases of a plan run (DESIGN §3).
+/// Phases of a plan run: Pending → Preparing → Applying → Restarting → Verifying →
+/// Succeeded, or Failed / RollingBack → RolledBack, Superseded, Cancelled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum Phase {
     /// Accepted, not started.
@@ -56,7 +57,7 @@ impl Phase {
         )
     }
 
-    /// Whether a run may move from `self` to `next`: the state machine of DESIGN §3.
+    /// Whether a run may move from `self` to `next`: the phases' state machine.
     pub fn can_become(self, next: Phase) -> bool {
         use Phase::*;
         match (self, next) {
@@ -238,9 +239,11 @@ pub struct CheckStatus {
 /// Progress through a run: step `current` of `total`.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Progress {
-    /// 1-based number of the step running or last run (0 before the first).
+    /// 1-based number of the step running (the change being applied, the gate being
+    /// polled), else of the last one run (0 before the first). While units restart it stays
+    /// at the last change.
     pub current: u32,
-    /// Changes plus gates plus the restart step when there is one.
+    /// Changes plus gates.
     pub total: u32,
     /// What is happening, for people.
     pub message: String,
@@ -316,7 +319,28 @@ pub struct PlanStatus {
     pub finished_at_ms: Option<u64>,
     /// Counts, kept when the per-change list is trimmed from old plans.
     pub counts: Counts,
+    /// What happened to the node's units and the node itself as the run went, oldest first
+    /// (the newest 32): unit jobs queued and done (with the unit's InvocationID),
+    /// daemon-reloads, reboots, a lost systemd connection, the agent restarting, a cancel.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<RunEvent>,
 }
+
+/// One thing that happened in a run, from its journal record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunEvent {
+    /// The journal record's sequence number (increasing: a watcher shows each once).
+    pub seq: u64,
+    /// When it was journaled (Unix ms).
+    pub at_ms: u64,
+    /// What happened, for people ("restarted kubelet.service in 230 ms: unit is
+    /// active/running, InvocationID 9f8e...").
+    pub message: String,
+}
+
+/// How many events a run keeps (the newest).
+pub const MAX_RUN_EVENTS: usize = 32;
 
 /// How many changes ended in each state.
 #[derive(
@@ -377,7 +401,13 @@ impl PlanStatus {
                 Some(e) => format!("plan {} is rolling back after: {e}", self.id),
                 None => format!("plan {} is rolling back", self.id),
             },
-            _ if self.rebooting => format!("plan {}: waiting for the node to reboot", self.id),
+            phase if self.rebooting => format!(
+                "plan {}: {phase} step {}/{}: {}",
+                self.id,
+                self.progress.current,
+                self.progress.total,
+                super::table::reboot_message(self)
+            ),
             phase => {
                 let p = &self.progress;
                 if p.message.is_empty() {

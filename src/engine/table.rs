@@ -21,6 +21,8 @@ pub struct RunState {
     pub plan: Arc<Plan>,
     /// Pre-images of changes that started mutating, by change index.
     pub preimages: BTreeMap<u32, Vec<Preimage>>,
+    /// What those changes said they would do when they were announced, by change index.
+    pub planned: BTreeMap<u32, Vec<String>>,
     /// Changes in their desired state.
     pub done: BTreeSet<u32>,
     /// Changes restored by rollback.
@@ -39,6 +41,10 @@ pub struct RunState {
     pub rebooted_at: Option<u32>,
     /// Somebody asked to cancel.
     pub cancel_requested: bool,
+    /// Who asked to cancel and why ("by spiffe://x/updater: wrong plan"), as journaled.
+    pub cancel_reason: String,
+    /// How many times an agent started driving the run (its `ServiceManager` records).
+    pub drives: u32,
     /// Timestamp of the last record of this run (step durations).
     pub last_ts: u64,
 }
@@ -135,6 +141,50 @@ fn phase_message(phase: Phase) -> String {
         Phase::RollingBack => "rolling back".into(),
         other => other.to_string(),
     }
+}
+
+/// Points "step i of n" at the change being applied now — the first one running, since a
+/// batch announces several before it applies them one by one — else at `finished` (the
+/// 1-based step that just ended). Every view (status, hook response, remote status,
+/// sd_notify, the metric) reads this one number; with `live`, the message names that step.
+fn point_at_step(status: &mut PlanStatus, live: bool, finished: Option<u32>) {
+    let running = status
+        .changes
+        .iter()
+        .find(|c| c.state == ChangeState::Running)
+        .map(|c| c.index);
+    let Some(index) = running.or(finished.and_then(|f| f.checked_sub(1))) else {
+        return;
+    };
+    status.progress.current = index + 1;
+    if live && let Some(c) = status.changes.get(index as usize) {
+        status.progress.message = format!("changes[{index}] {} {}", c.kind, c.target);
+    }
+}
+
+/// What a run waiting for its reboot says, everywhere: the status, the hook response,
+/// sd_notify (step i of n is the reboot change).
+pub fn reboot_message(status: &PlanStatus) -> String {
+    let index = status.progress.current.saturating_sub(1);
+    match status.changes.get(index as usize) {
+        Some(c) => format!(
+            "waiting for the node to reboot (changes[{index}] {} {})",
+            c.kind, c.target
+        ),
+        None => "waiting for the node to reboot".to_string(),
+    }
+}
+
+/// Appends an event to a run's news, keeping the newest [`MAX_RUN_EVENTS`].
+fn push_event(status: &mut PlanStatus, seq: u64, at_ms: u64, message: String) {
+    if status.events.len() >= MAX_RUN_EVENTS {
+        status.events.remove(0);
+    }
+    status.events.push(RunEvent {
+        seq,
+        at_ms,
+        message,
+    });
 }
 
 /// An empty plan standing in for one not read back yet (during replay).
@@ -239,6 +289,7 @@ impl Table {
                     started_at_ms: None,
                     finished_at_ms: None,
                     counts: Counts::default(),
+                    events: Vec::new(),
                 };
                 self.accept(status, KeptPlan { doc, bodies }, changes, checks, plan);
             }
@@ -255,7 +306,7 @@ impl Table {
             }
             rec => {
                 let Some(run) = rec.run() else { return };
-                self.apply_run(run, rec, ts);
+                self.apply_run(run, rec, entry.seq, ts);
             }
         }
     }
@@ -297,6 +348,7 @@ impl Table {
             }
             if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) {
                 status.progress.message = match status.phase {
+                    Phase::Applying if status.rebooting => reboot_message(status),
                     Phase::Applying if status.progress.current > 0 => {
                         step_name(status.progress.current - 1, &plan)
                     }
@@ -381,6 +433,7 @@ impl Table {
             RunState {
                 plan: plan.unwrap_or_else(placeholder),
                 preimages: BTreeMap::new(),
+                planned: BTreeMap::new(),
                 done: BTreeSet::new(),
                 rolled_back: BTreeSet::new(),
                 rollback_failed: BTreeSet::new(),
@@ -390,6 +443,8 @@ impl Table {
                 reboot: None,
                 rebooted_at: None,
                 cancel_requested: false,
+                cancel_reason: String::new(),
+                drives: 0,
                 last_ts,
             },
         );
@@ -397,13 +452,17 @@ impl Table {
         self.plans.push(status);
     }
 
-    fn apply_run(&mut self, run: u64, rec: Record, ts: u64) {
+    fn apply_run(&mut self, run: u64, rec: Record, seq: u64, ts: u64) {
         let Some(pos) = self.plans.iter().rposition(|p| p.run == run) else {
             return;
         };
         let live = self.live;
         let status = &mut self.plans[pos];
         let state = self.runs.get_mut(&run);
+        // Unit jobs, reloads, reboots, a lost bus, a cancel: news for watchers.
+        if let Some(message) = rec.note() {
+            push_event(status, seq, ts, message);
+        }
         let mut finished = false;
         match (rec, state) {
             (Record::Phase { phase, error, .. }, Some(rs)) => {
@@ -419,10 +478,16 @@ impl Table {
             }
             (
                 Record::StepStarted {
-                    index, preimages, ..
+                    index,
+                    preimages,
+                    planned,
+                    ..
                 },
                 Some(rs),
             ) => {
+                if !planned.is_empty() {
+                    rs.planned.insert(index, planned);
+                }
                 let entry = rs.preimages.entry(index).or_default();
                 for p in preimages {
                     if !entry.contains(&p) {
@@ -432,10 +497,7 @@ impl Table {
                 if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Running;
                 }
-                status.progress.current = index + 1;
-                if live {
-                    status.progress.message = step_name(index, &rs.plan);
-                }
+                point_at_step(status, live, Some(index + 1));
             }
             (
                 Record::StepDone {
@@ -462,10 +524,7 @@ impl Table {
                     c.message = message;
                     c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
                 }
-                status.progress.current = index + 1;
-                if live {
-                    status.progress.message = step_name(index, &rs.plan);
-                }
+                point_at_step(status, live, Some(index + 1));
                 rs.last_ts = ts;
                 let is_reboot = status
                     .changes
@@ -476,6 +535,12 @@ impl Table {
                     rs.reboot = None;
                     if changed {
                         rs.rebooted_at = Some(index);
+                        let said = status
+                            .changes
+                            .get(index as usize)
+                            .map(|c| format!("changes[{index}]: {}", c.message))
+                            .unwrap_or_default();
+                        push_event(status, seq, ts, said);
                     }
                 }
             }
@@ -485,14 +550,17 @@ impl Table {
                     c.message = error.detail.clone();
                     c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
                 }
+                status.progress.current = index + 1;
                 status.error = Some(error);
                 rs.last_ts = ts;
             }
             (Record::StepAbandoned { index, .. }, Some(rs)) => {
                 rs.preimages.remove(&index);
+                rs.planned.remove(&index);
                 if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::Pending;
                 }
+                point_at_step(status, live, None);
             }
             (Record::StepRolledBack { index, .. }, Some(rs)) => {
                 if rs.rolled_back.insert(index) {
@@ -520,6 +588,10 @@ impl Table {
                 rs.last_ts = ts;
             }
             (Record::DaemonReloaded { rollback, .. }, Some(rs)) => {
+                status.progress.message = format!(
+                    "systemd reloaded unit files{}",
+                    if rollback { " (rollback)" } else { "" }
+                );
                 if rollback {
                     rs.reloaded.1 = true;
                 } else {
@@ -617,7 +689,21 @@ impl Table {
             (Record::SystemdUnreachable { message, .. }, Some(_)) => {
                 status.progress.message = message;
             }
-            (Record::ServiceManager { description, .. }, Some(_)) => {
+            (Record::ServiceManager { description, .. }, Some(rs)) => {
+                // Journaled each time the agent (re)starts driving the run: a second one
+                // means it restarted in the middle and resumed.
+                rs.drives += 1;
+                if rs.drives > 1 {
+                    push_event(
+                        status,
+                        seq,
+                        ts,
+                        format!(
+                            "the agent restarted; the run resumes in {} at step {}/{}",
+                            status.phase, status.progress.current, status.progress.total
+                        ),
+                    );
+                }
                 status.services = description;
             }
             (Record::RebootRequested { index, boot_id, .. }, Some(rs)) => {
@@ -633,12 +719,11 @@ impl Table {
                     });
                 }
                 status.rebooting = true;
-                let target = status
-                    .changes
-                    .get(index as usize)
-                    .map(|c| format!("changes[{index}] {} {}", c.kind, c.target))
-                    .unwrap_or_default();
-                status.progress.message = format!("waiting for the node to reboot ({target})");
+                if let Some(c) = status.changes.get_mut(index as usize) {
+                    c.state = ChangeState::Running;
+                }
+                point_at_step(status, false, Some(index + 1));
+                status.progress.message = reboot_message(status);
             }
             (
                 Record::CheckDone {
@@ -670,7 +755,15 @@ impl Table {
                 status.progress.message = format!("verify[{index}]");
                 rs.last_ts = ts;
             }
-            (Record::CancelRequested { .. }, Some(rs)) => rs.cancel_requested = true,
+            (Record::CancelRequested { reason, by, .. }, Some(rs)) => {
+                rs.cancel_requested = true;
+                rs.cancel_reason = match (by.is_empty(), reason.is_empty()) {
+                    (true, true) => String::new(),
+                    (false, true) => format!(" by {by}"),
+                    (true, false) => format!(": {reason}"),
+                    (false, false) => format!(" by {by}: {reason}"),
+                };
+            }
             (Record::PlanFinished { phase, error, .. }, _) => {
                 status.phase = phase;
                 status.finished_at_ms = Some(ts);
@@ -720,6 +813,7 @@ impl Table {
                 if p.phase.is_terminal() && p.run <= cut && !p.changes.is_empty() {
                     p.changes = Vec::new();
                     p.checks = Vec::new();
+                    p.events = Vec::new();
                 }
             }
         }
@@ -743,13 +837,28 @@ impl Table {
     /// Marks a change as running (not journaled; a change with nothing to do never writes a
     /// `StepStarted`).
     pub fn set_running(&mut self, run: u64, index: u32) {
+        let live = self.live;
         if let Some(p) = self.plans.iter_mut().rev().find(|p| p.run == run) {
             if let Some(c) = p.changes.get_mut(index as usize)
                 && c.state == ChangeState::Pending
             {
                 c.state = ChangeState::Running;
             }
-            p.progress.current = index + 1;
+            point_at_step(p, live, Some(index + 1));
+        }
+    }
+
+    /// Marks a health gate as being polled (not journaled: its `CheckDone` says how it
+    /// ended), so step i of n points at it.
+    pub fn set_check_running(&mut self, run: u64, index: u32) {
+        if let Some(p) = self.plans.iter_mut().rev().find(|p| p.run == run) {
+            if let Some(c) = p.checks.get_mut(index as usize)
+                && c.state == CheckState::Pending
+            {
+                c.state = CheckState::Running;
+                p.progress.message = format!("verify[{index}] {} {}", c.kind, c.target);
+            }
+            p.progress.current = p.changes.len() as u32 + index + 1;
         }
     }
 
@@ -884,7 +993,44 @@ mod tests {
         let hook = status.hook_response();
         assert_eq!(hook.status, HookStatus::Success);
         assert_eq!(hook.retry_after_seconds, RETRY_REBOOTING);
-        assert_eq!(hook.message, "plan p: waiting for the node to reboot");
+        assert_eq!(
+            hook.message,
+            "plan p: Applying step 2/2: waiting for the node to reboot (changes[1] reboot kernel)"
+        );
+        assert_eq!(
+            status.progress.message,
+            "waiting for the node to reboot (changes[1] reboot kernel)"
+        );
+        assert_eq!(crate::status::api::current_plan(status, 0).step, 2);
+        // A restarted agent (the journal replayed) says the same, not the change before.
+        let mut replayed = Table::new(10);
+        let records = [
+            accepted(&plan),
+            Record::Phase {
+                run: 1,
+                phase: Phase::Applying,
+                error: None,
+            },
+            Record::StepDone {
+                run: 1,
+                index: 0,
+                changed: true,
+                message: "write".into(),
+            },
+            Record::RebootRequested {
+                run: 1,
+                index: 1,
+                boot_id: "b1".into(),
+            },
+        ];
+        for (i, r) in records.into_iter().enumerate() {
+            replayed.apply(entry(i as u64 + 1, 1000 + i as u64, r));
+        }
+        replayed.finish_replay(&|_| Err("no bodies in this test".into()));
+        assert_eq!(
+            replayed.by_run(1).unwrap().hook_response().message,
+            "plan p: Applying step 2/2: waiting for the node to reboot (changes[1] reboot kernel)"
+        );
         let request = table.run_state(1).unwrap().reboot.clone().unwrap();
         assert_eq!((request.index, request.requested_at_ms), (1, 1002));
         // Asked again from the same boot (after a restart of the agent): the first request
@@ -927,6 +1073,197 @@ mod tests {
         let rs = table.run_state(1).unwrap();
         assert_eq!(rs.rebooted_at, Some(1));
         assert!(rs.reboot.is_none());
+    }
+
+    /// One step numbering (issue 15): while a batch of announced changes is applied, step
+    /// i of n is the change being applied, and the hook message, the status socket's
+    /// `current.step` and `progress` (the remote status, sd_notify, the metric) agree.
+    #[test]
+    fn step_i_of_n_is_the_change_being_applied_everywhere() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n  - file: {path: /etc/kubernetes/b, content: x}\n  - file: {path: /etc/kubernetes/c, content: x}\nverify:\n  - command: {argv: [\"true\"]}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        table.finish_replay(&|_| Err("no bodies".into()));
+        let mut seq = 0;
+        let mut apply = |table: &mut Table, r: Record| {
+            seq += 1;
+            table.apply(entry(seq, 1000 + seq, r));
+        };
+        apply(&mut table, accepted(&plan));
+        apply(
+            &mut table,
+            Record::Phase {
+                run: 1,
+                phase: Phase::Applying,
+                error: None,
+            },
+        );
+        for index in 0..3 {
+            table.set_running(1, index);
+            apply(
+                &mut table,
+                Record::StepStarted {
+                    run: 1,
+                    index,
+                    preimages: Vec::new(),
+                    planned: Vec::new(),
+                },
+            );
+        }
+        let agree = |table: &Table, step: u32, what: &str| {
+            let s = table.by_run(1).unwrap();
+            assert_eq!(s.progress.current, step, "{s:#?}");
+            assert_eq!(s.progress.total, 4);
+            assert_eq!(crate::status::api::current_plan(s, 0).step, step);
+            let hook = s.hook_response().message;
+            assert!(hook.contains(&format!("step {step}/4: {what}")), "{hook}");
+        };
+        agree(&table, 1, "changes[0] file /etc/kubernetes/a");
+        for index in 0..3 {
+            apply(
+                &mut table,
+                Record::StepDone {
+                    run: 1,
+                    index,
+                    changed: true,
+                    message: "write".into(),
+                },
+            );
+            let next = (index + 1).min(2);
+            agree(
+                &table,
+                next + 1,
+                &format!(
+                    "changes[{next}] file /etc/kubernetes/{}",
+                    ["a", "b", "c"][next as usize]
+                ),
+            );
+        }
+        apply(
+            &mut table,
+            Record::Phase {
+                run: 1,
+                phase: Phase::Verifying,
+                error: None,
+            },
+        );
+        table.set_check_running(1, 0);
+        agree(&table, 4, "verify[0] command true");
+        let s = table.by_run(1).unwrap();
+        assert_eq!(
+            crate::status::api::current_plan(s, 0)
+                .running_check
+                .map(|c| c.index),
+            Some(0)
+        );
+    }
+
+    /// Unit jobs, reloads and an agent restart are a run's events, in journal order, with
+    /// the unit's InvocationID (issue 15: restarts were in the root-only journal only).
+    #[test]
+    fn restarts_reloads_and_resumes_are_events_of_the_run() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x, restartUnits: [kubelet.service]}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        let service = |description: &str| Record::ServiceManager {
+            run: 1,
+            description: description.into(),
+        };
+        let records = [
+            accepted(&plan),
+            service("systemd"),
+            Record::Phase {
+                run: 1,
+                phase: Phase::Restarting,
+                error: None,
+            },
+            service("systemd"),
+            Record::DaemonReloaded {
+                run: 1,
+                rollback: false,
+            },
+            Record::UnitJobStarted {
+                run: 1,
+                unit: "kubelet.service".into(),
+                job: crate::host::systemd::UnitJob::Restart,
+                rollback: false,
+                before: crate::host::systemd::UnitBefore {
+                    active_state: "active".into(),
+                    sub_state: "running".into(),
+                    invocation_id: Some("0123456789abcdef0123456789abcdef".into()),
+                },
+            },
+            Record::UnitJobDone {
+                run: 1,
+                unit: "kubelet.service".into(),
+                job: crate::host::systemd::UnitJob::Restart,
+                rollback: false,
+                outcome: crate::journal::UnitJobOutcome::Done,
+                message: "restarted kubelet.service in 20 ms: unit is active/running, InvocationID fedcba987654".into(),
+            },
+        ];
+        for (i, r) in records.into_iter().enumerate() {
+            table.apply(entry(i as u64 + 1, 1000 + i as u64, r));
+        }
+        let events: Vec<(u64, &str)> = table
+            .by_run(1)
+            .unwrap()
+            .events
+            .iter()
+            .map(|e| (e.seq, e.message.as_str()))
+            .collect();
+        assert_eq!(
+            events,
+            [
+                (
+                    4,
+                    "the agent restarted; the run resumes in Restarting at step 0/1"
+                ),
+                (5, "systemd reloaded unit files"),
+                (
+                    6,
+                    "restarting kubelet.service (it was active/running, InvocationID 0123456789ab)"
+                ),
+                (
+                    7,
+                    "restarted kubelet.service in 20 ms: unit is active/running, InvocationID fedcba987654"
+                ),
+            ]
+        );
+        assert!(
+            table
+                .by_run(1)
+                .unwrap()
+                .hook_response()
+                .message
+                .contains("restarted kubelet.service in 20 ms"),
+            "the hook message says it too"
+        );
+    }
+
+    /// Records of earlier versions, without the fields added since, still read.
+    #[test]
+    fn records_written_before_the_cancel_reason_and_the_planned_writes_still_read() {
+        let old: Record = serde_json::from_str(r#"{"cancelRequested":{"run":3}}"#).unwrap();
+        assert_eq!(
+            old,
+            Record::CancelRequested {
+                run: 3,
+                reason: String::new(),
+                by: String::new()
+            }
+        );
+        let old: Record =
+            serde_json::from_str(r#"{"stepStarted":{"run":3,"index":0,"preimages":[]}}"#).unwrap();
+        assert!(matches!(old, Record::StepStarted { planned, .. } if planned.is_empty()));
     }
 
     #[test]

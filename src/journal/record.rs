@@ -121,6 +121,11 @@ pub enum Record {
         index: u32,
         /// What the node looked like before, in mutation order.
         preimages: Vec<Preimage>,
+        /// What the change is about to do ("write /etc/x (12 bytes, 0644 0:0)"), so that a
+        /// change finished after a restart still says what it wrote. Absent in journals of
+        /// earlier versions.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        planned: Vec<String>,
     },
     /// A change is in its desired state.
     StepDone {
@@ -272,6 +277,13 @@ pub enum Record {
     CancelRequested {
         /// Run number.
         run: u64,
+        /// Why, as the caller said (`cancel --reason`); absent in journals of earlier
+        /// versions and when none was given.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+        /// Who asked (the caller's identity; `cli` for a local caller), when known.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        by: String,
     },
     /// The run ended.
     PlanFinished {
@@ -317,7 +329,7 @@ impl Record {
             | Record::ServiceManager { run, .. }
             | Record::RebootRequested { run, .. }
             | Record::CheckDone { run, .. }
-            | Record::CancelRequested { run }
+            | Record::CancelRequested { run, .. }
             | Record::PlanFinished { run, .. } => Some(*run),
         }
     }
@@ -365,6 +377,41 @@ impl Record {
         let rb = |rollback: bool| if rollback { " (rollback)" } else { "" };
         match self {
             Record::UnitRestarted { message, .. } => Some(message.clone()),
+            Record::CancelRequested { reason, by, .. } => Some(format!(
+                "cancel requested{}{}; the run stops at the next step boundary",
+                if by.is_empty() {
+                    String::new()
+                } else {
+                    format!(" by {by}")
+                },
+                if reason.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {reason}")
+                }
+            )),
+            Record::UnitJobStarted {
+                unit,
+                job,
+                rollback,
+                before,
+                ..
+            } => Some(format!(
+                "{} {unit}{} (it was {}/{}{})",
+                match job {
+                    crate::host::systemd::UnitJob::Start => "starting",
+                    crate::host::systemd::UnitJob::Stop => "stopping",
+                    crate::host::systemd::UnitJob::Restart => "restarting",
+                },
+                if *rollback { " to roll back" } else { "" },
+                before.active_state,
+                before.sub_state,
+                before
+                    .invocation_id
+                    .as_deref()
+                    .map(|id| format!(", InvocationID {}", &id[..id.len().min(12)]))
+                    .unwrap_or_default()
+            )),
             Record::UnitJobDone {
                 rollback, message, ..
             } => Some(format!("{message}{}", rb(*rollback))),

@@ -411,8 +411,9 @@ impl Cx<'_> {
                 self.err(
                     field,
                     format!(
-                        "{p} is outside the allow-list ({}); add its directory to \
-                         paths.allow in the agent configuration to manage it",
+                        "{p} is outside the allow-list ({}); to manage it, add its \
+                         directory with --allow-path DIR (apply, check) or to \
+                         plans.allow_paths in the agent's configuration (serve)",
                         self.limits.allow
                     ),
                 );
@@ -1542,8 +1543,9 @@ fn check_url(url: &str, allow_http_hosts: &[String]) -> Result<(), String> {
         "https" => Ok(()),
         "http" if allow_http_hosts.iter().any(|h| h == "*" || h == host) => Ok(()),
         "http" => Err(format!(
-            "plain http to {host} is not allowed; use https or list the host in \
-             downloads.allowHttpHosts in the agent configuration"
+            "plain http to {host} is not allowed; use https, or allow the host with \
+             --allow-http-host {host} (apply, check) or in plans.allow_http_hosts of the agent's \
+             configuration (serve)"
         )),
         other => Err(format!("scheme {other:?} is not supported (https, http)")),
     }

@@ -216,6 +216,16 @@ impl AuthzRules {
         Self { admin, reader }
     }
 
+    /// The patterns with the admin role.
+    pub fn admin(&self) -> &[IdentityPattern] {
+        &self.admin
+    }
+
+    /// The patterns with the reader role.
+    pub fn reader(&self) -> &[IdentityPattern] {
+        &self.reader
+    }
+
     /// The role of an identity: admin if any admin pattern matches, else reader if any
     /// reader pattern matches, else none.
     pub fn role_of(&self, identity: &str) -> Option<Role> {

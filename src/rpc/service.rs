@@ -370,7 +370,7 @@ impl NodeAgent for AgentService {
         let engine = self.engine.clone();
         let status = blocking(move || {
             let status = engine
-                .cancel(&request.id)
+                .cancel_because(&request.id, &who.to_string(), &request.reason)
                 .map_err(|e| submit_error_status(&e))?;
             tracing::info!(caller = %who, id = %status.id, digest = %status.digest, run = status.run, reason = %request.reason.escape_debug(), phase = %status.phase, "cancel requested");
             Ok::<_, Status>(status)

@@ -14,7 +14,7 @@ use super::pb;
 use crate::engine::check::{CheckReport, CheckResultKind};
 use crate::engine::status::{
     ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, ErrorInfo, ErrorKind, HookResponse,
-    HookStatus, Phase, PlanStatus, Progress,
+    HookStatus, Phase, PlanStatus, Progress, RunEvent,
 };
 use crate::plan::{ChangeKind, Disruption};
 
@@ -249,6 +249,15 @@ pub fn status_to_pb(status: &PlanStatus) -> pb::PlanStatus {
         }),
         source: status.source.clone(),
         run: status.run,
+        events: status
+            .events
+            .iter()
+            .map(|e| pb::RunEvent {
+                seq: e.seq,
+                at: Some(timestamp(e.at_ms)),
+                message: bounded(&e.message, MAX_DETAIL),
+            })
+            .collect(),
     }
 }
 
@@ -321,6 +330,15 @@ pub fn status_from_pb(status: &pb::PlanStatus) -> Result<PlanStatus, String> {
             unchanged: counts.unchanged,
             rolled_back: counts.rolled_back,
         },
+        events: status
+            .events
+            .iter()
+            .map(|e| RunEvent {
+                seq: e.seq,
+                at_ms: e.at.as_ref().map_or(0, timestamp_ms),
+                message: e.message.clone(),
+            })
+            .collect(),
     })
 }
 
@@ -435,6 +453,11 @@ mod tests {
                 unchanged: 0,
                 rolled_back: 1,
             },
+            events: vec![RunEvent {
+                seq: 12,
+                at_ms: 1_796_049_348_000,
+                message: "restarted kubelet.service in 230 ms: unit is active/running".into(),
+            }],
         }
     }
 

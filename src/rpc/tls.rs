@@ -724,22 +724,34 @@ async fn accept_loop(
         let tx = tx.clone();
         tokio::spawn(async move {
             let _handshake_permit = handshake_permit;
+            let deadline = tokio::time::Instant::now() + options.handshake_timeout;
+            let timed_out = || {
+                counters.record_failure(HandshakeFailure::Timeout);
+                tracing::warn!(peer = %remote_addr, reason = %HandshakeFailure::Timeout, "tls handshake failed");
+            };
+            // A TCP probe (a kubelet tcpSocket probe, a load balancer's health check) connects
+            // and closes without sending a byte: that is no failed handshake.
+            let mut first = [0u8; 1];
+            match tokio::time::timeout_at(deadline, tcp.peek(&mut first)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    tracing::debug!(peer = %remote_addr, "connection closed before any tls byte (a tcp probe?)");
+                    return;
+                }
+                Ok(Ok(_)) => {}
+                Err(_) => return timed_out(),
+            }
             let acceptor = tokio_rustls::TlsAcceptor::from(config);
-            let stream = match tokio::time::timeout(options.handshake_timeout, acceptor.accept(tcp))
-                .await
-            {
+            let accept = acceptor.accept(tcp).into_fallible();
+            let stream = match tokio::time::timeout_at(deadline, accept).await {
                 Ok(Ok(stream)) => stream,
-                Ok(Err(error)) => {
+                Ok(Err((error, tcp))) => {
                     let reason = HandshakeFailure::classify(&error);
                     counters.record_failure(reason);
                     tracing::warn!(peer = %remote_addr, %reason, %error, "tls handshake failed");
+                    linger(tcp).await;
                     return;
                 }
-                Err(_) => {
-                    counters.record_failure(HandshakeFailure::Timeout);
-                    tracing::warn!(peer = %remote_addr, reason = %HandshakeFailure::Timeout, "tls handshake failed");
-                    return;
-                }
+                Err(_) => return timed_out(),
             };
             counters.handshakes.fetch_add(1, Ordering::Relaxed);
             let peer_certificate = stream
@@ -765,6 +777,27 @@ async fn accept_loop(
             let _ = tx.send(Ok(connection)).await;
         });
     }
+}
+
+/// How long a connection whose handshake failed is kept to let the client read the alert.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// Closes a connection whose handshake failed so that the client reads the alert that says
+/// why: the write side first, then what the client still sends is read and dropped (for at
+/// most [`LINGER`]). Closing at once with unread bytes would send a reset, and the client
+/// would see "broken pipe" instead of "bad certificate".
+async fn linger(mut tcp: TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tcp.shutdown().await;
+    let mut sink = [0u8; 4096];
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Ok(n) = tcp.read(&mut sink).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 // === Client side ===
@@ -805,14 +838,305 @@ pub enum ConnectError {
     /// The server name to verify is not a valid DNS name or IP address.
     #[error("invalid server name {0:?}")]
     ServerName(String),
-    /// The TCP connection, TLS handshake or HTTP/2 setup failed.
-    #[error("connect {target}: {source}")]
+    /// The TCP connection, TLS handshake or HTTP/2 setup failed. Displayed with its whole
+    /// cause chain ("connect 10.0.0.5:9443: tcp connect error: Connection refused").
+    #[error("connect {target}: {}", diagnose(source).chain())]
     Transport {
         /// The target as given.
         target: String,
         /// The underlying error.
         source: tonic::transport::Error,
     },
+}
+
+impl ConnectError {
+    /// What went wrong, when it is one of the problems a person can fix.
+    pub fn problem(&self) -> Option<ConnectProblem> {
+        match self {
+            ConnectError::Transport { source, .. } => diagnose(source).problem,
+            _ => None,
+        }
+    }
+}
+
+// === Why a connection failed ===
+
+/// A connection problem a person can act on, found in an error's cause chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectProblem {
+    /// Nothing accepts connections at the address.
+    Refused,
+    /// Connecting or the handshake took too long.
+    TimedOut,
+    /// The agent's certificate is not valid for the name the client verifies.
+    WrongName {
+        /// The name verified.
+        expected: String,
+        /// The names the certificate has.
+        presented: Vec<String>,
+    },
+    /// The agent's certificate does not chain to a CA the client trusts.
+    UnknownIssuer,
+    /// A trusted CA has the issuer's name but did not sign the certificate (another PKI with
+    /// the same CA name, or a CA made again).
+    BadSignature,
+    /// The agent's certificate has expired.
+    Expired {
+        /// Its notAfter (Unix seconds), when known.
+        not_after: Option<u64>,
+    },
+    /// The agent's certificate is not valid yet (a clock is wrong).
+    NotYetValid {
+        /// Its notBefore (Unix seconds), when known.
+        not_before: Option<u64>,
+    },
+    /// The agent's certificate is not one for a server (no serverAuth usage).
+    WrongKeyUsage,
+    /// The agent ended the handshake with this alert: it did not accept the client's
+    /// certificate (its log says why).
+    RefusedByPeer(String),
+    /// The server does not speak TLS (or not TLS 1.3 with HTTP/2).
+    NotTls,
+    /// The agent closed the connection at once (reset, broken pipe): most likely it did not
+    /// accept the client's certificate, and the alert saying so was lost.
+    Closed,
+}
+
+impl ConnectProblem {
+    /// What it is, in words, for the place in the cause chain where it was found; `None`
+    /// keeps the error's own words (refused, timed out).
+    fn describe(&self) -> Option<String> {
+        let when = |secs: &Option<u64>| {
+            secs.map(|s| format!(" at {}", crate::cli::rfc3339(s.saturating_mul(1000))))
+                .unwrap_or_default()
+        };
+        Some(match self {
+            ConnectProblem::Refused | ConnectProblem::TimedOut | ConnectProblem::Closed => {
+                return None;
+            }
+            ConnectProblem::WrongName {
+                expected,
+                presented,
+            } => {
+                let names = if presented.is_empty() {
+                    "no names at all".to_string()
+                } else {
+                    presented.join(", ")
+                };
+                if expected.is_empty() {
+                    format!(
+                        "the agent's certificate is not valid for the name verified: it names {names}"
+                    )
+                } else {
+                    format!(
+                        "the agent's certificate is not valid for {expected:?}: it names {names}"
+                    )
+                }
+            }
+            ConnectProblem::UnknownIssuer => {
+                "the agent's certificate is not signed by a CA this client trusts (unknown issuer)"
+                    .to_string()
+            }
+            ConnectProblem::BadSignature => "the agent's certificate was not signed by the CA \
+                 of that name this client trusts (bad signature): another PKI's CA, or one made \
+                 again"
+                .to_string(),
+            ConnectProblem::Expired { not_after } => {
+                format!("the agent's certificate expired{}", when(not_after))
+            }
+            ConnectProblem::NotYetValid { not_before } => format!(
+                "the agent's certificate is not valid yet (from{}); is a clock wrong?",
+                when(not_before)
+            ),
+            ConnectProblem::WrongKeyUsage => {
+                "the agent's certificate is not one for a server (no serverAuth usage)".to_string()
+            }
+            ConnectProblem::RefusedByPeer(alert) => format!(
+                "the agent refused the TLS handshake (alert {alert}): it did not accept this \
+                 client's certificate"
+            ),
+            ConnectProblem::NotTls => {
+                "the server does not speak TLS 1.3 with HTTP/2: is this the agent's port?"
+                    .to_string()
+            }
+        })
+    }
+}
+
+/// An error's words without what is for a library's users, not for a person at a node: the
+/// link to rustls' manual, its wording of an unexpected end of the connection.
+fn plain_words(message: &str) -> String {
+    let mut words = message.to_string();
+    while let Some(at) = words.find(": https://docs.rs/") {
+        let end = words[at + 2..]
+            .find(' ')
+            .map_or(words.len(), |e| at + 2 + e);
+        words.replace_range(at..end, "");
+    }
+    words.replace(
+        "peer closed connection without sending TLS close_notify",
+        "the connection was closed",
+    )
+}
+
+/// `test-node` for rustls' `DnsName("test-node")`, `127.0.0.1` for `IpAddress(127.0.0.1)`.
+fn plain_name(presented: &str) -> String {
+    let inner = presented
+        .split_once('(')
+        .and_then(|(_, rest)| rest.strip_suffix(')'))
+        .unwrap_or(presented);
+    inner.trim_matches('"').to_string()
+}
+
+/// The cause chain of an error and the problem found in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnosis {
+    /// The messages of the chain, outermost first, without repeats and without the empty
+    /// words of wrappers ("transport error").
+    pub causes: Vec<String>,
+    /// The actionable problem, when one was recognised.
+    pub problem: Option<ConnectProblem>,
+}
+
+impl Diagnosis {
+    /// The chain as one line: `a: b: c`.
+    pub fn chain(&self) -> String {
+        self.causes.join(": ")
+    }
+}
+
+/// Messages of wrappers that say nothing by themselves.
+const EMPTY_WORDS: &[&str] = &[
+    "transport error",
+    "client error (Connect)",
+    "error trying to connect",
+];
+
+/// Walks the cause chain of a connection or call error (tonic, hyper, io, rustls) and
+/// recognises the problems a person can fix: refused, timed out, certificate name, issuer,
+/// validity, and a handshake the server refused.
+pub fn diagnose(error: &(dyn std::error::Error + 'static)) -> Diagnosis {
+    let mut messages: Vec<String> = Vec::new();
+    // The problem, the raw message of the error it was found in, and where that was.
+    let mut found: Option<(ConnectProblem, String, usize)> = None;
+    let mut current = Some(error);
+    while let Some(e) = current {
+        let message = match e.downcast_ref::<tonic::Status>() {
+            Some(status) => status.message().to_string(),
+            None => e.to_string(),
+        };
+        let message = plain_words(message.trim());
+        if found.is_none()
+            && let Some(problem) = recognise(e)
+        {
+            found = Some((problem, message.clone(), messages.len()));
+        }
+        messages.push(message);
+        current = e.source();
+    }
+    // Wrappers repeat their cause in their own message ("tcp connect error: Connection
+    // refused", then "Connection refused"): keep the most specific words once.
+    let mut causes: Vec<String> = Vec::new();
+    for (i, message) in messages.into_iter().enumerate() {
+        let message = match &found {
+            Some((problem, raw, at)) if i == *at || (i > *at && message.contains(raw.as_str())) => {
+                match problem.describe() {
+                    Some(words) => words,
+                    None => message,
+                }
+            }
+            Some((problem, raw, at))
+                if i < *at && problem.describe().is_some() && message.contains(raw.as_str()) =>
+            {
+                // An outer wrapper of the recognised error: its words follow.
+                let rest = message.replace(raw.as_str(), "");
+                rest.trim_end_matches([':', ' ']).to_string()
+            }
+            _ => message,
+        };
+        if message.is_empty() || EMPTY_WORDS.contains(&message.as_str()) {
+            continue;
+        }
+        if causes.iter().any(|c| c.contains(message.as_str())) {
+            continue;
+        }
+        causes.retain(|c| !message.contains(c.as_str()));
+        causes.push(message);
+    }
+    Diagnosis {
+        causes,
+        problem: found.map(|(p, _, _)| p),
+    }
+}
+
+fn recognise(e: &(dyn std::error::Error + 'static)) -> Option<ConnectProblem> {
+    if let Some(io) = e.downcast_ref::<io::Error>() {
+        if let Some(inner) = io.get_ref()
+            && let Some(tls) = inner.downcast_ref::<rustls::Error>()
+        {
+            return recognise_tls(tls);
+        }
+        match io.kind() {
+            io::ErrorKind::ConnectionRefused => return Some(ConnectProblem::Refused),
+            io::ErrorKind::TimedOut => return Some(ConnectProblem::TimedOut),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => {
+                return Some(ConnectProblem::Closed);
+            }
+            _ => {}
+        }
+    }
+    if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+        return recognise_tls(tls);
+    }
+    // Only words are left where h2 and tower kept them: an alert the peer sent, a timeout.
+    let text = e.to_string();
+    if let Some(alert) = text.strip_prefix("received fatal alert: ") {
+        return Some(ConnectProblem::RefusedByPeer(alert.trim().to_string()));
+    }
+    if text.contains("broken pipe") || text.contains("connection reset") {
+        return Some(ConnectProblem::Closed);
+    }
+    (text == "timed out" || text.ends_with("deadline has elapsed"))
+        .then_some(ConnectProblem::TimedOut)
+}
+
+fn recognise_tls(e: &rustls::Error) -> Option<ConnectProblem> {
+    Some(match e {
+        rustls::Error::InvalidCertificate(cert) => match cert {
+            CertificateError::NotValidForName => ConnectProblem::WrongName {
+                expected: String::new(),
+                presented: Vec::new(),
+            },
+            CertificateError::NotValidForNameContext {
+                expected,
+                presented,
+            } => ConnectProblem::WrongName {
+                expected: expected.to_str().into_owned(),
+                presented: presented.iter().map(|n| plain_name(n)).collect(),
+            },
+            CertificateError::UnknownIssuer => ConnectProblem::UnknownIssuer,
+            CertificateError::BadSignature => ConnectProblem::BadSignature,
+            CertificateError::Expired => ConnectProblem::Expired { not_after: None },
+            CertificateError::ExpiredContext { not_after, .. } => ConnectProblem::Expired {
+                not_after: Some(not_after.as_secs()),
+            },
+            CertificateError::NotValidYet => ConnectProblem::NotYetValid { not_before: None },
+            CertificateError::NotValidYetContext { not_before, .. } => {
+                ConnectProblem::NotYetValid {
+                    not_before: Some(not_before.as_secs()),
+                }
+            }
+            CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => {
+                ConnectProblem::WrongKeyUsage
+            }
+            _ => return None,
+        },
+        rustls::Error::AlertReceived(alert) => ConnectProblem::RefusedByPeer(format!("{alert:?}")),
+        rustls::Error::InvalidMessage(_) | rustls::Error::PeerIncompatible(_) => {
+            ConnectProblem::NotTls
+        }
+        _ => return None,
+    })
 }
 
 /// Opens a gRPC channel to `target` (`https://host:port` or `host:port`) over mutual TLS
@@ -922,6 +1246,18 @@ mod tests {
         assert_eq!(counters.failures(HandshakeFailure::Expired), 0);
         let total: u64 = counters.failures_by_reason().iter().map(|(_, n)| n).sum();
         assert_eq!(total, 3);
+    }
+
+    #[test]
+    fn causes_are_said_for_people() {
+        let e = io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "peer closed connection without sending TLS close_notify: \
+             https://docs.rs/rustls/latest/rustls/manual/_03_howto/index.html#unexpected-eof",
+        );
+        assert_eq!(diagnose(&e).chain(), "the connection was closed");
+        let refused = io::Error::from(io::ErrorKind::ConnectionRefused);
+        assert_eq!(diagnose(&refused).problem, Some(ConnectProblem::Refused));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::status::{
     ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, ErrorInfo, HookResponse, Phase,
-    PlanStatus,
+    PlanStatus, RunEvent,
 };
 use crate::engine::table::Table;
 use crate::journal::{Entry, JournalError, Reader, Record};
@@ -101,7 +101,8 @@ pub struct NodeInfo {
 pub struct AgentInfo {
     /// Version of the agent.
     pub version: String,
-    /// Git commit it was built from (`unknown` when not recorded).
+    /// Git commit it was built from: 12 hex digits, `+modified` when its sources differed
+    /// from that commit, `unknown` when it was built without git metadata.
     pub commit: String,
     /// Process id.
     pub pid: u32,
@@ -135,7 +136,7 @@ pub struct CurrentPlan {
     /// Phase.
     pub phase: Phase,
     /// Step i of `steps`: the change or gate running now (1-based), else the last one run
-    /// (0 before the first).
+    /// (0 before the first); the same number as the hook response's "step i/n".
     pub step: u32,
     /// Changes plus gates.
     pub steps: u32,
@@ -152,9 +153,14 @@ pub struct CurrentPlan {
     /// When it started running.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at_ms: Option<u64>,
-    /// How long it has been running.
+    /// How long it has been running; absent when read from the journal (no agent runs it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elapsed_ms: Option<u64>,
+    /// Read from the journal (no agent runs it): where the run goes on when the agent starts
+    /// again (`changes[1] kubeletConfig /var/lib/kubelet/config.yaml`, the Restarting phase,
+    /// a gate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumes_at: Option<String>,
     /// Changes so far.
     pub counts: Counts,
     /// Why it is rolling back, when it is.
@@ -164,7 +170,14 @@ pub struct CurrentPlan {
     pub rebooting: bool,
     /// The `UpdateMachine` hook response for it right now.
     pub hook_response: HookResponse,
+    /// Its newest events (at most 5; `/v1/plans/{id}` has up to 32): unit jobs, reloads,
+    /// reboots, the agent restarting.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<RunEvent>,
 }
+
+/// How many events `CurrentPlan` carries.
+pub const CURRENT_EVENTS: usize = 5;
 
 /// A plan attempt in one line: its result and how long it took.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -364,7 +377,14 @@ pub fn agent_status(table: &Table, ctx: Context, now_ms: u64) -> AgentStatus {
         .unfinished()
         .next()
         .and_then(|(run, _)| table.by_run(*run))
-        .map(|s| current_plan(s, now_ms));
+        .map(|s| {
+            let mut c = current_plan(s, now_ms);
+            if ctx.source == Source::Journal {
+                c.elapsed_ms = None;
+                c.resumes_at = Some(resume_point(s));
+            }
+            c
+        });
     let recent: Vec<PlanSummary> = plans
         .iter()
         .rev()
@@ -416,16 +436,14 @@ pub fn current_plan(s: &PlanStatus, now_ms: u64) -> CurrentPlan {
         Phase::Verifying => s
             .checks
             .iter()
-            .find(|c| matches!(c.state, CheckState::Pending | CheckState::Running))
+            .find(|c| c.state == CheckState::Running)
+            .or_else(|| s.checks.iter().find(|c| c.state == CheckState::Pending))
             .cloned(),
         _ => None,
     };
-    // The step running now when one is known; otherwise the last one run.
-    let step = match (&running_change, &running_check) {
-        (Some(c), _) => c.index + 1,
-        (None, Some(c)) => s.changes.len() as u32 + c.index + 1,
-        (None, None) => s.progress.current,
-    };
+    // One numbering everywhere: the engine's step i of n, which the hook response, the
+    // remote status, sd_notify and the metric show too.
+    let step = s.progress.current;
     CurrentPlan {
         id: s.id.clone(),
         digest: s.digest.clone(),
@@ -441,10 +459,60 @@ pub fn current_plan(s: &PlanStatus, now_ms: u64) -> CurrentPlan {
         accepted_at_ms: s.accepted_at_ms,
         started_at_ms: s.started_at_ms,
         elapsed_ms: s.duration_ms(now_ms),
+        resumes_at: None,
         counts: s.counts,
         error: s.error.clone(),
         rebooting: s.rebooting,
         hook_response: s.hook_response(),
+        events: s.events[s.events.len().saturating_sub(CURRENT_EVENTS)..].to_vec(),
+    }
+}
+
+/// Where an unfinished run goes on when the agent starts again: what the runner does first
+/// when it resumes from the journal.
+pub fn resume_point(s: &PlanStatus) -> String {
+    let n = s.changes.len();
+    let total = s.progress.total;
+    match s.phase {
+        Phase::Pending | Phase::Preparing => {
+            "the start: the plan is checked against the node again (Preparing)".to_string()
+        }
+        Phase::Applying => match s
+            .changes
+            .iter()
+            .find(|c| !matches!(c.state, ChangeState::Changed | ChangeState::Unchanged))
+        {
+            Some(c) if s.rebooting => format!(
+                "changes[{}] {} {} (step {}/{total}): the boot id tells whether the node rebooted",
+                c.index,
+                c.kind,
+                c.target,
+                c.index + 1
+            ),
+            Some(c) => format!(
+                "changes[{}] {} {} (step {}/{total})",
+                c.index,
+                c.kind,
+                c.target,
+                c.index + 1
+            ),
+            None => "the restarts and gates after the last change".to_string(),
+        },
+        Phase::Restarting => {
+            "the Restarting phase: unit jobs already done are not repeated".to_string()
+        }
+        Phase::Verifying => match s.checks.iter().find(|c| c.state != CheckState::Passed) {
+            Some(c) => format!(
+                "verify[{}] {} {} (step {}/{total})",
+                c.index,
+                c.kind,
+                c.target,
+                n as u32 + c.index + 1
+            ),
+            None => "the end of the gates".to_string(),
+        },
+        Phase::RollingBack => "rolling back: changes already restored stay restored".to_string(),
+        other => other.to_string(),
     }
 }
 

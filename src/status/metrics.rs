@@ -146,12 +146,7 @@ impl Metrics {
             "The agent's version and commit",
             Info::new(vec![
                 ("version", env!("CARGO_PKG_VERSION").to_string()),
-                (
-                    "commit",
-                    option_env!("INPLACE_AGENT_GIT_COMMIT")
-                        .unwrap_or("unknown")
-                        .to_string(),
-                ),
+                ("commit", crate::cli::version::commit_label()),
             ]),
         );
         if let Some(at) = sources.engine.read(|t| {

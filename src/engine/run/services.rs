@@ -250,7 +250,17 @@ impl Runner {
                 } else {
                     format!("{:.1}s", took.as_secs_f64())
                 };
-                let message = format!("{} {unit} in {took}: {}", job.past(), outcome.state);
+                let invocation = outcome
+                    .state
+                    .invocation_id
+                    .as_ref()
+                    .map(|id| format!(", InvocationID {}", &id.to_string()[..12]))
+                    .unwrap_or_default();
+                let message = format!(
+                    "{} {unit} in {took}: {}{invocation}",
+                    job.past(),
+                    outcome.state
+                );
                 self.record(done(UnitJobOutcome::Done, message.clone()), true)?;
                 Ok(Ok(message))
             }
@@ -413,7 +423,7 @@ impl Runner {
         Ok(Ok(()))
     }
 
-    /// The reboot change at `index` (DESIGN §2): when a change before it changed something,
+    /// The reboot change at `index`: when a change before it changed something,
     /// journal the request with the current boot id (fdatasynced), ask systemd to reboot and
     /// wait to be taken down. At the next start the run resumes here: a different boot id
     /// means the node rebooted and the run goes on with the next change; the same boot id
@@ -544,13 +554,20 @@ impl Runner {
             {
                 return Err(Abort::Stop(Stop::Shutdown));
             }
-            self.shared.lock().table.set_message(
+            let mut inner = self.shared.lock();
+            let waiting = inner
+                .table
+                .by_run(run)
+                .map(crate::engine::table::reboot_message)
+                .unwrap_or_default();
+            inner.table.set_message(
                 run,
                 format!(
-                    "waiting for the node to reboot ({}s since the request)",
+                    "{waiting}, {}s since the request",
                     now_ms().saturating_sub(request.requested_at_ms) / 1000
                 ),
             );
+            drop(inner);
             std::thread::sleep(REBOOT_POLL.min(left()));
         }
     }
