@@ -18,3 +18,4 @@ pub mod rpc;
 pub mod sandbox;
 pub mod status;
 pub mod steps;
+pub mod updater;
