@@ -49,8 +49,10 @@ impl From<RequestError> for Failure {
 /// What a handler answered, for the response and the metrics.
 #[derive(Debug)]
 pub struct Answer {
-    /// The response body.
-    pub body: Value,
+    /// The response body (JSON, fields in CAPI's order).
+    pub body: Vec<u8>,
+    /// Its `message`, for the log of failures.
+    pub message: String,
     /// `success`, `failure`, `in_progress`, `done`, `covered`, `not_covered`, `partial`.
     pub outcome: &'static str,
     /// The Machine (or MachineSet) it was about, for the log.
@@ -69,8 +71,24 @@ pub struct Updater {
     pub metrics: Arc<Metrics>,
 }
 
-fn to_value<T: serde::Serialize>(v: &T) -> Value {
-    serde_json::to_value(v).unwrap_or(Value::Null)
+fn to_bytes<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+impl Answer {
+    fn new<T: serde::Serialize>(response: &T, message: &str, outcome: &'static str) -> Answer {
+        Answer {
+            body: to_bytes(response),
+            message: message.to_owned(),
+            outcome,
+            object: String::new(),
+        }
+    }
+
+    /// The body as a JSON value (tests, the demo).
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
 }
 
 fn canonical(v: &Value) -> String {
@@ -120,11 +138,7 @@ impl Updater {
                     format!("bad request: kind: is {kind:?}, expected \"DiscoveryRequest\""),
                 );
             }
-            return Answer {
-                body: super::hooks::discovery_response(),
-                outcome: "success",
-                object: String::new(),
-            };
+            return Answer::new(&super::hooks::discovery_response(), "", "success");
         }
         let request = match HookRequest::parse(hook, &value) {
             Ok(r) => r,
@@ -161,11 +175,14 @@ impl Updater {
     }
 
     fn failure(&self, hook: Hook, object: &str, message: String) -> Answer {
-        Answer {
-            body: to_value(&FailureResponse::new(hook, bounded(&message, 1024))),
-            outcome: "failure",
-            object: object.to_owned(),
-        }
+        let message = bounded(&message, 1024);
+        let mut answer = Answer::new(
+            &FailureResponse::new(hook, message.clone()),
+            &message,
+            "failure",
+        );
+        answer.object = object.to_owned();
+        answer
     }
 
     /// The node name and the agent target of a live Machine.
@@ -257,20 +274,21 @@ impl Updater {
         let desired_b = request.optional_object("desired", "bootstrapConfig")?;
         let infra = request.optional_object("desired", "infrastructureMachine")?;
         let not_covered = |message: String| -> Result<Answer, Failure> {
-            Ok(Answer {
-                body: to_value(&CanUpdateMachineResponse {
+            let message = bounded(&message, 1024);
+            Ok(Answer::new(
+                &CanUpdateMachineResponse {
                     kind: Hook::CanUpdateMachine.response_kind(),
                     api_version: HOOKS_API_VERSION,
                     status: Status::Success,
-                    message: bounded(&message, 1024),
+                    message: message.clone(),
                     machine_patch: None,
                     infrastructure_machine_patch: None,
                     bootstrap_config_patch: None,
                     affects_availability: None,
-                }),
-                outcome: "not_covered",
-                object: String::new(),
-            })
+                },
+                &message,
+                "not_covered",
+            ))
         };
         if settings.disable_in_place {
             return not_covered(
@@ -341,20 +359,20 @@ impl Updater {
         let none = check.disruption == pb::Disruption::None as i32;
         let message = coverage_message(&machine, &bootstrap);
         tracing::debug!(machine = %key, %node, plan = %translation.id, "CanUpdateMachine checked");
-        Ok(Answer {
-            body: to_value(&CanUpdateMachineResponse {
+        Ok(Answer::new(
+            &CanUpdateMachineResponse {
                 kind: Hook::CanUpdateMachine.response_kind(),
                 api_version: HOOKS_API_VERSION,
                 status: Status::Success,
-                message,
+                message: message.clone(),
                 machine_patch,
                 infrastructure_machine_patch: None,
                 bootstrap_config_patch: bootstrap_patch,
                 affects_availability: (complete && none).then_some(false),
-            }),
-            outcome: if complete { "covered" } else { "partial" },
-            object: String::new(),
-        })
+            },
+            &message,
+            if complete { "covered" } else { "partial" },
+        ))
     }
 
     async fn update_machine(
@@ -495,19 +513,19 @@ impl Updater {
             (true, _) => "in_progress",
             (false, _) => "failure",
         };
-        Ok(Answer {
-            body: to_value(&UpdateMachineResponse::new(
+        Ok(Answer::new(
+            &UpdateMachineResponse::new(
                 if ok { Status::Success } else { Status::Failure },
-                hook.message,
+                hook.message.clone(),
                 if ok {
                     hook.retry_after_seconds.max(0)
                 } else {
                     0
                 },
-            )),
+            ),
+            &hook.message,
             outcome,
-            object: String::new(),
-        })
+        ))
     }
 }
 
@@ -520,15 +538,12 @@ fn unreachable_discovery() -> Result<Answer, Failure> {
 /// In progress while the agent cannot be reached: the message shows in the Machine's
 /// `Updating` condition, and CAPI asks again.
 fn waiting(e: &AgentError) -> Answer {
-    Answer {
-        body: to_value(&UpdateMachineResponse::new(
-            Status::Success,
-            bounded(&format!("waiting: {e}"), 512),
-            UNREACHABLE_RETRY_SECONDS,
-        )),
-        outcome: "in_progress",
-        object: String::new(),
-    }
+    let message = bounded(&format!("waiting: {e}"), 512);
+    Answer::new(
+        &UpdateMachineResponse::new(Status::Success, message.clone(), UNREACHABLE_RETRY_SECONDS),
+        &message,
+        "in_progress",
+    )
 }
 
 fn not_applicable(check: &pb::CheckPlanResponse) -> String {
@@ -594,19 +609,21 @@ pub fn can_update_machine_set(
     for t in [&current_t, &desired_t].into_iter().flatten() {
         t.expect("KubeadmConfigTemplate", "bootstrap.cluster.x-k8s.io")?;
     }
-    let empty = |message: String| Answer {
-        body: to_value(&CanUpdateMachineSetResponse {
-            kind: Hook::CanUpdateMachineSet.response_kind(),
-            api_version: HOOKS_API_VERSION,
-            status: Status::Success,
-            message,
-            machine_set_patch: None,
-            infrastructure_machine_template_patch: None,
-            bootstrap_config_template_patch: None,
-            affects_availability: None,
-        }),
-        outcome: "not_covered",
-        object: String::new(),
+    let empty = |message: String| {
+        Answer::new(
+            &CanUpdateMachineSetResponse {
+                kind: Hook::CanUpdateMachineSet.response_kind(),
+                api_version: HOOKS_API_VERSION,
+                status: Status::Success,
+                message: message.clone(),
+                machine_set_patch: None,
+                infrastructure_machine_template_patch: None,
+                bootstrap_config_template_patch: None,
+                affects_availability: None,
+            },
+            &message,
+            "not_covered",
+        )
     };
     if settings.disable_in_place {
         return Ok(empty(
@@ -643,18 +660,19 @@ pub fn can_update_machine_set(
     let template_patch = current_t
         .as_ref()
         .and_then(|c| Patch::json_patch(&spec_patch(&c.value, TEMPLATE_SPEC, &bootstrap.spec)));
-    Ok(Answer {
-        body: to_value(&CanUpdateMachineSetResponse {
+    let message = coverage_message(&machine, &bootstrap);
+    Ok(Answer::new(
+        &CanUpdateMachineSetResponse {
             kind: Hook::CanUpdateMachineSet.response_kind(),
             api_version: HOOKS_API_VERSION,
             status: Status::Success,
-            message: coverage_message(&machine, &bootstrap),
+            message: message.clone(),
             machine_set_patch,
             infrastructure_machine_template_patch: None,
             bootstrap_config_template_patch: template_patch,
             affects_availability: (complete && !disruptive).then_some(false),
-        }),
-        outcome: if complete { "covered" } else { "partial" },
-        object: String::new(),
-    })
+        },
+        &message,
+        if complete { "covered" } else { "partial" },
+    ))
 }

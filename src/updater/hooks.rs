@@ -485,29 +485,70 @@ impl FailureResponse {
     }
 }
 
+/// `GroupVersionHook` of a discovery handler.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RequestHook {
+    /// [`HOOKS_API_VERSION`].
+    pub api_version: &'static str,
+    /// `CanUpdateMachine`, ...
+    pub hook: &'static str,
+}
+
+/// `ExtensionHandler` of the discovery response.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtensionHandler {
+    /// The handler name (the last path segment CAPI calls).
+    pub name: &'static str,
+    /// The hook it answers.
+    pub request_hook: RequestHook,
+    /// Seconds CAPI waits.
+    pub timeout_seconds: i32,
+    /// `Fail`.
+    pub failure_policy: &'static str,
+}
+
+/// `DiscoveryResponse`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DiscoveryResponse {
+    /// `DiscoveryResponse`.
+    pub kind: &'static str,
+    /// [`HOOKS_API_VERSION`].
+    pub api_version: &'static str,
+    /// `Success`.
+    pub status: Status,
+    /// One per hook.
+    pub handlers: Vec<ExtensionHandler>,
+}
+
 /// The discovery response: one handler per hook, `failurePolicy: Fail`, 10 s.
-pub fn discovery_response() -> Value {
-    let handlers: Vec<Value> = [
+pub fn discovery_response() -> DiscoveryResponse {
+    let handlers = [
         Hook::CanUpdateMachine,
         Hook::CanUpdateMachineSet,
         Hook::UpdateMachine,
     ]
     .into_iter()
-    .map(|hook| {
-        serde_json::json!({
-            "name": hook.handler(),
-            "requestHook": {"apiVersion": HOOKS_API_VERSION, "hook": hook.as_str()},
-            "timeoutSeconds": 10,
-            "failurePolicy": "Fail",
+    .filter_map(|hook| {
+        Some(ExtensionHandler {
+            name: hook.handler()?,
+            request_hook: RequestHook {
+                api_version: HOOKS_API_VERSION,
+                hook: hook.as_str(),
+            },
+            timeout_seconds: 10,
+            failure_policy: "Fail",
         })
     })
     .collect();
-    serde_json::json!({
-        "kind": Hook::Discovery.response_kind(),
-        "apiVersion": HOOKS_API_VERSION,
-        "status": "Success",
-        "handlers": handlers,
-    })
+    DiscoveryResponse {
+        kind: Hook::Discovery.response_kind(),
+        api_version: HOOKS_API_VERSION,
+        status: Status::Success,
+        handlers,
+    }
 }
 
 #[cfg(test)]

@@ -381,15 +381,15 @@ async fn route(
     updater
         .metrics
         .request(hook.as_str(), answer.outcome, seconds);
-    let message = answer
-        .body
-        .get("message")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or("");
+    let message = answer.message.as_str();
     if answer.outcome == "failure" {
         tracing::warn!(hook = %hook, machine = %answer.object, body_sha256 = %digest, outcome = answer.outcome, ms = seconds * 1e3, message, "hook answered");
     } else {
         tracing::info!(hook = %hook, machine = %answer.object, body_sha256 = %digest, outcome = answer.outcome, ms = seconds * 1e3, "hook answered");
     }
-    json_response(StatusCode::OK, &answer.body, false)
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(answer.body)))
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
 }
