@@ -29,6 +29,7 @@ pub mod agent;
 pub mod cli;
 pub mod cluster;
 pub mod demo;
+pub mod emulate;
 pub mod handlers;
 pub mod hooks;
 pub mod metrics;
