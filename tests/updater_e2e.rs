@@ -49,7 +49,11 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
         w.add_agent(&format!("node-{i}"), "v1.35.2");
     }
     w.start_updater();
-    w.api.put(secret("default", "registry", &[("password", SECRET_CONTENT.as_bytes())]));
+    w.api.put(secret(
+        "default",
+        "registry",
+        &[("password", SECRET_CONTENT.as_bytes())],
+    ));
     let mut capi = w.client();
     let settings = json!({"agentPort": w.agent_port.to_string(), "drain": "true"});
 
@@ -63,12 +67,29 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
         .as_array()
         .unwrap()
         .iter()
-        .map(|h| format!("{}:{}", h["name"].as_str().unwrap(), h["failurePolicy"].as_str().unwrap()))
+        .map(|h| {
+            format!(
+                "{}:{}",
+                h["name"].as_str().unwrap(),
+                h["failurePolicy"].as_str().unwrap()
+            )
+        })
         .collect();
-    assert_eq!(handlers, ["can-update-machine:Fail", "can-update-machineset:Fail", "update-machine:Fail"]);
+    assert_eq!(
+        handlers,
+        [
+            "can-update-machine:Fail",
+            "can-update-machineset:Fail",
+            "update-machine:Fail"
+        ]
+    );
 
     // The MachineDeployment controller asks about the MachineSet (the fixture).
-    let ms = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/updater/can-update-machineset-request.json")).unwrap();
+    let ms = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/updater/can-update-machineset-request.json"),
+    )
+    .unwrap();
     let r = capi.call(Hook::CanUpdateMachineSet, &ms).await.unwrap();
     assert_eq!(r.json()["status"], "Success", "{}", r.json());
     assert!(r.json()["machineSetPatch"]["patch"].is_string());
@@ -77,30 +98,52 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
     let mut bodies = Vec::new();
     for i in 0..3 {
         let name = format!("md-0-{i}");
-        let (machine, config) = w.put_machine(&name, i, "v1.35.2", bootstrap_spec(files("mode=v2\n")));
+        let (machine, config) =
+            w.put_machine(&name, i, "v1.35.2", bootstrap_spec(files("mode=v2\n")));
         bodies.push(update_request(&machine, Some(&config), settings.clone()));
     }
     for (i, body) in bodies.iter().enumerate() {
         let seen = poll_update(&mut capi, body, SCALE).await;
         let last = seen.last().unwrap();
-        assert_eq!(last["status"], "Success", "node-{i}: {seen:?}\n{}", w.updater_log());
+        assert_eq!(
+            last["status"],
+            "Success",
+            "node-{i}: {seen:?}\n{}",
+            w.updater_log()
+        );
         assert_eq!(last["retryAfterSeconds"], 0);
         assert_eq!(last["kind"], "UpdateMachineResponse");
         let a = &w.agents[i];
-        assert_eq!(read(a, "/etc/kubernetes/inplace-demo.conf").as_deref(), Some("mode=v2\n"));
-        assert_eq!(read(a, "/etc/kubernetes/registry-auth").as_deref(), Some(SECRET_CONTENT));
-        assert_eq!(read(a, "/etc/kubernetes/extra.conf").as_deref(), Some("extra=1\n"));
+        assert_eq!(
+            read(a, "/etc/kubernetes/inplace-demo.conf").as_deref(),
+            Some("mode=v2\n")
+        );
+        assert_eq!(
+            read(a, "/etc/kubernetes/registry-auth").as_deref(),
+            Some(SECRET_CONTENT)
+        );
+        assert_eq!(
+            read(a, "/etc/kubernetes/extra.conf").as_deref(),
+            Some("extra=1\n")
+        );
         let mode = std::os::unix::fs::PermissionsExt::mode(
-            &std::fs::metadata(a.root.join("etc/kubernetes/registry-auth")).unwrap().permissions(),
+            &std::fs::metadata(a.root.join("etc/kubernetes/registry-auth"))
+                .unwrap()
+                .permissions(),
         );
         assert_eq!(mode & 0o777, 0o600);
         let flags = read(a, "/var/lib/kubelet/kubeadm-flags.env").unwrap();
         assert!(flags.contains("--max-pods=150"), "{flags}");
-        assert!(flags.contains("--eviction-hard=nodefs.available<0%"), "{flags}");
+        assert!(
+            flags.contains("--eviction-hard=nodefs.available<0%"),
+            "{flags}"
+        );
     }
 
     // A second sequence with the same desired state: the same answers, no new plan, no change.
-    let states: Vec<_> = (0..3).map(|i| w.dir.path().join(format!("state-node-{i}"))).collect();
+    let states: Vec<_> = (0..3)
+        .map(|i| w.dir.path().join(format!("state-node-{i}")))
+        .collect();
     let before: Vec<usize> = states.iter().map(|s| count_accepted(s)).collect();
     assert_eq!(before, [1, 1, 1]);
     let trees: Vec<_> = w.agents.iter().map(|a| snapshot(&a.root)).collect();
@@ -122,8 +165,15 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
     let body = update_request(&machine, Some(&config), settings.clone());
     let seen = poll_update(&mut capi, &body, SCALE).await;
     assert_eq!(seen.last().unwrap()["retryAfterSeconds"], 0, "{seen:?}");
-    assert_eq!(read(&w.agents[0], "/etc/kubernetes/inplace-demo.conf").as_deref(), Some("mode=v3\n"));
-    assert_eq!(read(&w.agents[0], "/etc/kubernetes/extra.conf"), None, "pruned");
+    assert_eq!(
+        read(&w.agents[0], "/etc/kubernetes/inplace-demo.conf").as_deref(),
+        Some("mode=v3\n")
+    );
+    assert_eq!(
+        read(&w.agents[0], "/etc/kubernetes/extra.conf"),
+        None,
+        "pruned"
+    );
     let journal = std::fs::read_to_string(inplace_agent::journal::file_path(&states[0])).unwrap();
     assert!(journal.contains("pruneResolved") && journal.contains("/etc/kubernetes/extra.conf"));
 
@@ -134,10 +184,25 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
         assert!(path.split('/').count() >= 7, "a get by name: {path}");
     }
     // Bodies hold the bootstrap token and secret contents: neither is ever logged.
-    let logs = format!("{}\n{}", w.updater_log(), w.agents.iter().map(|a| a.proc.log()).collect::<Vec<_>>().join("\n"));
-    assert!(!logs.contains(BOOTSTRAP_TOKEN), "the bootstrap token was logged");
+    let logs = format!(
+        "{}\n{}",
+        w.updater_log(),
+        w.agents
+            .iter()
+            .map(|a| a.proc.log())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(
+        !logs.contains(BOOTSTRAP_TOKEN),
+        "the bootstrap token was logged"
+    );
     assert!(!logs.contains(SECRET_CONTENT), "a secret was logged");
-    assert!(w.updater_log().contains("body_sha256"), "{}", w.updater_log());
+    assert!(
+        w.updater_log().contains("body_sha256"),
+        "{}",
+        w.updater_log()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,8 +213,13 @@ async fn a_failing_gate_answers_failure_on_every_later_call_and_the_node_is_rest
     w.start_updater();
     let mut capi = w.client();
     let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2"});
-    let (machine, config) = w.put_machine("cp-0", 0, "v1.35.3", bootstrap_spec(json!([
-        {"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v9\n"}])));
+    let (machine, config) = w.put_machine(
+        "cp-0",
+        0,
+        "v1.35.3",
+        bootstrap_spec(json!([
+        {"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v9\n"}])),
+    );
     let body = update_request(&machine, Some(&config), settings);
     let seen = poll_update(&mut capi, &body, SCALE).await;
     let failure = seen.last().unwrap().clone();
@@ -157,8 +227,15 @@ async fn a_failing_gate_answers_failure_on_every_later_call_and_the_node_is_rest
     let message = failure["message"].as_str().unwrap().to_owned();
     assert!(message.contains("kubeletVersion"), "{message}");
     // Rolled back: the file is not there, the flags are as before.
-    assert_eq!(read(&w.agents[0], "/etc/kubernetes/inplace-demo.conf"), None);
-    assert!(!read(&w.agents[0], "/var/lib/kubelet/kubeadm-flags.env").unwrap().contains("max-pods"));
+    assert_eq!(
+        read(&w.agents[0], "/etc/kubernetes/inplace-demo.conf"),
+        None
+    );
+    assert!(
+        !read(&w.agents[0], "/var/lib/kubelet/kubeadm-flags.env")
+            .unwrap()
+            .contains("max-pods")
+    );
     // CAPI retries with backoff: every later call is the same Failure, nothing runs again.
     let state = w.dir.path().join("state-node-a");
     for _ in 0..3 {
@@ -180,33 +257,81 @@ async fn only_machines_being_updated_in_place_are_touched_and_unreachable_agents
     // The live Machine is not being updated (CAPI did not mark it): Failure, nothing starts.
     let path = object_path(&machine).unwrap();
     w.api.edit(&path, |m| {
-        m["metadata"]["annotations"].as_object_mut().unwrap().remove(PENDING_HOOKS_ANNOTATION);
+        m["metadata"]["annotations"]
+            .as_object_mut()
+            .unwrap()
+            .remove(PENDING_HOOKS_ANNOTATION);
     });
-    let r = capi.call(Hook::UpdateMachine, &update_request(&machine, Some(&config), settings.clone())).await.unwrap();
+    let r = capi
+        .call(
+            Hook::UpdateMachine,
+            &update_request(&machine, Some(&config), settings.clone()),
+        )
+        .await
+        .unwrap();
     assert_eq!(r.json()["status"], "Failure");
-    assert!(r.json()["message"].as_str().unwrap().contains("not being updated in place"), "{}", r.json());
+    assert!(
+        r.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("not being updated in place"),
+        "{}",
+        r.json()
+    );
     assert_eq!(count_accepted(&w.dir.path().join("state-node-b")), 0);
 
     // A forged request whose desired KubeadmConfig differs from the live one: refused.
     w.api.put(machine.clone());
     let mut forged = config.clone();
     forged["spec"]["files"] = json!([{"path": "/etc/kubernetes/evil", "content": "x"}]);
-    let r = capi.call(Hook::UpdateMachine, &update_request(&machine, Some(&forged), settings.clone())).await.unwrap();
+    let r = capi
+        .call(
+            Hook::UpdateMachine,
+            &update_request(&machine, Some(&forged), settings.clone()),
+        )
+        .await
+        .unwrap();
     assert_eq!(r.json()["status"], "Failure");
-    assert!(r.json()["message"].as_str().unwrap().contains("differs from the live KubeadmConfig"), "{}", r.json());
+    assert!(
+        r.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("differs from the live KubeadmConfig"),
+        "{}",
+        r.json()
+    );
     assert_eq!(count_accepted(&w.dir.path().join("state-node-b")), 0);
 
     // A Machine that does not exist.
     let mut ghost = machine.clone();
     ghost["metadata"]["name"] = json!("ghost");
-    let r = capi.call(Hook::UpdateMachine, &update_request(&ghost, None, settings.clone())).await.unwrap();
-    assert!(r.json()["message"].as_str().unwrap().contains("does not exist"), "{}", r.json());
+    let r = capi
+        .call(
+            Hook::UpdateMachine,
+            &update_request(&ghost, None, settings.clone()),
+        )
+        .await
+        .unwrap();
+    assert!(
+        r.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not exist"),
+        "{}",
+        r.json()
+    );
 
     // The agent cannot be reached (its address is one nothing listens on): in progress,
     // saying what it waits for, asked again in 15 s.
     machine["status"]["addresses"] = json!([{"type": "InternalIP", "address": "127.0.22.250"}]);
     w.api.put(machine.clone());
-    let r = capi.call(Hook::UpdateMachine, &update_request(&machine, Some(&config), settings.clone())).await.unwrap();
+    let r = capi
+        .call(
+            Hook::UpdateMachine,
+            &update_request(&machine, Some(&config), settings.clone()),
+        )
+        .await
+        .unwrap();
     let v = r.json();
     assert_eq!(v["status"], "Success", "{v}");
     assert_eq!(v["retryAfterSeconds"], 15);
@@ -214,13 +339,29 @@ async fn only_machines_being_updated_in_place_are_touched_and_unreachable_agents
 
     // CanUpdateMachine for that Machine: nothing is covered (a rollout is safe, a half-known
     // node is not).
-    let mut req = serde_json::from_slice::<Value>(&std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/updater/can-update-machine-request.json")).unwrap()).unwrap();
+    let mut req = serde_json::from_slice::<Value>(
+        &std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/updater/can-update-machine-request.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
     req["desired"]["machine"]["metadata"]["name"] = json!("w-0");
-    let r = capi.call(Hook::CanUpdateMachine, &go_json(&req)).await.unwrap();
+    let r = capi
+        .call(Hook::CanUpdateMachine, &go_json(&req))
+        .await
+        .unwrap();
     let v = r.json();
     assert_eq!(v["status"], "Success");
-    assert!(v.get("machinePatch").is_none() && v.get("bootstrapConfigPatch").is_none(), "{v}");
-    assert!(v["message"].as_str().unwrap().contains("unreachable"), "{v}");
+    assert!(
+        v.get("machinePatch").is_none() && v.get("bootstrapConfigPatch").is_none(),
+        "{v}"
+    );
+    assert!(
+        v["message"].as_str().unwrap().contains("unreachable"),
+        "{v}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -229,13 +370,26 @@ async fn can_update_machine_asks_the_nodes_agent() {
     w.add_agent("cp-node", "v1.35.2");
     w.start_updater();
     let mut capi = w.client();
-    let mut req = serde_json::from_slice::<Value>(&std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/updater/can-update-machine-request.json")).unwrap()).unwrap();
+    let mut req = serde_json::from_slice::<Value>(
+        &std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/updater/can-update-machine-request.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
     req["settings"]["agentPort"] = json!(w.agent_port.to_string());
-    let name = req["desired"]["machine"]["metadata"]["name"].as_str().unwrap().to_owned();
+    let name = req["desired"]["machine"]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let mut live = machine(&name, "v1.35.2", "cp-node", &w.agents[0].ip, true);
     live["spec"] = req["desired"]["machine"]["spec"].clone();
     w.api.put(live);
-    let r = capi.call(Hook::CanUpdateMachine, &go_json(&req)).await.unwrap();
+    let r = capi
+        .call(Hook::CanUpdateMachine, &go_json(&req))
+        .await
+        .unwrap();
     let v = r.json();
     // This agent has no package manager: the version cannot move in place; files and
     // kubelet flags can, so the bootstrap config is covered and the Machine is not.
@@ -243,7 +397,11 @@ async fn can_update_machine_asks_the_nodes_agent() {
     assert!(v.get("machinePatch").is_none(), "{v}");
     assert!(v["bootstrapConfigPatch"]["patch"].is_string(), "{v}");
     assert!(v["message"].as_str().unwrap().contains("version"), "{v}");
-    assert_eq!(count_accepted(&w.dir.path().join("state-cp-node")), 0, "CheckPlan records nothing");
+    assert_eq!(
+        count_accepted(&w.dir.path().join("state-cp-node")),
+        0,
+        "CheckPlan records nothing"
+    );
 }
 
 /// One agent on a sandboxed real systemd with the stand-in Kubernetes packages at 1.30
@@ -253,8 +411,12 @@ async fn can_update_machine_asks_the_nodes_agent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_on_real_systemd_moves_to_the_new_version_in_place() {
     use inplace_agent::host::packages::ManagerKind;
-    let Some(node) = sandbox::SandboxNode::boot() else { return };
-    if let Some(why) = inplace_agent::sandbox::packages::missing_tools(&node.path("/"), ManagerKind::Apt) {
+    let Some(node) = sandbox::SandboxNode::boot() else {
+        return;
+    };
+    if let Some(why) =
+        inplace_agent::sandbox::packages::missing_tools(&node.path("/"), ManagerKind::Apt)
+    {
         if std::env::var("CI").is_ok_and(|v| v == "true") {
             panic!("cannot build an apt repository with CI=true: {why}");
         }
@@ -262,7 +424,10 @@ async fn a_node_on_real_systemd_moves_to_the_new_version_in_place() {
         return;
     }
     let systemd = node
-        .install_kube_packages(ManagerKind::Apt, sandbox::Standin::Binary(&overlay::standin_for_packages()))
+        .install_kube_packages(
+            ManagerKind::Apt,
+            sandbox::Standin::Binary(&overlay::standin_for_packages()),
+        )
         .unwrap_or_else(|e| panic!("{e}"));
     let (old, new) = inplace_agent::sandbox::packages::versions(ManagerKind::Apt);
     let new_upstream = inplace_agent::sandbox::packages::upstream(new).to_owned();
@@ -276,25 +441,51 @@ async fn a_node_on_real_systemd_moves_to_the_new_version_in_place() {
     // here: no httpGet gate (unitActive and kubeletVersion remain).
     let settings = json!({"agentPort": w.agent_port.to_string(), "kubeletHealthzURL": "", "gateTimeoutSeconds": "60"});
     let version = format!("v{new_upstream}");
-    let (machine, config) = w.put_machine("sys-0", 0, &version, bootstrap_spec(json!([
-        {"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=systemd\n"}])));
+    let (machine, config) = w.put_machine(
+        "sys-0",
+        0,
+        &version,
+        bootstrap_spec(json!([
+        {"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=systemd\n"}])),
+    );
     let body = update_request(&machine, Some(&config), settings);
     let seen = poll_update(&mut capi, &body, SCALE).await;
     let last = seen.last().unwrap();
-    assert_eq!(last["status"], "Success", "{seen:?}\n{}\n{}", w.updater_log(), w.agents[0].proc.log());
+    assert_eq!(
+        last["status"],
+        "Success",
+        "{seen:?}\n{}\n{}",
+        w.updater_log(),
+        w.agents[0].proc.log()
+    );
     assert_eq!(last["retryAfterSeconds"], 0);
     for pkg in ["kubeadm", "kubelet", "kubectl"] {
-        let (v, held) = inplace_agent::sandbox::packages::installed(&root, ManagerKind::Apt, pkg).unwrap();
+        let (v, held) =
+            inplace_agent::sandbox::packages::installed(&root, ManagerKind::Apt, pkg).unwrap();
         assert_eq!(v, new, "{pkg} (was {old})");
         assert!(held, "{pkg} is held");
     }
-    assert_eq!(node.read_file("/etc/kubernetes/inplace-demo.conf"), "mode=systemd\n");
-    assert!(node.read_file("/var/lib/kubelet/kubeadm-flags.env").contains("--max-pods=150"));
+    assert_eq!(
+        node.read_file("/etc/kubernetes/inplace-demo.conf"),
+        "mode=systemd\n"
+    );
+    assert!(
+        node.read_file("/var/lib/kubelet/kubeadm-flags.env")
+            .contains("--max-pods=150")
+    );
     let state = w.dir.path().join("state-sys-node");
     let journal = std::fs::read_to_string(inplace_agent::journal::file_path(&state)).unwrap();
-    assert!(journal.contains("versionResolved") && journal.contains(&format!("\"version\":\"{new}\"")), "the exact version is journaled");
-    assert!(journal.contains("kubelet.service"), "the kubelet was restarted");
-    let state = systemd.unit_state("kubelet.service").expect("kubelet state");
+    assert!(
+        journal.contains("versionResolved") && journal.contains(&format!("\"version\":\"{new}\"")),
+        "the exact version is journaled"
+    );
+    assert!(
+        journal.contains("kubelet.service"),
+        "the kubelet was restarted"
+    );
+    let state = systemd
+        .unit_state("kubelet.service")
+        .expect("kubelet state");
     assert!(state.is_active(), "{state:?}");
     // Again: done at once.
     let seen = poll_update(&mut capi, &body, SCALE).await;
@@ -308,7 +499,9 @@ fn snapshot(root: &Path) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
         for e in entries.flatten() {
             let p = e.path();
             let rel = p.strip_prefix(root).unwrap().display().to_string();

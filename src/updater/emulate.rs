@@ -172,7 +172,8 @@ impl CapiClient {
         })
     }
 
-    async fn connect(&self) -> anyhow::Result<TlsStream<TcpStream>> {
+    /// A new TLS connection (for writing raw requests).
+    pub async fn connect(&self) -> anyhow::Result<TlsStream<TcpStream>> {
         let tcp = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(self.addr))
             .await
             .context("connect timed out")??;
@@ -187,15 +188,24 @@ impl CapiClient {
         Ok(tls)
     }
 
-    /// The negotiated TLS version and ALPN protocol of a fresh connection.
-    pub async fn handshake(&self) -> anyhow::Result<(String, Option<String>)> {
+    /// The negotiated TLS version, ALPN protocol and server certificate (DER) of a fresh
+    /// connection.
+    pub async fn handshake(&self) -> anyhow::Result<(String, Option<String>, Vec<u8>)> {
         let tls = self.connect().await?;
         let (_, session) = tls.get_ref();
         Ok((
-            format!("{:?}", session.protocol_version()),
+            session
+                .protocol_version()
+                .map(|v| format!("{v:?}"))
+                .unwrap_or_default(),
             session
                 .alpn_protocol()
                 .map(|p| String::from_utf8_lossy(p).into_owned()),
+            session
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .map(|c| c.to_vec())
+                .unwrap_or_default(),
         ))
     }
 

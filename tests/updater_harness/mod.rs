@@ -70,7 +70,10 @@ impl Proc {
                 let _ = child.kill();
                 let _ = child.wait();
                 std::thread::sleep(Duration::from_millis(100));
-                panic!("process did not get ready:\n{}", log.lock().unwrap().join("\n"));
+                panic!(
+                    "process did not get ready:\n{}",
+                    log.lock().unwrap().join("\n")
+                );
             }
         }
     }
@@ -154,13 +157,24 @@ impl World {
         std::fs::copy(KUBELET_STANDIN, bin.join("kubelet")).unwrap();
         std::fs::write(bin.join("kubelet.version"), format!("{kubelet_version}\n")).unwrap();
         let root = tree.path().to_path_buf();
-        let i = self.start_agent(node, &root, &["--no-chroot"], &[("INPLACE_AGENT_SERVICES", "off")]);
+        let i = self.start_agent(
+            node,
+            &root,
+            &["--no-chroot"],
+            &[("INPLACE_AGENT_SERVICES", "off")],
+        );
         self.agents[i]._tree = Some(tree);
         i
     }
 
     /// Starts `inplace-agent serve` for `node` on `root` with extra flags and environment.
-    pub fn start_agent(&mut self, node: &str, root: &Path, extra: &[&str], env: &[(&str, &str)]) -> usize {
+    pub fn start_agent(
+        &mut self,
+        node: &str,
+        root: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> usize {
         let ip = format!("127.0.{}.{}", self.subnet, self.agents.len() + 2);
         let server = self.pki.server(node, &[node, &ip]).unwrap();
         let state = self.dir.path().join(format!("state-{node}"));
@@ -244,7 +258,13 @@ impl World {
 
     /// Puts the Machine `name` (for agent `i`) and its KubeadmConfig into the stand-in,
     /// marked as being updated in place.
-    pub fn put_machine(&self, name: &str, agent: usize, version: &str, bootstrap_spec: Value) -> (Value, Value) {
+    pub fn put_machine(
+        &self,
+        name: &str,
+        agent: usize,
+        version: &str,
+        bootstrap_spec: Value,
+    ) -> (Value, Value) {
         let a = &self.agents[agent];
         let machine = machine(name, version, &a.node, &a.ip, true);
         let config = kubeadm_config(name, bootstrap_spec);
@@ -371,7 +391,10 @@ pub async fn poll_update(client: &mut CapiClient, body: &[u8], scale: f64) -> Ve
         if v["status"] != "Success" || retry == 0 {
             return seen;
         }
-        assert!(Instant::now() < deadline, "UpdateMachine never finished: {seen:?}");
+        assert!(
+            Instant::now() < deadline,
+            "UpdateMachine never finished: {seen:?}"
+        );
         tokio::time::sleep(Duration::from_secs_f64(retry as f64 * scale)).await;
     }
 }
