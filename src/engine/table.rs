@@ -971,6 +971,51 @@ mod tests {
     }
 
     #[test]
+    fn managed_set_members_follow_finished_plans_and_survive_compaction() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\noptions: {prune: {set: s}}\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n  - file: {path: /etc/kubernetes/b, content: y}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        table.apply(entry(1, 1, accepted(&plan)));
+        assert!(table.set_members("s").is_empty());
+        table.apply(entry(
+            2,
+            2,
+            Record::PruneResolved {
+                run: 1,
+                paths: vec!["/etc/kubernetes/old".into()],
+            },
+        ));
+        let status = table.by_run(1).unwrap();
+        assert_eq!(status.changes.len(), 3, "the removal is the third change");
+        assert_eq!(status.changes[2].kind, crate::plan::ChangeKind::Absent);
+        table.apply(entry(
+            3,
+            3,
+            Record::PlanFinished {
+                run: 1,
+                phase: Phase::Succeeded,
+                error: None,
+            },
+        ));
+        assert_eq!(
+            table.set_members("s"),
+            ["/etc/kubernetes/a", "/etc/kubernetes/b"]
+        );
+        // Compaction writes the members; a table built from its records knows them.
+        let records = table.summary_records();
+        assert!(matches!(&records[0], Record::SetMembers { set, .. } if set == "s"));
+        let mut compacted = Table::new(10);
+        for (i, r) in records.into_iter().enumerate() {
+            compacted.apply(entry(i as u64 + 1, 10, r));
+        }
+        assert_eq!(compacted.set_members("s"), table.set_members("s"));
+    }
+
+    #[test]
     fn a_reboot_asks_capi_to_come_back_later_until_the_node_is_back() {
         let plan = parse_plan(
             b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n  - reboot: {reason: kernel}\n",

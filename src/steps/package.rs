@@ -553,6 +553,28 @@ mod tests {
     }
 
     #[test]
+    fn a_pattern_resolves_to_the_highest_match_by_the_managers_order() {
+        let offered: Vec<String> = [
+            "1.31.2-1.1",
+            "1.31.2-1.10",
+            "1.31.2-1.2",
+            "1.31.3-1.1",
+            "1.30.9-1.1",
+        ]
+        .iter()
+        .map(|s| (*s).to_string())
+        .collect();
+        let deb = |a: &str, b: &str| {
+            crate::host::pkgversion::compare_deb(a, b).unwrap_or(std::cmp::Ordering::Equal)
+        };
+        assert_eq!(
+            highest_match(&offered, "1.31.2-", deb).as_deref(),
+            Some("1.31.2-1.10")
+        );
+        assert_eq!(highest_match(&offered, "1.32.0-", deb), None);
+    }
+
+    #[test]
     fn mutations_read_well() {
         let mut m = PackageMutation {
             manager: ManagerKind::Apt,
