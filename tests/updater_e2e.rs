@@ -520,3 +520,24 @@ fn snapshot(root: &Path) -> Vec<(String, String)> {
     out.sort();
     out
 }
+
+#[test]
+fn the_demo_drives_an_agent_through_emulated_capi_calls() {
+    let out = std::process::Command::new(UPDATER)
+        .args(["demo", "--agent", AGENT])
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    for want in [
+        "update-machine for UpdateMachine (failurePolicy Fail, 10 s)",
+        "replace /spec/template/spec/version",
+        "retryAfterSeconds=0",
+        "/etc/kubernetes/inplace-demo.conf: \"mode=v2\"",
+        "/etc/kubernetes/registry-auth: (absent)",
+        "UpdateMachine → Failure",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+    assert!(!text.contains("s3cr3t"), "{text}");
+}
