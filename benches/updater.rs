@@ -26,7 +26,9 @@ use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
 use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
 use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
 use inplace_agent::updater::emulate::{CapiClient, Pki};
-use inplace_agent::updater::hooks::{Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION};
+use inplace_agent::updater::hooks::{
+    Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION,
+};
 use inplace_agent::updater::standin::ApiStandin;
 use serde_json::{Value, json};
 
@@ -35,8 +37,13 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 const HOST: &str = "inplace-updater.inplace-system.svc";
 
 fn bin(name: &str, built: &str) -> PathBuf {
-    let var = format!("INPLACE_{}_BIN", name.to_ascii_uppercase().replace('-', "_"));
-    std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| PathBuf::from(built))
+    let var = format!(
+        "INPLACE_{}_BIN",
+        name.to_ascii_uppercase().replace('-', "_")
+    );
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(built))
 }
 
 struct Options {
@@ -130,28 +137,45 @@ fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Child, Erro
     let kubelet = root.join("usr/local/bin/kubelet");
     std::fs::create_dir_all(kubelet.parent().ok_or("no parent")?)?;
     std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;
-    std::fs::set_permissions(&kubelet, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    std::fs::set_permissions(
+        &kubelet,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
     let cert = pki.server(&node(i), &[&node(i), &ip(i)])?;
-    Ok(Command::new(bin("agent", env!("CARGO_BIN_EXE_inplace-agent")))
-        .args(["serve", "--config", "/dev/null", "--no-chroot", "--services", "off"])
-        .args(["--admin", DEFAULT_UPDATER_IDENTITY, "--reader", DEFAULT_UPDATER_IDENTITY])
-        .args(["--node-name", &node(i), "--listen"])
-        .arg(format!("{}:{port}", ip(i)))
-        .arg("--root")
-        .arg(&root)
-        .arg("--state-dir")
-        .arg(home.join("state"))
-        .arg("--tls-cert")
-        .arg(&cert.cert)
-        .arg("--tls-key")
-        .arg(&cert.key)
-        .arg("--client-ca")
-        .arg(pki.ca())
-        .env("INPLACE_AGENT_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?)
+    Ok(
+        Command::new(bin("agent", env!("CARGO_BIN_EXE_inplace-agent")))
+            .args([
+                "serve",
+                "--config",
+                "/dev/null",
+                "--no-chroot",
+                "--services",
+                "off",
+            ])
+            .args([
+                "--admin",
+                DEFAULT_UPDATER_IDENTITY,
+                "--reader",
+                DEFAULT_UPDATER_IDENTITY,
+            ])
+            .args(["--node-name", &node(i), "--listen"])
+            .arg(format!("{}:{port}", ip(i)))
+            .arg("--root")
+            .arg(&root)
+            .arg("--state-dir")
+            .arg(home.join("state"))
+            .arg("--tls-cert")
+            .arg(&cert.cert)
+            .arg("--tls-key")
+            .arg(&cert.key)
+            .arg("--client-ca")
+            .arg(pki.ca())
+            .env("INPLACE_AGENT_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    )
 }
 
 fn wait_listening(addr: &str, deadline: Instant) -> Result<(), Error> {
@@ -204,7 +228,12 @@ fn request(i: usize, port: u16) -> Vec<u8> {
 
 /// C callers, Machine i polled by caller i % C, until every Machine answered done; the
 /// latency of every call (ms), split in progress / done, and the time to converge.
-async fn converge(addr: SocketAddr, ca: &Path, bodies: Arc<Vec<Vec<u8>>>, callers: usize) -> Result<(Vec<f64>, Vec<f64>, Duration), Error> {
+async fn converge(
+    addr: SocketAddr,
+    ca: &Path,
+    bodies: Arc<Vec<Vec<u8>>>,
+    callers: usize,
+) -> Result<(Vec<f64>, Vec<f64>, Duration), Error> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..callers {
@@ -218,7 +247,10 @@ async fn converge(addr: SocketAddr, ca: &Path, bodies: Arc<Vec<Vec<u8>>>, caller
                 let mut still = Vec::new();
                 for i in pending {
                     let t = Instant::now();
-                    let r = client.call(Hook::UpdateMachine, &bodies[i]).await.map_err(|e| e.to_string())?;
+                    let r = client
+                        .call(Hook::UpdateMachine, &bodies[i])
+                        .await
+                        .map_err(|e| e.to_string())?;
                     let ms = t.elapsed().as_secs_f64() * 1e3;
                     let v = r.json();
                     if v["status"] != "Success" {
@@ -250,7 +282,13 @@ async fn converge(addr: SocketAddr, ca: &Path, bodies: Arc<Vec<Vec<u8>>>, caller
 }
 
 /// Every Machine once more per caller round, `rounds` times: the steady state (plan known).
-async fn steady(addr: SocketAddr, ca: &Path, bodies: Arc<Vec<Vec<u8>>>, callers: usize, rounds: usize) -> Result<Vec<f64>, Error> {
+async fn steady(
+    addr: SocketAddr,
+    ca: &Path,
+    bodies: Arc<Vec<Vec<u8>>>,
+    callers: usize,
+    rounds: usize,
+) -> Result<Vec<f64>, Error> {
     let mut tasks = Vec::new();
     for c in 0..callers {
         let (bodies, ca) = (bodies.clone(), ca.to_path_buf());
@@ -260,7 +298,10 @@ async fn steady(addr: SocketAddr, ca: &Path, bodies: Arc<Vec<Vec<u8>>>, callers:
             for _ in 0..rounds {
                 for i in (c..bodies.len()).step_by(callers) {
                     let t = Instant::now();
-                    let r = client.call(Hook::UpdateMachine, &bodies[i]).await.map_err(|e| e.to_string())?;
+                    let r = client
+                        .call(Hook::UpdateMachine, &bodies[i])
+                        .await
+                        .map_err(|e| e.to_string())?;
                     out.push(t.elapsed().as_secs_f64() * 1e3);
                     if r.json()["retryAfterSeconds"] != 0 {
                         return Err(format!("machine {i} not done: {}", r.json()));
@@ -278,11 +319,29 @@ async fn steady(addr: SocketAddr, ca: &Path, bodies: Arc<Vec<Vec<u8>>>, callers:
 }
 
 /// The baseline: the same callers calling each Machine's agent GetPlanStatus directly.
-async fn baseline(pki: &Pki, client: &inplace_agent::updater::emulate::CertFiles, agents: usize, port: u16, callers: usize, rounds: usize) -> Result<Vec<f64>, Error> {
-    let config = Arc::new(client_config(&ClientTlsPaths { ca: pki.ca(), cert: client.cert.clone(), key: client.key.clone() })?);
+async fn baseline(
+    pki: &Pki,
+    client: &inplace_agent::updater::emulate::CertFiles,
+    agents: usize,
+    port: u16,
+    callers: usize,
+    rounds: usize,
+) -> Result<Vec<f64>, Error> {
+    let config = Arc::new(client_config(&ClientTlsPaths {
+        ca: pki.ca(),
+        cert: client.cert.clone(),
+        key: client.key.clone(),
+    })?);
     let mut channels = Vec::new();
     for i in 0..agents {
-        channels.push(NodeAgentClient::new(connect(&format!("https://{}:{port}", ip(i)), Some(&node(i)), config.clone()).await?));
+        channels.push(NodeAgentClient::new(
+            connect(
+                &format!("https://{}:{port}", ip(i)),
+                Some(&node(i)),
+                config.clone(),
+            )
+            .await?,
+        ));
     }
     let channels = Arc::new(channels);
     let mut tasks = Vec::new();
@@ -294,7 +353,9 @@ async fn baseline(pki: &Pki, client: &inplace_agent::updater::emulate::CertFiles
                 for i in (c..channels.len()).step_by(callers) {
                     let mut ch = channels[i].clone();
                     let t = Instant::now();
-                    ch.get_plan_status(pb::GetPlanStatusRequest { id: String::new() }).await.map_err(|e| e.to_string())?;
+                    ch.get_plan_status(pb::GetPlanStatusRequest { id: String::new() })
+                        .await
+                        .map_err(|e| e.to_string())?;
                     out.push(t.elapsed().as_secs_f64() * 1e3);
                 }
             }
@@ -316,18 +377,31 @@ fn summary(name: &str, mut v: Vec<f64>) -> Value {
         "p99_ms": percentile(&v, 0.99),
         "max_ms": v.last().copied().unwrap_or(0.0),
     });
-    println!("{name}: {} calls, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms", v.len(), percentile(&v, 0.5), percentile(&v, 0.99), v.last().copied().unwrap_or(0.0));
+    println!(
+        "{name}: {} calls, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        v.len(),
+        percentile(&v, 0.5),
+        percentile(&v, 0.99),
+        v.last().copied().unwrap_or(0.0)
+    );
     s
 }
 
 fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn main() -> Result<(), Error> {
     let o = options()?;
     raise_nofile();
-    let work = tempfile::Builder::new().prefix("inplace-updater-bench-").tempdir()?;
+    let work = tempfile::Builder::new()
+        .prefix("inplace-updater-bench-")
+        .tempdir()?;
     let dir = work.path();
     let pki = Pki::new(&dir.join("pki"))?;
     let client_cert = pki.updater_client()?;
@@ -352,9 +426,16 @@ fn main() -> Result<(), Error> {
         }
         next += batch.len();
     }
-    println!("{} agents listening after {:.1} s", o.agents, started.elapsed().as_secs_f64());
+    println!(
+        "{} agents listening after {:.1} s",
+        o.agents,
+        started.elapsed().as_secs_f64()
+    );
 
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let result = runtime.block_on(async {
         let api = ApiStandin::start().await?;
         for i in 0..o.agents {

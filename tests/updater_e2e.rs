@@ -527,7 +527,11 @@ fn the_demo_drives_an_agent_through_emulated_capi_calls() {
         .args(["demo", "--agent", AGENT])
         .output()
         .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "{text}");
     for want in [
         "update-machine for UpdateMachine (failurePolicy Fail, 10 s)",

@@ -77,7 +77,9 @@ fn agent_binary(args: &DemoArgs) -> anyhow::Result<PathBuf> {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Starts `inplace-agent serve` on the sandbox; returns once it listens.
@@ -98,7 +100,11 @@ fn start_agent(bin: &Path, root: &Path, pki: &Pki, port: u16) -> anyhow::Result<
         .arg(&server.key)
         .arg("--client-ca")
         .arg(pki.ca())
-        .args(["--admin", crate::rpc::pki::DEFAULT_UPDATER_IDENTITY, "--no-chroot"])
+        .args([
+            "--admin",
+            crate::rpc::pki::DEFAULT_UPDATER_IDENTITY,
+            "--no-chroot",
+        ])
         .env("INPLACE_AGENT_SERVICES", "off")
         .env("INPLACE_AGENT_LOG", "info")
         .stdin(Stdio::null())
@@ -191,7 +197,10 @@ async fn poll(capi: &mut CapiClient, body: &[u8]) -> anyhow::Result<Value> {
         if v["status"] != "Success" || retry == 0 {
             return Ok(v);
         }
-        anyhow::ensure!(Instant::now() < deadline, "the update did not finish in 120 s");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the update did not finish in 120 s"
+        );
         tokio::time::sleep(Duration::from_millis(100 * retry as u64)).await;
     }
 }
@@ -223,7 +232,10 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let kubelet = root.join("usr/local/bin/kubelet");
     std::fs::create_dir_all(kubelet.parent().unwrap_or(&root))?;
     std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;
-    std::fs::set_permissions(&kubelet, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    std::fs::set_permissions(
+        &kubelet,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
     println!("sandbox: {}", dir.path().display());
 
     let pki = Pki::new(&dir.path().join("pki"))?;
@@ -232,7 +244,10 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let api = ApiStandin::start().await?;
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;
-    let serving = pki.server("updater", &["inplace-updater.inplace-system.svc", "127.0.0.1"])?;
+    let serving = pki.server(
+        "updater",
+        &["inplace-updater.inplace-system.svc", "127.0.0.1"],
+    )?;
     let client = pki.updater_client()?;
     let (updater, tls) = super::cli::build(
         &serving.cert,
@@ -267,7 +282,9 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         );
     }
 
-    step("the MachineDeployment controller asks CanUpdateMachineSet (new file content, version, kubelet flag)");
+    step(
+        "the MachineDeployment controller asks CanUpdateMachineSet (new file content, version, kubelet flag)",
+    );
     let files_v1 = json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v1\n"}]);
     let files_v2 = json!([
         {"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v2\n", "permissions": "0640"},
@@ -302,7 +319,11 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
             .operations();
             println!("   {key}:");
             for op in ops {
-                println!("     {} {}", op["op"].as_str().unwrap_or(""), op["path"].as_str().unwrap_or(""));
+                println!(
+                    "     {} {}",
+                    op["op"].as_str().unwrap_or(""),
+                    op["path"].as_str().unwrap_or("")
+                );
             }
         }
     }
@@ -319,10 +340,13 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     poll(&mut capi, &body).await?;
     show(&root, "/etc/kubernetes/inplace-demo.conf");
     show(&root, "/etc/kubernetes/registry-auth");
-    let flags = std::fs::read_to_string(root.join("var/lib/kubelet/kubeadm-flags.env")).unwrap_or_default();
+    let flags =
+        std::fs::read_to_string(root.join("var/lib/kubelet/kubeadm-flags.env")).unwrap_or_default();
     println!("   kubeadm-flags.env: {}", flags.trim_end());
 
-    step("CAPI calls again with the same desired state (a controller restart): done at once, nothing runs");
+    step(
+        "CAPI calls again with the same desired state (a controller restart): done at once, nothing runs",
+    );
     poll(&mut capi, &body).await?;
 
     step("a file is dropped from files[]: the agent removes it (managed set)");
@@ -351,6 +375,8 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         let kept = dir.keep();
         println!("\nsandbox kept: {}", kept.display());
     }
-    println!("\ndone: docs/updater.md explains what the updater covers in place and how to install it");
+    println!(
+        "\ndone: docs/updater.md explains what the updater covers in place and how to install it"
+    );
     Ok(())
 }

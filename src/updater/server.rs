@@ -11,7 +11,7 @@
 //! the body (it holds the bootstrap token).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -60,7 +60,7 @@ struct TlsState {
     checked: Instant,
 }
 
-fn stamp(paths: &[&PathBuf]) -> Vec<Option<(SystemTime, u64)>> {
+fn stamp(paths: &[&Path]) -> Vec<Option<(SystemTime, u64)>> {
     paths
         .iter()
         .map(|p| {
@@ -73,7 +73,7 @@ fn stamp(paths: &[&PathBuf]) -> Vec<Option<(SystemTime, u64)>> {
 
 /// A rustls server configuration for `cert`/`key`: TLS 1.2 and 1.3, `http/1.1`, no client
 /// certificate.
-pub fn server_config(cert: &PathBuf, key: &PathBuf) -> anyhow::Result<ServerConfig> {
+pub fn server_config(cert: &Path, key: &Path) -> anyhow::Result<ServerConfig> {
     let chain = load_certificates(cert)?;
     let key = load_private_key(key)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -91,7 +91,7 @@ impl ServingTls {
     /// Loads the certificate once (an error here stops the updater).
     pub fn new(cert: PathBuf, key: PathBuf, scraped: Arc<Scraped>) -> anyhow::Result<ServingTls> {
         let config = Arc::new(server_config(&cert, &key)?);
-        let stamp = stamp(&[&cert, &key]);
+        let stamp = stamp(&[cert.as_path(), key.as_path()]);
         Ok(ServingTls {
             cert,
             key,
@@ -109,7 +109,7 @@ impl ServingTls {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if state.checked.elapsed() >= RELOAD_CHECK {
             state.checked = Instant::now();
-            let now = stamp(&[&self.cert, &self.key]);
+            let now = stamp(&[self.cert.as_path(), self.key.as_path()]);
             if now != state.stamp {
                 match server_config(&self.cert, &self.key) {
                     Ok(config) => {
