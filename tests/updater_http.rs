@@ -340,3 +340,33 @@ async fn the_serving_certificate_is_reloaded_when_its_files_change() {
         "{metrics}"
     );
 }
+
+#[test]
+fn a_missing_certificate_stops_serve_with_the_file_named_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.crt");
+    let out = std::process::Command::new(UPDATER)
+        .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+        .arg(&missing)
+        .arg("--tls-key")
+        .arg(&missing)
+        .arg("--agent-ca")
+        .arg(&missing)
+        .arg("--agent-cert")
+        .arg(&missing)
+        .arg("--agent-key")
+        .arg(&missing)
+        .arg("--kubeconfig")
+        .arg(&missing)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().last().unwrap_or("");
+    assert!(line.contains(&missing.display().to_string()), "{err}");
+    assert_eq!(
+        line.matches("No such file or directory").count(),
+        1,
+        "{line}"
+    );
+}

@@ -129,7 +129,7 @@ pub fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("inplace-updater translate: {e:#}");
+                eprintln!("inplace-updater translate: {}", chain(&e));
                 ExitCode::from(2)
             }
         },
@@ -138,14 +138,30 @@ pub fn main() -> ExitCode {
             match run_serve(args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
-                    tracing::error!("{e:#}");
-                    eprintln!("inplace-updater serve: {e:#}");
+                    let e = chain(&e);
+                    tracing::error!("{e}");
+                    eprintln!("inplace-updater serve: {e}");
                     ExitCode::from(1)
                 }
             }
         }
         Command::Demo(args) => super::demo::run(&args),
     }
+}
+
+/// An error and its causes, each said once (errors here often repeat their source's text).
+pub fn chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
 }
 
 fn init_logging(format: LogFormat) {

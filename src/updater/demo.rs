@@ -43,7 +43,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
     match runtime.block_on(demo(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("inplace-updater demo: {e:#}");
+            eprintln!("inplace-updater demo: {}", super::cli::chain(&e));
             ExitCode::from(1)
         }
     }
