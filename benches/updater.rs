@@ -459,7 +459,7 @@ fn main() -> Result<(), Error> {
             .arg(&client_cert.key)
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .env("INPLACE_UPDATER_LOG", "warn,inplace_agent::updater::server=info")
+            .env("INPLACE_UPDATER_LOG", "warn,inplace_agent::updater::cli=info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
