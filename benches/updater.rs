@@ -1,16 +1,18 @@
 //! The updater under CAPI's load: N agents (separate `inplace-agent serve` processes on
 //! sandbox trees, each on its own loopback address, all on one port), the Kubernetes API
 //! stand-in in this process, the real `inplace-updater serve` binary, and C concurrent
-//! callers that poll UpdateMachine for the N Machines exactly as CAPI's Machine controller
-//! calls (HTTPS, HTTP/1.1, no Content-Type) — closed loop, without waiting
-//! `retryAfterSeconds`, the harshest polling — until every Machine answered done.
+//! callers that call UpdateMachine for the N Machines exactly as CAPI's Machine controller
+//! does (HTTPS, HTTP/1.1, no Content-Type): first polling each Machine every
+//! `retryAfterSeconds` until done (CAPI's hook cache), then, with new plans, in a closed loop
+//! without waiting (the harshest polling: a throughput figure).
 //!
 //! ```text
 //! updater [--agents N] [--callers C] [--start-concurrency S] [--json FILE]
 //! ```
 //!
-//! Figures: UpdateMachine latency p50/p99/max while the fleet converges and once it has
-//! (the plan is known: GetPlanStatus only); time until all N converged; the updater's RSS
+//! Figures: UpdateMachine latency p50/p99/max polled as CAPI does, in the closed loop while
+//! the fleet converges and once it has (the plan is known: GetPlanStatus only); time until
+//! all N converged; the updater's RSS
 //! idle (before any call, after 3 s), after the load, and its peak (VmHWM). Baseline in the
 //! same run: the same callers calling the agents' GetPlanStatus directly over mutual TLS
 //! (what one UpdateMachine costs at least), so the updater's own overhead is a ratio.
@@ -281,6 +283,60 @@ async fn converge(
     Ok((progress, done, took))
 }
 
+/// As CAPI's Machine controller polls: C callers (its reconcile workers), Machine i with
+/// caller i % C, each Machine called again `retryAfterSeconds` after an in-progress answer
+/// (CAPI's hook cache) until done; every call timed, and the time until all converged.
+async fn converge_as_capi(
+    addr: SocketAddr,
+    ca: &Path,
+    bodies: Arc<Vec<Vec<u8>>>,
+    callers: usize,
+) -> Result<(Vec<f64>, Duration), Error> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..callers {
+        let (bodies, ca) = (bodies.clone(), ca.to_path_buf());
+        tasks.push(tokio::spawn(async move {
+            let mut client = CapiClient::new(addr, HOST, &ca).map_err(|e| e.to_string())?;
+            // (next call at, machine)
+            let mut queue: Vec<(Instant, usize)> = (c..bodies.len())
+                .step_by(callers)
+                .map(|i| (Instant::now(), i))
+                .collect();
+            let mut out = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(600);
+            while !queue.is_empty() {
+                queue.sort_by_key(|(at, _)| *at);
+                let (at, i) = queue.remove(0);
+                tokio::time::sleep_until(at.into()).await;
+                let t = Instant::now();
+                let r = client
+                    .call(Hook::UpdateMachine, &bodies[i])
+                    .await
+                    .map_err(|e| e.to_string())?;
+                out.push(t.elapsed().as_secs_f64() * 1e3);
+                let v = r.json();
+                if v["status"] != "Success" {
+                    return Err(format!("machine {i}: {v}"));
+                }
+                let retry = v["retryAfterSeconds"].as_u64().unwrap_or(0);
+                if retry > 0 {
+                    queue.push((Instant::now() + Duration::from_secs(retry), i));
+                }
+                if Instant::now() > deadline {
+                    return Err("not converged in 600 s".to_string());
+                }
+            }
+            Ok::<_, String>(out)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok((all, started.elapsed()))
+}
+
 /// Every Machine once more per caller round, `rounds` times: the steady state (plan known).
 async fn steady(
     addr: SocketAddr,
@@ -483,14 +539,29 @@ fn main() -> Result<(), Error> {
 
         let bodies = Arc::new((0..o.agents).map(|i| request(i, port)).collect::<Vec<_>>());
         let load_start = loadavg();
+        // First as CAPI polls (every retryAfterSeconds), then, with new plans (another
+        // file content), in a closed loop: the harshest polling.
+        let (capi_ms, capi_took) = converge_as_capi(addr, &pki.ca(), bodies.clone(), o.callers).await?;
+        println!("CAPI-like polling: all {} Machines converged in {:.2} s", o.agents, capi_took.as_secs_f64());
+        let capi_s = summary("UpdateMachine, polled as CAPI does (every retryAfterSeconds)", capi_ms);
+        for i in 0..o.agents {
+            let mut c = config(i);
+            c["spec"]["files"][0]["content"] = json!("mode=v3\n");
+            api.put(c);
+        }
+        let bodies = Arc::new((0..o.agents).map(|i| {
+            let mut v: Value = serde_json::from_slice(&request(i, port)).unwrap_or(Value::Null);
+            v["desired"]["bootstrapConfig"]["spec"]["files"][0]["content"] = json!("mode=v3\n");
+            serde_json::to_vec(&v).unwrap_or_default()
+        }).collect::<Vec<_>>());
         let (progress, done, took) = converge(addr, &pki.ca(), bodies.clone(), o.callers).await?;
-        println!("all {} Machines converged in {:.2} s ({} calls in progress, {} done)", o.agents, took.as_secs_f64(), progress.len(), done.len());
+        println!("closed loop: all {} Machines converged in {:.2} s ({} calls in progress, {} done)", o.agents, took.as_secs_f64(), progress.len(), done.len());
         let mut during = progress.clone();
         during.extend(done.iter().copied());
-        let during = summary("UpdateMachine while converging", during);
+        let during = summary("UpdateMachine, closed loop while converging", during);
         let rounds = 10;
         let steady_ms = steady(addr, &pki.ca(), bodies.clone(), o.callers, rounds).await?;
-        let steady_s = summary("UpdateMachine converged (plan known)", steady_ms.clone());
+        let steady_s = summary("UpdateMachine, closed loop, converged (plan known)", steady_ms.clone());
         let base = baseline(&pki, &client_cert, o.agents, port, o.callers, rounds).await?;
         let base_s = summary("baseline: GetPlanStatus direct to the agents", base.clone());
         let (after_rss, peak) = rss(pid);
@@ -500,7 +571,9 @@ fn main() -> Result<(), Error> {
         println!("load average at end: {}", loadavg());
         Ok(json!({
             "agents": o.agents, "callers": o.callers,
-            "converged_seconds": took.as_secs_f64(),
+            "capi_like_converged_seconds": capi_took.as_secs_f64(),
+            "update_machine_capi_like": capi_s,
+            "closed_loop_converged_seconds": took.as_secs_f64(),
             "update_machine_converging": during,
             "update_machine_converged": steady_s,
             "baseline_get_plan_status": base_s,

@@ -658,3 +658,28 @@ fn the_updater_never_reaches_into_the_agent() {
         dir.display()
     );
 }
+
+#[test]
+fn another_bootstrap_provider_rolls_out_instead_of_failing() {
+    let mut body = fixture("can-update-machineset-request.json");
+    for side in ["current", "desired"] {
+        body[side]["bootstrapConfigTemplate"]["kind"] = json!("RKE2ConfigTemplate");
+        body[side]["bootstrapConfigTemplate"]["apiVersion"] =
+            json!("bootstrap.cluster.x-k8s.io/v1beta1");
+    }
+    let req = HookRequest::parse(Hook::CanUpdateMachineSet, &body).unwrap();
+    let answer = can_update_machine_set(&req, &settings()).unwrap();
+    let v = answer.json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert!(
+        v.get("machineSetPatch").is_none() && v.get("bootstrapConfigTemplatePatch").is_none(),
+        "{v}"
+    );
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("RKE2ConfigTemplate"),
+        "{v}"
+    );
+}

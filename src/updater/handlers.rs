@@ -296,6 +296,13 @@ impl Updater {
             );
         }
         for b in [&current_b, &desired_b].into_iter().flatten() {
+            if b.kind() != "KubeadmConfig" {
+                return not_covered(format!(
+                    "{}.kind {:?}: this updater translates KubeadmConfig only; a rollout replaces the Machine",
+                    b.field,
+                    b.kind()
+                ));
+            }
             b.expect("KubeadmConfig", "bootstrap.cluster.x-k8s.io")?;
         }
         if current_b.is_some() != desired_b.is_some() {
@@ -606,7 +613,16 @@ pub fn can_update_machine_set(
     desired.expect("MachineSet", "cluster.x-k8s.io")?;
     let current_t = request.optional_object("current", "bootstrapConfigTemplate")?;
     let desired_t = request.optional_object("desired", "bootstrapConfigTemplate")?;
+    let mut foreign = None;
     for t in [&current_t, &desired_t].into_iter().flatten() {
+        if t.kind() != "KubeadmConfigTemplate" {
+            foreign = Some(format!(
+                "{}.kind {:?}: this updater translates KubeadmConfigTemplate only; a rollout replaces the Machines",
+                t.field,
+                t.kind()
+            ));
+            continue;
+        }
         t.expect("KubeadmConfigTemplate", "bootstrap.cluster.x-k8s.io")?;
     }
     let empty = |message: String| {
@@ -629,6 +645,9 @@ pub fn can_update_machine_set(
         return Ok(empty(
             "in-place updates are disabled (settings.disableInPlaceUpdates)".into(),
         ));
+    }
+    if let Some(message) = foreign {
+        return Ok(empty(message));
     }
     if current_t.is_some() != desired_t.is_some() {
         return Ok(empty(
