@@ -428,6 +428,7 @@ fn sandbox_host(root: PathBuf, state: &Path) -> std::sync::Arc<Host> {
     std::sync::Arc::new(
         Host::open(HostSettings {
             root,
+            allow: inplace_agent::plan::AllowList::default(),
             commands_in_root: false,
             boot_id_path: None,
             services: inplace_agent::host::ServiceSettings::Off,

@@ -113,9 +113,15 @@ impl SettingsInput {
                 dirs.push(path);
             }
         }
+        if dirs.is_empty() {
+            return Err(
+                "allow-list: replace_allow_list is set and no allow_paths are given, so \
+                        plans could change nothing; add [plans] allow_paths (--allow-path DIR)"
+                    .to_string(),
+            );
+        }
         let allow = AllowList::new(dirs);
         let mut engine = EngineConfig::new(state_dir);
-        engine.allow = allow.clone();
         engine.node_name = self.node_name;
         engine.capabilities = Capabilities {
             exec_allowed: self.allow_exec,
@@ -173,6 +179,7 @@ impl SettingsInput {
         Ok(Settings {
             host: HostSettings {
                 root,
+                allow: limits.allow.clone(),
                 commands_in_root: !self.no_chroot,
                 boot_id_path: self.boot_id_file,
                 services,

@@ -312,3 +312,118 @@ fn plans_for_another_node_are_refused() {
     );
     assert_eq!(node.snapshot(), before);
 }
+
+/// Rollback attempts every undo in reverse order and says exactly which could not be
+/// restored: a change whose file the gate replaced by a directory cannot be put back, and
+/// the changes before and after it are restored all the same.
+#[test]
+fn rollback_restores_every_change_it_can_and_names_the_one_it_cannot() {
+    let node = Node::new();
+    let dir = node.path("etc/kubernetes/ra");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("b.conf"), "b before\n").unwrap();
+    let before = node.snapshot_without_state();
+    let b = dir.join("b.conf");
+    let gate = format!("rm -f {b} && mkdir -p {b}/x && exit 1", b = b.display());
+    let plan = format!(
+        "{}changes:
+  - file: {{path: /etc/kubernetes/ra/a.conf, content: \"a\\n\"}}
+  - file: {{path: /etc/kubernetes/ra/b.conf, content: \"b after\\n\"}}
+  - file: {{path: /etc/kubernetes/ra/c.conf, content: \"c\\n\"}}
+  - kubeletConfig: {{mergePatch: {{maxPods: 42}}}}
+verify:
+  - command: {{argv: [\"sh\", \"-c\", {gate:?}], timeoutSeconds: 1, periodSeconds: 1}}
+",
+        header("ns/m@rollback-all")
+    );
+    let p = node.plan_file("p.yaml", &plan);
+    let out = node.agent(&[
+        "apply",
+        "--no-chroot",
+        "--output",
+        "json",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["phase"], "Failed", "{status}");
+    assert_eq!(status["error"]["kind"], "rollback_failed");
+    assert_eq!(
+        status["error"]["step"],
+        "changes[1] file /etc/kubernetes/ra/b.conf"
+    );
+    let detail = status["error"]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("could not restore 1 of 4 changed changes")
+            && detail.contains("changes[1] file /etc/kubernetes/ra/b.conf: ")
+            && detail.contains("is a directory"),
+        "{detail}"
+    );
+    let states: Vec<&str> = status["changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        states,
+        ["RolledBack", "RollbackFailed", "RolledBack", "RolledBack"]
+    );
+    assert_eq!(status["counts"]["rolledBack"], 3);
+    // Everything but b.conf (now the gate's directory) is as before.
+    let after = node.snapshot_without_state();
+    let diff = common::diff(&before, &after);
+    assert!(
+        diff.iter().all(|d| d.contains("etc/kubernetes/ra/b.conf")),
+        "{diff:?}"
+    );
+    assert!(!node.path("etc/kubernetes/ra/a.conf").exists());
+    assert!(!node.path("etc/kubernetes/ra/c.conf").exists());
+    let kinds: Vec<String> = journal(&node)
+        .iter()
+        .map(|r| r["type"].as_str().unwrap().to_string())
+        .filter(|t| t.starts_with("stepRoll"))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "stepRolledBack",
+            "stepRolledBack",
+            "stepRollbackFailed",
+            "stepRolledBack"
+        ]
+    );
+}
+
+/// The reproduction of a plan whose paths fight: `check` refuses it (it used to say it
+/// applies cleanly, and `apply` then failed half-way with "Not a directory" and left the
+/// first changes applied).
+#[test]
+fn a_plan_whose_paths_fight_is_refused_before_anything_changes() {
+    let node = Node::new();
+    let plan = format!(
+        "{}changes:
+  - file: {{path: /etc/kubernetes/first.conf, content: \"1\\n\"}}
+  - file: {{path: /etc/kubernetes/d, content: \"d\\n\"}}
+  - file: {{path: /etc/kubernetes/d/y.conf, content: \"y\\n\"}}
+",
+        header("ns/m@fight")
+    );
+    let p = node.plan_file("p.yaml", &plan);
+    let before = node.snapshot();
+    for cmd in ["check", "apply"] {
+        let out = node.agent(&[cmd, p.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2), "{cmd}: {}", text(&out));
+        assert!(
+            text(&out).contains(
+                "changes[2].file.path: /etc/kubernetes/d/y.conf is below /etc/kubernetes/d"
+            ),
+            "{cmd}: {}",
+            text(&out)
+        );
+    }
+    assert_eq!(
+        common::diff(&before, &node.snapshot()),
+        Vec::<String>::new()
+    );
+}

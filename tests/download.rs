@@ -999,3 +999,96 @@ fn a_replaced_binary_is_restored_byte_for_byte_on_rollback() {
     );
     assert_eq!(mode_of(&target), 0o700);
 }
+
+/// A symlink planted after admission, while the plan downloads (the reproduction: file
+/// `/etc/kubernetes/a.conf`, an artifact whose download is held open, file
+/// `/etc/kubernetes/L/pwned`; `ln -s /root <root>/etc/kubernetes/L` during the download):
+/// the write through it fails when it happens, nothing appears outside the allow-list, and
+/// the plan rolls back naming the symlink.
+#[test]
+fn a_symlink_planted_during_the_download_leads_no_write_outside_the_allow_list() {
+    let body = artifact(4096);
+    let release = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+    let gate = release.clone();
+    let b = body.clone();
+    let env = PlanEnv::new(Arc::new(move |path, _| {
+        if path == "/held" {
+            let (lock, cv) = &*gate;
+            let mut open = lock.lock().unwrap();
+            while !*open {
+                open = cv.wait(open).unwrap();
+            }
+        }
+        ok(&b)
+    }));
+    std::fs::create_dir_all(env.node.path("/root")).unwrap();
+    let plan = artifact_plan(
+        "s/1",
+        &format!(
+            "  - file: {{path: /etc/kubernetes/a.conf, content: \"a\\n\"}}\n{}  - file: {{path: /etc/kubernetes/L/pwned, content: \"x\\n\"}}\n",
+            artifact_change(
+                &env.server.url("/held"),
+                &sha(&body),
+                "/usr/local/bin/tool",
+                ""
+            )
+        ),
+    );
+    let path = env.node.plan_file("1.yaml", &plan);
+    let child = std::process::Command::new(common::bin())
+        .args([
+            "apply",
+            "--no-progress",
+            "--no-chroot",
+            "-o",
+            "json",
+            "--download-ca",
+        ])
+        .arg(env.ca.path())
+        .arg("--root")
+        .arg(env.node.root())
+        .arg(&path)
+        .env("INPLACE_AGENT_SERVICES", "off")
+        .env("INPLACE_AGENT_LOG", "error")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while env.server.hits("/held") == 0 {
+        assert!(Instant::now() < deadline, "the download never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::os::unix::fs::symlink("/root", env.node.path("/etc/kubernetes/L")).unwrap();
+    {
+        let (lock, cv) = &*release;
+        *lock.lock().unwrap() = true;
+        cv.notify_all();
+    }
+    let out = child.wait_with_output().unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert_eq!(out.status.code(), Some(1), "{status:#}");
+    assert!(
+        !env.node.path("/root/pwned").exists(),
+        "written outside the allow-list"
+    );
+    assert_eq!(status["phase"], "RolledBack", "{status:#}");
+    assert_eq!(
+        status["error"]["step"],
+        "changes[2] file /etc/kubernetes/L/pwned"
+    );
+    let detail = status["error"]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("/etc/kubernetes/L is a symlink to /root")
+            && detail.contains("never follows symlinks below an allow-listed directory"),
+        "{detail}"
+    );
+    assert!(
+        !env.node.path("/etc/kubernetes/a.conf").exists(),
+        "rolled back"
+    );
+    assert!(
+        !env.node.path("/usr/local/bin/tool").exists(),
+        "rolled back"
+    );
+}

@@ -892,3 +892,44 @@ fn a_crash_around_a_restart_never_restarts_twice() {
         );
     }
 }
+
+/// A unit the plan restarts or gates on must exist (`kublet.service` used to pass `check`
+/// and end in `rollback_failed`): `check` names it, `apply` refuses the plan with exit 2 and
+/// changes nothing; a unit the plan itself creates is fine.
+#[test]
+fn a_unit_that_does_not_exist_is_named_by_check_and_refused_by_apply() {
+    let Some(node) = SandboxNode::boot() else {
+        return;
+    };
+    let work = Work::new();
+    let plan = work.plan(
+        "typo.yaml",
+        "typo@1",
+        "changes:
+  - file: {path: /etc/kubernetes/typo.conf, content: x, restartUnits: [kublet.service]}
+  - unit: {name: made-here.service, content: \"[Service]\\nExecStart=/bin/true\\n\"}
+verify:
+  - unitActive: {name: made-here.service, timeoutSeconds: 5}
+  - unitActive: {name: nosuch.service, timeoutSeconds: 5}
+",
+    );
+    let report = check(&node, &plan);
+    assert_eq!(report["applicable"], false, "{report:#}");
+    assert_eq!(report["changes"][0]["result"], "invalid", "{report:#}");
+    let detail = report["changes"][0]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("changes[0].file.restartUnits: kublet.service does not exist on this node"),
+        "{detail}"
+    );
+    assert_ne!(report["changes"][1]["result"], "invalid", "{report:#}");
+    let errors = report["errors"].to_string();
+    assert!(
+        errors.contains("verify[1].unitActive.name") && errors.contains("nosuch.service"),
+        "{errors}"
+    );
+    assert!(!errors.contains("made-here"), "{errors}");
+    let (code, _, out) = apply(&node, &plan, &[]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("kublet.service does not exist"), "{out}");
+    assert!(!node.root().join("etc/kubernetes/typo.conf").exists());
+}

@@ -124,6 +124,9 @@ pub fn describe(record: &Record) -> String {
             format!("changes[{index}] abandoned before it started")
         }
         Record::StepRolledBack { index, .. } => format!("changes[{index}] restored"),
+        Record::StepRollbackFailed { index, error, .. } => {
+            format!("changes[{index}] NOT restored: {}", error.detail)
+        }
         Record::DaemonReloaded { rollback, .. } => {
             format!(
                 "daemon-reload{}",

@@ -432,11 +432,12 @@ impl SnapshotView {
                 ChangeState::Unchanged => "unchanged",
                 ChangeState::Failed => "FAILED",
                 ChangeState::RolledBack => "rolled back",
+                ChangeState::RollbackFailed => "NOT RESTORED",
                 ChangeState::Skipped => "skipped",
                 ChangeState::Running | ChangeState::Pending => continue,
             };
             let detail = match c.state {
-                ChangeState::Failed => format!(": {}", c.message),
+                ChangeState::Failed | ChangeState::RollbackFailed => format!(": {}", c.message),
                 ChangeState::Changed if !c.message.is_empty() => format!(" ({})", c.message),
                 _ => String::new(),
             };

@@ -93,6 +93,7 @@ impl Renderer {
                         ChangeState::Unchanged => "unchanged",
                         ChangeState::Failed => "FAILED",
                         ChangeState::RolledBack => "rolled back",
+                        ChangeState::RollbackFailed => "NOT RESTORED",
                         ChangeState::Skipped => "skipped",
                         ChangeState::Running | ChangeState::Pending => return None,
                     };
@@ -100,7 +101,9 @@ impl Renderer {
                         return None;
                     }
                     let detail = match c.state {
-                        ChangeState::Failed => format!(": {}", c.message),
+                        ChangeState::Failed | ChangeState::RollbackFailed => {
+                            format!(": {}", c.message)
+                        }
                         ChangeState::Changed if !c.message.is_empty() => {
                             format!(" ({})", c.message)
                         }

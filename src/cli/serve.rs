@@ -186,6 +186,7 @@ impl Daemon {
     /// Opens the engine (replaying the journal; an unfinished plan resumes), starts its
     /// worker, binds the listener and starts serving. Must be called within a Tokio runtime.
     pub async fn start(settings: DaemonSettings) -> Result<Daemon, String> {
+        crate::host::memory::tune();
         let DaemonSettings {
             settings,
             node_name,

@@ -116,7 +116,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             format!("plan is for node {want:?}, this is node {node:?}"),
         ));
     }
-    let (prepared, field_errors) = match steps::preflight(host, plan, &config.allow) {
+    let (prepared, field_errors) = match steps::preflight(host, plan) {
         Ok(p) => (Some(p), Vec::new()),
         Err(errors) => (None, errors),
     };

@@ -24,7 +24,7 @@ use tokio::sync::broadcast;
 use crate::host::Host;
 use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
-use crate::plan::{AllowList, FieldError, InvalidPlan, Limits, Plan, validate_value};
+use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_value};
 use crate::steps::{self, Capabilities};
 use status::{Phase, PlanStatus, now_ms};
 use table::Table;
@@ -34,8 +34,6 @@ use table::Table;
 pub struct EngineConfig {
     /// Where the journal and backups live.
     pub state_dir: PathBuf,
-    /// Paths plans may write.
-    pub allow: AllowList,
     /// What this node can apply.
     pub capabilities: Capabilities,
     /// This node's name; plans naming another node are refused.
@@ -56,7 +54,6 @@ impl EngineConfig {
     pub fn new(state_dir: PathBuf) -> EngineConfig {
         EngineConfig {
             state_dir,
-            allow: AllowList::default(),
             capabilities: Capabilities {
                 exec_allowed: false,
                 kinds: Capabilities::implemented(),
@@ -295,7 +292,8 @@ impl Shared {
         let (change_index, check_index, restart) = match &record {
             Record::StepDone { index, .. }
             | Record::StepFailed { index, .. }
-            | Record::StepRolledBack { index, .. } => (Some(*index), None, None),
+            | Record::StepRolledBack { index, .. }
+            | Record::StepRollbackFailed { index, .. } => (Some(*index), None, None),
             Record::CheckDone { index, .. } => (None, Some(*index), None),
             other => (None, None, other.note()),
         };
@@ -714,7 +712,7 @@ pub fn admit(cfg: &EngineConfig, host: &Host, plan: &Plan) -> Result<steps::Prep
             reasons,
         });
     }
-    steps::preflight(host, plan, &cfg.allow).map_err(|errors| {
+    steps::preflight(host, plan).map_err(|errors| {
         SubmitError::Invalid(InvalidPlan {
             source: plan.id.clone(),
             errors,

@@ -784,6 +784,7 @@ impl Runner {
             end
         };
         let host = &self.shared.host;
+        let mut not_restored = Vec::new();
         for (index, preimages) in rs.preimages.iter().rev() {
             if rs.rolled_back.contains(index) {
                 continue;
@@ -814,33 +815,104 @@ impl Runner {
                 }
             }
             if let Some(e) = last_err {
-                let change = rs.plan.changes.get(*index as usize);
-                let step = change.map(|c| format!("changes[{index}] {} {}", c.kind(), c.target()));
-                let after = error
-                    .as_ref()
-                    .map(|e| format!(" (rolling back after: {e})"))
-                    .unwrap_or_default();
-                return self.finish(
-                    run,
-                    Phase::Failed,
-                    Some(ErrorInfo {
-                        kind: ErrorKind::RollbackFailed,
-                        step,
-                        detail: format!(
-                            "rollback could not restore this change: {e}; the node needs attention{after}"
-                        ),
-                    }),
-                );
+                // Go on: every earlier change is still undone, and each outcome recorded,
+                // so the node is left changed at exactly the changes that say so.
+                tracing::error!(error = %e, "change could not be rolled back");
+                self.record(
+                    Record::StepRollbackFailed {
+                        run,
+                        index: *index,
+                        error: ErrorInfo {
+                            kind: e.kind,
+                            step: rs
+                                .plan
+                                .changes
+                                .get(*index as usize)
+                                .map(|c| format!("changes[{index}] {} {}", c.kind(), c.target())),
+                            detail: e.detail.clone(),
+                        },
+                    },
+                    true,
+                )?;
+                not_restored.push(*index);
+                continue;
             }
             failpoint::hit("rollback.before_record");
             self.record(Record::StepRolledBack { run, index: *index }, false)?;
             tracing::info!("change rolled back");
+        }
+        if let Some(failure) = self.rollback_failure(run, &not_restored, &error) {
+            // The unit half still runs: what was restored must be live again.
+            let units = self.rollback_units(run, &error)?;
+            let failure = match units {
+                Err(units) => ErrorInfo {
+                    detail: format!("{}; also: {}", failure.detail, units.detail),
+                    ..failure
+                },
+                Ok(()) => failure,
+            };
+            return self.finish(run, Phase::Failed, Some(failure));
         }
         // Reload and undo the unit jobs, so the old configuration is live again.
         if let Err(failure) = self.rollback_units(run, &error)? {
             return self.finish(run, Phase::Failed, Some(failure));
         }
         self.finish(run, end, error)
+    }
+
+    /// The error of a rollback that left changes unrestored: which, and why each, from the
+    /// journal's fold (so a rollback resumed after a crash reports the same).
+    fn rollback_failure(
+        &self,
+        run: u64,
+        not_restored: &[u32],
+        error: &Option<ErrorInfo>,
+    ) -> Option<ErrorInfo> {
+        if not_restored.is_empty() {
+            return None;
+        }
+        let (_, rs, _) = self.state(run)?;
+        let status = {
+            let inner = self.shared.lock();
+            inner.table.by_run(run).cloned()
+        }?;
+        let total = rs.preimages.len();
+        let reasons: Vec<String> = not_restored
+            .iter()
+            .map(|i| {
+                let name = rs
+                    .plan
+                    .changes
+                    .get(*i as usize)
+                    .map(|c| format!("changes[{i}] {} {}", c.kind(), c.target()))
+                    .unwrap_or_else(|| format!("changes[{i}]"));
+                let why = status
+                    .changes
+                    .get(*i as usize)
+                    .map(|c| c.message.clone())
+                    .unwrap_or_default();
+                format!("{name}: {why}")
+            })
+            .collect();
+        let after = error
+            .as_ref()
+            .map(|e| format!(" (rolling back after: {e})"))
+            .unwrap_or_default();
+        let first = not_restored.iter().max().copied().unwrap_or_default();
+        Some(ErrorInfo {
+            kind: ErrorKind::RollbackFailed,
+            step: rs
+                .plan
+                .changes
+                .get(first as usize)
+                .map(|c| format!("changes[{first}] {} {}", c.kind(), c.target())),
+            detail: format!(
+                "rollback could not restore {} of {total} changed changes, the others were \
+                 restored; the node needs attention at: {}{after}",
+                not_restored.len(),
+                reasons.join("; ")
+            ),
+        })
     }
 
     fn maybe_compact(&self) {

@@ -98,6 +98,9 @@ pub enum ChangeState {
     Failed,
     /// Changed, then restored by rollback.
     RolledBack,
+    /// Changed, and rollback could not restore it (the message says why): the node needs
+    /// attention at exactly this change.
+    RollbackFailed,
     /// Not applied because the run ended first.
     Skipped,
 }

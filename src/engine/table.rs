@@ -25,6 +25,8 @@ pub struct RunState {
     pub done: BTreeSet<u32>,
     /// Changes restored by rollback.
     pub rolled_back: BTreeSet<u32>,
+    /// Changes rollback could not restore.
+    pub rollback_failed: BTreeSet<u32>,
     /// Gates that passed.
     pub checks_passed: BTreeSet<u32>,
     /// Unit jobs (restarts, starts, stops; forward and rollback), in journal order.
@@ -442,6 +444,7 @@ impl Table {
                 preimages: BTreeMap::new(),
                 done: BTreeSet::new(),
                 rolled_back: BTreeSet::new(),
+                rollback_failed: BTreeSet::new(),
                 checks_passed: BTreeSet::new(),
                 unit_jobs: Vec::new(),
                 reloaded: (false, false),
@@ -560,11 +563,24 @@ impl Table {
                 if rs.rolled_back.insert(index) {
                     status.counts.rolled_back += 1;
                 }
+                rs.rollback_failed.remove(&index);
                 if let Some(c) = status.changes.get_mut(index as usize) {
                     c.state = ChangeState::RolledBack;
                 }
                 if live {
                     status.progress.message = format!("rolled back {}", step_name(index, &rs.plan));
+                }
+                rs.last_ts = ts;
+            }
+            (Record::StepRollbackFailed { index, error, .. }, Some(rs)) => {
+                rs.rollback_failed.insert(index);
+                if let Some(c) = status.changes.get_mut(index as usize) {
+                    c.state = ChangeState::RollbackFailed;
+                    c.message = error.detail;
+                }
+                if live {
+                    status.progress.message =
+                        format!("could not roll back {}", step_name(index, &rs.plan));
                 }
                 rs.last_ts = ts;
             }

@@ -1,9 +1,17 @@
-//! Safe, durable file I/O under a root directory.
+//! Safe, durable file I/O under a root directory, confined to the allow-list.
 //!
-//! Every path is resolved with `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`, so a
-//! symlink on the node cannot lead outside the root; [`Root::check_path`] additionally
-//! refuses paths whose resolved location leaves the allow-list and final components that are
-//! symlinks. Writes are atomic and durable: temp file in the same directory (`O_EXCL`),
+//! **The allow-list holds at the moment of every access**, not only at admission: a path
+//! below an allow-listed directory is reached by opening that directory (resolved inside the
+//! root with `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`, its real location read back
+//! from `/proc/self/fd` and checked against the allow-list) and then resolving the rest
+//! beneath it with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`. A symlink planted below an
+//! allow-listed directory at any time — after admission, during a download, before a rollback
+//! — makes the access fail; it can never lead a write, rename, removal or directory creation
+//! elsewhere. Paths outside the allow-list can be read (accounts, os-release) but never
+//! changed; directories above an allow-listed one are created (and removed, when empty) only
+//! as the way to it. Final components are never followed.
+//!
+//! Writes are atomic and durable: temp file in the same directory (`O_EXCL`),
 //! fchown/fchmod, fsync, rename, fsync of the directory. A failed write removes its temp
 //! file; a crash can leave one, named `.<name>.inplace-tmp`, which [`Root::sweep_temp`]
 //! removes on resume.
@@ -19,20 +27,11 @@ use sha2::{Digest, Sha256};
 use crate::failpoint;
 use crate::plan::{AllowList, NodePath};
 
-/// Directories resolved by [`Root::check_path_in`], by node path.
+/// Parent directories resolved by [`Root::check_path_in`], by node path (`None`: it
+/// does not exist yet).
 #[derive(Debug, Default)]
 pub struct DirCache {
-    dirs: std::collections::HashMap<String, DirEntry>,
-}
-
-#[derive(Debug)]
-struct DirEntry {
-    /// Real node path of the deepest existing ancestor ("" for the root).
-    real: String,
-    /// How many ancestors (from the top) exist.
-    first_missing: usize,
-    /// The parent directory, opened, when it exists.
-    fd: Option<OwnedFd>,
+    dirs: std::collections::HashMap<String, Option<OwnedFd>>,
 }
 
 /// Permission bits and ownership of a file.
@@ -95,6 +94,42 @@ pub enum FsError {
         /// Where it really is.
         resolved: String,
     },
+    /// A symlink below an allow-listed directory, on the way to the path: never followed,
+    /// whenever it appeared (before admission or planted since).
+    #[error(
+        "{path}{}: {link} is a symlink to {target}, and the agent never follows symlinks below an allow-listed directory ({entry})",
+        resolved.as_ref().map(|r| format!(" resolves through a symlink to {r}")).unwrap_or_default()
+    )]
+    SymlinkBelow {
+        /// The node path accessed.
+        path: String,
+        /// The symlink on its way.
+        link: String,
+        /// Where the symlink points.
+        target: String,
+        /// Where the path would really lead, when that can be told.
+        resolved: Option<String>,
+        /// The allow-listed directory it is below.
+        entry: String,
+    },
+    /// A path outside the allow-list: never changed.
+    #[error("{path} is outside the allow-list ({allow}); the agent changes nothing there")]
+    NotAllowed {
+        /// The node path.
+        path: String,
+        /// The allow-list.
+        allow: String,
+    },
+    /// Something that is not a directory is on the way to the path.
+    #[error("{path}: {blocker} is a {kind}, not a directory")]
+    NotADirectory {
+        /// The node path accessed.
+        path: String,
+        /// What is in the way.
+        blocker: String,
+        /// What it is.
+        kind: &'static str,
+    },
     /// Something other than a regular file is in the way.
     #[error("{path} is a {kind}, not a regular file")]
     NotAFile {
@@ -128,7 +163,7 @@ fn rio(e: rustix::io::Errno) -> io::Error {
 }
 
 /// The root directory every node path is relative to (`/` on a node, `/host` in the
-/// DaemonSet, a sandbox in tests).
+/// DaemonSet, a sandbox in tests), with the allow-list every change is confined to.
 #[derive(Debug)]
 pub struct Root {
     dir: OwnedFd,
@@ -138,6 +173,7 @@ pub struct Root {
     /// mount namespace (`/proc/<pid>/root` of a sandboxed node), whose real name is a path
     /// in that namespace.
     real: PathBuf,
+    allow: AllowList,
 }
 
 /// What [`Root::open_existing`] found.
@@ -147,20 +183,44 @@ enum Opened {
     Other(&'static str),
 }
 
-const RESOLVE: ResolveFlags = ResolveFlags::IN_ROOT.union(ResolveFlags::NO_MAGICLINKS);
+/// How a node path is reached.
+enum Place<'a> {
+    /// Strictly below this allow-list entry: through the entry, then beneath it without
+    /// symlinks.
+    Beneath(&'a NodePath),
+    /// Outside every entry: read inside the root, never changed.
+    Outside,
+    /// The allow-list is [`AllowList::everything`]: anywhere inside the root.
+    Anywhere,
+}
+
+/// What the way to a directory looks like.
+enum DirState {
+    /// It exists and is open.
+    Open(OwnedFd),
+    /// It does not exist (and creating it would put it in an allow-listed place).
+    Missing,
+}
+
+/// Resolution inside the root: symlinks followed but never out of the root.
+const IN_ROOT: ResolveFlags = ResolveFlags::IN_ROOT.union(ResolveFlags::NO_MAGICLINKS);
+/// Resolution below an allow-listed directory: no symlink at all, never above it.
+const BENEATH: ResolveFlags = ResolveFlags::BENEATH
+    .union(ResolveFlags::NO_SYMLINKS)
+    .union(ResolveFlags::NO_MAGICLINKS);
+const DIR_FLAGS: OFlags = OFlags::RDONLY
+    .union(OFlags::DIRECTORY)
+    .union(OFlags::CLOEXEC);
 
 impl Root {
-    /// Opens the root directory. Its path is kept canonical when that names the same
-    /// directory, and as given (made absolute) otherwise: `/proc/<pid>/root` of a process in
-    /// another mount namespace canonicalizes to a path that only exists in that namespace.
-    pub fn open(path: &Path) -> io::Result<Root> {
+    /// Opens the root directory; every change through it is confined to `allow`. Its path
+    /// is kept canonical when that names the same directory, and as given (made absolute)
+    /// otherwise: `/proc/<pid>/root` of a process in another mount namespace canonicalizes
+    /// to a path that only exists in that namespace.
+    pub fn open(path: &Path, allow: AllowList) -> io::Result<Root> {
         let named = |e: &dyn std::fmt::Display| format!("root {}: {e}", path.display());
-        let dir = rustix::fs::open(
-            path,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            RMode::empty(),
-        )
-        .map_err(|e| io::Error::new(rio(e).kind(), named(&e)))?;
+        let dir = rustix::fs::open(path, DIR_FLAGS, RMode::empty())
+            .map_err(|e| io::Error::new(rio(e).kind(), named(&e)))?;
         use std::os::fd::AsRawFd;
         let real = std::fs::read_link(format!("/proc/self/fd/{}", dir.as_raw_fd()))
             .map_err(|e| io::Error::new(e.kind(), named(&e)))?;
@@ -172,12 +232,22 @@ impl Root {
             Ok(canonical) if same(&canonical) => canonical,
             _ => std::path::absolute(path).map_err(|e| io::Error::new(e.kind(), named(&e)))?,
         };
-        Ok(Root { dir, path, real })
+        Ok(Root {
+            dir,
+            path,
+            real,
+            allow,
+        })
     }
 
     /// The root's path on the agent's own filesystem.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The allow-list every change is confined to.
+    pub fn allow_list(&self) -> &AllowList {
+        &self.allow
     }
 
     /// True when the root is `/`.
@@ -191,17 +261,21 @@ impl Root {
         self.path.join(p.relative())
     }
 
-    /// Opens a directory of the node for `*at` calls.
-    fn open_dir(&self, dir: Option<&NodePath>) -> io::Result<OwnedFd> {
+    fn place(&self, p: &NodePath) -> Place<'_> {
+        if self.allow.is_everything() {
+            return Place::Anywhere;
+        }
+        match self.allow.entry_of(p) {
+            Some(entry) => Place::Beneath(entry),
+            None => Place::Outside,
+        }
+    }
+
+    /// Opens a directory of the node inside the root, following symlinks within it (for
+    /// reads outside the allow-list, and the way to an allow-listed directory).
+    fn open_in_root(&self, dir: Option<&NodePath>) -> io::Result<OwnedFd> {
         let rel = dir.map_or(".", NodePath::relative);
-        rustix::fs::openat2(
-            &self.dir,
-            rel,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            RMode::empty(),
-            RESOLVE,
-        )
-        .map_err(rio)
+        rustix::fs::openat2(&self.dir, rel, DIR_FLAGS, RMode::empty(), IN_ROOT).map_err(rio)
     }
 
     /// Where an open directory really is, as a node path, from `/proc/self/fd`.
@@ -216,51 +290,241 @@ impl Root {
             .to_string())
     }
 
-    /// Checks that `p` may be managed: the deepest existing directory on its way resolves
-    /// (through any symlinks, confined to the root) inside the allow-list, and the final
-    /// component is not a symlink.
-    pub fn check_path(&self, p: &NodePath, allow: &AllowList) -> Result<(), FsError> {
-        self.check_path_in(p, allow, &mut DirCache::default())
-            .map(|_| ())
+    /// The allow-listed directory `entry`, opened inside the root, with its real location
+    /// checked against the allow-list (it may itself be reached through a symlink, as long
+    /// as it really is an allow-listed place). `p` names the path being accessed.
+    fn open_entry(&self, entry: &NodePath, p: &NodePath) -> Result<DirState, FsError> {
+        match self.open_in_root(Some(entry)) {
+            Ok(fd) => {
+                let real = self.real_path_of(&fd).map_err(io_err("resolve", p))?;
+                self.check_real(entry, &real, p)?;
+                Ok(DirState::Open(fd))
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // Where it would be created: below the deepest existing ancestor.
+                let ancestors = entry.ancestors_from_top();
+                for (depth, dir) in ancestors.iter().enumerate().rev().skip(1) {
+                    match self.open_in_root(Some(dir)) {
+                        Ok(fd) => {
+                            if let Some(next) = ancestors.get(depth + 1)
+                                && let Ok(target) =
+                                    rustix::fs::readlinkat(&fd, next.file_name(), Vec::new())
+                            {
+                                // It exists but does not resolve: a dangling symlink.
+                                return Err(FsError::Symlink {
+                                    path: next.to_string(),
+                                    target: target.to_string_lossy().into_owned(),
+                                });
+                            }
+                            let real = self.real_path_of(&fd).map_err(io_err("resolve", p))?;
+                            let rest: Vec<&str> = ancestors[depth + 1..]
+                                .iter()
+                                .map(|a| a.file_name())
+                                .collect();
+                            let would_be = format!("{real}/{}", rest.join("/"));
+                            self.check_real(entry, &would_be, p)?;
+                            return Ok(DirState::Missing);
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                        Err(e) => return Err(io_err("open directory of", p)(e)),
+                    }
+                }
+                Ok(DirState::Missing)
+            }
+            Err(e) => Err(io_err("open directory of", p)(e)),
+        }
     }
 
-    /// [`Root::check_path`] for many paths: directories already resolved in `cache` are not
-    /// resolved again (a plan of 500 files in one directory opens it once). Also says what
-    /// is at `p` when it is neither absent nor a regular file (`Some("directory")`), from the
-    /// same `stat`.
+    /// Refuses an allow-listed directory whose real location is outside the allow-list.
+    fn check_real(&self, entry: &NodePath, real: &str, p: &NodePath) -> Result<(), FsError> {
+        let inside = NodePath::parse(real).is_ok_and(|r| self.allow.covers_dir(&r));
+        if inside {
+            return Ok(());
+        }
+        let rest = &p.as_str()[entry.as_str().len()..];
+        Err(FsError::Escapes {
+            path: p.to_string(),
+            resolved: format!("{real}{rest}"),
+        })
+    }
+
+    /// The directory `dir` (strictly below `entry`, or `entry` itself), resolved beneath
+    /// the open `entry_fd` with no symlink on the way. `Ok(None)` when it does not exist.
+    fn open_beneath(
+        &self,
+        entry: &NodePath,
+        entry_fd: &OwnedFd,
+        dir: &NodePath,
+        p: &NodePath,
+    ) -> Result<Option<OwnedFd>, FsError> {
+        let rel = relative_to(dir, entry);
+        if rel.is_empty() {
+            return rustix::fs::openat(entry_fd, ".", DIR_FLAGS, RMode::empty())
+                .map(Some)
+                .map_err(|e| io_err("open directory of", p)(rio(e)));
+        }
+        match rustix::fs::openat2(entry_fd, rel, DIR_FLAGS, RMode::empty(), BENEATH) {
+            Ok(fd) => Ok(Some(fd)),
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(rustix::io::Errno::LOOP | rustix::io::Errno::XDEV) => {
+                Err(self.symlink_below(entry, entry_fd, dir, p))
+            }
+            Err(rustix::io::Errno::NOTDIR) => Err(self.not_a_dir(entry, entry_fd, dir, p)),
+            Err(e) => Err(io_err("open directory of", p)(rio(e))),
+        }
+    }
+
+    /// The error for a symlink found below an allow-listed directory on the way to `p`:
+    /// names the link, its target, and where the path would really lead.
+    fn symlink_below(
+        &self,
+        entry: &NodePath,
+        entry_fd: &OwnedFd,
+        dir: &NodePath,
+        p: &NodePath,
+    ) -> FsError {
+        let mut cur = match rustix::fs::openat(entry_fd, ".", DIR_FLAGS, RMode::empty()) {
+            Ok(fd) => fd,
+            Err(e) => return io_err("open directory of", p)(rio(e)),
+        };
+        let mut at = entry.clone();
+        for name in relative_to(dir, entry).split('/') {
+            let Ok(next) = at.join(name) else { break };
+            if let Ok(target) = rustix::fs::readlinkat(&cur, name, Vec::new()) {
+                // Where it would lead, read without following anything by hand: the kernel
+                // resolves the whole path inside the root.
+                let resolved = p.parent().and_then(|d| {
+                    let fd = self.open_in_root(Some(&d)).ok()?;
+                    let real = self.real_path_of(&fd).ok()?;
+                    Some(format!("{real}/{}", p.file_name()))
+                });
+                return FsError::SymlinkBelow {
+                    path: p.to_string(),
+                    link: next.to_string(),
+                    target: target.to_string_lossy().into_owned(),
+                    resolved,
+                    entry: entry.to_string(),
+                };
+            }
+            match rustix::fs::openat(&cur, name, DIR_FLAGS | OFlags::NOFOLLOW, RMode::empty()) {
+                Ok(fd) => cur = fd,
+                Err(_) => break,
+            }
+            at = next;
+        }
+        io_err("open directory of", p)(io::Error::from_raw_os_error(libc_eloop()))
+    }
+
+    /// The error for a component on the way to `p` that is not a directory.
+    fn not_a_dir(
+        &self,
+        entry: &NodePath,
+        entry_fd: &OwnedFd,
+        dir: &NodePath,
+        p: &NodePath,
+    ) -> FsError {
+        let mut cur = match rustix::fs::openat(entry_fd, ".", DIR_FLAGS, RMode::empty()) {
+            Ok(fd) => fd,
+            Err(e) => return io_err("open directory of", p)(rio(e)),
+        };
+        let mut at = entry.clone();
+        for name in relative_to(dir, entry).split('/') {
+            let Ok(next) = at.join(name) else { break };
+            match rustix::fs::openat(&cur, name, DIR_FLAGS | OFlags::NOFOLLOW, RMode::empty()) {
+                Ok(fd) => cur = fd,
+                Err(_) => {
+                    let kind = rustix::fs::statat(&cur, name, AtFlags::SYMLINK_NOFOLLOW)
+                        .map(|st| type_name(rustix::fs::FileType::from_raw_mode(st.st_mode)))
+                        .unwrap_or("file");
+                    return FsError::NotADirectory {
+                        path: p.to_string(),
+                        blocker: next.to_string(),
+                        kind: if kind == "special file" {
+                            "regular file"
+                        } else {
+                            kind
+                        },
+                    };
+                }
+            }
+            at = next;
+        }
+        io_err("open directory of", p)(io::Error::from(rustix::io::Errno::NOTDIR))
+    }
+
+    /// The parent directory of `p`, opened the way every access to `p` must go: beneath its
+    /// allow-list entry without symlinks, or inside the root for a path outside the
+    /// allow-list (`change` refuses those). `Ok(None)` when it does not exist.
+    fn parent_of(&self, p: &NodePath, change: bool) -> Result<Option<OwnedFd>, FsError> {
+        match self.place(p) {
+            Place::Beneath(entry) => {
+                let DirState::Open(entry_fd) = self.open_entry(entry, p)? else {
+                    return Ok(None);
+                };
+                let parent = p.parent().unwrap_or_else(|| entry.clone());
+                self.open_beneath(entry, &entry_fd, &parent, p)
+            }
+            Place::Outside if change => Err(FsError::NotAllowed {
+                path: p.to_string(),
+                allow: self.allow.to_string(),
+            }),
+            Place::Outside | Place::Anywhere => match self.open_in_root(p.parent().as_ref()) {
+                Ok(fd) => Ok(Some(fd)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(io_err("open directory of", p)(e)),
+            },
+        }
+    }
+
+    /// The directory `dir` itself, opened as its contents would be reached (see
+    /// [`Root::parent_of`]); `Ok(None)` when it does not exist.
+    fn dir_for(&self, dir: &NodePath) -> Result<Option<OwnedFd>, FsError> {
+        match self.place(dir) {
+            Place::Beneath(entry) => {
+                let DirState::Open(entry_fd) = self.open_entry(entry, dir)? else {
+                    return Ok(None);
+                };
+                self.open_beneath(entry, &entry_fd, dir, dir)
+            }
+            Place::Outside | Place::Anywhere => match self.open_in_root(Some(dir)) {
+                Ok(fd) => Ok(Some(fd)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(io_err("open directory", dir)(e)),
+            },
+        }
+    }
+
+    /// Checks that `p` may be managed: its allow-list entry really is an allow-listed
+    /// place, nothing between that entry and `p` is a symlink or a non-directory, and `p`
+    /// itself is not a symlink — the same way every later access resolves it.
+    pub fn check_path(&self, p: &NodePath) -> Result<(), FsError> {
+        self.check_path_in(p, &mut DirCache::default()).map(|_| ())
+    }
+
+    /// [`Root::check_path`] for many paths: parent directories already resolved in `cache`
+    /// are not resolved again (a plan of 500 files in one directory opens it once). Also
+    /// says what is at `p` when it is neither absent nor a regular file (`Some("directory")`),
+    /// from the same `stat`.
     pub fn check_path_in(
         &self,
         p: &NodePath,
-        allow: &AllowList,
         cache: &mut DirCache,
     ) -> Result<Option<&'static str>, FsError> {
-        let parent = p.parent();
-        let key = parent.as_ref().map_or("", NodePath::as_str).to_string();
-        if !cache.dirs.contains_key(&key) {
-            let resolved = self.resolve_dir(p, parent.as_ref())?;
-            cache.dirs.insert(key.clone(), resolved);
-        }
-        let dir = &cache.dirs[&key];
-        let ancestors = parent.map(|d| d.ancestors_from_top()).unwrap_or_default();
-        let mut missing: Vec<&str> = vec![p.file_name()];
-        for a in ancestors.iter().skip(dir.first_missing).rev() {
-            missing.push(a.file_name());
-        }
-        missing.reverse();
-        let resolved = format!("{}/{}", dir.real, missing.join("/"));
-        let resolved_path = NodePath::parse(&resolved).map_err(|e| FsError::Io {
-            op: "resolve",
-            path: p.to_string(),
-            source: io::Error::other(e.to_string()),
-        })?;
-        if resolved_path != *p && !allow.allows(&resolved_path) {
-            return Err(FsError::Escapes {
+        if let Place::Outside = self.place(p) {
+            return Err(FsError::NotAllowed {
                 path: p.to_string(),
-                resolved,
+                allow: self.allow.to_string(),
             });
         }
+        let key = p.parent().map_or_else(String::new, |d| d.to_string());
+        if !cache.dirs.contains_key(&key) {
+            let fd = self.parent_of(p, true)?;
+            cache.dirs.insert(key.clone(), fd);
+        }
         // The parent exists: look at the final component without following it.
-        let Some(fd) = &dir.fd else { return Ok(None) };
+        let Some(fd) = &cache.dirs[&key] else {
+            return Ok(None);
+        };
         use rustix::fs::FileType as T;
         match rustix::fs::statat(fd, p.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => match T::from_raw_mode(st.st_mode) {
@@ -279,53 +543,6 @@ impl Root {
             Err(rustix::io::Errno::NOENT) => Ok(None),
             Err(e) => Err(io_err("stat", p)(rio(e))),
         }
-    }
-
-    /// Resolves the directory part of `p` (its `parent`): the real node path of the deepest
-    /// existing ancestor, how many ancestors exist, and the parent opened when it exists.
-    fn resolve_dir(&self, p: &NodePath, parent: Option<&NodePath>) -> Result<DirEntry, FsError> {
-        let ancestors: Vec<NodePath> = parent.map(|d| d.ancestors_from_top()).unwrap_or_default();
-        let mut existing: Option<(OwnedFd, usize)> = None;
-        for (depth, dir) in ancestors.iter().enumerate().rev() {
-            match self.open_dir(Some(dir)) {
-                Ok(fd) => {
-                    existing = Some((fd, depth));
-                    break;
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(io_err("open directory of", p)(e)),
-            }
-        }
-        let (real, first_missing, fd) = match existing {
-            Some((fd, depth)) => {
-                // The next component does not resolve; if it exists at all, it is a
-                // dangling symlink (often an absolute link meant for another root).
-                if let Some(next) = ancestors.get(depth + 1)
-                    && let Ok(target) = rustix::fs::readlinkat(&fd, next.file_name(), Vec::new())
-                {
-                    return Err(FsError::Symlink {
-                        path: next.to_string(),
-                        target: target.to_string_lossy().into_owned(),
-                    });
-                }
-                let real = self.real_path_of(&fd).map_err(io_err("resolve", p))?;
-                let whole = depth + 1 == ancestors.len();
-                (real, depth + 1, whole.then_some(fd))
-            }
-            None if parent.is_none() => {
-                // A path directly under the root.
-                let fd = self
-                    .open_dir(None)
-                    .map_err(io_err("open directory of", p))?;
-                (String::new(), 0, Some(fd))
-            }
-            None => (String::new(), 0, None),
-        };
-        Ok(DirEntry {
-            real,
-            first_missing,
-            fd,
-        })
     }
 
     /// Reads what is at `p` without following a final symlink.
@@ -357,10 +574,8 @@ impl Root {
 
     /// What is at `p`, opened when it is a regular file; a final symlink is an error.
     fn open_existing(&self, p: &NodePath) -> Result<Opened, FsError> {
-        let dir = match self.open_dir(p.parent().as_ref()) {
-            Ok(d) => d,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Opened::Absent),
-            Err(e) => return Err(io_err("open directory of", p)(e)),
+        let Some(dir) = self.parent_of(p, false)? else {
+            return Ok(Opened::Absent);
         };
         let st = match rustix::fs::statat(&dir, p.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
@@ -403,10 +618,8 @@ impl Root {
 
     /// Mode and owner of the regular file at `p`, without reading it; `None` when absent.
     pub fn meta(&self, p: &NodePath) -> Result<Option<(FileMeta, u64)>, FsError> {
-        let dir = match self.open_dir(p.parent().as_ref()) {
-            Ok(d) => d,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io_err("open directory of", p)(e)),
+        let Some(dir) = self.parent_of(p, false)? else {
+            return Ok(None);
         };
         match rustix::fs::statat(&dir, p.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => {
@@ -429,10 +642,9 @@ impl Root {
             return Ok(missing);
         };
         for dir in parent.ancestors_from_top().into_iter().rev() {
-            match self.open_dir(Some(&dir)) {
-                Ok(_) => break,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => missing.push(dir),
-                Err(e) => return Err(io_err("open directory", &dir)(e)),
+            match self.dir_for(&dir)? {
+                Some(_) => break,
+                None => missing.push(dir),
             }
         }
         missing.reverse();
@@ -440,17 +652,113 @@ impl Root {
     }
 
     /// Creates the missing directories above `p` (mode 0755, root-owned), each made
-    /// durable in its parent.
-    pub fn create_dirs(&self, p: &NodePath) -> Result<(), FsError> {
-        for dir in self.missing_dirs(p)? {
-            let parent = self
-                .open_dir(dir.parent().as_ref())
-                .map_err(io_err("open directory of", &dir))?;
-            match rustix::fs::mkdirat(&parent, dir.file_name(), RMode::from_raw_mode(0o755)) {
-                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                Err(e) => return Err(io_err("create directory", &dir)(rio(e))),
+    /// durable in its parent, and returns `p`'s parent opened. Below the allow-list entry
+    /// each directory is created in, and opened from, the one above it without following
+    /// anything; above it (the way to the entry), inside the root.
+    fn create_dirs(&self, p: &NodePath) -> Result<OwnedFd, FsError> {
+        let entry = match self.place(p) {
+            Place::Beneath(entry) => entry,
+            Place::Outside => {
+                return Err(FsError::NotAllowed {
+                    path: p.to_string(),
+                    allow: self.allow.to_string(),
+                });
             }
-            rustix::fs::fsync(&parent).map_err(|e| io_err("sync directory of", &dir)(rio(e)))?;
+            Place::Anywhere => {
+                let parent = p.parent();
+                self.create_in_root(p, parent.as_ref())?;
+                return self
+                    .open_in_root(parent.as_ref())
+                    .map_err(io_err("open directory of", p));
+            }
+        };
+        let entry_fd = match self.open_entry(entry, p)? {
+            DirState::Open(fd) => fd,
+            DirState::Missing => {
+                self.create_in_root(p, Some(entry))?;
+                match self.open_entry(entry, p)? {
+                    DirState::Open(fd) => fd,
+                    DirState::Missing => {
+                        return Err(io_err("create directory", entry)(io::Error::from(
+                            rustix::io::Errno::NOENT,
+                        )));
+                    }
+                }
+            }
+        };
+        let parent = p.parent().unwrap_or_else(|| entry.clone());
+        let mut cur = rustix::fs::openat(&entry_fd, ".", DIR_FLAGS, RMode::empty())
+            .map_err(|e| io_err("open directory of", p)(rio(e)))?;
+        let mut at = entry.clone();
+        let rel = relative_to(&parent, entry);
+        for name in rel.split('/').filter(|n| !n.is_empty()) {
+            let next = at.join(name).map_err(|e| FsError::Io {
+                op: "resolve",
+                path: p.to_string(),
+                source: io::Error::other(e.to_string()),
+            })?;
+            let flags = DIR_FLAGS | OFlags::NOFOLLOW;
+            cur = match rustix::fs::openat(&cur, name, flags, RMode::empty()) {
+                Ok(fd) => fd,
+                Err(rustix::io::Errno::NOENT) => {
+                    match rustix::fs::mkdirat(&cur, name, RMode::from_raw_mode(0o755)) {
+                        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                        Err(e) => return Err(io_err("create directory", &next)(rio(e))),
+                    }
+                    rustix::fs::fsync(&cur)
+                        .map_err(|e| io_err("sync directory of", &next)(rio(e)))?;
+                    rustix::fs::openat(&cur, name, flags, RMode::empty()).map_err(|e| match e {
+                        rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => {
+                            self.symlink_or_file(entry, &entry_fd, &next, p)
+                        }
+                        e => io_err("open directory", &next)(rio(e)),
+                    })?
+                }
+                Err(rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR) => {
+                    return Err(self.symlink_or_file(entry, &entry_fd, &next, p));
+                }
+                Err(e) => return Err(io_err("open directory", &next)(rio(e))),
+            };
+            at = next;
+        }
+        Ok(cur)
+    }
+
+    /// Why `dir` below `entry` cannot be used as a directory: a symlink or another file.
+    fn symlink_or_file(
+        &self,
+        entry: &NodePath,
+        entry_fd: &OwnedFd,
+        dir: &NodePath,
+        p: &NodePath,
+    ) -> FsError {
+        match self.symlink_below(entry, entry_fd, dir, p) {
+            e @ FsError::SymlinkBelow { .. } => e,
+            _ => self.not_a_dir(entry, entry_fd, dir, p),
+        }
+    }
+
+    /// Creates `dir` and the missing directories above it inside the root (the way to an
+    /// allow-listed directory, or anything under [`AllowList::everything`]).
+    fn create_in_root(&self, p: &NodePath, dir: Option<&NodePath>) -> Result<(), FsError> {
+        let Some(dir) = dir else { return Ok(()) };
+        let mut missing = Vec::new();
+        for d in dir.ancestors_from_top().into_iter().rev() {
+            match self.open_in_root(Some(&d)) {
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => missing.push(d),
+                Err(e) => return Err(io_err("open directory of", p)(e)),
+            }
+        }
+        for d in missing.iter().rev() {
+            let parent = self
+                .open_in_root(d.parent().as_ref())
+                .map_err(io_err("open directory of", d))?;
+            match rustix::fs::mkdirat(&parent, d.file_name(), RMode::from_raw_mode(0o755)) {
+                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                Err(e) => return Err(io_err("create directory", d)(rio(e))),
+            }
+            rustix::fs::fsync(&parent).map_err(|e| io_err("sync directory of", d)(rio(e)))?;
         }
         Ok(())
     }
@@ -463,10 +771,7 @@ impl Root {
         content: &[u8],
         meta: FileMeta,
     ) -> Result<(), FsError> {
-        self.create_dirs(p)?;
-        let dir = self
-            .open_dir(p.parent().as_ref())
-            .map_err(io_err("open directory of", p))?;
+        let dir = self.create_dirs(p)?;
         write_in_dir(&dir, p.file_name(), content, meta).map_err(|(op, e)| io_err(op, p)(e))
     }
 
@@ -480,19 +785,24 @@ impl Root {
         content: &mut dyn Read,
         meta: FileMeta,
     ) -> Result<u64, FsError> {
-        self.create_dirs(p)?;
-        let dir = self
-            .open_dir(p.parent().as_ref())
-            .map_err(io_err("open directory of", p))?;
+        let dir = self.create_dirs(p)?;
         write_in_dir_from(&dir, p.file_name(), content, meta).map_err(|(op, e)| io_err(op, p)(e))
+    }
+
+    /// The parent of `p` for a removal: `None` when `p` cannot exist (a directory on the
+    /// way is missing, or is not a directory at all).
+    fn parent_for_removal(&self, p: &NodePath) -> Result<Option<OwnedFd>, FsError> {
+        match self.parent_of(p, true) {
+            Ok(fd) => Ok(fd),
+            Err(FsError::NotADirectory { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Removes the file at `p`; false when it was already absent. Durable when it returns.
     pub fn remove(&self, p: &NodePath) -> Result<bool, FsError> {
-        let dir = match self.open_dir(p.parent().as_ref()) {
-            Ok(d) => d,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(io_err("open directory of", p)(e)),
+        let Some(dir) = self.parent_for_removal(p)? else {
+            return Ok(false);
         };
         match rustix::fs::unlinkat(&dir, p.file_name(), AtFlags::empty()) {
             Ok(()) => {}
@@ -503,12 +813,26 @@ impl Root {
         Ok(true)
     }
 
-    /// Removes the directory `p` if it exists and is empty; true when removed.
+    /// Removes the directory `p` if it exists and is empty; true when removed. Below an
+    /// allow-listed directory it is reached like any change; above one (a directory created
+    /// as the way to it) inside the root; anywhere else it is refused.
     pub fn remove_empty_dir(&self, p: &NodePath) -> Result<bool, FsError> {
-        let parent = match self.open_dir(p.parent().as_ref()) {
-            Ok(d) => d,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-            Err(e) => return Err(io_err("open directory of", p)(e)),
+        let parent = match self.place(p) {
+            Place::Beneath(_) => self.parent_for_removal(p)?,
+            Place::Outside if !self.allow.leads_to(p) => {
+                return Err(FsError::NotAllowed {
+                    path: p.to_string(),
+                    allow: self.allow.to_string(),
+                });
+            }
+            Place::Outside | Place::Anywhere => match self.open_in_root(p.parent().as_ref()) {
+                Ok(fd) => Some(fd),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+                Err(e) => return Err(io_err("open directory of", p)(e)),
+            },
+        };
+        let Some(parent) = parent else {
+            return Ok(false);
         };
         match rustix::fs::unlinkat(&parent, p.file_name(), AtFlags::REMOVEDIR) {
             Ok(()) => {
@@ -516,7 +840,10 @@ impl Root {
                 Ok(true)
             }
             Err(
-                rustix::io::Errno::NOENT | rustix::io::Errno::NOTEMPTY | rustix::io::Errno::EXIST,
+                rustix::io::Errno::NOENT
+                | rustix::io::Errno::NOTEMPTY
+                | rustix::io::Errno::EXIST
+                | rustix::io::Errno::NOTDIR,
             ) => Ok(false),
             Err(e) => Err(io_err("remove directory", p)(rio(e))),
         }
@@ -524,7 +851,7 @@ impl Root {
 
     /// Removes a temp file a crash may have left for `p`.
     pub fn sweep_temp(&self, p: &NodePath) -> Result<bool, FsError> {
-        let Ok(dir) = self.open_dir(p.parent().as_ref()) else {
+        let Some(dir) = self.parent_for_removal(p)? else {
             return Ok(false);
         };
         match rustix::fs::unlinkat(&dir, temp_name(p.file_name()), AtFlags::empty()) {
@@ -544,7 +871,7 @@ impl Root {
             p.relative(),
             OFlags::RDONLY | OFlags::CLOEXEC,
             RMode::empty(),
-            RESOLVE | ResolveFlags::NO_SYMLINKS,
+            IN_ROOT | ResolveFlags::NO_SYMLINKS,
         ) {
             Ok(fd) => fd,
             Err(rustix::io::Errno::NOENT) => return Ok(None),
@@ -564,7 +891,7 @@ impl Root {
             p.relative(),
             OFlags::WRONLY | OFlags::TRUNC | OFlags::CLOEXEC,
             RMode::empty(),
-            RESOLVE | ResolveFlags::NO_SYMLINKS,
+            IN_ROOT | ResolveFlags::NO_SYMLINKS,
         )
         .map_err(|e| io_err("open", p)(rio(e)))?;
         let mut f = File::from(fd);
@@ -573,8 +900,17 @@ impl Root {
 
     /// True when the node directory exists.
     pub fn dir_exists(&self, p: &NodePath) -> bool {
-        self.open_dir(Some(p)).is_ok()
+        self.dir_for(p).is_ok_and(|d| d.is_some())
     }
+}
+
+/// `dir` relative to `entry` (which it starts with): "" for the entry itself.
+fn relative_to<'a>(dir: &'a NodePath, entry: &NodePath) -> &'a str {
+    dir.as_str()[entry.as_str().len()..].trim_start_matches('/')
+}
+
+fn libc_eloop() -> i32 {
+    rustix::io::Errno::LOOP.raw_os_error()
 }
 
 fn type_name(t: rustix::fs::FileType) -> &'static str {
@@ -722,7 +1058,7 @@ mod tests {
     #[test]
     fn write_read_remove_round_trip() {
         let t = tempfile::tempdir().unwrap();
-        let root = Root::open(t.path()).unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
         let p = np("/etc/kubernetes/pki/x.conf");
         assert_eq!(root.read(&p).unwrap(), Existing::Absent);
         assert_eq!(
@@ -755,25 +1091,21 @@ mod tests {
         std::fs::create_dir_all(t.path().join("etc/kubernetes")).unwrap();
         std::os::unix::fs::symlink(outside.path(), t.path().join("etc/kubernetes/evil")).unwrap();
         std::os::unix::fs::symlink("/etc/shadow", t.path().join("etc/kubernetes/shadow")).unwrap();
-        let root = Root::open(t.path()).unwrap();
-        let allow = AllowList::default();
-        let err = root
-            .check_path(&np("/etc/kubernetes/evil/x"), &allow)
-            .unwrap_err();
-        assert!(matches!(err, FsError::Symlink { .. }), "{err}");
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
+        let err = root.check_path(&np("/etc/kubernetes/evil/x")).unwrap_err();
+        assert!(matches!(err, FsError::SymlinkBelow { .. }), "{err}");
         std::os::unix::fs::symlink("../../../../../../..", t.path().join("etc/kubernetes/up"))
             .unwrap();
         let err = root
-            .check_path(&np("/etc/kubernetes/up/etc/passwd"), &allow)
+            .check_path(&np("/etc/kubernetes/up/etc/passwd"))
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "/etc/kubernetes/up/etc/passwd resolves through a symlink to /etc/passwd, \
-             which is outside the allow-list"
+            "/etc/kubernetes/up/etc/passwd resolves through a symlink to /etc/passwd: \
+             /etc/kubernetes/up is a symlink to ../../../../../../.., and the agent never \
+             follows symlinks below an allow-listed directory (/etc/kubernetes)"
         );
-        let err = root
-            .check_path(&np("/etc/kubernetes/shadow"), &allow)
-            .unwrap_err();
+        let err = root.check_path(&np("/etc/kubernetes/shadow")).unwrap_err();
         assert_eq!(
             err.to_string(),
             "/etc/kubernetes/shadow is a symlink to /etc/shadow; refusing to follow it"
@@ -784,16 +1116,13 @@ mod tests {
                 .is_err()
         );
         assert!(std::fs::read_dir(outside.path()).unwrap().next().is_none());
-        assert!(
-            root.check_path(&np("/etc/kubernetes/new/dir/x"), &allow)
-                .is_ok()
-        );
+        assert!(root.check_path(&np("/etc/kubernetes/new/dir/x")).is_ok());
     }
 
     #[test]
     fn streamed_writes_are_atomic_and_a_failed_read_keeps_the_old_file() {
         let t = tempfile::tempdir().unwrap();
-        let root = Root::open(t.path()).unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
         let p = np("/usr/local/bin/kubelet");
         let big: Vec<u8> = (0..3 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
         let n = root.write_atomic_from(&p, &mut &big[..], me()).unwrap();
@@ -848,7 +1177,7 @@ mod tests {
     #[test]
     fn stale_temp_files_are_replaced_and_swept() {
         let t = tempfile::tempdir().unwrap();
-        let root = Root::open(t.path()).unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
         std::fs::create_dir_all(t.path().join("etc/kubernetes")).unwrap();
         std::fs::write(t.path().join("etc/kubernetes/.a.inplace-tmp"), "stale").unwrap();
         root.write_atomic(&np("/etc/kubernetes/a"), b"new", me())
@@ -857,5 +1186,121 @@ mod tests {
         std::fs::write(t.path().join("etc/kubernetes/.b.inplace-tmp"), "stale").unwrap();
         assert!(root.sweep_temp(&np("/etc/kubernetes/b")).unwrap());
         assert!(temp_name(&"x".repeat(250)).len() < 40);
+    }
+
+    /// The allow-list holds at the moment of each access: a symlink planted after a path was
+    /// checked (the admission) cannot lead a write, removal, directory creation or temp-file
+    /// sweep anywhere, whatever it points at.
+    #[test]
+    fn a_symlink_planted_after_the_check_leads_nothing_anywhere() {
+        let t = tempfile::tempdir().unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
+        std::fs::create_dir_all(t.path().join("etc/kubernetes")).unwrap();
+        std::fs::create_dir_all(t.path().join("root")).unwrap();
+        std::fs::write(t.path().join("root/keep"), "x").unwrap();
+        let p = np("/etc/kubernetes/L/pwned");
+        assert!(root.check_path(&p).is_ok(), "L does not exist yet");
+        // Planted afterwards: absolute (resolved inside the root), relative, and to a
+        // directory that is itself allow-listed.
+        for target in ["/root", "../../root", "/etc/kubernetes"] {
+            let link = t.path().join("etc/kubernetes/L");
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(target, &link).unwrap();
+            let err = root.write_atomic(&p, b"x", me()).unwrap_err();
+            assert!(
+                matches!(err, FsError::SymlinkBelow { .. }),
+                "{target}: {err}"
+            );
+            let err = root
+                .write_atomic(&np("/etc/kubernetes/L/a/b"), b"x", me())
+                .unwrap_err();
+            assert!(
+                matches!(err, FsError::SymlinkBelow { .. }),
+                "{target}: {err}"
+            );
+            assert!(root.remove(&np("/etc/kubernetes/L/keep")).is_err());
+            assert!(root.sweep_temp(&np("/etc/kubernetes/L/keep")).is_err());
+            assert!(root.read(&np("/etc/kubernetes/L/keep")).is_err());
+            assert!(root.check_path(&p).is_err());
+        }
+        let names: Vec<_> = std::fs::read_dir(t.path().join("root"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            names,
+            ["keep"],
+            "nothing written or removed outside the allow-list"
+        );
+        assert!(!t.path().join("etc/kubernetes/pwned").exists());
+    }
+
+    #[test]
+    fn an_allow_listed_directory_must_really_be_allow_listed() {
+        let t = tempfile::tempdir().unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
+        std::fs::create_dir_all(t.path().join("etc")).unwrap();
+        std::fs::create_dir_all(t.path().join("root")).unwrap();
+        // The allow-listed directory itself points elsewhere: refused.
+        std::os::unix::fs::symlink("/root", t.path().join("etc/kubernetes")).unwrap();
+        let err = root
+            .write_atomic(&np("/etc/kubernetes/x"), b"x", me())
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "/etc/kubernetes/x resolves through a symlink to /root/x, which is outside the \
+             allow-list"
+        );
+        assert!(!t.path().join("root/x").exists());
+        // ... to another allow-listed place: fine (the entry may be reached by a symlink).
+        std::fs::remove_file(t.path().join("etc/kubernetes")).unwrap();
+        std::fs::create_dir_all(t.path().join("etc/containerd/k8s")).unwrap();
+        std::os::unix::fs::symlink("containerd/k8s", t.path().join("etc/kubernetes")).unwrap();
+        root.write_atomic(&np("/etc/kubernetes/x"), b"x", me())
+            .unwrap();
+        assert!(t.path().join("etc/containerd/k8s/x").is_file());
+    }
+
+    #[test]
+    fn outside_the_allow_list_is_read_only_and_missing_entries_are_created() {
+        let t = tempfile::tempdir().unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
+        std::fs::create_dir_all(t.path().join("etc")).unwrap();
+        std::fs::write(t.path().join("etc/passwd"), "root:x:0:0::/:/bin/sh\n").unwrap();
+        assert!(matches!(
+            root.read(&np("/etc/passwd")).unwrap(),
+            Existing::File { .. }
+        ));
+        for err in [
+            root.write_atomic(&np("/etc/passwd"), b"x", me())
+                .unwrap_err(),
+            root.remove(&np("/etc/passwd")).unwrap_err(),
+            root.remove_empty_dir(&np("/etc/ssh")).unwrap_err(),
+        ] {
+            assert!(matches!(err, FsError::NotAllowed { .. }), "{err}");
+        }
+        // /opt/cni/bin does not exist: it and the way to it are created ...
+        let p = np("/opt/cni/bin/bridge");
+        assert_eq!(
+            root.missing_dirs(&p).unwrap(),
+            [np("/opt"), np("/opt/cni"), np("/opt/cni/bin")]
+        );
+        root.write_atomic(&p, b"elf", me()).unwrap();
+        // ... and, being the way to an allow-listed directory, removed again when empty.
+        assert!(root.remove(&p).unwrap());
+        for d in ["/opt/cni/bin", "/opt/cni", "/opt"] {
+            assert!(root.remove_empty_dir(&np(d)).unwrap(), "{d}");
+        }
+        // A file where a directory should be: nothing can be below it, so it is absent.
+        std::fs::create_dir_all(t.path().join("etc/kubernetes")).unwrap();
+        std::fs::write(t.path().join("etc/kubernetes/d"), "file").unwrap();
+        assert!(!root.remove(&np("/etc/kubernetes/d/y.conf")).unwrap());
+        let err = root
+            .write_atomic(&np("/etc/kubernetes/d/y.conf"), b"x", me())
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "/etc/kubernetes/d/y.conf: /etc/kubernetes/d is a regular file, not a directory"
+        );
     }
 }

@@ -8,6 +8,7 @@ pub mod download;
 pub mod fs;
 pub mod http;
 pub mod locks;
+pub mod memory;
 pub mod node;
 pub mod packages;
 pub mod pkgversion;
@@ -29,6 +30,8 @@ use systemd::{
 pub struct HostSettings {
     /// The node's root directory (`/`, `/host`, or a sandbox).
     pub root: PathBuf,
+    /// The directories plans may change, enforced at every file access (`fs`).
+    pub allow: crate::plan::AllowList,
     /// Run node commands (verification, package managers) inside the root with chroot when
     /// the root is not `/`.
     pub commands_in_root: bool,
@@ -88,7 +91,7 @@ impl Host {
     /// Opens the node's root. With [`ServiceSettings::Systemd`] the service manager is ready
     /// to connect; it connects at its first use (and again after a lost connection).
     pub fn open(settings: HostSettings) -> io::Result<Host> {
-        let root = fs::Root::open(&settings.root)?;
+        let root = fs::Root::open(&settings.root, settings.allow.clone())?;
         let services: Option<Arc<dyn ServiceManager>> = match &settings.services {
             ServiceSettings::Systemd { bus } => Some(Arc::new(systemd::SystemdServices::new(
                 bus.clone(),

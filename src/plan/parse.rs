@@ -130,8 +130,10 @@ pub fn validate_value(v: &Value, source: &str, limits: &Limits) -> Result<Plan, 
         errors: Vec::new(),
         limits,
         claims: HashMap::new(),
+        paths: BTreeMap::new(),
     };
     let plan = cx.plan(v);
+    cx.nested_paths();
     match plan {
         Some(plan) if cx.errors.is_empty() => Ok(plan),
         _ => {
@@ -152,6 +154,8 @@ struct Cx<'l> {
     limits: &'l Limits,
     /// "file:/etc/x" → the change index that manages it (duplicates are errors).
     claims: HashMap<String, usize>,
+    /// The node paths claimed, with the change and the field that claimed them.
+    paths: BTreeMap<String, (usize, String)>,
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -362,7 +366,41 @@ impl Cx<'_> {
             let msg = format!("{what} is also managed by changes[{first}]");
             self.err(field, msg);
         } else {
+            if let Some(path) = resource.strip_prefix("path:") {
+                self.paths
+                    .insert(path.to_string(), (index, field.to_string()));
+            }
             self.claims.insert(resource, index);
+        }
+    }
+
+    /// A path claimed below another claimed path: one change needs the upper one as a file,
+    /// the other as a directory, so applying fails half-way ("Not a directory"). Refused
+    /// with the plan, before anything is touched.
+    fn nested_paths(&mut self) {
+        let mut found = Vec::new();
+        for (path, (_, field)) in &self.paths {
+            let Ok(p) = NodePath::parse(path) else {
+                continue;
+            };
+            let upper = p
+                .ancestors_from_top()
+                .into_iter()
+                .rev()
+                .skip(1)
+                .find_map(|a| self.paths.get(a.as_str()).map(|v| (a, v.0)));
+            if let Some((upper, first)) = upper {
+                found.push((
+                    field.clone(),
+                    format!(
+                        "{path} is below {upper}, which changes[{first}] manages as a file; a path \
+                         cannot be both a file and a directory"
+                    ),
+                ));
+            }
+        }
+        for (field, message) in found {
+            self.err(field, message);
         }
     }
 
@@ -917,6 +955,15 @@ impl Cx<'_> {
                 self.err(join(path, "key"), e);
             } else {
                 self.claim(&join(path, "key"), format!("sysctl:{k}"), k, index);
+                // The file that persists it, which another change must not write.
+                if let Ok(conf) = super::sysctl_conf_path(k) {
+                    self.claim(
+                        &join(path, "key"),
+                        format!("path:{conf}"),
+                        conf.as_str(),
+                        index,
+                    );
+                }
             }
         }
         let value = match m.get("value") {
@@ -1619,6 +1666,41 @@ mod tests {
                 "changes[2]: unknown change kind \"fiel\" (did you mean \"file\"?); expected one of: \
                  file, absent, kubeletConfig, kubeletFlags, sysctl, package, artifact, unit, \
                  kubeadmUpgradeNode, reboot, exec",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_path_below_another_changes_file_is_refused() {
+        let errs = errors(&format!(
+            "{HEAD}changes:\n\
+             - file: {{path: /etc/kubernetes/first.conf, content: a}}\n\
+             - file: {{path: /etc/kubernetes/d, content: b}}\n\
+             - file: {{path: /etc/kubernetes/d/y.conf, content: c}}\n\
+             - file: {{path: /etc/kubernetes/d.conf, content: c}}\n\
+             - file: {{path: /etc/kubernetes/d-1/x, content: c}}\n"
+        ));
+        assert_eq!(
+            errs,
+            [
+                "changes[2].file.path: /etc/kubernetes/d/y.conf is below /etc/kubernetes/d, which \
+              changes[1] manages as a file; a path cannot be both a file and a directory"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_sysctl_and_a_file_of_its_conf_file_are_refused() {
+        let errs = errors(&format!(
+            "{HEAD}changes:\n\
+             - sysctl: {{key: net.ipv4.ip_forward, value: \"1\"}}\n\
+             - file: {{path: /etc/sysctl.d/90-inplace-agent-net.ipv4.ip_forward.conf, content: x}}\n"
+        ));
+        assert_eq!(
+            errs,
+            [
+                "changes[1].file.path: /etc/sysctl.d/90-inplace-agent-net.ipv4.ip_forward.conf is \
+              also managed by changes[0]"
             ]
         );
     }

@@ -128,10 +128,14 @@ impl<'de> serde::Deserialize<'de> for NodePath {
 
 /// Directories under which plans may write; everything else is refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AllowList(Vec<NodePath>);
+pub struct AllowList {
+    dirs: Vec<NodePath>,
+    /// Every path is allowed ([`AllowList::everything`]); an empty `dirs` alone allows nothing.
+    everything: bool,
+}
 
 impl AllowList {
-    /// The defaults of DESIGN §3.
+    /// The defaults of the agent's configuration.
     pub const DEFAULTS: [&'static str; 9] = [
         "/etc/kubernetes",
         "/var/lib/kubelet",
@@ -144,31 +148,62 @@ impl AllowList {
         "/etc/modules-load.d",
     ];
 
-    /// An allow-list of these directories.
+    /// An allow-list of these directories (none: nothing is allowed).
     pub fn new(dirs: Vec<NodePath>) -> AllowList {
-        AllowList(dirs)
+        AllowList {
+            dirs,
+            everything: false,
+        }
     }
 
-    /// Every path is allowed (used when replaying plans the journal already accepted).
+    /// Every path is allowed: for re-reading plans the journal already accepted, never for
+    /// the node's file access.
     pub fn everything() -> AllowList {
-        AllowList(Vec::new())
+        AllowList {
+            dirs: Vec::new(),
+            everything: true,
+        }
+    }
+
+    /// True for [`AllowList::everything`].
+    pub fn is_everything(&self) -> bool {
+        self.everything
     }
 
     /// True when `path` lies strictly below one of the directories (the directories
     /// themselves are not managed files).
     pub fn allows(&self, path: &NodePath) -> bool {
-        self.0.is_empty() || self.0.iter().any(|d| path.starts_with(d) && path != d)
+        self.everything || self.dirs.iter().any(|d| path.starts_with(d) && path != d)
+    }
+
+    /// The most specific directory `path` lies strictly below, if any.
+    pub fn entry_of(&self, path: &NodePath) -> Option<&NodePath> {
+        self.dirs
+            .iter()
+            .filter(|d| path.starts_with(d) && path != *d)
+            .max_by_key(|d| d.as_str().len())
+    }
+
+    /// True when `dir` is one of the directories or lies below one (where an allow-listed
+    /// directory may really be, through a symlink on its way).
+    pub fn covers_dir(&self, dir: &NodePath) -> bool {
+        self.everything || self.dirs.iter().any(|d| dir.starts_with(d))
+    }
+
+    /// True when `dir` is an allow-listed directory or lies above one: the way to it.
+    pub fn leads_to(&self, dir: &NodePath) -> bool {
+        self.everything || self.dirs.iter().any(|d| d.starts_with(dir))
     }
 
     /// The directories.
     pub fn dirs(&self) -> &[NodePath] {
-        &self.0
+        &self.dirs
     }
 }
 
 impl Default for AllowList {
     fn default() -> Self {
-        AllowList(
+        AllowList::new(
             AllowList::DEFAULTS
                 .iter()
                 .filter_map(|p| NodePath::parse(p).ok())
@@ -179,7 +214,10 @@ impl Default for AllowList {
 
 impl fmt::Display for AllowList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let dirs: Vec<&str> = self.0.iter().map(NodePath::as_str).collect();
+        if self.everything {
+            return f.write_str("(everything)");
+        }
+        let dirs: Vec<&str> = self.dirs.iter().map(NodePath::as_str).collect();
         f.write_str(&dirs.join(", "))
     }
 }
@@ -231,5 +269,15 @@ mod tests {
         assert!(!ok("/etc/kubernetes-evil/x"));
         assert!(!ok("/etc/shadow"));
         assert!(!ok("/root/.ssh/authorized_keys"));
+        let np = |s| NodePath::parse(s).unwrap();
+        assert_eq!(
+            allow.entry_of(&np("/etc/kubernetes/pki/ca.crt")),
+            Some(&np("/etc/kubernetes"))
+        );
+        assert!(allow.covers_dir(&np("/etc/kubernetes")));
+        assert!(allow.leads_to(&np("/opt/cni")));
+        assert!(!allow.leads_to(&np("/root")));
+        assert!(!AllowList::new(Vec::new()).allows(&np("/etc/kubernetes/x")));
+        assert!(AllowList::everything().allows(&np("/root/x")));
     }
 }

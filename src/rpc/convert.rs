@@ -21,7 +21,14 @@ pub const REQUEST_SOURCE: &str = "request";
 
 /// Validates a wire plan exactly as a plan file would be.
 pub fn validate_plan(plan: &pb::Plan, limits: &Limits) -> Result<Plan, InvalidPlan> {
-    let document = plan_document(plan).map_err(|error| InvalidPlan {
+    validate_owned(plan.clone(), limits)
+}
+
+/// [`validate_plan`] consuming the wire plan: its contents move into the document instead
+/// of being copied, so a large request is held at most twice (document, then plan) while it
+/// is validated, never three times.
+pub fn validate_owned(plan: pb::Plan, limits: &Limits) -> Result<Plan, InvalidPlan> {
+    let document = plan_document_owned(plan).map_err(|error| InvalidPlan {
         source: REQUEST_SOURCE.to_owned(),
         errors: vec![error],
     })?;
@@ -207,6 +214,10 @@ pub fn disruption_to_pb(d: crate::plan::Disruption) -> pb::Disruption {
 /// expressed as a document (a merge patch that is not JSON, base64 content that is not
 /// text); everything else is left to the validator.
 pub fn plan_document(plan: &pb::Plan) -> Result<Value, FieldError> {
+    plan_document_owned(plan.clone())
+}
+
+fn plan_document_owned(plan: pb::Plan) -> Result<Value, FieldError> {
     let mut doc = Map::new();
     doc.insert("apiVersion".into(), json!(crate::plan::API_VERSION));
     doc.insert("kind".into(), json!("Plan"));
@@ -226,7 +237,7 @@ pub fn plan_document(plan: &pb::Plan) -> Result<Value, FieldError> {
     }
     let changes = plan
         .changes
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, c)| change(i, c))
         .collect::<Result<Vec<_>, _>>()?;
@@ -260,6 +271,55 @@ fn keyed(key: &str, body: Map<String, Value>) -> Value {
     Value::Object(outer)
 }
 
+/// A proto enum as the wire carries it: an `i32` that may be any number.
+trait WireEnum: TryFrom<i32> + Copy {
+    /// The enum's proto name, for messages.
+    const PROTO_NAME: &'static str;
+    /// The value's proto name (`ENCODING_BASE64`).
+    fn proto_name(self) -> &'static str;
+}
+
+macro_rules! wire_enum {
+    ($($ty:ty => $name:literal),* $(,)?) => {$(
+        impl WireEnum for $ty {
+            const PROTO_NAME: &'static str = $name;
+            fn proto_name(self) -> &'static str {
+                self.as_str_name()
+            }
+        }
+    )*};
+}
+
+wire_enum! {
+    pb::Encoding => "inplace.agent.v1.Encoding",
+    pb::UnitState => "inplace.agent.v1.UnitState",
+    pb::Disruption => "inplace.agent.v1.Disruption",
+}
+
+/// The value of an enum field, refusing a number this agent does not know. prost keeps an
+/// unknown number as it came and its getter silently returns the default (`ENCODING_PLAIN`
+/// for `encoding: 99`), so every enum field of a request is read through here, never through
+/// the generated getter.
+fn known<E: WireEnum>(raw: i32, field: impl FnOnce() -> String) -> Result<E, FieldError> {
+    E::try_from(raw).map_err(|_| {
+        let names: Vec<String> = (0..64)
+            .filter_map(|n| {
+                E::try_from(n)
+                    .ok()
+                    .map(|e| format!("{} ({n})", e.proto_name()))
+            })
+            .collect();
+        FieldError::new(
+            field(),
+            format!(
+                "{raw} is not a value of {}; expected one of {}",
+                E::PROTO_NAME,
+                names.join(", ")
+            ),
+        )
+    })
+}
+
 fn disruption_name(d: pb::Disruption) -> Option<&'static str> {
     match d {
         pb::Disruption::Unspecified => None,
@@ -271,25 +331,26 @@ fn disruption_name(d: pb::Disruption) -> Option<&'static str> {
     }
 }
 
-fn change(index: usize, change: &pb::Change) -> Result<Value, FieldError> {
+fn change(index: usize, change: pb::Change) -> Result<Value, FieldError> {
     use pb::change::Kind;
-    let Some(kind) = &change.kind else {
+    let Some(kind) = change.kind else {
         // The validator names the problem: no change kind.
         return Ok(Value::Object(Map::new()));
     };
     let mut m = Map::new();
     let key = match kind {
-        Kind::File(f) => {
+        Kind::File(mut f) => {
             m.insert("path".into(), json!(f.path));
-            let (encoding, content) = file_content(index, f)?;
-            m.insert("encoding".into(), json!(encoding));
-            m.insert("content".into(), json!(content));
             put_str(&mut m, "mode", &f.mode);
             put_str(&mut m, "owner", &f.owner);
             if f.append {
                 m.insert("append".into(), json!(true));
             }
             put_list(&mut m, "restartUnits", &f.restart_units);
+            f.restart_units = Vec::new();
+            let (encoding, content) = file_content(index, f)?;
+            m.insert("encoding".into(), json!(encoding));
+            m.insert("content".into(), Value::String(content));
             "file"
         }
         Kind::Absent(a) => {
@@ -351,7 +412,7 @@ fn change(index: usize, change: &pb::Change) -> Result<Value, FieldError> {
             if let Some(enabled) = u.enabled {
                 m.insert("enabled".into(), json!(enabled));
             }
-            match u.state() {
+            match known(u.state, || format!("changes[{index}].unit.state"))? {
                 pb::UnitState::Unspecified => {}
                 pb::UnitState::Running => {
                     m.insert("state".into(), json!("running"));
@@ -376,7 +437,8 @@ fn change(index: usize, change: &pb::Change) -> Result<Value, FieldError> {
         Kind::Exec(e) => {
             m.insert("argv".into(), json!(e.argv));
             put_list(&mut m, "unless", &e.unless);
-            if let Some(name) = disruption_name(e.disruption()) {
+            let disruption = known(e.disruption, || format!("changes[{index}].exec.disruption"))?;
+            if let Some(name) = disruption_name(disruption) {
                 m.insert("disruption".into(), json!(name));
             }
             "exec"
@@ -386,25 +448,27 @@ fn change(index: usize, change: &pb::Change) -> Result<Value, FieldError> {
 }
 
 /// The plan-file `encoding` and `content` string for a file's bytes.
-fn file_content(index: usize, f: &pb::FileChange) -> Result<(&'static str, String), FieldError> {
-    let as_text = |what: &str| {
-        String::from_utf8(f.content.clone()).map_err(|_| {
+fn file_content(index: usize, f: pb::FileChange) -> Result<(&'static str, String), FieldError> {
+    let encoding = known(f.encoding, || format!("changes[{index}].file.encoding"))?;
+    let content = f.content;
+    let as_text = |what: &str, content: Vec<u8>| {
+        String::from_utf8(content).map_err(|_| {
             FieldError::new(
                 format!("changes[{index}].file.content"),
                 format!("is not {what} text"),
             )
         })
     };
-    Ok(match f.encoding() {
-        pb::Encoding::Unspecified | pb::Encoding::Plain => match std::str::from_utf8(&f.content) {
-            Ok(text) => ("plain", text.to_owned()),
+    Ok(match encoding {
+        pb::Encoding::Unspecified | pb::Encoding::Plain => match String::from_utf8(content) {
+            Ok(text) => ("plain", text),
             // Binary content: carried as base64, decoded by the validator to the same bytes.
-            Err(_) => ("base64", BASE64.encode(&f.content)),
+            Err(e) => ("base64", BASE64.encode(e.as_bytes())),
         },
-        pb::Encoding::Base64 => ("base64", as_text("base64")?),
-        pb::Encoding::GzipBase64 => ("gzip+base64", as_text("base64")?),
+        pb::Encoding::Base64 => ("base64", as_text("base64", content)?),
+        pb::Encoding::GzipBase64 => ("gzip+base64", as_text("base64", content)?),
         // Raw gzip bytes cannot be a JSON string; base64 them.
-        pb::Encoding::Gzip => ("gzip+base64", BASE64.encode(&f.content)),
+        pb::Encoding::Gzip => ("gzip+base64", BASE64.encode(&content)),
     })
 }
 
@@ -867,5 +931,108 @@ verify:
         };
         let invalid = validate_plan(&bad_base64, &Limits::default()).unwrap_err();
         assert_eq!(invalid.errors[0].field, "changes[0].file.content");
+    }
+
+    /// Every enum field a client sends, found in the descriptor set from the request types of
+    /// the service's methods: an unknown number in any of them is refused naming the field.
+    /// A new enum field in a request fails here until it is read through `known` and listed.
+    #[test]
+    fn unknown_enum_values_in_requests_are_refused_naming_the_field() {
+        use prost::Message;
+        use prost_types::field_descriptor_proto::Type;
+        let fds = prost_types::FileDescriptorSet::decode(super::super::FILE_DESCRIPTOR_SET)
+            .expect("descriptor set decodes");
+        let messages: std::collections::HashMap<String, &prost_types::DescriptorProto> = fds
+            .file
+            .iter()
+            .flat_map(|f| {
+                f.message_type
+                    .iter()
+                    .map(move |m| (format!(".{}.{}", f.package(), m.name()), m))
+            })
+            .collect();
+        let service = fds
+            .file
+            .iter()
+            .flat_map(|f| f.service.iter())
+            .find(|s| s.name() == "NodeAgent")
+            .expect("NodeAgent in the descriptor set");
+        let mut todo: Vec<String> = service
+            .method
+            .iter()
+            .map(|m| m.input_type().to_string())
+            .collect();
+        let mut seen = std::collections::BTreeSet::new();
+        let mut enum_fields = std::collections::BTreeSet::new();
+        while let Some(name) = todo.pop() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let Some(message) = messages.get(&name) else {
+                continue; // google.protobuf types
+            };
+            for field in &message.field {
+                match field.r#type() {
+                    Type::Enum => {
+                        enum_fields.insert(format!("{}.{}", message.name(), field.name()));
+                    }
+                    Type::Message => todo.push(field.type_name().to_string()),
+                    _ => {}
+                }
+            }
+        }
+        let cases: Vec<(&str, pb::Change, &str)> = vec![
+            (
+                "FileChange.encoding",
+                change(Kind::File(pb::FileChange {
+                    path: "/etc/kubernetes/a.conf".into(),
+                    content: b"x".to_vec(),
+                    encoding: 99,
+                    ..Default::default()
+                })),
+                "changes[0].file.encoding",
+            ),
+            (
+                "UnitChange.state",
+                change(Kind::Unit(pb::UnitChange {
+                    name: "kubelet.service".into(),
+                    state: 99,
+                    ..Default::default()
+                })),
+                "changes[0].unit.state",
+            ),
+            (
+                "ExecChange.disruption",
+                change(Kind::Exec(pb::ExecChange {
+                    argv: strings(&["true"]),
+                    disruption: 99,
+                    ..Default::default()
+                })),
+                "changes[0].exec.disruption",
+            ),
+        ];
+        let listed: std::collections::BTreeSet<String> =
+            cases.iter().map(|(f, _, _)| f.to_string()).collect();
+        assert_eq!(
+            enum_fields, listed,
+            "every request enum field has a case here"
+        );
+        for (name, c, field) in cases {
+            let plan = pb::Plan {
+                id: "ns/m@enum".into(),
+                node_name: "worker-1".into(),
+                changes: vec![c],
+                ..Default::default()
+            };
+            let invalid = validate_plan(&plan, &Limits::default()).unwrap_err();
+            assert_eq!(invalid.errors[0].field, field, "{name}");
+            assert!(
+                invalid.errors[0]
+                    .message
+                    .starts_with("99 is not a value of inplace.agent.v1."),
+                "{name}: {}",
+                invalid.errors[0]
+            );
+        }
     }
 }

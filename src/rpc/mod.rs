@@ -39,6 +39,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
     tonic::include_file_descriptor_set!("inplace_agent_descriptor");
 
 pub mod authz;
+pub mod budget;
 pub mod convert;
 pub mod pki;
 pub mod server;

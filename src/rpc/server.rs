@@ -15,6 +15,7 @@ use tonic_health::server::{HealthReporter, HealthService};
 
 use super::FILE_DESCRIPTOR_SET;
 use super::authz::{AuthzCounters, AuthzLayer, AuthzRules};
+use super::budget::{BudgetLayer, RequestBudget};
 use super::pb::node_agent_server::{NodeAgent, NodeAgentServer};
 use super::tls::{AcceptOptions, ReloadingServerConfig, tls_incoming};
 
@@ -38,6 +39,14 @@ pub struct ServeOptions {
     /// After `max_connection_age`, calls in flight (e.g. a WatchPlan stream) get this long
     /// before the connection is closed; a watcher then re-watches on a new connection.
     pub max_connection_age_grace: Duration,
+    /// Bytes of request messages held at once, across all connections (see `budget.rs`);
+    /// at least `max_message_bytes`.
+    pub request_budget_bytes: usize,
+    /// How long a request waits for its share of the budget before RESOURCE_EXHAUSTED.
+    pub request_budget_wait: Duration,
+    /// HTTP/2 flow-control window per connection and per stream: what a client can send
+    /// before the agent reads it, so what a request waiting for the budget can cost.
+    pub window_bytes: u32,
     /// Limits of the TLS accept loop.
     pub accept: AcceptOptions,
 }
@@ -52,6 +61,11 @@ impl Default for ServeOptions {
             keepalive_interval: Duration::from_secs(60),
             max_connection_age: Duration::from_secs(30 * 60),
             max_connection_age_grace: Duration::from_secs(5 * 60),
+            request_budget_bytes: 16 * 1024 * 1024,
+            request_budget_wait: Duration::from_secs(20),
+            // 128 KiB: 64 connections waiting hold 8 MiB; a 16 MiB plan over a LAN still
+            // arrives in well under a second.
+            window_bytes: 128 * 1024,
             accept: AcceptOptions::default(),
         }
     }
@@ -109,12 +123,19 @@ where
 
     let layers = tower::ServiceBuilder::new()
         .layer(AuthzLayer::new(security.rules, security.authz_counters))
+        .layer(BudgetLayer::new(RequestBudget::new(
+            options.request_budget_bytes,
+            options.max_message_bytes,
+            options.request_budget_wait,
+        )))
         .layer(MessageLimitLayer {
             limit: options.max_message_bytes,
         });
     let incoming = tls_incoming(listener, security.tls, options.accept);
     tonic::transport::Server::builder()
         .max_concurrent_streams(Some(options.max_concurrent_streams))
+        .initial_connection_window_size(options.window_bytes)
+        .initial_stream_window_size(options.window_bytes)
         .timeout(options.request_timeout)
         .http2_keepalive_interval(Some(options.keepalive_interval))
         .max_connection_age(options.max_connection_age)

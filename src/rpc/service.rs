@@ -2,7 +2,7 @@
 //!
 //! Every method that touches the engine does so on the blocking pool: the engine lock is
 //! held across journal appends (fdatasync), and the runtime must keep serving other calls
-//! meanwhile. Plans from the wire go through [`super::convert::validate_plan`] (the plan-file
+//! meanwhile. Plans from the wire go through [`super::convert::validate_owned`] (the plan-file
 //! validator) and then [`Engine::submit`], which decides idempotency (same id + digest →
 //! the existing status) under its submission lock, so any number of concurrent identical
 //! `ApplyPlan` calls start the plan once.
@@ -28,7 +28,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::authz::Caller;
-use super::convert::{plan_error_status, validate_plan};
+use super::convert::{plan_error_status, validate_owned};
 use super::pb;
 use super::pb::node_agent_server::NodeAgent;
 use super::status::{check_report_to_pb, status_to_pb};
@@ -268,7 +268,7 @@ impl NodeAgent for AgentService {
         let wire = required_plan(request.into_inner().plan)?;
         let (engine, limits) = (self.engine.clone(), self.limits.clone());
         let response = blocking(move || {
-            let plan = validate_plan(&wire, &limits).map_err(|e| plan_error_status(&e))?;
+            let plan = validate_owned(wire, &limits).map_err(|e| plan_error_status(&e))?;
             let config = engine.config();
             let mut report = check_plan(config, engine.host(), &plan);
             if let (true, None, Some(node)) =
@@ -302,9 +302,10 @@ impl NodeAgent for AgentService {
             self.counters.clone(),
         );
         let (status, created) = blocking(move || {
-            let plan = validate_plan(&wire, &limits).map_err(|e| {
+            let wire_id = wire.id.clone();
+            let plan = validate_owned(wire, &limits).map_err(|e| {
                 counters.refused.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(caller = %who, id = %wire.id, problems = e.errors.len(), "ApplyPlan refused: invalid plan");
+                tracing::info!(caller = %who, id = %wire_id, problems = e.errors.len(), "ApplyPlan refused: invalid plan");
                 plan_error_status(&e)
             })?;
             let digest = plan.digest();

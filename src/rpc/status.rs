@@ -99,6 +99,7 @@ fn change_state_to_pb(state: ChangeState) -> pb::ChangeState {
         ChangeState::Failed => pb::ChangeState::Failed,
         ChangeState::RolledBack => pb::ChangeState::RolledBack,
         ChangeState::Skipped => pb::ChangeState::Skipped,
+        ChangeState::RollbackFailed => pb::ChangeState::RollbackFailed,
     }
 }
 
@@ -112,6 +113,7 @@ fn change_state_from_pb(value: i32) -> Option<ChangeState> {
         pb::ChangeState::Failed => ChangeState::Failed,
         pb::ChangeState::RolledBack => ChangeState::RolledBack,
         pb::ChangeState::Skipped => ChangeState::Skipped,
+        pb::ChangeState::RollbackFailed => ChangeState::RollbackFailed,
     })
 }
 

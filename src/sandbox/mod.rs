@@ -723,6 +723,13 @@ cp -a '{dir}/seed/.' "$R/"
 rm -f "$R"/etc/systemd/system/*.wants/* "$R"/etc/systemd/system/*.requires/*
 # 3. the API file systems (all in this private mount namespace)
 mount -t proc proc "$R/proc"
+# The kernel's global sysctls are the host's even in these namespaces: read-only here, so
+# no plan and no unit of the sandbox can change them (net.* belong to its own network
+# namespace and stay writable).
+for d in kernel vm fs dev; do
+    mount --bind "$R/proc/sys/$d" "$R/proc/sys/$d"
+    mount -o remount,bind,ro "$R/proc/sys/$d"
+done
 mount --rbind /sys "$R/sys"
 mount -o remount,bind,ro "$R/sys"
 mount --rbind /dev "$R/dev"

@@ -200,9 +200,12 @@ impl From<FsError> for StepError {
         let kind = match e.raw_os_error() {
             Some(ENOSPC | EDQUOT) => ErrorKind::DiskFull,
             _ => match e {
-                FsError::Symlink { .. } | FsError::Escapes { .. } | FsError::NotAFile { .. } => {
-                    ErrorKind::Precondition
-                }
+                FsError::Symlink { .. }
+                | FsError::SymlinkBelow { .. }
+                | FsError::Escapes { .. }
+                | FsError::NotAllowed { .. }
+                | FsError::NotADirectory { .. }
+                | FsError::NotAFile { .. } => ErrorKind::Precondition,
                 FsError::Io { .. } => ErrorKind::Io,
             },
         };
@@ -366,11 +369,7 @@ pub struct StepCtx {
 
 /// Checks a plan against this node (owners exist, paths do not escape through symlinks,
 /// the kubelet files are usable) without changing anything. Errors name the field.
-pub fn preflight(
-    host: &Host,
-    plan: &Plan,
-    allow: &crate::plan::AllowList,
-) -> Result<Prepared, Vec<FieldError>> {
+pub fn preflight(host: &Host, plan: &Plan) -> Result<Prepared, Vec<FieldError>> {
     let mut errors = Vec::new();
     let accounts = match Accounts::load(&host.root) {
         Ok(a) => a,
@@ -395,7 +394,7 @@ pub fn preflight(
         // What is at the path when it is neither absent nor a regular file.
         let mut check_path = |field: &str, p: &NodePath, errors: &mut Vec<FieldError>| match host
             .root
-            .check_path_in(p, allow, &mut dirs)
+            .check_path_in(p, &mut dirs)
         {
             Ok(kind) => kind,
             Err(e) => {
@@ -479,11 +478,102 @@ pub fn preflight(
         }
         prepared.ids.push(ids);
     }
+    errors.extend(missing_units(host, plan));
     if errors.is_empty() {
         Ok(prepared)
     } else {
         Err(errors)
     }
+}
+
+/// The node paths a change writes or removes, with the field that names them and whether
+/// it only appends.
+pub fn written_paths(change: &Change) -> Vec<(&'static str, NodePath, bool)> {
+    match change {
+        Change::File(f) => vec![("path", f.path.clone(), f.append)],
+        Change::Absent(a) => vec![("path", a.path.clone(), false)],
+        Change::KubeletConfig(_) => vec![("mergePatch", kubelet::config_path(), false)],
+        Change::KubeletFlags(_) => vec![("set", kubelet::flags_path(), false)],
+        Change::Sysctl(s) => sysctl::conf_path(&s.key)
+            .into_iter()
+            .map(|p| ("key", p, false))
+            .collect(),
+        Change::Unit(u) => unit::paths(u)
+            .into_iter()
+            .map(|p| ("name", p, false))
+            .collect(),
+        Change::Artifact(a) => vec![("path", a.path.clone(), false)],
+        _ => Vec::new(),
+    }
+}
+
+/// Units the plan restarts, starts or gates on that this node does not have and no change
+/// of the plan creates: applying would end in a failed restart, a failed gate and a rollback
+/// that restarts a unit that does not exist. Asked of systemd only when it answers at once;
+/// a plan with a package change is not checked (packages ship units).
+fn missing_units(host: &Host, plan: &Plan) -> Vec<FieldError> {
+    let Some(services) = host.services() else {
+        return Vec::new();
+    };
+    if plan.changes.iter().any(|c| matches!(c, Change::Package(_))) {
+        return Vec::new();
+    }
+    let created: std::collections::BTreeSet<&str> = plan
+        .changes
+        .iter()
+        .flat_map(|c| match c {
+            Change::Unit(u) if u.content.is_some() => vec![u.name.as_str()],
+            Change::File(f) if unit::is_unit_path(&f.path) => vec![f.path.file_name()],
+            _ => Vec::new(),
+        })
+        .collect();
+    let mut referenced: Vec<(String, String)> = Vec::new();
+    for (i, c) in plan.changes.iter().enumerate() {
+        let field = match c {
+            Change::File(_) | Change::Absent(_) | Change::Artifact(_) => "restartUnits",
+            Change::Unit(_) => "name",
+            _ => "",
+        };
+        let base = if field.is_empty() {
+            format!("changes[{i}].{}", c.kind())
+        } else {
+            format!("changes[{i}].{}.{field}", c.kind())
+        };
+        for unit in c.restart_units() {
+            referenced.push((base.clone(), unit));
+        }
+    }
+    for (i, check) in plan.verify.iter().enumerate() {
+        if let crate::plan::Probe::UnitActive { name } = &check.probe {
+            referenced.push((format!("verify[{i}].unitActive.name"), name.clone()));
+        }
+    }
+    referenced.retain(|(_, unit)| !created.contains(unit.as_str()));
+    if referenced.is_empty() || services.ping().is_err() {
+        return Vec::new();
+    }
+    let mut missing: std::collections::BTreeMap<String, bool> = std::collections::BTreeMap::new();
+    let mut errors = Vec::new();
+    for (field, unit) in referenced {
+        let absent = *missing.entry(unit.clone()).or_insert_with(|| {
+            let mut call = ServiceCall::within(std::time::Duration::from_secs(2));
+            match services.unit_state(&unit, &mut call) {
+                Ok(state) => state.load_state == crate::host::systemd::LoadState::NotFound,
+                Err(SystemdError::NoSuchUnit { .. }) => true,
+                Err(_) => false,
+            }
+        });
+        if absent {
+            errors.push(FieldError::new(
+                field,
+                format!(
+                    "{unit} does not exist on this node and no change of the plan creates it \
+                     (check the name against `systemctl list-unit-files`)"
+                ),
+            ));
+        }
+    }
+    errors
 }
 
 /// What `change` needs on this node now.
@@ -729,16 +819,7 @@ pub(crate) fn restore_file(
 
 /// Removes temp files a crash may have left for the targets of `change`.
 pub fn sweep(host: &Host, change: &Change) -> Result<(), StepError> {
-    let paths: Vec<NodePath> = match change {
-        Change::File(f) => vec![f.path.clone()],
-        Change::KubeletConfig(_) => vec![kubelet::config_path()],
-        Change::KubeletFlags(_) => vec![kubelet::flags_path()],
-        Change::Sysctl(s) => sysctl::conf_path(&s.key).into_iter().collect(),
-        Change::Unit(u) => unit::paths(u),
-        Change::Artifact(a) => vec![a.path.clone()],
-        _ => Vec::new(),
-    };
-    for p in paths {
+    for (_, p, _) in written_paths(change) {
         host.root.sweep_temp(&p)?;
     }
     Ok(())

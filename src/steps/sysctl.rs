@@ -9,9 +9,7 @@ use crate::plan::{NodePath, SysctlChange, sysctl_segments};
 
 /// The persisted file for a key.
 pub fn conf_path(key: &str) -> Result<NodePath, String> {
-    let name = key.replace('/', ".");
-    NodePath::parse(&format!("/etc/sysctl.d/90-inplace-agent-{name}.conf"))
-        .map_err(|e| e.to_string())
+    crate::plan::sysctl_conf_path(key)
 }
 
 /// The live file for a key.

@@ -1,5 +1,10 @@
 //! Health gates (`verify[]`): each probe is polled every `period` until it passes or its
 //! `timeout` runs out; the last observation is what the status reports.
+//!
+//! Polling: an attempt may run for whatever is left of the gate's `timeout` (a slow command
+//! or an HTTP server that answers late is not cut short by a fixed per-attempt cap); after a
+//! failed attempt the gate waits `period` and tries again, unless that next attempt would
+//! start after the deadline, in which case the gate fails with the last observation.
 
 use std::time::{Duration, Instant};
 
@@ -160,8 +165,10 @@ pub fn run_check(
     let mut attempts = 0;
     loop {
         attempts += 1;
+        // An attempt may use all the time the gate has left (a command that takes 15 s
+        // passes a gate of 60 s); at least 200 ms, so the last attempt is a real one.
         let left = deadline.saturating_duration_since(Instant::now());
-        let budget = left.clamp(Duration::from_millis(200), Duration::from_secs(10));
+        let budget = left.max(Duration::from_millis(200));
         match probe_once(host, &check.probe, budget) {
             Ok(seen) => {
                 return CheckOutcome {
@@ -208,5 +215,32 @@ mod tests {
             Some("v1.31.2")
         );
         assert_eq!(parse_kubelet_version("garbage"), None);
+    }
+
+    /// A gate whose command takes longer than any fixed per-attempt cap (10 s used to be
+    /// one) passes within its own timeout, in one attempt.
+    #[test]
+    fn an_attempt_may_use_the_whole_gate_timeout() {
+        let t = tempfile::tempdir().unwrap();
+        let host = Host::open(crate::host::HostSettings {
+            root: t.path().to_path_buf(),
+            allow: crate::plan::AllowList::default(),
+            commands_in_root: false,
+            boot_id_path: None,
+            services: crate::host::ServiceSettings::Off,
+            packages: Default::default(),
+            downloads: crate::host::download::DownloadConfig::new(t.path()),
+        })
+        .unwrap();
+        let check = Check {
+            probe: Probe::Command {
+                argv: vec!["sleep".into(), "11".into()],
+            },
+            timeout: Duration::from_secs(30),
+            period: Duration::from_secs(1),
+        };
+        let outcome = run_check(&host, &check, &|| false, &mut |_| {});
+        assert!(outcome.passed, "{outcome:?}");
+        assert_eq!(outcome.attempts, 1);
     }
 }

@@ -75,6 +75,11 @@ impl Overlay {
         let root = overlay.root.clone();
         overlay.mount(&["-t", "overlay", "-o", &opts, "overlay"], &root);
         overlay.mount(&["-t", "proc", "proc"], &root.join("proc"));
+        // This /proc shows the host's own sysctls (no namespaces here): read-only, so no
+        // test can change one through the overlay root.
+        let sys = root.join("proc/sys");
+        overlay.mount(&["--bind", sys.to_str().unwrap()], &sys);
+        sh(&["mount", "-o", "remount,bind,ro", sys.to_str().unwrap()]);
         overlay.mount(&["--bind", "/dev"], &root.join("dev"));
         overlay.mount(&["-t", "tmpfs", "tmpfs"], &root.join("tmp"));
         overlay.mount(&["-t", "tmpfs", "tmpfs"], &root.join("run"));

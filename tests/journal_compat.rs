@@ -1,0 +1,118 @@
+//! Journal compatibility: nodes upgrade the agent while a journal written by the previous
+//! release is on disk, possibly with an unfinished plan. `tests/fixtures/golden-journal/` is
+//! such a journal, written by the release at commit 79f0b64 (`make.sh` there says how): the
+//! demo's plans, a compaction with its summary records, succeeded, rolled-back and failed
+//! plans, and a plan aborted after its second change. The current agent must read it, report
+//! the same statuses, and finish the unfinished plan. A change of the on-disk format keeps
+//! this test green or adds a migration; never edit the fixture to make it pass.
+
+mod common;
+
+use std::path::Path;
+
+use common::{Node, text};
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden-journal");
+
+fn copy_tree(from: &Path, to: &Path) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let dest = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            std::fs::create_dir_all(&dest).unwrap();
+            copy_tree(&entry.path(), &dest);
+        } else {
+            std::fs::copy(entry.path(), &dest).unwrap();
+        }
+    }
+}
+
+/// A kubeadm-like node as the old release left it: its files and its state directory.
+fn golden_node() -> Node {
+    let node = Node::new();
+    copy_tree(&Path::new(FIXTURE).join("node"), node.root());
+    std::fs::remove_file(node.path("etc/kubernetes/old-bootstrap.conf")).unwrap();
+    let state = node.path("var/lib/inplace-agent");
+    std::fs::create_dir_all(&state).unwrap();
+    copy_tree(&Path::new(FIXTURE).join("state"), &state);
+    node
+}
+
+fn fixture_json(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(Path::new(FIXTURE).join(name)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The fields of a plan status whose meaning the on-disk format fixes.
+fn stable(status: &serde_json::Value) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for key in [
+        "id", "digest", "attempt", "run", "source", "phase", "counts", "error",
+    ] {
+        if let Some(v) = status.get(key) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+    serde_json::Value::Object(out)
+}
+
+fn local_status(node: &Node) -> serde_json::Value {
+    let out = node.agent(&["status", "--output", "json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn a_journal_of_the_previous_release_reads_verifies_and_resumes() {
+    let node = golden_node();
+
+    // It verifies, record by record, with the same sequence numbers and hashes.
+    let out = node.agent(&["journal", "--verify"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let want: Vec<serde_json::Value> = fixture_json("expected-records.json")
+        .as_array()
+        .unwrap()
+        .clone();
+    let got: Vec<serde_json::Value> = common::journal(&node)
+        .iter()
+        .map(|r| serde_json::json!([r["seq"], r["run"], r["type"], r["hash"]]))
+        .collect();
+    assert_eq!(got, want, "the records as the old release wrote them");
+
+    // The same statuses as the old release reported.
+    let want = fixture_json("expected-status.json");
+    let status = local_status(&node);
+    assert_eq!(stable(&status["current"]), want["current"]);
+    let recent: Vec<_> = status["recent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(stable)
+        .collect();
+    assert_eq!(recent, *want["recent"].as_array().unwrap());
+
+    // The unfinished plan resumes at its first unfinished step and succeeds; the tree is
+    // what an uninterrupted run gives.
+    let plan = Path::new(FIXTURE).join("unfinished.yaml");
+    let out = node.agent(&["apply", "--no-progress", plan.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    for (file, content) in [("u1", "u1\n"), ("u2", "u2\n"), ("u3", "u3\n")] {
+        let p = node.path(&format!("etc/kubernetes/golden/{file}.conf"));
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), content, "{file}");
+    }
+    let config = std::fs::read_to_string(node.path("var/lib/kubelet/config.yaml")).unwrap();
+    assert!(config.contains("maxPods: 130"), "{config}");
+    let status = local_status(&node);
+    let finished = &status["recent"][0];
+    assert_eq!(finished["id"], "golden/unfinished@crash");
+    assert_eq!(finished["run"], 21, "the same run, resumed, not a new one");
+    assert_eq!(finished["phase"], "Succeeded");
+    assert_eq!(finished["counts"]["changed"], 4, "{finished}");
+    let out = node.agent(&["journal", "--verify"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let leftovers: Vec<_> = common::snapshot(node.root(), &[])
+        .into_keys()
+        .filter(|k| k.ends_with(".inplace-tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
