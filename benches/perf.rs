@@ -375,6 +375,7 @@ fn write_journal(state: &Path, records: u64) -> u64 {
             changes,
             checks,
             bodies: None,
+            prune: None,
         }];
         for phase in [Phase::Preparing, Phase::Applying] {
             recs.push(Record::Phase {

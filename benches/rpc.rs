@@ -421,7 +421,10 @@ async fn abuse(root: &std::path::Path, pki: &PkiFiles) -> Result<Abuse, String> 
     let mut tasks = tokio::task::JoinSet::new();
     for mut c in clients {
         let plan = plan.clone();
-        tasks.spawn(async move { c.check_plan(pb::CheckPlanRequest { plan: Some(plan) }).await });
+        tasks.spawn(async move {
+            c.check_plan(pb::CheckPlanRequest { plan: Some(plan) })
+                .await
+        });
     }
     let (mut answered, mut busy) = (0, 0);
     while let Some(result) = tasks.join_next().await {

@@ -19,3 +19,4 @@ pub mod rpc;
 pub mod sandbox;
 pub mod status;
 pub mod steps;
+pub mod updater;

@@ -354,9 +354,10 @@ verify:
     );
     let detail = status["error"]["detail"].as_str().unwrap();
     assert!(
-        detail.contains("could not restore 1 of 4 changed changes")
-            && detail.contains("changes[1] file /etc/kubernetes/ra/b.conf: ")
-            && detail.contains("is a directory"),
+        detail.starts_with("rollback could not restore this change: ")
+            && detail.contains("is a directory")
+            && detail
+                .contains("; the other 3 changed changes were restored; the node needs attention"),
         "{detail}"
     );
     let states: Vec<&str> = status["changes"]

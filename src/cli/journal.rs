@@ -75,6 +75,19 @@ pub fn describe(record: &Record) -> String {
                 short(digest)
             )
         }
+        Record::VersionResolved { index, version, .. } => {
+            format!("changes[{index}] package version resolved to {version}")
+        }
+        Record::PruneResolved { paths, .. } => {
+            format!(
+                "managed set: removing {} ({})",
+                paths.len(),
+                paths.join(", ")
+            )
+        }
+        Record::SetMembers { set, paths } => {
+            format!("managed set {set}: {} paths", paths.len())
+        }
         Record::Phase { phase, error, .. } => match error {
             Some(e) => format!("{phase}: {e}"),
             None => phase.to_string(),

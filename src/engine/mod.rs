@@ -481,6 +481,7 @@ impl Engine {
             changes,
             checks,
             bodies,
+            prune: plan.options.prune.clone(),
         };
         drop(doc);
         self.shared

@@ -252,10 +252,112 @@ impl Runner {
     }
 
     fn prepare(&self, run: u64, plan: &Plan) -> Result<(), Abort> {
+        self.resolve(run, plan)?;
+        let resolved = self.state(run).map(|s| s.1.plan.clone());
+        let plan = resolved.as_deref().unwrap_or(plan);
         self.admit(plan)?;
         self.fetch_artifacts(run, plan)?;
         self.phase(run, Phase::Applying, None)?;
         Ok(())
+    }
+
+    /// Decides, once per run and before anything changes, what the plan's shorthand stands
+    /// for on this node, and journals it: the paths its managed set removes (appended as
+    /// `absent` changes), and the exact versions of its package patterns that the package
+    /// lists offer now (a pattern nothing matches yet is resolved before its own step, after
+    /// the changes before it, such as a repository switch).
+    fn resolve(&self, run: u64, plan: &Plan) -> Result<(), Abort> {
+        let Some((_, rs, _)) = self.state(run) else {
+            return Ok(());
+        };
+        if let (Some(set), None) = (&plan.options.prune, &rs.pruned) {
+            let own: BTreeSet<String> = plan.file_paths().into_iter().collect();
+            let members = self.shared.lock().table.set_members(set);
+            let paths: Vec<String> = members.into_iter().filter(|p| !own.contains(p)).collect();
+            if !paths.is_empty() {
+                tracing::info!(set = %set, removed = paths.len(), "managed set: removing paths no longer listed");
+            }
+            self.record(Record::PruneResolved { run, paths }, false)?;
+        }
+        for (i, change) in plan.changes.iter().enumerate() {
+            let Change::Package(p) = change else { continue };
+            if p.version_prefix().is_none() || rs.versions.contains_key(&(i as u32)) {
+                continue;
+            }
+            let step = format!("changes[{i}] {} {}", change.kind(), change.target());
+            let found = steps::package::resolve(
+                &self.shared.host,
+                p,
+                plan.options.step_timeout,
+                false,
+                &mut |n| self.note(run, &step, n),
+            );
+            if let Ok(Some(version)) = found {
+                self.record(
+                    Record::VersionResolved {
+                        run,
+                        index: i as u32,
+                        version,
+                    },
+                    false,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Resolves the version pattern of package change `index` right before its step
+    /// (refreshing the package lists once when nothing matches); fails the step when the
+    /// repositories offer no matching version.
+    fn resolve_at_step(&self, run: u64, plan: &Plan, index: usize) -> Result<(), Abort> {
+        let Some(Change::Package(p)) = plan.changes.get(index) else {
+            return Ok(());
+        };
+        let step = format!("changes[{index}] package {}", plan.changes[index].target());
+        let found = steps::package::resolve(
+            &self.shared.host,
+            p,
+            plan.options.step_timeout,
+            true,
+            &mut |n| self.note(run, &step, n),
+        );
+        let error = match found {
+            Ok(Some(version)) => {
+                self.record(
+                    Record::VersionResolved {
+                        run,
+                        index: index as u32,
+                        version,
+                    },
+                    false,
+                )?;
+                return Ok(());
+            }
+            Ok(None) => steps::StepError::new(
+                ErrorKind::Package,
+                format!(
+                    "no version of {} matching {} is offered by the configured repositories \
+                     (after refreshing the package lists); check the repository the plan \
+                     configures for this version",
+                    p.name, p.version
+                ),
+            ),
+            Err(e) => e,
+        };
+        let error = ErrorInfo {
+            kind: error.kind,
+            step: Some(step),
+            detail: error.detail,
+        };
+        self.record(
+            Record::StepFailed {
+                run,
+                index: index as u32,
+                error: error.clone(),
+            },
+            true,
+        )?;
+        Err(Abort::Failed(error))
     }
 
     /// Downloads and verifies every artifact of the plan not yet in its desired state into
@@ -314,10 +416,10 @@ impl Runner {
     }
 
     fn apply(&self, run: u64) -> Result<(), Abort> {
-        let Some((_, rs, _)) = self.state(run) else {
+        let Some((_, mut rs, _)) = self.state(run) else {
             return Ok(());
         };
-        let plan = rs.plan.clone();
+        let mut plan = rs.plan.clone();
         let prepared = self.admit(&plan)?;
         // Resumed in Applying after a restart: make sure the artifacts are still cached.
         self.fetch_artifacts(run, &plan)?;
@@ -349,6 +451,15 @@ impl Runner {
             if let Change::Reboot(_) = &plan.changes[batch[0]] {
                 self.reboot_step(run, batch[0] as u32)?;
                 continue;
+            }
+            if let Change::Package(p) = &plan.changes[batch[0]]
+                && p.version_prefix().is_some()
+            {
+                self.resolve_at_step(run, &plan, batch[0])?;
+                if let Some((_, now, _)) = self.state(run) {
+                    rs = now;
+                    plan = rs.plan.clone();
+                }
             }
             self.apply_batch(run, &plan, &prepared, &batch, &rs)?;
         }
@@ -771,41 +882,52 @@ impl Runner {
             inner.table.by_run(run).cloned()
         }?;
         let total = rs.preimages.len();
-        let reasons: Vec<String> = not_restored
-            .iter()
-            .map(|i| {
-                let name = rs
-                    .plan
-                    .changes
-                    .get(*i as usize)
-                    .map(|c| format!("changes[{i}] {} {}", c.kind(), c.target()))
-                    .unwrap_or_else(|| format!("changes[{i}]"));
-                let why = status
-                    .changes
-                    .get(*i as usize)
-                    .map(|c| c.message.clone())
-                    .unwrap_or_default();
-                format!("{name}: {why}")
-            })
-            .collect();
+        let name = |i: u32| {
+            rs.plan
+                .changes
+                .get(i as usize)
+                .map(|c| format!("changes[{i}] {} {}", c.kind(), c.target()))
+                .unwrap_or_else(|| format!("changes[{i}]"))
+        };
+        let why = |i: u32| {
+            status
+                .changes
+                .get(i as usize)
+                .map(|c| c.message.clone())
+                .unwrap_or_default()
+        };
         let after = error
             .as_ref()
             .map(|e| format!(" (rolling back after: {e})"))
             .unwrap_or_default();
+        let restored = total - not_restored.len();
+        let others = match restored {
+            0 => String::new(),
+            1 => "; the other changed change was restored".to_string(),
+            n => format!("; the other {n} changed changes were restored"),
+        };
+        // The step names the first change left changed (rollback goes in reverse order).
         let first = not_restored.iter().max().copied().unwrap_or_default();
-        Some(ErrorInfo {
-            kind: ErrorKind::RollbackFailed,
-            step: rs
-                .plan
-                .changes
-                .get(first as usize)
-                .map(|c| format!("changes[{first}] {} {}", c.kind(), c.target())),
-            detail: format!(
-                "rollback could not restore {} of {total} changed changes, the others were \
-                 restored; the node needs attention at: {}{after}",
+        let detail = if let [only] = not_restored {
+            format!(
+                "rollback could not restore this change: {}{others}; the node needs attention{after}",
+                why(*only)
+            )
+        } else {
+            let reasons: Vec<String> = not_restored
+                .iter()
+                .map(|i| format!("{}: {}", name(*i), why(*i)))
+                .collect();
+            format!(
+                "rollback could not restore {} changes: {}{others}; the node needs attention{after}",
                 not_restored.len(),
                 reasons.join("; ")
-            ),
+            )
+        };
+        Some(ErrorInfo {
+            kind: ErrorKind::RollbackFailed,
+            step: Some(name(first)),
+            detail,
         })
     }
 

@@ -47,6 +47,15 @@ pub struct RunState {
     pub drives: u32,
     /// Timestamp of the last record of this run (step durations).
     pub last_ts: u64,
+    /// The plan's managed set (`options.prune.set`).
+    pub prune_set: Option<String>,
+    /// The paths of the plan's own `file` changes (the set's members after it).
+    pub members: Vec<String>,
+    /// Package version patterns resolved for this run, by change index.
+    pub versions: BTreeMap<u32, String>,
+    /// The managed-set paths this run removes (`Some` once decided; appended to the plan
+    /// as `absent` changes).
+    pub pruned: Option<Vec<String>>,
 }
 
 /// A reboot a run asked for.
@@ -122,6 +131,29 @@ pub struct Table {
     /// False while the journal is replayed: per-step progress messages are only built for
     /// live records (a replay of a million records would format them all for nothing).
     live: bool,
+    /// The members of each managed set: what plans of the set wrote and did not remove.
+    sets: BTreeMap<String, BTreeSet<String>>,
+}
+
+/// `plan` with a run's resolutions applied: exact package versions, and an `absent` change
+/// for each path its managed set removes.
+pub fn resolved_plan(plan: &Plan, versions: &BTreeMap<u32, String>, pruned: &[String]) -> Plan {
+    let mut plan = plan.clone();
+    for (index, version) in versions {
+        if let Some(crate::plan::Change::Package(p)) = plan.changes.get_mut(*index as usize) {
+            p.version = version.clone();
+        }
+    }
+    for path in pruned {
+        if let Ok(path) = crate::plan::NodePath::parse(path) {
+            plan.changes
+                .push(crate::plan::Change::Absent(crate::plan::AbsentChange {
+                    path,
+                    restart_units: Vec::new(),
+                }));
+        }
+    }
+    plan
 }
 
 fn step_name(index: u32, plan: &Plan) -> String {
@@ -271,6 +303,7 @@ impl Table {
                 changes,
                 checks,
                 bodies,
+                prune,
             } => {
                 let status = PlanStatus {
                     id,
@@ -291,7 +324,17 @@ impl Table {
                     counts: Counts::default(),
                     events: Vec::new(),
                 };
-                self.accept(status, KeptPlan { doc, bodies }, changes, checks, plan);
+                self.accept(
+                    status,
+                    KeptPlan { doc, bodies },
+                    changes,
+                    checks,
+                    plan,
+                    prune,
+                );
+            }
+            Record::SetMembers { set, paths } => {
+                self.sets.insert(set, paths.into_iter().collect());
             }
             Record::Summary {
                 status,
@@ -343,7 +386,15 @@ impl Table {
                     continue;
                 }
             };
+            let mut plan = plan;
             if let Some(rs) = self.runs.get_mut(&run) {
+                if !rs.versions.is_empty() || rs.pruned.as_ref().is_some_and(|p| !p.is_empty()) {
+                    plan = Arc::new(resolved_plan(
+                        &plan,
+                        &rs.versions,
+                        rs.pruned.as_deref().unwrap_or_default(),
+                    ));
+                }
                 rs.plan = plan.clone();
             }
             if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) {
@@ -365,6 +416,7 @@ impl Table {
         mut changes: Vec<ChangeSummary>,
         mut checks: Vec<CheckSummary>,
         plan: Option<Arc<Plan>>,
+        prune: Option<String>,
     ) {
         let run = status.run;
         self.next_run = self.next_run.max(run + 1);
@@ -397,6 +449,15 @@ impl Table {
         {
             (changes, checks) = summaries(p);
         }
+        let members: Vec<String> = if prune.is_some() {
+            changes
+                .iter()
+                .filter(|c| c.kind == crate::plan::ChangeKind::File)
+                .map(|c| c.target.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
         status.changes = changes
             .into_iter()
             .enumerate()
@@ -446,6 +507,10 @@ impl Table {
                 cancel_reason: String::new(),
                 drives: 0,
                 last_ts,
+                prune_set: prune,
+                members,
+                versions: BTreeMap::new(),
+                pruned: None,
             },
         );
         self.docs.insert(run, kept);
@@ -764,7 +829,59 @@ impl Table {
                     (false, false) => format!(" by {by}: {reason}"),
                 };
             }
-            (Record::PlanFinished { phase, error, .. }, _) => {
+            (Record::VersionResolved { index, version, .. }, Some(rs)) => {
+                if let Some(c) = status.changes.get_mut(index as usize)
+                    && let Some((name, _)) = c.target.split_once('=')
+                {
+                    c.target = format!("{name}={version}");
+                }
+                if live {
+                    let mut versions = BTreeMap::new();
+                    versions.insert(index, version.clone());
+                    rs.plan = Arc::new(resolved_plan(&rs.plan, &versions, &[]));
+                }
+                rs.versions.insert(index, version);
+                rs.last_ts = ts;
+            }
+            (Record::PruneResolved { paths, .. }, Some(rs)) => {
+                if rs.pruned.is_none() {
+                    let first = status.changes.len() as u32;
+                    for (i, path) in paths.iter().enumerate() {
+                        status.changes.push(ChangeStatus {
+                            index: first + i as u32,
+                            kind: crate::plan::ChangeKind::Absent,
+                            target: path.clone(),
+                            state: ChangeState::Pending,
+                            message: String::new(),
+                            disruption: crate::plan::Disruption::None,
+                            duration_ms: None,
+                        });
+                    }
+                    status.counts.total = status.changes.len() as u32;
+                    status.progress.total += paths.len() as u32;
+                    if live {
+                        rs.plan = Arc::new(resolved_plan(&rs.plan, &BTreeMap::new(), &paths));
+                    }
+                    rs.pruned = Some(paths);
+                }
+                rs.last_ts = ts;
+            }
+            (Record::PlanFinished { phase, error, .. }, state) => {
+                if let Some(rs) = state
+                    && let Some(set) = &rs.prune_set
+                {
+                    let members = self.sets.entry(set.clone()).or_default();
+                    match phase {
+                        // The node holds exactly this plan's files of the set.
+                        Phase::Succeeded => {
+                            *members = rs.members.iter().cloned().collect();
+                        }
+                        // Everything this run did was undone.
+                        Phase::RolledBack => {}
+                        // Partly applied: the set may hold both plans' files.
+                        _ => members.extend(rs.members.iter().cloned()),
+                    }
+                }
                 status.phase = phase;
                 status.finished_at_ms = Some(ts);
                 status.rebooting = false;
@@ -917,18 +1034,32 @@ impl Table {
     /// The records that replace the journal when it is compacted (only valid when no run
     /// is unfinished).
     pub fn summary_records(&self) -> Vec<Record> {
-        self.plans
-            .iter()
-            .filter(|p| p.phase.is_terminal())
-            .map(|p| {
-                let kept = self.retained.get(&p.run);
-                Record::Summary {
-                    status: Box::new(p.clone()),
-                    plan: kept.map(|k| k.doc.clone()),
-                    bodies: kept.and_then(|k| k.bodies.clone()),
-                }
-            })
-            .collect()
+        let sets = self.sets.iter().map(|(set, paths)| Record::SetMembers {
+            set: set.clone(),
+            paths: paths.iter().cloned().collect(),
+        });
+        sets.chain(
+            self.plans
+                .iter()
+                .filter(|p| p.phase.is_terminal())
+                .map(|p| {
+                    let kept = self.retained.get(&p.run);
+                    Record::Summary {
+                        status: Box::new(p.clone()),
+                        plan: kept.map(|k| k.doc.clone()),
+                        bodies: kept.and_then(|k| k.bodies.clone()),
+                    }
+                }),
+        )
+        .collect()
+    }
+
+    /// The members of managed set `set` (empty when unknown).
+    pub fn set_members(&self, set: &str) -> Vec<String> {
+        self.sets
+            .get(set)
+            .map(|m| m.iter().cloned().collect())
+            .unwrap_or_default()
     }
 }
 
@@ -960,7 +1091,53 @@ mod tests {
             changes,
             checks,
             bodies: None,
+            prune: plan.options.prune.clone(),
         }
+    }
+
+    #[test]
+    fn managed_set_members_follow_finished_plans_and_survive_compaction() {
+        let plan = parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\noptions: {prune: {set: s}}\nchanges:\n  - file: {path: /etc/kubernetes/a, content: x}\n  - file: {path: /etc/kubernetes/b, content: y}\n",
+            "test",
+            &Limits::default(),
+        )
+        .expect("plan");
+        let mut table = Table::new(10);
+        table.apply(entry(1, 1, accepted(&plan)));
+        assert!(table.set_members("s").is_empty());
+        table.apply(entry(
+            2,
+            2,
+            Record::PruneResolved {
+                run: 1,
+                paths: vec!["/etc/kubernetes/old".into()],
+            },
+        ));
+        let status = table.by_run(1).unwrap();
+        assert_eq!(status.changes.len(), 3, "the removal is the third change");
+        assert_eq!(status.changes[2].kind, crate::plan::ChangeKind::Absent);
+        table.apply(entry(
+            3,
+            3,
+            Record::PlanFinished {
+                run: 1,
+                phase: Phase::Succeeded,
+                error: None,
+            },
+        ));
+        assert_eq!(
+            table.set_members("s"),
+            ["/etc/kubernetes/a", "/etc/kubernetes/b"]
+        );
+        // Compaction writes the members; a table built from its records knows them.
+        let records = table.summary_records();
+        assert!(matches!(&records[0], Record::SetMembers { set, .. } if set == "s"));
+        let mut compacted = Table::new(10);
+        for (i, r) in records.into_iter().enumerate() {
+            compacted.apply(entry(i as u64 + 1, 10, r));
+        }
+        assert_eq!(compacted.set_members("s"), table.set_members("s"));
     }
 
     #[test]

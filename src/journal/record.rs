@@ -100,6 +100,38 @@ pub enum Record {
         /// `journal::bodies`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         bodies: Option<String>,
+        /// The managed set of the plan (`options.prune.set`), so the set's members are known
+        /// without reading `plan`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        prune: Option<String>,
+    },
+    /// A package version pattern (`1.31.2-*`) was resolved to the exact version this run
+    /// installs (written before the change's first mutation; the run uses it from then on,
+    /// also after a restart).
+    VersionResolved {
+        /// Run number.
+        run: u64,
+        /// The package change.
+        index: u32,
+        /// The exact version.
+        version: String,
+    },
+    /// The paths of the plan's managed set that earlier plans wrote and this one does not
+    /// list: the run removes them, as `absent` changes appended after the plan's own
+    /// (written when the run prepares, before any change).
+    PruneResolved {
+        /// Run number.
+        run: u64,
+        /// The paths, in order.
+        paths: Vec<String>,
+    },
+    /// The members of a managed set (written by compaction, which drops the plans they
+    /// came from).
+    SetMembers {
+        /// The set.
+        set: String,
+        /// Its paths.
+        paths: Vec<String>,
     },
     /// The run entered a phase.
     Phase {
@@ -310,8 +342,9 @@ impl Record {
     /// The run this record belongs to, if any.
     pub fn run(&self) -> Option<u64> {
         match self {
-            Record::Compacted { .. } => None,
+            Record::Compacted { .. } | Record::SetMembers { .. } => None,
             Record::Summary { status, .. } => Some(status.run),
+            Record::VersionResolved { run, .. } | Record::PruneResolved { run, .. } => Some(*run),
             Record::PlanAccepted { run, .. }
             | Record::Phase { run, .. }
             | Record::StepStarted { run, .. }
@@ -339,6 +372,9 @@ impl Record {
         match self {
             Record::Compacted { .. } => "compacted",
             Record::PlanAccepted { .. } => "planAccepted",
+            Record::VersionResolved { .. } => "versionResolved",
+            Record::PruneResolved { .. } => "pruneResolved",
+            Record::SetMembers { .. } => "setMembers",
             Record::Phase { .. } => "phase",
             Record::StepStarted { .. } => "stepStarted",
             Record::StepDone { .. } => "stepDone",

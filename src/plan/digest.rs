@@ -51,14 +51,16 @@ pub(super) fn canonical_value(plan: &Plan, bodies: bool) -> Value {
     if let Some(n) = &plan.node_name {
         doc.insert("nodeName".into(), json!(n));
     }
-    doc.insert(
-        "options".into(),
-        json!({
-            "rollbackOnFailure": plan.options.rollback_on_failure,
-            "timeoutSeconds": plan.options.timeout.as_secs(),
-            "stepTimeoutSeconds": plan.options.step_timeout.as_secs(),
-        }),
-    );
+    let mut options = json!({
+        "rollbackOnFailure": plan.options.rollback_on_failure,
+        "timeoutSeconds": plan.options.timeout.as_secs(),
+        "stepTimeoutSeconds": plan.options.step_timeout.as_secs(),
+    });
+    // Only when set, so plans without a managed set keep the digests they always had.
+    if let (Some(set), Some(m)) = (&plan.options.prune, options.as_object_mut()) {
+        m.insert("prune".into(), json!({"set": set}));
+    }
+    doc.insert("options".into(), options);
     doc.insert(
         "changes".into(),
         Value::Array(

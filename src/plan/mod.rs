@@ -47,6 +47,9 @@ pub struct PlanOptions {
     pub timeout: Duration,
     /// Time budget of one step (default 300 s).
     pub step_timeout: Duration,
+    /// The managed set this plan's `file` paths belong to (`prune: {set: NAME}`): paths an
+    /// earlier plan of the set wrote and this one does not list are removed.
+    pub prune: Option<String>,
 }
 
 impl Default for PlanOptions {
@@ -55,6 +58,7 @@ impl Default for PlanOptions {
             rollback_on_failure: true,
             timeout: Duration::from_secs(900),
             step_timeout: Duration::from_secs(300),
+            prune: None,
         }
     }
 }
@@ -360,7 +364,8 @@ pub struct SysctlChange {
 pub struct PackageChange {
     /// Package name.
     pub name: String,
-    /// Exact version (`1.31.2-1.1`).
+    /// Exact version (`1.31.2-1.1`), or a pattern ending in `*` (`1.31.2-*`) that the
+    /// engine resolves to the highest available match when the plan prepares.
     pub version: String,
     /// `apt` or `dnf`; detected from the node when absent.
     pub manager: Option<String>,
@@ -546,7 +551,36 @@ impl Probe {
     }
 }
 
+impl PackageChange {
+    /// The part before the `*` when `version` is a pattern (`1.31.2-*` → `1.31.2-`).
+    pub fn version_prefix(&self) -> Option<&str> {
+        self.version.strip_suffix('*')
+    }
+}
+
+/// A managed set name: 1 to 63 of `[a-z0-9-]`, starting and ending alphanumeric.
+pub fn is_set_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
 impl Plan {
+    /// The paths of the plan's `file` changes (the members of its managed set).
+    pub fn file_paths(&self) -> Vec<String> {
+        self.changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::File(f) => Some(f.path.to_string()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// sha256 over the canonical serialisation of the validated model, `sha256:<hex>`.
     /// The id is not part of it: the same desired state under two ids has one digest.
     pub fn digest(&self) -> String {

@@ -577,10 +577,34 @@ impl Cx<'_> {
         self.known_keys(
             "options",
             m,
-            &["rollbackOnFailure", "timeoutSeconds", "stepTimeoutSeconds"],
+            &[
+                "rollbackOnFailure",
+                "timeoutSeconds",
+                "stepTimeoutSeconds",
+                "prune",
+            ],
         );
         let d = PlanOptions::default();
+        let prune = match m.get("prune") {
+            None | Some(Value::Null) => None,
+            Some(p) => self.object("options.prune", p).and_then(|pm| {
+                self.known_keys("options.prune", pm, &["set"]);
+                let set = self.string("options.prune", pm, "set", true)?;
+                if is_set_name(set) {
+                    Some(set.to_string())
+                } else {
+                    self.err(
+                        "options.prune.set",
+                        format!(
+                            "{set:?} is not a set name (1 to 63 of a-z, 0-9 and -, alphanumeric at both ends)"
+                        ),
+                    );
+                    None
+                }
+            }),
+        };
         Some(PlanOptions {
+            prune,
             rollback_on_failure: self
                 .boolean("options", m, "rollbackOnFailure")
                 .unwrap_or(d.rollback_on_failure),
@@ -987,15 +1011,23 @@ impl Cx<'_> {
         }
         let version = self.string(path, m, "version", true).map(str::to_string);
         if let Some(v) = &version {
-            let valid = !v.is_empty()
+            // An exact version, or a pattern: a non-empty prefix and one final `*`.
+            let exact = v.strip_suffix('*').unwrap_or(v);
+            let valid = !exact.is_empty()
                 && v.len() <= 128
-                && v.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
-                && v.chars()
+                && exact
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphanumeric())
+                && exact
+                    .chars()
                     .all(|c| c.is_ascii_alphanumeric() || ".+~:_^-".contains(c));
             if !valid {
                 self.err(
                     join(path, "version"),
-                    format!("{v:?} is not a valid package version"),
+                    format!(
+                        "{v:?} is not a valid package version (an exact version, or a prefix and a final *)"
+                    ),
                 );
             }
         }

@@ -187,6 +187,11 @@ pub fn plan_to_pb(plan: &Plan) -> pb::Plan {
             rollback_on_failure: Some(plan.options.rollback_on_failure),
             timeout_seconds: secs(plan.options.timeout),
             step_timeout_seconds: secs(plan.options.step_timeout),
+            prune: plan
+                .options
+                .prune
+                .as_ref()
+                .map(|set| pb::PruneOption { set: set.clone() }),
         }),
         changes,
         verify,
@@ -225,6 +230,9 @@ fn plan_document_owned(plan: pb::Plan) -> Result<Value, FieldError> {
         }
         put_u32(&mut o, "timeoutSeconds", options.timeout_seconds);
         put_u32(&mut o, "stepTimeoutSeconds", options.step_timeout_seconds);
+        if let Some(prune) = &options.prune {
+            o.insert("prune".into(), json!({"set": prune.set}));
+        }
         doc.insert("options".into(), Value::Object(o));
     }
     let changes = plan
@@ -552,6 +560,7 @@ verify:
             id: "default/md-0@everything".into(),
             node_name: "worker-1".into(),
             options: Some(pb::PlanOptions {
+                prune: None,
                 rollback_on_failure: Some(false),
                 timeout_seconds: 600,
                 step_timeout_seconds: 120,
@@ -672,6 +681,7 @@ verify:
         let wire = pb::Plan {
             id: "default/md-0-7d9f4-abcde@kubelet-tuning".into(),
             options: Some(pb::PlanOptions {
+                prune: None,
                 rollback_on_failure: Some(true),
                 timeout_seconds: 600,
                 step_timeout_seconds: 0,

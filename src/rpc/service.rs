@@ -225,7 +225,27 @@ pub fn node_info(engine: &Engine) -> pb::GetNodeInfoResponse {
         boot_id: host.boot_id().unwrap_or_default(),
         supported_change_kinds,
         current_plan_id: engine.current().map(|s| s.id).unwrap_or_default(),
+        supported_check_kinds: supported_check_kinds(host.services().is_some(), capabilities),
+        services_managed: host.services().is_some(),
+        plan_features: PLAN_FEATURES.iter().map(|f| (*f).to_owned()).collect(),
     }
+}
+
+/// `GetNodeInfoResponse.plan_features` of this build.
+pub const PLAN_FEATURES: &[&str] = &["prune", "packageVersionPattern"];
+
+/// The check kinds an agent runs: `unitActive` needs service management, `command` exec.
+fn supported_check_kinds(services: bool, capabilities: &crate::steps::Capabilities) -> Vec<String> {
+    let mut kinds = Vec::new();
+    if services {
+        kinds.push("unitActive".to_owned());
+    }
+    kinds.push("httpGet".to_owned());
+    kinds.push("kubeletVersion".to_owned());
+    if capabilities.exec_allowed {
+        kinds.push("command".to_owned());
+    }
+    kinds
 }
 
 /// The stream type of `WatchPlan`.

@@ -110,9 +110,15 @@ pub fn decide(
 /// Node-dependent problems of a package change, as (field, message): no usable package
 /// manager, a version the manager cannot read.
 pub fn preflight(host: &Host, change: &PackageChange) -> Vec<(&'static str, String)> {
+    // A pattern's prefix ends where a version part would follow (`1.31.2-`): check the
+    // version it names up to there.
+    let exact = match change.version_prefix() {
+        Some(prefix) => prefix.trim_end_matches(['-', '.', '~', ':', '+', '_', '^']),
+        None => change.version.as_str(),
+    };
     match host.package_manager_kind(change.manager.as_deref()) {
         Err(e) => vec![("manager", e.to_string())],
-        Ok(kind) => match validate_version(kind, &change.version) {
+        Ok(kind) => match validate_version(kind, exact) {
             Err(e) => vec![("version", format!("{e} (for {kind})"))],
             Ok(()) => Vec::new(),
         },
@@ -204,13 +210,87 @@ pub fn transcript_text(transcript: &[CommandRecord], limit: usize) -> String {
     tail(&text, limit)
 }
 
-/// What `change` needs on this node now.
+/// The version a pattern (`1.31.2-*`) stands for: the highest version the package
+/// manager offers that starts with its prefix (by the manager's ordering). With `refresh`,
+/// the package lists are refreshed once when nothing matches (the plan may just have
+/// switched the repository). `None`: nothing offered matches. An exact version is returned
+/// as it is.
+pub fn resolve(
+    host: &Host,
+    change: &PackageChange,
+    timeout: Duration,
+    refresh: bool,
+    note: &mut dyn FnMut(Note),
+) -> Result<Option<String>, StepError> {
+    let Some(prefix) = change.version_prefix() else {
+        return Ok(Some(change.version.clone()));
+    };
+    let kind = host
+        .package_manager_kind(change.manager.as_deref())
+        .map_err(pkg_error)?;
+    let pm = manager(host, kind, timeout);
+    let pick = |pm: &dyn PackageManager| -> Result<Option<String>, StepError> {
+        let offered = pm.available_versions(&change.name).map_err(pkg_error)?;
+        Ok(highest_match(&offered, prefix, |a, b| {
+            pm.compare_versions(a, b)
+                .unwrap_or(std::cmp::Ordering::Equal)
+        }))
+    };
+    if let Some(v) = pick(&*pm)? {
+        return Ok(Some(v));
+    }
+    if !refresh {
+        return Ok(None);
+    }
+    note(Note::Event(&format!(
+        "no version of {} matching {} in the package lists as last refreshed; refreshing them",
+        change.name, change.version
+    )));
+    pm.refresh(&mut events(note)).map_err(pkg_error)?;
+    pick(&*pm)
+}
+
+/// The highest of `offered` that starts with `prefix` (pure).
+pub fn highest_match(
+    offered: &[String],
+    prefix: &str,
+    cmp: impl Fn(&str, &str) -> std::cmp::Ordering,
+) -> Option<String> {
+    offered
+        .iter()
+        .filter(|v| v.starts_with(prefix))
+        .max_by(|a, b| cmp(a, b))
+        .cloned()
+}
+
+/// What `change` needs on this node now. A version pattern not resolved yet (only the dry
+/// run sees one) is resolved against the package lists as they are; when nothing matches,
+/// an installed version that matches it is taken as satisfying it.
 pub fn diff(host: &Host, change: &PackageChange, ctx: StepCtx) -> Result<Diff, StepError> {
     let kind = host
         .package_manager_kind(change.manager.as_deref())
         .map_err(pkg_error)?;
     let pm = manager(host, kind, ctx.step_timeout);
     let installed = pm.installed(&change.name).map_err(pkg_error)?;
+    let resolved;
+    let change = match change.version_prefix() {
+        None => change,
+        Some(prefix) => {
+            let version = resolve(host, change, ctx.step_timeout, false, &mut |_| {})?
+                .or_else(|| {
+                    installed
+                        .as_ref()
+                        .filter(|p| p.version.starts_with(prefix))
+                        .map(|p| p.version.clone())
+                })
+                .unwrap_or_else(|| change.version.clone());
+            resolved = PackageChange {
+                version,
+                ..change.clone()
+            };
+            &resolved
+        }
+    };
     let (install, rehold) = decide(installed.as_ref(), change, |have, want| {
         pm.version_satisfies(have, want)
     });
@@ -470,6 +550,28 @@ mod tests {
         );
         let release = change("1.31.2-1.1", false);
         assert_eq!(decide(Some(&there), &release, deb_equal), (false, true));
+    }
+
+    #[test]
+    fn a_pattern_resolves_to_the_highest_match_by_the_managers_order() {
+        let offered: Vec<String> = [
+            "1.31.2-1.1",
+            "1.31.2-1.10",
+            "1.31.2-1.2",
+            "1.31.3-1.1",
+            "1.30.9-1.1",
+        ]
+        .iter()
+        .map(|s| (*s).to_string())
+        .collect();
+        let deb = |a: &str, b: &str| {
+            crate::host::pkgversion::compare_deb(a, b).unwrap_or(std::cmp::Ordering::Equal)
+        };
+        assert_eq!(
+            highest_match(&offered, "1.31.2-", deb).as_deref(),
+            Some("1.31.2-1.10")
+        );
+        assert_eq!(highest_match(&offered, "1.32.0-", deb), None);
     }
 
     #[test]

@@ -1,0 +1,591 @@
+//! The updater under CAPI's load: N agents (separate `inplace-agent serve` processes on
+//! sandbox trees, each on its own loopback address, all on one port), the Kubernetes API
+//! stand-in in this process, the real `inplace-updater serve` binary, and C concurrent
+//! callers that call UpdateMachine for the N Machines exactly as CAPI's Machine controller
+//! does (HTTPS, HTTP/1.1, no Content-Type): first polling each Machine every
+//! `retryAfterSeconds` until done (CAPI's hook cache), then, with new plans, in a closed loop
+//! without waiting (the harshest polling: a throughput figure).
+//!
+//! ```text
+//! updater [--agents N] [--callers C] [--start-concurrency S] [--json FILE]
+//! ```
+//!
+//! Figures: UpdateMachine latency p50/p99/max polled as CAPI does, in the closed loop while
+//! the fleet converges and once it has (the plan is known: GetPlanStatus only); time until
+//! all N converged; the updater's RSS
+//! idle (before any call, after 3 s), after the load, and its peak (VmHWM). Baseline in the
+//! same run: the same callers calling the agents' GetPlanStatus directly over mutual TLS
+//! (what one UpdateMachine costs at least), so the updater's own overhead is a ratio.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use inplace_agent::rpc::pb;
+use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
+use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
+use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
+use inplace_agent::updater::emulate::{CapiClient, Pki};
+use inplace_agent::updater::hooks::{
+    Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION,
+};
+use inplace_agent::updater::standin::ApiStandin;
+use serde_json::{Value, json};
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+const HOST: &str = "inplace-updater.inplace-system.svc";
+
+fn bin(name: &str, built: &str) -> PathBuf {
+    let var = format!(
+        "INPLACE_{}_BIN",
+        name.to_ascii_uppercase().replace('-', "_")
+    );
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(built))
+}
+
+struct Options {
+    agents: usize,
+    callers: usize,
+    start_concurrency: usize,
+    json: Option<PathBuf>,
+}
+
+fn options() -> Result<Options, Error> {
+    let mut o = Options {
+        agents: 500,
+        callers: 100,
+        start_concurrency: 16,
+        json: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--bench" => {}
+            "--agents" => o.agents = value()?.parse()?,
+            "--callers" => o.callers = value()?.parse()?,
+            "--start-concurrency" => o.start_concurrency = value()?.parse()?,
+            "--json" => o.json = Some(value()?.into()),
+            other => return Err(format!("unknown option {other}").into()),
+        }
+    }
+    Ok(o)
+}
+
+fn raise_nofile() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    if let Some(max) = getrlimit(Resource::Nofile).maximum {
+        let _ = setrlimit(
+            Resource::Nofile,
+            rustix::process::Rlimit {
+                current: Some(max),
+                maximum: Some(max),
+            },
+        );
+    }
+}
+
+/// (VmRSS, VmHWM) in KiB.
+fn rss(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[(((sorted.len() - 1) as f64) * p).round() as usize]
+}
+
+struct Kill(Vec<Child>);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+        }
+        for c in &mut self.0 {
+            let _ = c.wait();
+        }
+    }
+}
+
+fn ip(i: usize) -> String {
+    format!("127.77.{}.{}", i / 200, i % 200 + 2)
+}
+
+fn node(i: usize) -> String {
+    format!("node-{i:04}")
+}
+
+fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Child, Error> {
+    let home = dir.join(node(i));
+    let root = home.join("root");
+    inplace_agent::cli::demo::build_kubeadm_worker(&root)?;
+    let kubelet = root.join("usr/local/bin/kubelet");
+    std::fs::create_dir_all(kubelet.parent().ok_or("no parent")?)?;
+    std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;
+    std::fs::set_permissions(
+        &kubelet,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    let cert = pki.server(&node(i), &[&node(i), &ip(i)])?;
+    Ok(
+        Command::new(bin("agent", env!("CARGO_BIN_EXE_inplace-agent")))
+            .args([
+                "serve",
+                "--config",
+                "/dev/null",
+                "--no-chroot",
+                "--services",
+                "off",
+            ])
+            .args([
+                "--admin",
+                DEFAULT_UPDATER_IDENTITY,
+                "--reader",
+                DEFAULT_UPDATER_IDENTITY,
+            ])
+            .args(["--node-name", &node(i), "--listen"])
+            .arg(format!("{}:{port}", ip(i)))
+            .arg("--root")
+            .arg(&root)
+            .arg("--state-dir")
+            .arg(home.join("state"))
+            .arg("--tls-cert")
+            .arg(&cert.cert)
+            .arg("--tls-key")
+            .arg(&cert.key)
+            .arg("--client-ca")
+            .arg(pki.ca())
+            .env("INPLACE_AGENT_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    )
+}
+
+fn wait_listening(addr: &str, deadline: Instant) -> Result<(), Error> {
+    while std::net::TcpStream::connect(addr).is_err() {
+        if Instant::now() > deadline {
+            return Err(format!("{addr} never listened").into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn machine(i: usize) -> Value {
+    json!({
+        "kind": "Machine", "apiVersion": "cluster.x-k8s.io/v1beta2",
+        "metadata": {"name": format!("md-0-{i:04}"), "namespace": "default",
+            "annotations": {UPDATE_IN_PROGRESS_ANNOTATION: "", PENDING_HOOKS_ANNOTATION: "UpdateMachine"}},
+        "spec": {"clusterName": "bench", "version": "v1.35.2",
+            "bootstrap": {"configRef": {"kind": "KubeadmConfig", "name": format!("md-0-{i:04}"), "apiGroup": "bootstrap.cluster.x-k8s.io"}},
+            "infrastructureRef": {"kind": "DevMachine", "name": format!("md-0-{i:04}"), "apiGroup": "infrastructure.cluster.x-k8s.io"}},
+        "status": {"nodeRef": {"name": node(i)}, "addresses": [{"type": "InternalIP", "address": ip(i)}]},
+    })
+}
+
+fn config(i: usize) -> Value {
+    json!({
+        "apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2", "kind": "KubeadmConfig",
+        "metadata": {"name": format!("md-0-{i:04}"), "namespace": "default"},
+        "spec": {
+            "files": [{"path": "/etc/kubernetes/inplace-demo.conf", "owner": "root:root", "permissions": "0644", "content": "mode=v2\n"}],
+            "joinConfiguration": {
+                "discovery": {"bootstrapToken": {"token": "abcdef.0123456789abcdef"}},
+                "nodeRegistration": {"kubeletExtraArgs": [{"name": "max-pods", "value": "150"}]}},
+        },
+    })
+}
+
+fn request(i: usize, port: u16) -> Vec<u8> {
+    let mut m = machine(i);
+    if let Some(o) = m.as_object_mut() {
+        o.remove("status");
+    }
+    serde_json::to_vec(&json!({
+        "kind": "UpdateMachineRequest", "apiVersion": "hooks.runtime.cluster.x-k8s.io/v1alpha1",
+        "settings": {"agentPort": port.to_string()},
+        "desired": {"machine": m, "bootstrapConfig": config(i)},
+    }))
+    .unwrap_or_default()
+}
+
+/// C callers, Machine i polled by caller i % C, until every Machine answered done; the
+/// latency of every call (ms), split in progress / done, and the time to converge.
+async fn converge(
+    addr: SocketAddr,
+    ca: &Path,
+    bodies: Arc<Vec<Vec<u8>>>,
+    callers: usize,
+) -> Result<(Vec<f64>, Vec<f64>, Duration), Error> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..callers {
+        let (bodies, ca) = (bodies.clone(), ca.to_path_buf());
+        tasks.push(tokio::spawn(async move {
+            let mut client = CapiClient::new(addr, HOST, &ca).map_err(|e| e.to_string())?;
+            let mut pending: Vec<usize> = (c..bodies.len()).step_by(callers).collect();
+            let (mut progress, mut done) = (Vec::new(), Vec::new());
+            let deadline = Instant::now() + Duration::from_secs(600);
+            while !pending.is_empty() {
+                let mut still = Vec::new();
+                for i in pending {
+                    let t = Instant::now();
+                    let r = client
+                        .call(Hook::UpdateMachine, &bodies[i])
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    let v = r.json();
+                    if v["status"] != "Success" {
+                        return Err(format!("machine {i}: {v}"));
+                    }
+                    if v["retryAfterSeconds"] == 0 {
+                        done.push(ms);
+                    } else {
+                        progress.push(ms);
+                        still.push(i);
+                    }
+                }
+                pending = still;
+                if Instant::now() > deadline {
+                    return Err("not converged in 600 s".to_string());
+                }
+            }
+            Ok::<_, String>((progress, done))
+        }));
+    }
+    let (mut progress, mut done) = (Vec::new(), Vec::new());
+    for t in tasks {
+        let (p, d) = t.await??;
+        progress.extend(p);
+        done.extend(d);
+    }
+    let took = started.elapsed();
+    Ok((progress, done, took))
+}
+
+/// As CAPI's Machine controller polls: C callers (its reconcile workers), Machine i with
+/// caller i % C, each Machine called again `retryAfterSeconds` after an in-progress answer
+/// (CAPI's hook cache) until done; every call timed, and the time until all converged.
+async fn converge_as_capi(
+    addr: SocketAddr,
+    ca: &Path,
+    bodies: Arc<Vec<Vec<u8>>>,
+    callers: usize,
+) -> Result<(Vec<f64>, Duration), Error> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..callers {
+        let (bodies, ca) = (bodies.clone(), ca.to_path_buf());
+        tasks.push(tokio::spawn(async move {
+            let mut client = CapiClient::new(addr, HOST, &ca).map_err(|e| e.to_string())?;
+            // (next call at, machine)
+            let mut queue: Vec<(Instant, usize)> = (c..bodies.len())
+                .step_by(callers)
+                .map(|i| (Instant::now(), i))
+                .collect();
+            let mut out = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(600);
+            while !queue.is_empty() {
+                queue.sort_by_key(|(at, _)| *at);
+                let (at, i) = queue.remove(0);
+                tokio::time::sleep_until(at.into()).await;
+                let t = Instant::now();
+                let r = client
+                    .call(Hook::UpdateMachine, &bodies[i])
+                    .await
+                    .map_err(|e| e.to_string())?;
+                out.push(t.elapsed().as_secs_f64() * 1e3);
+                let v = r.json();
+                if v["status"] != "Success" {
+                    return Err(format!("machine {i}: {v}"));
+                }
+                let retry = v["retryAfterSeconds"].as_u64().unwrap_or(0);
+                if retry > 0 {
+                    queue.push((Instant::now() + Duration::from_secs(retry), i));
+                }
+                if Instant::now() > deadline {
+                    return Err("not converged in 600 s".to_string());
+                }
+            }
+            Ok::<_, String>(out)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok((all, started.elapsed()))
+}
+
+/// Every Machine once more per caller round, `rounds` times: the steady state (plan known).
+async fn steady(
+    addr: SocketAddr,
+    ca: &Path,
+    bodies: Arc<Vec<Vec<u8>>>,
+    callers: usize,
+    rounds: usize,
+) -> Result<Vec<f64>, Error> {
+    let mut tasks = Vec::new();
+    for c in 0..callers {
+        let (bodies, ca) = (bodies.clone(), ca.to_path_buf());
+        tasks.push(tokio::spawn(async move {
+            let mut client = CapiClient::new(addr, HOST, &ca).map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            for _ in 0..rounds {
+                for i in (c..bodies.len()).step_by(callers) {
+                    let t = Instant::now();
+                    let r = client
+                        .call(Hook::UpdateMachine, &bodies[i])
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    out.push(t.elapsed().as_secs_f64() * 1e3);
+                    if r.json()["retryAfterSeconds"] != 0 {
+                        return Err(format!("machine {i} not done: {}", r.json()));
+                    }
+                }
+            }
+            Ok::<_, String>(out)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok(all)
+}
+
+/// The baseline: the same callers calling each Machine's agent GetPlanStatus directly.
+async fn baseline(
+    pki: &Pki,
+    client: &inplace_agent::updater::emulate::CertFiles,
+    agents: usize,
+    port: u16,
+    callers: usize,
+    rounds: usize,
+) -> Result<Vec<f64>, Error> {
+    let config = Arc::new(client_config(&ClientTlsPaths {
+        ca: pki.ca(),
+        cert: client.cert.clone(),
+        key: client.key.clone(),
+    })?);
+    let mut channels = Vec::new();
+    for i in 0..agents {
+        channels.push(NodeAgentClient::new(
+            connect(
+                &format!("https://{}:{port}", ip(i)),
+                Some(&node(i)),
+                config.clone(),
+            )
+            .await?,
+        ));
+    }
+    let channels = Arc::new(channels);
+    let mut tasks = Vec::new();
+    for c in 0..callers {
+        let channels = channels.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for _ in 0..rounds {
+                for i in (c..channels.len()).step_by(callers) {
+                    let mut ch = channels[i].clone();
+                    let t = Instant::now();
+                    ch.get_plan_status(pb::GetPlanStatusRequest { id: String::new() })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    out.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            Ok::<_, String>(out)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok(all)
+}
+
+fn summary(name: &str, mut v: Vec<f64>) -> Value {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let s = json!({
+        "calls": v.len(),
+        "p50_ms": percentile(&v, 0.50),
+        "p99_ms": percentile(&v, 0.99),
+        "max_ms": v.last().copied().unwrap_or(0.0),
+    });
+    println!(
+        "{name}: {} calls, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        v.len(),
+        percentile(&v, 0.5),
+        percentile(&v, 0.99),
+        v.last().copied().unwrap_or(0.0)
+    );
+    s
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn main() -> Result<(), Error> {
+    let o = options()?;
+    raise_nofile();
+    let work = tempfile::Builder::new()
+        .prefix("inplace-updater-bench-")
+        .tempdir()?;
+    let dir = work.path();
+    let pki = Pki::new(&dir.join("pki"))?;
+    let client_cert = pki.updater_client()?;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port()
+    };
+    println!("load average at start: {}", loadavg());
+
+    // The fleet, a few agents at a time.
+    let started = Instant::now();
+    let mut kill = Kill(Vec::new());
+    let mut next = 0;
+    while next < o.agents {
+        let batch: Vec<usize> = (next..(next + o.start_concurrency).min(o.agents)).collect();
+        for &i in &batch {
+            kill.0.push(spawn_agent(dir, &pki, i, port)?);
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for &i in &batch {
+            wait_listening(&format!("{}:{port}", ip(i)), deadline)?;
+        }
+        next += batch.len();
+    }
+    println!(
+        "{} agents listening after {:.1} s",
+        o.agents,
+        started.elapsed().as_secs_f64()
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let result = runtime.block_on(async {
+        let api = ApiStandin::start().await?;
+        for i in 0..o.agents {
+            api.put(machine(i));
+            api.put(config(i));
+        }
+        let kubeconfig = dir.join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig)?;
+        let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;
+        let log = std::fs::File::create(dir.join("updater.log"))?;
+        let updater = Command::new(bin("updater", env!("CARGO_BIN_EXE_inplace-updater")))
+            .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+            .arg(&serving.cert)
+            .arg("--tls-key")
+            .arg(&serving.key)
+            .arg("--agent-ca")
+            .arg(pki.ca())
+            .arg("--agent-cert")
+            .arg(&client_cert.cert)
+            .arg("--agent-key")
+            .arg(&client_cert.key)
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .env("INPLACE_UPDATER_LOG", "warn,inplace_agent::updater::cli=info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?;
+        let pid = updater.id();
+        kill.0.push(updater);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr: SocketAddr = loop {
+            let text = std::fs::read_to_string(dir.join("updater.log")).unwrap_or_default();
+            if let Some(a) = text.split("listening on ").nth(1).and_then(|s| s.split_whitespace().next()) {
+                break a.parse()?;
+            }
+            if Instant::now() > deadline {
+                return Err::<Value, Error>(format!("the updater did not start: {text}").into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let (idle_rss, _) = rss(pid);
+        println!("updater idle RSS: {:.1} MiB", idle_rss as f64 / 1024.0);
+
+        let bodies = Arc::new((0..o.agents).map(|i| request(i, port)).collect::<Vec<_>>());
+        let load_start = loadavg();
+        // First as CAPI polls (every retryAfterSeconds), then, with new plans (another
+        // file content), in a closed loop: the harshest polling.
+        let (capi_ms, capi_took) = converge_as_capi(addr, &pki.ca(), bodies.clone(), o.callers).await?;
+        println!("CAPI-like polling: all {} Machines converged in {:.2} s", o.agents, capi_took.as_secs_f64());
+        let capi_s = summary("UpdateMachine, polled as CAPI does (every retryAfterSeconds)", capi_ms);
+        for i in 0..o.agents {
+            let mut c = config(i);
+            c["spec"]["files"][0]["content"] = json!("mode=v3\n");
+            api.put(c);
+        }
+        let bodies = Arc::new((0..o.agents).map(|i| {
+            let mut v: Value = serde_json::from_slice(&request(i, port)).unwrap_or(Value::Null);
+            v["desired"]["bootstrapConfig"]["spec"]["files"][0]["content"] = json!("mode=v3\n");
+            serde_json::to_vec(&v).unwrap_or_default()
+        }).collect::<Vec<_>>());
+        let (progress, done, took) = converge(addr, &pki.ca(), bodies.clone(), o.callers).await?;
+        println!("closed loop: all {} Machines converged in {:.2} s ({} calls in progress, {} done)", o.agents, took.as_secs_f64(), progress.len(), done.len());
+        let mut during = progress.clone();
+        during.extend(done.iter().copied());
+        let during = summary("UpdateMachine, closed loop while converging", during);
+        let rounds = 10;
+        let steady_ms = steady(addr, &pki.ca(), bodies.clone(), o.callers, rounds).await?;
+        let steady_s = summary("UpdateMachine, closed loop, converged (plan known)", steady_ms.clone());
+        let base = baseline(&pki, &client_cert, o.agents, port, o.callers, rounds).await?;
+        let base_s = summary("baseline: GetPlanStatus direct to the agents", base.clone());
+        let (after_rss, peak) = rss(pid);
+        println!("updater RSS after the load: {:.1} MiB, peak {:.1} MiB", after_rss as f64 / 1024.0, peak as f64 / 1024.0);
+        let ratio = steady_s["p50_ms"].as_f64().unwrap_or(0.0) / base_s["p50_ms"].as_f64().unwrap_or(1.0).max(1e-9);
+        println!("steady UpdateMachine p50 / direct GetPlanStatus p50: {ratio:.2}");
+        println!("load average at end: {}", loadavg());
+        Ok(json!({
+            "agents": o.agents, "callers": o.callers,
+            "capi_like_converged_seconds": capi_took.as_secs_f64(),
+            "update_machine_capi_like": capi_s,
+            "closed_loop_converged_seconds": took.as_secs_f64(),
+            "update_machine_converging": during,
+            "update_machine_converged": steady_s,
+            "baseline_get_plan_status": base_s,
+            "steady_over_baseline_p50": ratio,
+            "updater_idle_rss_kib": idle_rss, "updater_rss_after_kib": after_rss, "updater_peak_rss_kib": peak,
+            "loadavg_start": load_start, "loadavg_end": loadavg(),
+        }))
+    });
+    drop(kill);
+    let figures = result?;
+    if let Some(path) = o.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&figures)?)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,301 @@
+//! `inplace-updater` subcommands: `serve`, `translate`, `version`, `demo`.
+//!
+//! Exit codes: 0 success, 1 a runtime failure (the server could not start), 2 invalid input.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::Value;
+
+use super::agent::{Agents, paths};
+use super::cluster::Cluster;
+use super::handlers::Updater;
+use super::metrics::Metrics;
+use super::server::{Server, ServingTls};
+use super::settings::{Defaults, Settings};
+use super::translate::{Desired, NoSecrets, NodeFacts, translate};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "inplace-updater",
+    version,
+    about = "Cluster API Runtime Extension that updates Machines in place through inplace-agent",
+    long_about = "Answers Cluster API's CanUpdateMachine, CanUpdateMachineSet and UpdateMachine \
+                  hooks: translates the desired Machine and KubeadmConfig into an inplace-agent \
+                  plan and drives the node's agent. Try `inplace-updater demo`."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the Runtime Extension over HTTPS
+    Serve(ServeArgs),
+    /// Print the plan a desired Machine and KubeadmConfig translate to
+    Translate(TranslateArgs),
+    /// Print the version
+    Version,
+    /// Emulated Cluster API calls drive a real agent on a sandbox node
+    Demo(super::demo::DemoArgs),
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Plain,
+    Json,
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Address to listen on (HTTPS)
+    #[arg(long, default_value = "0.0.0.0:9443")]
+    listen: SocketAddr,
+    /// Serving certificate (PEM; re-read when it changes)
+    #[arg(long)]
+    tls_cert: PathBuf,
+    /// Its private key (PEM)
+    #[arg(long)]
+    tls_key: PathBuf,
+    /// CA bundle the agents' certificates chain to
+    #[arg(long)]
+    agent_ca: PathBuf,
+    /// Client certificate presented to agents (admin role)
+    #[arg(long)]
+    agent_cert: PathBuf,
+    /// Its private key
+    #[arg(long)]
+    agent_key: PathBuf,
+    /// Port of the agents' gRPC API (the ExtensionConfig setting agentPort wins)
+    #[arg(long, default_value_t = 9443)]
+    agent_port: u16,
+    /// kubeconfig of the management cluster (default: in-cluster configuration)
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Log format
+    #[arg(long, value_enum, default_value = "plain")]
+    log_format: LogFormat,
+    /// Runtime worker threads
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+/// Output format of `translate`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Output {
+    Yaml,
+    Json,
+}
+
+#[derive(Debug, clap::Args)]
+struct TranslateArgs {
+    /// The desired Machine (YAML or JSON)
+    #[arg(long)]
+    machine: PathBuf,
+    /// The desired KubeadmConfig (YAML or JSON)
+    #[arg(long)]
+    bootstrap_config: PathBuf,
+    /// The node (default: the Machine's status.nodeRef.name)
+    #[arg(long)]
+    node_name: Option<String>,
+    /// Output format
+    #[arg(long, value_enum, default_value = "yaml")]
+    output: Output,
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    match cli.command {
+        Command::Version => {
+            println!("inplace-updater {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Command::Translate(args) => match translate_cmd(&args) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("inplace-updater translate: {}", chain(&e));
+                ExitCode::from(2)
+            }
+        },
+        Command::Serve(args) => {
+            init_logging(args.log_format);
+            match run_serve(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    let e = chain(&e);
+                    tracing::error!("{e}");
+                    eprintln!("inplace-updater serve: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::Demo(args) => super::demo::run(&args),
+    }
+}
+
+/// An error and its causes, each said once (errors here often repeat their source's text).
+pub fn chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("INPLACE_UPDATER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    let _ = match format {
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Plain => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init(),
+    };
+}
+
+fn read_object(path: &PathBuf) -> anyhow::Result<Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    let value: Value = if text.trim_start().starts_with('{') {
+        serde_json::from_str(&text)
+            .with_context(|| format!("{}: malformed JSON", path.display()))?
+    } else {
+        serde_yaml_ng::from_str(&text)
+            .with_context(|| format!("{}: malformed YAML", path.display()))?
+    };
+    Ok(value)
+}
+
+fn translate_cmd(args: &TranslateArgs) -> anyhow::Result<String> {
+    let machine = read_object(&args.machine)?;
+    let bootstrap = read_object(&args.bootstrap_config)?;
+    let node = match &args.node_name {
+        Some(n) => n.clone(),
+        None => super::translate::lookup(&machine, &["status", "nodeRef", "name"])
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .with_context(|| {
+                format!(
+                    "{}: no status.nodeRef.name; pass --node-name",
+                    args.machine.display()
+                )
+            })?,
+    };
+    let settings = Settings::defaults(&Defaults::default());
+    let t = translate(
+        &Desired {
+            machine: &machine,
+            infrastructure: None,
+            bootstrap: Some(&bootstrap),
+        },
+        &settings,
+        &NodeFacts::assumed(&node),
+        &NoSecrets,
+    )?;
+    Ok(match args.output {
+        Output::Json => format!("{}\n", serde_json::to_string_pretty(&t.document)?),
+        Output::Yaml => serde_yaml_ng::to_string(&t.document)?,
+    })
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.max(1))
+        .max_blocking_threads(4)
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    runtime.block_on(async move {
+        let (updater, tls) = build(
+            &args.tls_cert,
+            &args.tls_key,
+            paths(
+                args.agent_ca.clone(),
+                args.agent_cert.clone(),
+                args.agent_key.clone(),
+            ),
+            args.agent_port,
+            args.kubeconfig.as_deref(),
+        )
+        .await?;
+        let server = Server::start(args.listen, tls, updater).await?;
+        tracing::info!(
+            "inplace-updater {} listening on {}",
+            env!("CARGO_PKG_VERSION"),
+            server.addr
+        );
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("install the SIGTERM handler")?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("shutting down");
+        server.shutdown().await;
+        Ok(())
+    })
+}
+
+/// Builds the updater and its serving TLS (shared by `serve`, the demo and the tests).
+pub async fn build(
+    tls_cert: &std::path::Path,
+    tls_key: &std::path::Path,
+    agent_paths: crate::rpc::tls::ClientTlsPaths,
+    agent_port: u16,
+    kubeconfig: Option<&std::path::Path>,
+) -> anyhow::Result<(Arc<Updater>, Arc<ServingTls>)> {
+    let agents = Agents::new(agent_paths).context("agent client certificate")?;
+    let cluster = Cluster::connect(kubeconfig).await?;
+    let updater = Arc::new_cyclic(|weak: &std::sync::Weak<Updater>| {
+        let weak = weak.clone();
+        let metrics = Metrics::new(Arc::new(move || {
+            weak.upgrade()
+                .map(|u| {
+                    u.agents
+                        .unreachable
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                })
+                .unwrap_or(0)
+        }));
+        Updater {
+            defaults: Defaults { agent_port },
+            cluster,
+            agents,
+            metrics,
+        }
+    });
+    let tls = Arc::new(
+        ServingTls::new(
+            tls_cert.to_path_buf(),
+            tls_key.to_path_buf(),
+            updater.metrics.scraped.clone(),
+        )
+        .context("serving certificate")?,
+    );
+    Ok((updater, tls))
+}

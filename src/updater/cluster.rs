@@ -1,0 +1,155 @@
+//! The management cluster, through kube-rs: the live Machine (status: nodeRef, addresses;
+//! annotations), its KubeadmConfig, and the Secrets `files[].contentFrom` names. Only `get`
+//! by name: the updater never lists or watches (its RBAC allows exactly this).
+//!
+//! Objects come back as JSON values (`DynamicObject` serialised), so the handlers read the
+//! same shapes as in hook requests.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, ApiResource, DynamicObject};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde_json::Value;
+
+/// `cluster.x-k8s.io/v1beta2` Machine.
+pub fn machine_resource() -> ApiResource {
+    ApiResource {
+        group: "cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "cluster.x-k8s.io/v1beta2".into(),
+        kind: "Machine".into(),
+        plural: "machines".into(),
+    }
+}
+
+/// `bootstrap.cluster.x-k8s.io/v1beta2` KubeadmConfig.
+pub fn kubeadm_config_resource() -> ApiResource {
+    ApiResource {
+        group: "bootstrap.cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "bootstrap.cluster.x-k8s.io/v1beta2".into(),
+        kind: "KubeadmConfig".into(),
+        plural: "kubeadmconfigs".into(),
+    }
+}
+
+/// A read from the API server failed (not a 404, which is `Ok(None)`).
+#[derive(Debug, thiserror::Error)]
+#[error("get {what} {namespace}/{name}: {detail}")]
+pub struct ClusterError {
+    /// `Machine`, `KubeadmConfig`, `Secret`.
+    pub what: &'static str,
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// What the API server or the connection said.
+    pub detail: String,
+}
+
+/// The management cluster client.
+#[derive(Clone)]
+pub struct Cluster {
+    client: kube::Client,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Cluster")
+    }
+}
+
+impl Cluster {
+    /// From a kubeconfig file, or the in-cluster service account when `None`.
+    pub async fn connect(kubeconfig: Option<&Path>) -> anyhow::Result<Cluster> {
+        let mut config = match kubeconfig {
+            Some(path) => {
+                let file = Kubeconfig::read_from(path)
+                    .with_context(|| format!("read kubeconfig {}", path.display()))?;
+                kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+                    .await
+                    .with_context(|| format!("load kubeconfig {}", path.display()))?
+            }
+            None => kube::Config::incluster()
+                .context("in-cluster configuration (pass --kubeconfig outside a cluster)")?,
+        };
+        // Every hook must answer within CAPI's 10 s; a read never takes more than a few.
+        config.connect_timeout = Some(Duration::from_secs(3));
+        config.read_timeout = Some(Duration::from_secs(4));
+        config.write_timeout = Some(Duration::from_secs(4));
+        let client = kube::Client::try_from(config).context("build the Kubernetes client")?;
+        Ok(Cluster { client })
+    }
+
+    async fn get_dynamic(
+        &self,
+        resource: &ApiResource,
+        what: &'static str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Value>, ClusterError> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, resource);
+        let err = |detail: String| ClusterError {
+            what,
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            detail,
+        };
+        let object = api.get_opt(name).await.map_err(|e| err(e.to_string()))?;
+        object
+            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
+            .transpose()
+    }
+
+    /// The live Machine (with status), or `None` when it does not exist.
+    pub async fn machine(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Value>, ClusterError> {
+        self.get_dynamic(&machine_resource(), "Machine", namespace, name)
+            .await
+    }
+
+    /// The live KubeadmConfig, or `None`.
+    pub async fn kubeadm_config(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Value>, ClusterError> {
+        self.get_dynamic(&kubeadm_config_resource(), "KubeadmConfig", namespace, name)
+            .await
+    }
+
+    /// A Secret's data (decoded bytes by key), or `None`.
+    pub async fn secret(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ClusterError> {
+        let api: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
+        let secret = api.get_opt(name).await.map_err(|e| ClusterError {
+            what: "Secret",
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            detail: e.to_string(),
+        })?;
+        Ok(secret.map(|s| {
+            let mut data: BTreeMap<String, Vec<u8>> = s
+                .string_data
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.into_bytes()))
+                .collect();
+            for (k, v) in s.data.unwrap_or_default() {
+                data.insert(k, v.0);
+            }
+            data
+        }))
+    }
+}

@@ -1,0 +1,146 @@
+//! The updater's Prometheus metrics (`GET /metrics`): requests by hook and outcome, their
+//! latency, plans submitted, agents found unreachable, serving certificate reloads. Label
+//! values are bounded (hook names and outcome words, never Machine names).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels2 = [(&'static str, &'static str); 2];
+type Labels1 = [(&'static str, &'static str); 1];
+
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+fn histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
+}
+
+/// Counters read at scrape time from elsewhere.
+#[derive(Debug, Default)]
+pub struct Scraped {
+    /// Agent calls that found the agent unreachable.
+    pub agents_unreachable: AtomicU64,
+    /// Serving certificate reloads.
+    pub tls_reloads: AtomicU64,
+    /// Serving certificate reloads that failed (the old certificate stays).
+    pub tls_reload_failures: AtomicU64,
+}
+
+struct ScrapedCollector(Arc<Scraped>, Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl std::fmt::Debug for ScrapedCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ScrapedCollector").field(&self.0).finish()
+    }
+}
+
+impl prometheus_client::collector::Collector for ScrapedCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let mut counter = |name: &str, help: &str, value: u64| -> std::fmt::Result {
+            let c = ConstCounter::new(value);
+            let e = encoder.encode_descriptor(name, help, None, c.metric_type())?;
+            c.encode(e)
+        };
+        counter(
+            "agents_unreachable",
+            "Calls to an agent that could not reach it (connect, TLS, timeout, wrong node)",
+            (self.1)(),
+        )?;
+        counter(
+            "tls_reloads",
+            "Serving certificate reloads after its files changed",
+            self.0.tls_reloads.load(Ordering::Relaxed),
+        )?;
+        counter(
+            "tls_reload_failures",
+            "Serving certificate reloads that failed (the previous certificate stays in use)",
+            self.0.tls_reload_failures.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// The registry and the counters the server feeds.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels2, Counter>,
+    latency: Family<Labels1, Histogram, fn() -> Histogram>,
+    plans_submitted: Counter,
+    /// Counters read at scrape time.
+    pub scraped: Arc<Scraped>,
+}
+
+impl Metrics {
+    /// New metrics; `unreachable` reads the agent pool's counter at scrape time.
+    pub fn new(unreachable: Arc<dyn Fn() -> u64 + Send + Sync>) -> Arc<Metrics> {
+        let mut registry = Registry::with_prefix("inplace_updater");
+        let requests = Family::<Labels2, Counter>::default();
+        registry.register(
+            "requests",
+            "Hook requests answered, by hook and outcome (success, failure, covered, partial, not_covered, in_progress, done)",
+            requests.clone(),
+        );
+        let latency =
+            Family::<Labels1, Histogram, fn() -> Histogram>::new_with_constructor(histogram);
+        registry.register(
+            "request_duration_seconds",
+            "Time from the request's body read to the response, by hook",
+            latency.clone(),
+        );
+        let plans_submitted = Counter::default();
+        registry.register(
+            "plans_submitted",
+            "Plans an agent accepted as new work (ApplyPlan created an attempt)",
+            plans_submitted.clone(),
+        );
+        let scraped = Arc::new(Scraped::default());
+        registry.register_collector(Box::new(ScrapedCollector(scraped.clone(), unreachable)));
+        Arc::new(Metrics {
+            registry,
+            requests,
+            latency,
+            plans_submitted,
+            scraped,
+        })
+    }
+
+    /// Counts an answered request.
+    pub fn request(&self, hook: &'static str, outcome: &'static str, seconds: f64) {
+        self.requests
+            .get_or_create(&[("hook", hook), ("outcome", outcome)])
+            .inc();
+        self.latency
+            .get_or_create(&[("hook", hook)])
+            .observe(seconds);
+    }
+
+    /// Counts a plan an agent accepted as new.
+    pub fn plan_submitted(&self) {
+        self.plans_submitted.inc();
+    }
+
+    /// How many requests of `hook` ended with `outcome` (tests).
+    pub fn requests(&self, hook: &'static str, outcome: &'static str) -> u64 {
+        self.requests
+            .get_or_create(&[("hook", hook), ("outcome", outcome)])
+            .get()
+    }
+
+    /// The Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(8 * 1024);
+        if let Err(e) =
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
+        {
+            tracing::warn!(error = %e, "encoding metrics failed");
+        }
+        out
+    }
+}

@@ -1,0 +1,40 @@
+//! The updater: the Cluster API Runtime Extension (`inplace-updater`) that answers
+//! `CanUpdateMachine`, `CanUpdateMachineSet` and `UpdateMachine`, turns the desired Machine
+//! and KubeadmConfig into an inplace-agent plan and drives the node's agent over its mutual
+//! TLS gRPC API. docs/updater.md is the guide for people.
+//!
+//! ```text
+//! CAPI ──POST hook──► server (HTTPS) ──► handlers ──► translate / patch (pure)
+//!                                          │  cluster: live Machine, KubeadmConfig, Secrets (kube-rs)
+//!                                          ▼
+//!                                        agent: GetNodeInfo, CheckPlan, GetPlanStatus, ApplyPlan
+//!                                          └──► the plan status's hookResponse, back to CAPI
+//! ```
+//!
+//! - [`hooks`]: the wire types (requests checked field by field, responses in CAPI's order).
+//! - [`translate`]: desired objects → plan document → validated [`crate::plan::Plan`].
+//! - [`patch`]: what is covered in place and the JSON Patches that say so.
+//! - [`settings`]: the ExtensionConfig's `settings`.
+//! - [`handlers`]: the hooks; [`server`]: HTTPS, routing, limits; [`metrics`].
+//! - [`cluster`]: the management cluster (kube-rs); [`agent`]: the agents (gRPC client pool).
+//! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
+//!
+//! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
+//! `rpc::convert`, `rpc::tls`) and of the plan model (`plan`); it never uses `engine`,
+//! `steps`, `host` or `journal` (tests/updater_contract.rs enforces it). It keeps no state of
+//! its own: the plan id is derived from the desired specs, the agent's journal is the truth
+//! about progress, so any replica answers any call and a restarted updater answers as before.
+
+pub mod agent;
+pub mod cli;
+pub mod cluster;
+pub mod demo;
+pub mod emulate;
+pub mod handlers;
+pub mod hooks;
+pub mod metrics;
+pub mod patch;
+pub mod server;
+pub mod settings;
+pub mod standin;
+pub mod translate;
