@@ -165,7 +165,7 @@ fn spawn_agent(dir: &Path, i: usize, ca: &Ca) -> Result<(String, Child, UnixData
     let node = format!("node-{i:04}");
     let home = dir.join(&node);
     let root = home.join("root");
-    inplace_agent::cli::demo::build_kubeadm_worker(&root)?;
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&root)?;
     let (cert, key) = server_cert(ca, &node)?;
     std::fs::write(home.join("server.crt"), cert)?;
     std::fs::write(home.join("server.key"), key)?;

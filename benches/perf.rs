@@ -119,7 +119,7 @@ fn file_content(i: usize, size: usize) -> String {
 /// A kubeadm worker tree and a plan writing `files` files of `size` bytes.
 fn setup(work: &Path, files: usize, size: usize, id: &str) -> (PathBuf, PathBuf) {
     let template = work.join("template");
-    inplace_agent::cli::demo::build_kubeadm_worker(&template).expect("template tree");
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&template).expect("template tree");
     let mut plan = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n");
     for i in 0..files {
         plan.push_str(&format!(
@@ -485,7 +485,7 @@ fn journal_size(plans: u64) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let root = work.path().join("node");
-    inplace_agent::cli::demo::build_kubeadm_worker(&root).expect("tree");
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).expect("tree");
     let state = work.path().join("state");
     let host = sandbox_host(root, &state);
     let (engine, _) = Engine::open(EngineConfig::new(state.clone()), host).expect("open");
@@ -629,7 +629,7 @@ fn footprint(runs: usize) -> Value {
     };
     let work = tempfile::tempdir().expect("tempdir");
     let root = work.path().join("node");
-    inplace_agent::cli::demo::build_kubeadm_worker(&root).expect("tree");
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).expect("tree");
     let pki = inplace_agent::rpc::pki::init(&inplace_agent::rpc::pki::PkiInitOptions::new(
         work.path().join("pki"),
         "bench-node",

@@ -226,7 +226,7 @@ fn micros(d: Duration) -> f64 {
 async fn run(options: Options) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let root = dir.path().join("node");
-    inplace_agent::cli::demo::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
     let pki = inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), NODE))
         .map_err(|e| e.to_string())?;
     let serve = Serve::start(&root, &pki)?;

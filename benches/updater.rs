@@ -135,7 +135,7 @@ fn node(i: usize) -> String {
 fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Child, Error> {
     let home = dir.join(node(i));
     let root = home.join("root");
-    inplace_agent::cli::demo::build_kubeadm_worker(&root)?;
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&root)?;
     let kubelet = root.join("usr/local/bin/kubelet");
     std::fs::create_dir_all(kubelet.parent().ok_or("no parent")?)?;
     std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;

@@ -246,16 +246,7 @@ pub struct DaemonSettings {
     pub log_format: LogFormat,
 }
 
-/// Where the status socket is and who may read it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StatusSocketSettings {
-    /// The socket file.
-    pub path: PathBuf,
-    /// The node's group that may read it (created when missing); `None`: root only.
-    pub group: Option<String>,
-    /// Its permission bits.
-    pub mode: u32,
-}
+pub use crate::status::server::StatusSocketSettings;
 
 /// Where the status socket is when not told otherwise, for a root `/`.
 pub const DEFAULT_STATUS_SOCKET: &str = "/run/inplace-agent/status.sock";

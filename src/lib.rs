@@ -7,6 +7,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod base;
 pub mod cli;
 pub mod config;
 pub mod engine;

@@ -48,7 +48,7 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
     }
     let fs = Tmpfs::mount("512k");
     let root = fs.dir.path();
-    inplace_agent::cli::demo::build_kubeadm_worker(root).unwrap();
+    inplace_agent::sandbox::tree::build_kubeadm_worker(root).unwrap();
     // The journal and backups live on the ordinary disk; the node's filesystem fills up.
     let state = tempfile::tempdir().unwrap();
     let before = common::snapshot(root, &[]);

@@ -880,7 +880,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
         get("inplace_agent_journal_records", &[]),
         journal_lines as f64
     );
-    let commit = inplace_agent::cli::version::commit_label();
+    let commit = inplace_agent::base::build::commit_label();
     assert_eq!(
         get(
             "inplace_agent_build_info",
@@ -1270,7 +1270,7 @@ async fn log_lines_carry_the_plan_and_change_never_its_content() {
     let written = std::fs::read_to_string(&stderr_path).unwrap();
     let first = written.lines().next().unwrap_or_default();
     assert!(first.starts_with("<6> INFO "), "{written}");
-    let year = &inplace_agent::cli::rfc3339(inplace_agent::engine::status::now_ms())[..5];
+    let year = &inplace_agent::base::time::rfc3339(inplace_agent::base::time::now_ms())[..5];
     assert!(
         written
             .lines()

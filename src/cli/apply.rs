@@ -268,7 +268,10 @@ pub fn run_plan(
     if let Submission::Existing(s) = &submission
         && s.phase.is_terminal()
     {
-        let when = s.finished_at_ms.map(super::rfc3339).unwrap_or_default();
+        let when = s
+            .finished_at_ms
+            .map(crate::base::time::rfc3339)
+            .unwrap_or_default();
         let _ = std::io::Write::flush(&mut std::io::stdout());
         errln!(
             "plan {} ({}) already ran on this node: attempt {} {} at {when}; nothing to do{}",

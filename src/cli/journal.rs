@@ -1,8 +1,9 @@
 //! `inplace-agent journal`: the journal as a table or JSON, and `--verify`.
 
+use crate::base::time::rfc3339;
 use clap::Args;
 
-use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output, rfc3339};
+use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output};
 use crate::journal::{Entry, JOURNAL_FILE, Reader, Record, verify};
 use crate::status::api::JournalItem;
 

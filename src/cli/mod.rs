@@ -31,7 +31,6 @@ mod render;
 pub mod selfcheck;
 pub mod serve;
 mod status;
-pub mod version;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -282,9 +281,9 @@ fn version(output: Output) -> u8 {
             let v = serde_json::json!({
                 "apiVersion": crate::plan::API_VERSION,
                 "kind": "Version",
-                "version": version::VERSION,
-                "commit": version::commit(),
-                "modified": version::modified(),
+                "version": crate::base::build::VERSION,
+                "commit": crate::base::build::commit(),
+                "modified": crate::base::build::modified(),
                 "changeKinds": kinds,
                 "failpoints": cfg!(feature = "failpoints"),
             });
@@ -293,8 +292,8 @@ fn version(output: Output) -> u8 {
         Output::Text => {
             outln!(
                 "inplace-agent {} ({})",
-                version::VERSION,
-                version::describe_commit()
+                crate::base::build::VERSION,
+                crate::base::build::describe_commit()
             );
             outln!("change kinds: {}", kinds.join(", "));
             if cfg!(feature = "failpoints") {
@@ -305,39 +304,18 @@ fn version(output: Output) -> u8 {
     EXIT_OK
 }
 
-/// Formats Unix milliseconds as RFC 3339 UTC (`2026-11-30T14:35:46.123Z`).
-pub fn rfc3339(ms: u64) -> String {
-    let secs = ms / 1000;
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        ms % 1000
-    )
-}
-
 #[cfg(test)]
 mod tests {
     #[test]
     fn rfc3339_formats_utc() {
-        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(crate::base::time::rfc3339(0), "1970-01-01T00:00:00.000Z");
         assert_eq!(
-            super::rfc3339(1_796_049_346_123),
+            crate::base::time::rfc3339(1_796_049_346_123),
             "2026-11-30T14:35:46.123Z"
         );
-        assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(
+            crate::base::time::rfc3339(951_782_400_000),
+            "2000-02-29T00:00:00.000Z"
+        );
     }
 }

@@ -3,6 +3,7 @@
 //! reach the agent, 2 refused as invalid for the node); progress on stderr (a bar on a
 //! terminal, a line per step otherwise), results on stdout.
 
+use crate::base::time::rfc3339;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tonic::transport::Channel;
 
 use super::render::{status_json, summary};
-use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, Output, rfc3339};
+use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, Output};
 use crate::engine::status::{ChangeState, CheckState, Phase, PlanStatus};
 use crate::plan::{AllowList, Limits, Plan, parse_plan};
 use crate::rpc::convert::plan_to_pb;

@@ -1,12 +1,13 @@
 //! Showing a run to a person: a progress bar on a terminal, one line per step otherwise,
 //! and the final summary.
 
+use crate::base::time::now_ms;
 use std::io::{IsTerminal, Write};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::engine::Event;
-use crate::engine::status::{ChangeState, CheckState, Phase, PlanStatus, now_ms};
+use crate::engine::status::{ChangeState, CheckState, Phase, PlanStatus};
 
 /// Renders events of one run.
 pub struct Renderer {

@@ -242,7 +242,8 @@ fn check_leaf(
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
     let validity = cert.validity();
-    let at = |t: i64| crate::cli::rfc3339(u64::try_from(t).unwrap_or(0).saturating_mul(1000));
+    let at =
+        |t: i64| crate::base::time::rfc3339(u64::try_from(t).unwrap_or(0).saturating_mul(1000));
     if validity.not_after.timestamp() < now {
         found.warnings.push(format!(
             "tls.cert {} expired at {}: clients refuse it until it is renewed (the agent \

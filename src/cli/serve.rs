@@ -211,7 +211,7 @@ impl Daemon {
             metrics_listen,
             log_format: _,
         } = settings;
-        let started_at_ms = crate::engine::status::now_ms();
+        let started_at_ms = crate::base::time::now_ms();
         let host = Host::open(settings.host.clone())
             .map(Arc::new)
             .map_err(|e| format!("open root {}: {e}", settings.host.root.display()))?;
@@ -259,7 +259,7 @@ impl Daemon {
             metrics,
             AgentInfo {
                 version: env!("CARGO_PKG_VERSION").to_string(),
-                commit: super::version::commit_label(),
+                commit: crate::base::build::commit_label(),
                 pid: std::process::id(),
                 started_at_ms,
                 uptime_seconds: 0,

@@ -3,15 +3,17 @@
 //! failed), as JSON, or followed with `--watch`. When no agent answers on the socket it reads
 //! the journal directly (read-only, without the journal's lock) and says so.
 
+use crate::base::time::now_ms;
+use crate::base::time::rfc3339;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json};
-use super::{EXIT_FAILED, EXIT_OK, rfc3339};
+use super::{EXIT_FAILED, EXIT_OK};
 use crate::config::{
     DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
 };
-use crate::engine::status::{Phase, PlanStatus, now_ms};
+use crate::engine::status::{Phase, PlanStatus};
 use crate::status::api::{
     self, AgentStatus, Context, NodeInfo, PlanStatusDocument, PlanSummary, Source,
 };

@@ -15,6 +15,7 @@ pub mod status;
 pub mod table;
 pub mod units;
 
+use crate::base::time::now_ms;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -26,7 +27,7 @@ use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
 use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_value};
 use crate::steps::{self, Capabilities};
-use status::{Phase, PlanStatus, now_ms};
+use status::{Phase, PlanStatus};
 use table::Table;
 
 /// Engine settings (validated: no `Option` where a value is required).
@@ -750,7 +751,7 @@ mod tests {
     }
 
     fn sandbox(dir: &std::path::Path, compact_bytes: u64) -> (EngineConfig, Arc<Host>) {
-        crate::cli::demo::build_kubeadm_worker(dir).unwrap();
+        crate::sandbox::tree::build_kubeadm_worker(dir).unwrap();
         let mut settings = SettingsInput {
             root: Some(dir.to_path_buf()),
             no_chroot: true,
@@ -865,7 +866,7 @@ mod tests {
     #[test]
     fn concurrent_submissions_accept_once_and_never_share_a_run() {
         let dir = tempfile::tempdir().unwrap();
-        crate::cli::demo::build_kubeadm_worker(dir.path()).unwrap();
+        crate::sandbox::tree::build_kubeadm_worker(dir.path()).unwrap();
         let settings = SettingsInput {
             root: Some(dir.path().to_path_buf()),
             no_chroot: true,

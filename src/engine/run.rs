@@ -4,12 +4,15 @@
 
 mod services;
 
+use crate::base::ErrorInfo;
+use crate::base::ErrorKind;
+use crate::base::time::now_ms;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::Shared;
-use super::status::{ErrorInfo, ErrorKind, Phase, now_ms};
+use super::status::Phase;
 use super::table::{RunState, check_name};
 use crate::failpoint;
 use crate::journal::{JournalError, Record};

@@ -2,6 +2,7 @@
 //! the CAPI hook response derived from them. Everything here is a fold of journal records,
 //! so a restarted agent reports exactly what it reported before.
 
+use crate::base::ErrorInfo;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -119,82 +120,6 @@ pub enum CheckState {
     Failed,
     /// Not run because the run ended first.
     Skipped,
-}
-
-/// A bounded classification of errors (metric label, proto enum).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum ErrorKind {
-    /// The plan does not fit this node (owner unknown, path escapes, file missing).
-    Precondition,
-    /// A file operation failed.
-    Io,
-    /// The disk is full.
-    DiskFull,
-    /// A command exited non-zero or timed out.
-    Command,
-    /// A health gate failed.
-    Verification,
-    /// The plan or a step ran out of time.
-    Timeout,
-    /// systemd refused or failed a job.
-    Systemd,
-    /// A package operation failed.
-    Package,
-    /// A download failed or did not match its checksum.
-    Download,
-    /// The change kind is not supported on this node.
-    Unsupported,
-    /// Cancelled on request.
-    Cancelled,
-    /// A newer plan took over.
-    Superseded,
-    /// Rolling back failed; the node needs a person.
-    RollbackFailed,
-    /// A bug or an impossible state.
-    Internal,
-}
-
-impl ErrorKind {
-    /// The snake_case name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorKind::Precondition => "precondition",
-            ErrorKind::Io => "io",
-            ErrorKind::DiskFull => "disk_full",
-            ErrorKind::Command => "command",
-            ErrorKind::Verification => "verification",
-            ErrorKind::Timeout => "timeout",
-            ErrorKind::Systemd => "systemd",
-            ErrorKind::Package => "package",
-            ErrorKind::Download => "download",
-            ErrorKind::Unsupported => "unsupported",
-            ErrorKind::Cancelled => "cancelled",
-            ErrorKind::Superseded => "superseded",
-            ErrorKind::RollbackFailed => "rollback_failed",
-            ErrorKind::Internal => "internal",
-        }
-    }
-}
-
-/// Why a run failed: a bounded kind, the step, and a detail for people.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-pub struct ErrorInfo {
-    /// Classification.
-    pub kind: ErrorKind,
-    /// The step: `changes[3] file /etc/kubernetes/x.conf` or `verify[1] httpGet ...`.
-    pub step: Option<String>,
-    /// What happened, lowercase, naming what it happened to.
-    pub detail: String,
-}
-
-impl fmt::Display for ErrorInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.step {
-            Some(step) => write!(f, "{step}: {}", self.detail),
-            None => f.write_str(&self.detail),
-        }
-    }
 }
 
 /// Result of one change.
@@ -427,14 +352,6 @@ impl PlanStatus {
         let start = self.started_at_ms?;
         Some(self.finished_at_ms.unwrap_or(now_ms).saturating_sub(start))
     }
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! through the same [`Table::apply`], so a restarted agent knows and reports exactly what it
 //! knew before.
 
+use crate::base::{ErrorInfo, ErrorKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 

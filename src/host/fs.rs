@@ -16,6 +16,7 @@
 //! file; a crash can leave one, named `.<name>.inplace-tmp`, which [`Root::sweep_temp`]
 //! removes on resume.
 
+use crate::base::FileMeta;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
@@ -32,17 +33,6 @@ use crate::plan::{AllowList, NodePath};
 #[derive(Debug, Default)]
 pub struct DirCache {
     dirs: std::collections::HashMap<String, Option<OwnedFd>>,
-}
-
-/// Permission bits and ownership of a file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct FileMeta {
-    /// Permission bits (`0o7777` mask).
-    pub mode: u32,
-    /// Owner uid.
-    pub uid: u32,
-    /// Owner gid.
-    pub gid: u32,
 }
 
 /// What is at a path.

@@ -4,13 +4,14 @@
 //! so a `StepStarted` record never points at a missing backup. Identical content is stored
 //! once. Blobs no unfinished plan references are removed by [`BackupStore::retain`].
 
+use crate::base::FileMeta;
 use std::collections::HashSet;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use crate::host::fs::{FileMeta, open_dir, write_in_dir};
+use crate::host::fs::{open_dir, write_in_dir};
 
 /// The backup store of one state directory.
 #[derive(Debug, Clone)]

@@ -1,11 +1,12 @@
 //! The records of the journal. Field names are part of the on-disk format: only add.
 
+use crate::base::ErrorInfo;
 use serde::{Deserialize, Serialize};
 
 use serde_json::value::RawValue;
 
-use crate::engine::status::{ErrorInfo, Phase, PlanStatus};
-use crate::host::fs::FileMeta;
+use crate::base::FileMeta;
+use crate::engine::status::{Phase, PlanStatus};
 use crate::host::systemd::{UnitBefore, UnitFileOp, UnitJob};
 use crate::plan::{ChangeKind, Disruption, NodePath};
 

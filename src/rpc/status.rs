@@ -7,14 +7,16 @@
 //! says how (an unknown error kind reads as `internal`) and refused otherwise, naming the
 //! value.
 
+use crate::base::ErrorInfo;
+use crate::base::ErrorKind;
 use std::time::Duration;
 
 use super::convert::disruption_to_pb;
 use super::pb;
 use crate::engine::check::{CheckReport, CheckResultKind};
 use crate::engine::status::{
-    ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, ErrorInfo, ErrorKind, HookResponse,
-    HookStatus, Phase, PlanStatus, Progress, RunEvent,
+    ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, HookResponse, HookStatus, Phase,
+    PlanStatus, Progress, RunEvent,
 };
 use crate::plan::{ChangeKind, Disruption};
 

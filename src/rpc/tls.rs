@@ -907,7 +907,7 @@ impl ConnectProblem {
     /// keeps the error's own words (refused, timed out).
     fn describe(&self) -> Option<String> {
         let when = |secs: &Option<u64>| {
-            secs.map(|s| format!(" at {}", crate::cli::rfc3339(s.saturating_mul(1000))))
+            secs.map(|s| format!(" at {}", crate::base::time::rfc3339(s.saturating_mul(1000))))
                 .unwrap_or_default()
         };
         Some(match self {

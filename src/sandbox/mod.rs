@@ -75,6 +75,7 @@ use crate::host::systemd::{Systemd, unix_path_address};
 
 pub mod packages;
 pub mod standin;
+pub mod tree;
 
 /// Where each sandbox keeps its host-side files (boot script, seed, console log).
 pub const SANDBOX_BASE: &str = "/run/inplace-agent-sandbox";

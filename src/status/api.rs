@@ -2,14 +2,15 @@
 //! a `kind`). Fields are only ever added. `docs/status-api.schema.json` is their JSON Schema,
 //! generated from these types ([`schema`]); a test fails when it drifts.
 
+use crate::base::ErrorInfo;
 use std::path::Path;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::status::{
-    ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, ErrorInfo, HookResponse, Phase,
-    PlanStatus, RunEvent,
+    ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, HookResponse, Phase, PlanStatus,
+    RunEvent,
 };
 use crate::engine::table::Table;
 use crate::journal::{Entry, JournalError, Reader, Record};
@@ -316,7 +317,7 @@ impl JournalItem {
         }
         JournalItem {
             seq: entry.seq,
-            time: crate::cli::rfc3339(entry.ts),
+            time: crate::base::time::rfc3339(entry.ts),
             hash: entry.hash_hex(),
             run: entry.record.run(),
             record_type: entry.record.name().to_string(),

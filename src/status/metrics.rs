@@ -146,7 +146,7 @@ impl Metrics {
             "The agent's version and commit",
             Info::new(vec![
                 ("version", env!("CARGO_PKG_VERSION").to_string()),
-                ("commit", crate::cli::version::commit_label()),
+                ("commit", crate::base::build::commit_label()),
             ]),
         );
         if let Some(at) = sources.engine.read(|t| {
@@ -483,14 +483,14 @@ impl Collector for Scraped {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::base::{ErrorInfo, ErrorKind};
     use crate::config::SettingsInput;
-    use crate::engine::status::{ErrorInfo, ErrorKind};
     use crate::host::Host;
     use crate::host::systemd::UnitBefore;
 
     fn metrics() -> (tempfile::TempDir, Arc<Metrics>, Engine) {
         let dir = tempfile::tempdir().unwrap();
-        crate::cli::demo::build_kubeadm_worker(dir.path()).unwrap();
+        crate::sandbox::tree::build_kubeadm_worker(dir.path()).unwrap();
         let settings = SettingsInput {
             root: Some(dir.path().to_path_buf()),
             no_chroot: true,

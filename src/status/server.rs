@@ -33,9 +33,19 @@ use super::api::{
     self, AgentInfo, Context, ErrorDocument, JournalSummary, NodeInfo, PlanStatusDocument, Source,
 };
 use super::metrics::{Metrics, OPENMETRICS_CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE};
-use crate::config::StatusSocketSettings;
+use crate::base::time::now_ms;
 use crate::engine::Engine;
-use crate::engine::status::now_ms;
+
+/// Where the status socket is and who may read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusSocketSettings {
+    /// The socket file.
+    pub path: PathBuf,
+    /// The node's group that may read it (created when missing); `None`: root only.
+    pub group: Option<String>,
+    /// Its permission bits.
+    pub mode: u32,
+}
 
 /// Connections served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 1024;

@@ -8,15 +8,16 @@
 //! the content streamed and its sha256 checked again while it is copied, so a large binary is
 //! never held in memory and a corrupted cache entry never lands on the node.
 
+use crate::base::FileMeta;
 use std::path::Path;
 
 use super::{Diff, Mutation, Note, StepCtx, StepError};
-use crate::engine::status::ErrorKind;
+use crate::base::ErrorKind;
 use crate::host::Host;
 use crate::host::download::{
     DownloadError, DownloadEvent, ExtractLimits, VerifyingReader, hash_reader,
 };
-use crate::host::fs::{FileMeta, FsError};
+use crate::host::fs::FsError;
 use crate::plan::{ArtifactChange, NodePath};
 
 fn download_error(e: DownloadError) -> StepError {

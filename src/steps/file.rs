@@ -1,8 +1,9 @@
 //! `file` and `absent`.
 
 use super::{Diff, Mutation, StepError};
+use crate::base::FileMeta;
 use crate::host::Host;
-use crate::host::fs::{Existing, FileMeta, FsError};
+use crate::host::fs::{Existing, FsError};
 use crate::plan::{AbsentChange, FileChange};
 
 /// The desired content of a file given what is there now (pure). With `append`, the content

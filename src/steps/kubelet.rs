@@ -1,15 +1,16 @@
 //! `kubeletConfig` (RFC 7386 merge patch onto `/var/lib/kubelet/config.yaml`) and
 //! `kubeletFlags` (`KUBELET_KUBEADM_ARGS` in `/var/lib/kubelet/kubeadm-flags.env`).
 
+use crate::base::FileMeta;
 use std::collections::BTreeMap;
 
 use serde_json::{Map, Value};
 use serde_yaml_ng::Value as Yaml;
 
 use super::{Diff, Mutation, StepError};
-use crate::engine::status::ErrorKind;
+use crate::base::ErrorKind;
 use crate::host::Host;
-use crate::host::fs::{Existing, FileMeta};
+use crate::host::fs::Existing;
 use crate::plan::{
     KUBEADM_FLAGS_PATH, KUBELET_CONFIG_PATH, KubeletConfigChange, KubeletFlagsChange, NodePath,
 };

@@ -15,12 +15,13 @@ pub mod sysctl;
 pub mod unit;
 pub mod verify;
 
+use crate::base::FileMeta;
 use std::io::Read;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::engine::status::ErrorKind;
-use crate::host::fs::{FileMeta, FsError};
+use crate::base::ErrorKind;
+use crate::host::fs::FsError;
 use crate::host::systemd::{SystemdError, UnitBefore, UnitFileOp};
 use crate::host::users::Accounts;
 use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};

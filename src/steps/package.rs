@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{Diff, Mutation, Note, StepCtx, StepError};
-use crate::engine::status::ErrorKind;
+use crate::base::ErrorKind;
 use crate::host::Host;
 use crate::host::packages::{
     CommandRecord, InstalledPackage, ManagerKind, PackageManager, PkgError, PkgEvent, PkgOptions,

@@ -3,8 +3,9 @@
 //! is persisted only, and the step says so).
 
 use super::{Diff, Mutation, StepError};
+use crate::base::FileMeta;
 use crate::host::Host;
-use crate::host::fs::{Existing, FileMeta};
+use crate::host::fs::Existing;
 use crate::plan::{NodePath, SysctlChange, sysctl_segments};
 
 /// The persisted file for a key.
@@ -55,7 +56,7 @@ pub fn preflight(host: &Host, change: &SysctlChange) -> Result<(), String> {
 
 /// Reads the node and diffs a `sysctl` change.
 pub fn diff(host: &Host, change: &SysctlChange, root_ids: (u32, u32)) -> Result<Diff, StepError> {
-    let invalid = |e: String| StepError::new(crate::engine::status::ErrorKind::Precondition, e);
+    let invalid = |e: String| StepError::new(crate::base::ErrorKind::Precondition, e);
     let conf = conf_path(&change.key).map_err(invalid)?;
     let content = conf_content(change).into_bytes();
     let meta = FileMeta {

@@ -20,8 +20,9 @@
 //! [`unit_mutations`] is the pure decision, tested below; [`diff`] reads the node for it.
 
 use super::{Diff, Mutation, StepError};
-use crate::engine::status::ErrorKind;
-use crate::host::fs::{Existing, FileMeta};
+use crate::base::ErrorKind;
+use crate::base::FileMeta;
+use crate::host::fs::Existing;
 use crate::host::systemd::{UnitFileOp, UnitFileState, UnitState as Observed};
 use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
 use crate::plan::{NodePath, UnitChange, UnitState};

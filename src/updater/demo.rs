@@ -226,7 +226,7 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         .tempdir()?;
     let root = dir.path().join("node");
     std::fs::create_dir_all(&root)?;
-    crate::cli::demo::build_kubeadm_worker(&root)?;
+    crate::sandbox::tree::build_kubeadm_worker(&root)?;
     // The node's "kubelet" reports the version the Machine asks for (the demo's node has no
     // package manager: the version is verified, not installed).
     let kubelet = root.join("usr/local/bin/kubelet");

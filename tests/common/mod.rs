@@ -43,7 +43,7 @@ impl Node {
             .prefix("inplace-test-")
             .tempdir()
             .expect("tempdir");
-        inplace_agent::cli::demo::build_kubeadm_worker(dir.path()).expect("sandbox tree");
+        inplace_agent::sandbox::tree::build_kubeadm_worker(dir.path()).expect("sandbox tree");
         Node { dir }
     }
 

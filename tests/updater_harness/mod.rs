@@ -151,7 +151,7 @@ impl World {
             .prefix("inplace-updater-node-")
             .tempdir()
             .unwrap();
-        inplace_agent::cli::demo::build_kubeadm_worker(tree.path()).unwrap();
+        inplace_agent::sandbox::tree::build_kubeadm_worker(tree.path()).unwrap();
         let bin = tree.path().join("usr/local/bin");
         std::fs::create_dir_all(&bin).unwrap();
         std::fs::copy(KUBELET_STANDIN, bin.join("kubelet")).unwrap();

@@ -6,11 +6,14 @@
 //! journals it, and reports a lost bus connection (`SystemdUnreachable` records) while the
 //! service manager reconnects.
 
+use crate::base::ErrorInfo;
+use crate::base::ErrorKind;
+use crate::base::time::now_ms;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use super::{Abort, Runner, Stop};
-use crate::engine::status::{ErrorInfo, ErrorKind, Phase, now_ms};
+use crate::engine::status::Phase;
 use crate::engine::table::RunState;
 use crate::engine::units::{self, Decision, Effect, UnitPlan, Want};
 use crate::failpoint;

@@ -1,0 +1,11 @@
+//! Small types every room uses and that depend on nothing of the crate: error kinds, time,
+//! file metadata, what this build is. Architecture invariant: `base` imports no other module
+//! of the crate.
+
+pub mod build;
+mod error;
+mod file_meta;
+pub mod time;
+
+pub use error::{ErrorInfo, ErrorKind};
+pub use file_meta::FileMeta;
