@@ -40,8 +40,8 @@ fn keys() -> BTreeSet<String> {
     keys
 }
 
-/// Every long flag of every subcommand of `inplace-agent`.
-fn flags() -> BTreeSet<String> {
+/// Every long flag of every subcommand of a command line.
+fn long_flags(command: &clap::Command) -> BTreeSet<String> {
     fn walk(cmd: &clap::Command, out: &mut BTreeSet<String>) {
         for arg in cmd.get_arguments() {
             if let Some(long) = arg.get_long() {
@@ -53,7 +53,21 @@ fn flags() -> BTreeSet<String> {
         }
     }
     let mut out = BTreeSet::from(["--help".to_string(), "--version".to_string()]);
-    walk(&inplace_agent::cli::command(), &mut out);
+    walk(command, &mut out);
+    out
+}
+
+/// The flags of `inplace-updater`, which has no configuration file: its messages and
+/// docs name its own flags and the fields of Kubernetes objects (`status.nodeRef.name`).
+fn updater_flags() -> BTreeSet<String> {
+    let out = long_flags(&inplace_agent::updater::cli::command());
+    assert!(out.contains("--agent-port"), "{out:?}");
+    out
+}
+
+/// Every long flag of every subcommand of `inplace-agent`.
+fn flags() -> BTreeSet<String> {
+    let out = long_flags(&inplace_agent::cli::command());
     assert!(
         out.contains("--allow-path") && out.contains("--server-name"),
         "{out:?}"
@@ -271,6 +285,22 @@ fn messages_in_the_source_name_real_keys_and_flags() {
             continue;
         }
         let source = std::fs::read_to_string(file).unwrap();
+        if rel.starts_with("src/updater/") {
+            let ours = updater_flags();
+            for lit in string_literals(&source).iter().filter(|l| l.contains(' ')) {
+                for f in flag_tokens(lit) {
+                    if !ours.contains(&f)
+                        && !flags.contains(&f)
+                        && !FOREIGN_FLAGS.contains(&f.as_str())
+                    {
+                        wrong.push(format!(
+                            "{rel}: {f} is not a flag of inplace-updater: {lit:?}"
+                        ));
+                    }
+                }
+            }
+            continue;
+        }
         for lit in string_literals(&source) {
             let about_config = lit.contains("config");
             for token in dotted_words(&lit) {
@@ -327,8 +357,11 @@ fn the_docs_name_real_keys_and_flags() {
     for doc in &docs {
         let rel = doc.strip_prefix(REPO).unwrap().display().to_string();
         let text = std::fs::read_to_string(doc).unwrap();
+        // The updater's page names Kubernetes object fields (`status.addresses`), not keys of
+        // the agent's configuration; its command lines are checked below.
+        let updater_page = rel == "docs/updater.md";
         // Keys in backticks: `plans.allow_paths`, `[authorization] admin`.
-        for quoted in text.split('`').skip(1).step_by(2) {
+        for quoted in text.split('`').skip(1).step_by(2).filter(|_| !updater_page) {
             for token in dotted_words(quoted) {
                 let table = token.split('.').next().unwrap();
                 if tables.contains(table) && !keys.contains(&token) && quoted == token {
@@ -344,7 +377,21 @@ fn the_docs_name_real_keys_and_flags() {
         }
         // Flags on command lines of the agent (and their continuation lines).
         let mut continued = false;
+        let mut updater_continued = false;
+        let ours_updater = updater_flags();
         for line in text.lines() {
+            let updater_line =
+                updater_continued || line.trim_start().starts_with("inplace-updater ");
+            if updater_line {
+                for f in flag_tokens(line) {
+                    if !ours_updater.contains(&f) && !FOREIGN_FLAGS.contains(&f.as_str()) {
+                        wrong.push(format!(
+                            "{rel}: {f} is not a flag of inplace-updater: {line}"
+                        ));
+                    }
+                }
+            }
+            updater_continued = updater_line && line.trim_end().ends_with('\\');
             let ours = continued
                 || line.trim_start().starts_with("inplace-agent ")
                 || line.contains(" inplace-agent ") && line.contains("--");

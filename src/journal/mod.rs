@@ -339,7 +339,19 @@ impl Journal {
             .write(true)
             .open(&lock_path)
             .map_err(io_at(&lock_path))?;
-        match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        // A lock can look taken for an instant without another agent: a process forked by
+        // this one (a gate's command) holds inherited descriptors until it execs. Only a
+        // lock that stays taken is another agent.
+        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        let locked = loop {
+            match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+                Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < give_up => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                other => break other,
+            }
+        };
+        match locked {
             Ok(()) => {}
             Err(rustix::io::Errno::WOULDBLOCK) => {
                 let holder = std::fs::read_to_string(&lock_path)

@@ -33,6 +33,11 @@ struct Cli {
     command: Command,
 }
 
+/// The command line of `inplace-updater` (for tests that check what messages name).
+pub fn command() -> clap::Command {
+    <Cli as clap::CommandFactory>::command()
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve the Runtime Extension over HTTPS
