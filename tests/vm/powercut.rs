@@ -1,0 +1,347 @@
+//! Power cuts on the VM node: a plan of 300 file changes and a kubelet configuration change
+//! is submitted to the agent (the packaged unit under the guest's systemd), qemu is SIGKILLed
+//! at a random moment, the node boots again and the agent resumes on its own; the harness
+//! then submits the same plan again (as the updater would: CAPI calls the hook again) and
+//! waits for it to end. After each cut the node must be exactly as after an uninterrupted run
+//! (content, mode and owner of every managed path), `journal --verify` must pass and no temp
+//! file may be left.
+//!
+//! Two plans alternate: A writes the 300 files (100 of them exist with other content) and sets
+//! `maxPods: 150`; B puts the 100 back, removes the 200 and sets `maxPods: 110`. So each
+//! recovered boot is the starting point of the next cut, and a run of N cuts costs N + 1
+//! boots. The reference end states of A and B come from one uninterrupted run of each.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use super::qga::Qga;
+use super::{BOOT_TIMEOUT, Node, VmEnv, sh_ok};
+
+/// The managed paths whose end state is compared.
+const MANAGED: &str = "/etc/kubernetes /var/lib/kubelet";
+
+/// The CLI client inside the guest, as the updater would call it (over mTLS to the agent).
+const CLIENT: &str = "INPLACE_AGENT_ADDR=127.0.0.1:9443 INPLACE_AGENT_CA=/root/pki/ca.crt \
+                      INPLACE_AGENT_CERT=/root/pki/updater.crt INPLACE_AGENT_KEY=/root/pki/updater.key";
+
+/// One plan's text, `a` or `b`, with the given id.
+pub fn plan(which: char, id: &str) -> String {
+    let mut p = format!(
+        "apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nnodeName: vmnode\nchanges:\n"
+    );
+    for i in 0..300 {
+        let path = format!("/etc/kubernetes/powercut/f{i:03}.conf");
+        match (which, i < 100) {
+            ('a', _) => {
+                // Sizes from 40 bytes to 8 KiB (every 7th), so the plan's contents pass the
+                // 64 KiB above which the journal keeps them as one blob.
+                let body = if i % 7 == 0 {
+                    format!("large file {i:03} ").repeat(512)
+                } else {
+                    format!("new content of file {i:03}, plan A")
+                };
+                let mode = ["0644", "0600", "0640"][i % 3];
+                let owner = if i % 5 == 0 {
+                    "nobody:nogroup"
+                } else {
+                    "root:root"
+                };
+                p.push_str(&format!(
+                    "  - file: {{path: {path}, content: \"{body}\", mode: \"{mode}\", owner: \"{owner}\"}}\n"
+                ));
+            }
+            ('b', true) => p.push_str(&format!(
+                "  - file: {{path: {path}, content: \"original content of file {i:03}\\n\", mode: \"0644\"}}\n"
+            )),
+            _ => p.push_str(&format!("  - absent: {{path: {path}}}\n")),
+        }
+    }
+    let max_pods = if which == 'a' { 150 } else { 110 };
+    p.push_str(&format!(
+        "  - kubeletConfig: {{mergePatch: {{maxPods: {max_pods}}}}}\n\
+         verify:\n\
+         \x20 - unitActive: {{name: kubelet.service, timeoutSeconds: 120}}\n\
+         \x20 - httpGet: {{url: \"http://127.0.0.1:10248/healthz\", expectStatus: 200, timeoutSeconds: 120, periodSeconds: 1}}\n"
+    ));
+    p
+}
+
+/// Kind, mode and owner of every managed path, then the content hash of every file, sorted.
+pub fn snapshot(qga: &mut Qga) -> Result<String> {
+    sh_ok(
+        qga,
+        &format!(
+            "find {MANAGED} -printf '%y %#m %u:%g %p\\n' | sort; \
+             find {MANAGED} -type f -exec sha256sum {{}} + | sort -k2"
+        ),
+        Duration::from_secs(300),
+    )
+}
+
+/// Lines of `a` not in `b` and of `b` not in `a`, for a failure message.
+pub fn diff(want: &str, got: &str) -> String {
+    let w: std::collections::BTreeSet<&str> = want.lines().collect();
+    let g: std::collections::BTreeSet<&str> = got.lines().collect();
+    let mut out = String::new();
+    for l in w.difference(&g).take(20) {
+        out.push_str(&format!("  want: {l}\n"));
+    }
+    for l in g.difference(&w).take(20) {
+        out.push_str(&format!("  got:  {l}\n"));
+    }
+    out
+}
+
+/// Waits until the agent serves (the unit is active: `READY=1` was sent).
+pub fn wait_agent(qga: &mut Qga) -> Result<()> {
+    let began = Instant::now();
+    loop {
+        let out = qga.sh("systemctl is-active inplace-agent.service", Duration::from_secs(60))?;
+        if out.stdout.trim() == "active" {
+            return Ok(());
+        }
+        if began.elapsed() > Duration::from_secs(180) {
+            let st = qga.sh(
+                "systemctl status --no-pager inplace-agent.service; journalctl -b --no-pager -u inplace-agent | tail -n 30",
+                Duration::from_secs(60),
+            )?;
+            bail!("the agent is not active after 180 s: {}", st.stdout);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Submits a plan from inside the guest and waits for it to end; the final status JSON.
+pub fn submit_wait(qga: &mut Qga, plan_path: &str) -> Result<Value> {
+    let out = qga.sh(
+        &format!(
+            "{CLIENT} inplace-agent submit --wait --wait-timeout 900 --no-progress -o json {plan_path}"
+        ),
+        Duration::from_secs(960),
+    )?;
+    let status: Value = serde_json::from_str(&out.stdout).with_context(|| {
+        format!(
+            "submit {plan_path} exited {}: {}{}",
+            out.code, out.stdout, out.stderr
+        )
+    })?;
+    if out.code != 0 || status.get("phase").and_then(Value::as_str) != Some("Succeeded") {
+        bail!(
+            "plan {plan_path} did not succeed (exit {}): {}\n{}",
+            out.code,
+            status,
+            out.stderr
+        );
+    }
+    Ok(status)
+}
+
+/// What one cut found.
+#[derive(Debug, Clone)]
+pub struct CutOutcome {
+    pub plan: String,
+    /// Milliseconds after the submission started.
+    pub at_ms: u64,
+    /// The plan's phase when the agent reported it first after the cut ("unknown": the
+    /// cut came before the acceptance was durable).
+    pub phase_after: String,
+    /// Sectors the guest wrote and never flushed, dropped by the cut.
+    pub dropped_sectors: u64,
+    /// The agent truncated a torn journal tail at its start.
+    pub torn_tail: bool,
+    /// None: converged; Some: why not.
+    pub failure: Option<String>,
+}
+
+/// A run of cuts.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub cuts: Vec<CutOutcome>,
+    /// Uninterrupted durations of plans A and B (from the submission to Succeeded).
+    pub reference_ms: (u64, u64),
+    /// Each boot until the agent answered.
+    pub boot_ms: Vec<u64>,
+    pub seed: u64,
+}
+
+impl Report {
+    /// Cuts after which the node converged.
+    pub fn survived(&self) -> usize {
+        self.cuts.iter().filter(|c| c.failure.is_none()).count()
+    }
+}
+
+/// A small deterministic generator (xorshift64*): the seed is printed, so a failing cut can
+/// be replayed with `INPLACE_VM_SEED`.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1)
+    }
+}
+
+/// The seed: `INPLACE_VM_SEED`, else the clock.
+pub fn seed() -> u64 {
+    std::env::var("INPLACE_VM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        })
+}
+
+fn boot_and_wait(node: &mut Node, report: &mut Report) -> Result<(super::Vm, Qga)> {
+    let began = Instant::now();
+    let mut vm = node.boot()?;
+    let mut qga = vm.qga(BOOT_TIMEOUT)?;
+    wait_agent(&mut qga)?;
+    report.boot_ms.push(began.elapsed().as_millis() as u64);
+    Ok((vm, qga))
+}
+
+/// The reference: plans A and B run uninterrupted on a fresh node; their end states.
+pub fn reference(env: &VmEnv, report: &mut Report) -> Result<(String, String)> {
+    let mut node = env.node("reference")?;
+    let (mut vm, mut qga) = boot_and_wait(&mut node, report)?;
+    let mut states = Vec::new();
+    for which in ['a', 'b'] {
+        let path = node.put_plan(&format!("ref-{which}.yaml"), &plan(which, &format!("ref-{which}")))?;
+        let began = Instant::now();
+        submit_wait(&mut qga, &path).with_context(|| format!("reference run of plan {which}"))?;
+        let took = began.elapsed().as_millis() as u64;
+        if which == 'a' {
+            report.reference_ms.0 = took;
+        } else {
+            report.reference_ms.1 = took;
+        }
+        states.push(snapshot(&mut qga)?);
+    }
+    vm.cut();
+    let b = states.pop().unwrap_or_default();
+    let a = states.pop().unwrap_or_default();
+    if !a.contains("f299.conf") || b.contains("f299.conf") {
+        bail!("the reference end states are not what plans A and B make:\nA:\n{a}\nB:\n{b}");
+    }
+    Ok((a, b))
+}
+
+/// `cuts` power cuts at random moments; every outcome in the report (the caller judges).
+/// `progress` is called after each cut.
+pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&CutOutcome)) -> Result<Report> {
+    let mut report = Report {
+        seed: seed(),
+        ..Report::default()
+    };
+    let mut rng = Rng::new(report.seed);
+    eprintln!(
+        "power cuts: {cuts}, seed {} (INPLACE_VM_SEED replays them)",
+        report.seed
+    );
+    let (state_a, state_b) = reference(env, &mut report)?;
+    // Cut moments: uniform over the longer reference run and a quarter beyond (a cut after
+    // the end must converge too).
+    let window = report.reference_ms.0.max(report.reference_ms.1) * 5 / 4;
+    eprintln!(
+        "power cuts: reference runs A {} ms, B {} ms; cuts within {} ms of the submission",
+        report.reference_ms.0, report.reference_ms.1, window
+    );
+
+    let mut node = env.node("powercut")?;
+    let (mut vm, mut qga) = boot_and_wait(&mut node, &mut report)?;
+    for k in 0..cuts {
+        let which = if k % 2 == 0 { 'a' } else { 'b' };
+        let id = format!("cut-{k}-{which}");
+        let path = node.put_plan(&format!("{id}.yaml"), &plan(which, &id))?;
+        let at_ms = rng.below(window);
+        let dropped_before = node.disk.stats().dropped_sectors;
+        let began = Instant::now();
+        qga.spawn(&[
+            "/bin/sh",
+            "-c",
+            &format!("{CLIENT} exec inplace-agent submit --no-progress {path}"),
+        ])?;
+        std::thread::sleep(Duration::from_millis(at_ms).saturating_sub(began.elapsed()));
+        vm.cut();
+        if !node.disk.wait_disconnected(Duration::from_secs(30)) {
+            bail!("the disk stayed connected after the cut");
+        }
+        let dropped = node.disk.stats().dropped_sectors - dropped_before;
+
+        let (v, q) = boot_and_wait(&mut node, &mut report)
+            .with_context(|| format!("boot after cut {k} at {at_ms} ms"))?;
+        vm = v;
+        qga = q;
+        let outcome = judge(&mut qga, &id, &path, if which == 'a' { &state_a } else { &state_b });
+        let (phase_after, torn_tail, failure) = match outcome {
+            Ok((phase, torn)) => (phase, torn, None),
+            Err(e) => ("?".into(), false, Some(format!("{e:#}"))),
+        };
+        let c = CutOutcome {
+            plan: id,
+            at_ms,
+            phase_after,
+            dropped_sectors: dropped,
+            torn_tail,
+            failure,
+        };
+        progress(&c);
+        report.cuts.push(c);
+        if report.cuts.last().is_some_and(|c| c.failure.is_some()) {
+            // The node is in an unknown state: the next cuts would judge the wrong thing.
+            break;
+        }
+    }
+    vm.cut();
+    Ok(report)
+}
+
+/// After the boot that follows a cut: the plan's first reported phase, whether a torn tail
+/// was truncated; an error when the node did not converge.
+fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, bool)> {
+    let first = qga.sh(
+        &format!("inplace-agent status {id} -o json"),
+        Duration::from_secs(60),
+    )?;
+    let phase_after = serde_json::from_str::<Value>(&first.stdout)
+        .ok()
+        .and_then(|v| v.get("phase").and_then(Value::as_str).map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into());
+    submit_wait(qga, path)?;
+    let got = snapshot(qga)?;
+    if got != want {
+        bail!(
+            "the end state differs from the uninterrupted run:\n{}",
+            diff(want, &got)
+        );
+    }
+    let verify = qga.sh("inplace-agent journal --verify", Duration::from_secs(120))?;
+    if verify.code != 0 {
+        bail!("journal --verify failed: {}{}", verify.stdout, verify.stderr);
+    }
+    let temp = sh_ok(
+        qga,
+        "find / -xdev -name '.*.inplace-tmp' 2>/dev/null || true",
+        Duration::from_secs(120),
+    )?;
+    if !temp.trim().is_empty() {
+        bail!("temp files left: {temp}");
+    }
+    let log = qga.sh(
+        "journalctl -b --no-pager -u inplace-agent.service | grep -ci 'torn' || true",
+        Duration::from_secs(60),
+    )?;
+    let torn = log.stdout.trim().parse::<u32>().unwrap_or(0) > 0;
+    Ok((phase_after, torn))
+}
