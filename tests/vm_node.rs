@@ -168,7 +168,9 @@ fn real_reboot_resumes_after_boot() {
         "{rebooting}"
     );
 
-    // Back up: a new boot id; the agent resumed on its own; the updater asks again.
+    // Back up: a new boot id; the agent resumed on its own; the updater asks again. (qemu's
+    // end of the port takes one client at a time.)
+    drop(qga);
     let mut qga = vm.qga(BOOT_TIMEOUT).expect("guest agent after the reboot");
     powercut::wait_agent(&mut qga).expect("agent up after the reboot");
     let second_boot = boot_id(&mut qga);

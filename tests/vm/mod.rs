@@ -368,7 +368,8 @@ fn detect_accel(image: &Image) -> Accel {
 fn probe_kvm(image: &Image) -> std::result::Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let log = dir.path().join("serial.log");
-    let mut child = Command::new("qemu-system-x86_64")
+    let mut child = Command::new("setpriv")
+        .args(["--pdeathsig", "KILL", "--", "qemu-system-x86_64"])
         .args(["-accel", "kvm", "-cpu", "host", "-m", "256", "-nodefaults"])
         .args(["-display", "none", "-no-reboot"])
         .arg("-kernel")
@@ -470,8 +471,11 @@ impl Vm {
     ) -> Result<Vm> {
         let qga_socket = dir.join(format!("{name}.qga"));
         let serial_log = dir.join(format!("{name}.serial.log"));
-        let mut cmd = Command::new("qemu-system-x86_64");
-        cmd.args(["-accel", accel.qemu_arg()]);
+        // qemu must not outlive the test process (a test killed by its runner): setpriv
+        // (util-linux) sets the parent-death signal and execs it.
+        let mut cmd = Command::new("setpriv");
+        cmd.args(["--pdeathsig", "KILL", "--", "qemu-system-x86_64"])
+            .args(["-accel", accel.qemu_arg()]);
         if *accel == Accel::Kvm {
             cmd.args(["-cpu", "host"]);
         }
