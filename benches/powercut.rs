@@ -39,9 +39,12 @@ fn main() {
     let began = Instant::now();
     let report = match vm::powercut::run(env, cuts, |c| {
         eprintln!(
-            "cut {}: at {} ms, first seen after it: {}, {} unflushed sectors dropped, torn tail {}: {}",
+            "cut {}: at {} ms ({} writes, {} flushes before it), first seen after it: {}, \
+             {} unflushed sectors dropped, torn tail {}: {}",
             c.plan,
             c.at_ms,
+            c.writes,
+            c.flushes,
             c.phase_after,
             c.dropped_sectors,
             if c.torn_tail { "truncated" } else { "none" },
@@ -84,7 +87,7 @@ fn main() {
          | where the cuts fell (the plan's phase as first reported after the boot) | {} |\n\
          | cuts that dropped unflushed writes of the guest | {with_loss} of {} (median {} sectors) |\n\
          | torn journal tails truncated at the next start | {torn} |\n\
-         | uninterrupted plan A / plan B, submission → Succeeded | {:.1} s / {:.1} s |\n\
+         | uninterrupted plan A / plan B, submission → Succeeded (of that accepted → Succeeded) | {} |\n\
          | boot → agent serving (median of {}) | {:.1} s |",
         report.cuts.len(),
         report.seed,
@@ -99,8 +102,17 @@ fn main() {
             d.sort_unstable();
             d.get(d.len() / 2).copied().unwrap_or(0)
         },
-        report.reference_ms.0 as f64 / 1000.0,
-        report.reference_ms.1 as f64 / 1000.0,
+        report
+            .reference
+            .iter()
+            .map(|t| format!(
+                "{}: {:.1} s ({:.1} s)",
+                t.plan.to_ascii_uppercase(),
+                t.total_ms as f64 / 1000.0,
+                t.run_ms as f64 / 1000.0
+            ))
+            .collect::<Vec<_>>()
+            .join(", "),
         boots.len(),
         median_boot as f64 / 1000.0,
     );

@@ -35,9 +35,12 @@ fn env(test: &str) -> Option<&'static vm::VmEnv> {
 
 fn show(c: &CutOutcome) {
     eprintln!(
-        "power cut: {} at {} ms, first seen after it: {}, {} unflushed sectors dropped, torn tail {}: {}",
+        "power cut: {} at {} ms ({} writes, {} flushes before it), first seen after it: {}, \
+         {} unflushed sectors dropped, torn tail {}: {}",
         c.plan,
         c.at_ms,
+        c.writes,
+        c.flushes,
         c.phase_after,
         c.dropped_sectors,
         if c.torn_tail { "truncated" } else { "none" },

@@ -200,7 +200,8 @@ impl VmEnv {
             ("tests/fixtures/kubelet-config.yaml", "kubelet-config.yaml"),
             ("tests/fixtures/kubeadm-flags.env", "kubeadm-flags.env"),
         ] {
-            std::fs::copy(repo.join(from), share.join(to)).with_context(|| format!("copy {from}"))?;
+            std::fs::copy(repo.join(from), share.join(to))
+                .with_context(|| format!("copy {from}"))?;
         }
         std::fs::write(share.join("guest-setup"), GUEST_SETUP)?;
         // Throwaway certificates, made by the agent's own `pki init` on the host.
@@ -240,6 +241,16 @@ impl VmEnv {
             "prepare",
         )?;
         let mut qga = vm.qga(BOOT_TIMEOUT)?;
+        // The power-cut model needs the guest to see a volatile write cache (and so to
+        // flush it): qemu's `cache=writeback` shows one.
+        let cache = sh_ok(
+            &mut qga,
+            "cat /sys/block/vda/queue/write_cache",
+            Duration::from_secs(30),
+        )?;
+        if cache.trim() != "write back" {
+            bail!("the guest's disk has no volatile write cache: write_cache is {cache:?}");
+        }
         let out = qga.exec(
             &["/bin/sh", "/mnt/share/guest-setup"],
             Duration::from_secs(300),
@@ -260,9 +271,14 @@ impl VmEnv {
             bail!("the disk stayed connected after qemu quit");
         }
         let took = began.elapsed();
+        let st = disk.stats();
         eprintln!(
-            "VM node: prepared (boot + guest-setup + power-off) in {:.0} s",
-            took.as_secs_f64()
+            "VM node: prepared (boot + guest-setup + power-off) in {:.0} s; the disk saw {} \
+             writes ({} with FUA) and {} flushes",
+            took.as_secs_f64(),
+            st.writes,
+            st.fua_writes,
+            st.flushes
         );
         *self.setup_boot.lock().unwrap_or_else(|e| e.into_inner()) = Some(took);
         Ok(disk.snapshot()?)
@@ -279,9 +295,18 @@ impl Image {
         let dir = cache.join(&key);
         std::fs::create_dir_all(&cache)?;
         // One build at a time across processes (two test binaries, a bench).
+        // tests/setup may be building it in the background under this lock.
         let lock = File::create(cache.join("build.lock"))?;
+        let waited = Instant::now();
         rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
             .context("lock the VM image cache")?;
+        if waited.elapsed() > Duration::from_secs(2) {
+            eprintln!(
+                "VM node: waited {:.0} s for the image build of tests/setup ({})",
+                waited.elapsed().as_secs_f64(),
+                cache.join("build.log").display()
+            );
+        }
         let mut built_in = None;
         if !dir.join("ready").is_file() {
             let began = Instant::now();
@@ -308,15 +333,15 @@ impl Image {
                 "VM node: image built in {:.0} s",
                 began.elapsed().as_secs_f64()
             );
-            // Images of older scripts are never used again.
-            for entry in std::fs::read_dir(&cache)? {
-                let p = entry?.path();
-                if p.is_dir() && p != dir {
-                    let _ = std::fs::remove_dir_all(&p);
-                }
-            }
         } else {
             eprintln!("VM node: image from the cache {}", dir.display());
+        }
+        // Images of older scripts are never used again (nor are unfinished builds).
+        for entry in std::fs::read_dir(&cache)? {
+            let p = entry?.path();
+            if p.is_dir() && p != dir {
+                let _ = std::fs::remove_dir_all(&p);
+            }
         }
         Ok(Image {
             kernel: dir.join("vmlinuz"),

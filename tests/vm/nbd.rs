@@ -66,6 +66,9 @@ pub struct DiskStats {
     pub connections: u64,
     /// `NBD_CMD_FLUSH` requests.
     pub flushes: u64,
+    /// Write requests, and of them with FUA.
+    pub writes: u64,
+    pub fua_writes: u64,
     /// Sectors written and never flushed that a cut dropped.
     pub dropped_sectors: u64,
 }
@@ -103,6 +106,8 @@ impl Layers {
     }
 
     fn write(&mut self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        self.stats.writes += 1;
+        self.stats.fua_writes += u64::from(fua);
         let mut done = 0usize;
         while done < data.len() {
             let pos = offset + done as u64;
@@ -250,10 +255,7 @@ impl Disk {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Layers> {
-        self.shared
-            .layers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shared.layers.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -325,11 +327,7 @@ fn option_reply(w: &mut impl Write, option: u32, kind: u32, data: &[u8]) -> io::
 fn serve_connection(shared: &Shared, stream: &UnixStream) -> io::Result<bool> {
     let mut r = BufReader::new(stream.try_clone()?);
     let mut w = BufWriter::new(stream.try_clone()?);
-    let size = shared
-        .layers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .size;
+    let size = shared.layers.lock().unwrap_or_else(|e| e.into_inner()).size;
     let tflags = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA;
 
     w.write_all(&NBDMAGIC.to_be_bytes())?;
@@ -342,12 +340,18 @@ fn serve_connection(shared: &Shared, stream: &UnixStream) -> io::Result<bool> {
     // Option haggling until the client picks the export.
     loop {
         if read_u64(&mut r)? != IHAVEOPT {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad option magic"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bad option magic",
+            ));
         }
         let option = read_u32(&mut r)?;
         let len = read_u32(&mut r)?;
         if len > 4096 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "option too long"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "option too long",
+            ));
         }
         let mut data = vec![0u8; len as usize];
         r.read_exact(&mut data)?;
@@ -383,7 +387,10 @@ fn serve_connection(shared: &Shared, stream: &UnixStream) -> io::Result<bool> {
     // Transmission: one request at a time (qemu waits for nothing but the replies).
     loop {
         if read_u32(&mut r)? != REQUEST_MAGIC {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bad request magic",
+            ));
         }
         let flags = read_u16(&mut r)?;
         let kind = read_u16(&mut r)?;

@@ -9,7 +9,8 @@
 //! Two plans alternate: A writes the 300 files (100 of them exist with other content) and sets
 //! `maxPods: 150`; B puts the 100 back, removes the 200 and sets `maxPods: 110`. So each
 //! recovered boot is the starting point of the next cut, and a run of N cuts costs N + 1
-//! boots. The reference end states of A and B come from one uninterrupted run of each.
+//! boots. The reference end states of A and B come from one uninterrupted run of each on the
+//! fresh node, before the first cut.
 
 use std::time::{Duration, Instant};
 
@@ -28,9 +29,8 @@ const CLIENT: &str = "INPLACE_AGENT_ADDR=127.0.0.1:9443 INPLACE_AGENT_CA=/root/p
 
 /// One plan's text, `a` or `b`, with the given id.
 pub fn plan(which: char, id: &str) -> String {
-    let mut p = format!(
-        "apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nnodeName: vmnode\nchanges:\n"
-    );
+    let mut p =
+        format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nnodeName: vmnode\nchanges:\n");
     for i in 0..300 {
         let path = format!("/etc/kubernetes/powercut/f{i:03}.conf");
         match (which, i < 100) {
@@ -98,7 +98,10 @@ pub fn diff(want: &str, got: &str) -> String {
 pub fn wait_agent(qga: &mut Qga) -> Result<()> {
     let began = Instant::now();
     loop {
-        let out = qga.sh("systemctl is-active inplace-agent.service", Duration::from_secs(60))?;
+        let out = qga.sh(
+            "systemctl is-active inplace-agent.service",
+            Duration::from_secs(60),
+        )?;
         if out.stdout.trim() == "active" {
             return Ok(());
         }
@@ -149,18 +152,33 @@ pub struct CutOutcome {
     pub phase_after: String,
     /// Sectors the guest wrote and never flushed, dropped by the cut.
     pub dropped_sectors: u64,
+    /// Write and flush requests the disk served from the submission to the cut.
+    pub writes: u64,
+    pub flushes: u64,
     /// The agent truncated a torn journal tail at its start.
     pub torn_tail: bool,
     /// None: converged; Some: why not.
     pub failure: Option<String>,
 }
 
+/// How long an uninterrupted run took.
+#[derive(Debug, Clone)]
+pub struct Timing {
+    pub plan: char,
+    /// The submission (the client started) → the client saw Succeeded.
+    pub total_ms: u64,
+    /// Of that, until the plan was accepted (the client starting, parsing, connecting).
+    pub before_accepted_ms: u64,
+    /// Accepted → Succeeded, by the agent's clock.
+    pub run_ms: u64,
+}
+
 /// A run of cuts.
 #[derive(Debug, Default)]
 pub struct Report {
     pub cuts: Vec<CutOutcome>,
-    /// Uninterrupted durations of plans A and B (from the submission to Succeeded).
-    pub reference_ms: (u64, u64),
+    /// The uninterrupted runs of plans A and B.
+    pub reference: Vec<Timing>,
     /// Each boot until the agent answered.
     pub boot_ms: Vec<u64>,
     pub seed: u64,
@@ -211,24 +229,31 @@ fn boot_and_wait(node: &mut Node, report: &mut Report) -> Result<(super::Vm, Qga
     Ok((vm, qga))
 }
 
-/// The reference: plans A and B run uninterrupted on a fresh node; their end states.
-pub fn reference(env: &VmEnv, report: &mut Report) -> Result<(String, String)> {
-    let mut node = env.node("reference")?;
-    let (mut vm, mut qga) = boot_and_wait(&mut node, report)?;
+/// The reference: plans A and B run uninterrupted on the fresh node; their end states. The
+/// node is then as it was before (B undoes A).
+fn reference(node: &Node, qga: &mut Qga, report: &mut Report) -> Result<(String, String)> {
     let mut states = Vec::new();
     for which in ['a', 'b'] {
-        let path = node.put_plan(&format!("ref-{which}.yaml"), &plan(which, &format!("ref-{which}")))?;
+        let path = node.put_plan(
+            &format!("ref-{which}.yaml"),
+            &plan(which, &format!("ref-{which}")),
+        )?;
         let began = Instant::now();
-        submit_wait(&mut qga, &path).with_context(|| format!("reference run of plan {which}"))?;
-        let took = began.elapsed().as_millis() as u64;
-        if which == 'a' {
-            report.reference_ms.0 = took;
-        } else {
-            report.reference_ms.1 = took;
-        }
-        states.push(snapshot(&mut qga)?);
+        let status =
+            submit_wait(qga, &path).with_context(|| format!("reference run of plan {which}"))?;
+        let total = began.elapsed().as_millis() as u64;
+        let ms = |k: &str| status.get(k).and_then(Value::as_u64).unwrap_or(0);
+        let run = ms("finishedAtMs")
+            .saturating_sub(ms("acceptedAtMs"))
+            .min(total);
+        report.reference.push(Timing {
+            plan: which,
+            total_ms: total,
+            before_accepted_ms: total - run,
+            run_ms: run,
+        });
+        states.push(snapshot(qga)?);
     }
-    vm.cut();
     let b = states.pop().unwrap_or_default();
     let a = states.pop().unwrap_or_default();
     if !a.contains("f299.conf") || b.contains("f299.conf") {
@@ -249,23 +274,33 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&CutOutcome)) -> R
         "power cuts: {cuts}, seed {} (INPLACE_VM_SEED replays them)",
         report.seed
     );
-    let (state_a, state_b) = reference(env, &mut report)?;
-    // Cut moments: uniform over the longer reference run and a quarter beyond (a cut after
-    // the end must converge too).
-    let window = report.reference_ms.0.max(report.reference_ms.1) * 5 / 4;
-    eprintln!(
-        "power cuts: reference runs A {} ms, B {} ms; cuts within {} ms of the submission",
-        report.reference_ms.0, report.reference_ms.1, window
-    );
-
     let mut node = env.node("powercut")?;
     let (mut vm, mut qga) = boot_and_wait(&mut node, &mut report)?;
+    let (state_a, state_b) = reference(&node, &mut qga, &mut report)?;
+    // Cut moments, from the submission: mostly while the agent runs the plan (accepted →
+    // Succeeded in the longer reference run), some while the client is still submitting,
+    // some after the end (a cut then must converge too).
+    let slowest = report
+        .reference
+        .iter()
+        .max_by_key(|t| t.total_ms)
+        .cloned()
+        .context("reference timings")?;
+    let (from, to) = (
+        slowest.before_accepted_ms / 2,
+        slowest.before_accepted_ms + slowest.run_ms * 5 / 4,
+    );
+    eprintln!(
+        "power cuts: uninterrupted runs {:?}; cuts between {from} and {to} ms after the submission",
+        report.reference
+    );
+
     for k in 0..cuts {
         let which = if k % 2 == 0 { 'a' } else { 'b' };
         let id = format!("cut-{k}-{which}");
         let path = node.put_plan(&format!("{id}.yaml"), &plan(which, &id))?;
-        let at_ms = rng.below(window);
-        let dropped_before = node.disk.stats().dropped_sectors;
+        let at_ms = from + rng.below(to - from);
+        let before = node.disk.stats();
         let began = Instant::now();
         qga.spawn(&[
             "/bin/sh",
@@ -277,13 +312,18 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&CutOutcome)) -> R
         if !node.disk.wait_disconnected(Duration::from_secs(30)) {
             bail!("the disk stayed connected after the cut");
         }
-        let dropped = node.disk.stats().dropped_sectors - dropped_before;
+        let after = node.disk.stats();
 
         let (v, q) = boot_and_wait(&mut node, &mut report)
             .with_context(|| format!("boot after cut {k} at {at_ms} ms"))?;
         vm = v;
         qga = q;
-        let outcome = judge(&mut qga, &id, &path, if which == 'a' { &state_a } else { &state_b });
+        let outcome = judge(
+            &mut qga,
+            &id,
+            &path,
+            if which == 'a' { &state_a } else { &state_b },
+        );
         let (phase_after, torn_tail, failure) = match outcome {
             Ok((phase, torn)) => (phase, torn, None),
             Err(e) => ("?".into(), false, Some(format!("{e:#}"))),
@@ -292,7 +332,9 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&CutOutcome)) -> R
             plan: id,
             at_ms,
             phase_after,
-            dropped_sectors: dropped,
+            dropped_sectors: after.dropped_sectors - before.dropped_sectors,
+            writes: after.writes - before.writes,
+            flushes: after.flushes - before.flushes,
             torn_tail,
             failure,
         };
@@ -328,7 +370,11 @@ fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, boo
     }
     let verify = qga.sh("inplace-agent journal --verify", Duration::from_secs(120))?;
     if verify.code != 0 {
-        bail!("journal --verify failed: {}{}", verify.stdout, verify.stderr);
+        bail!(
+            "journal --verify failed: {}{}",
+            verify.stdout,
+            verify.stderr
+        );
     }
     let temp = sh_ok(
         qga,

@@ -59,7 +59,9 @@ impl Qga {
                 .as_bytes(),
         );
         req.push(b'\n');
-        self.writer.write_all(&req).context("write to the guest agent")?;
+        self.writer
+            .write_all(&req)
+            .context("write to the guest agent")?;
         let deadline = Instant::now() + timeout;
         loop {
             // Skip to the sentinel, then read the reply line.
@@ -165,7 +167,10 @@ impl Qga {
                 });
             }
             if Instant::now() > deadline {
-                bail!("guest pid {pid} still running after {} s", timeout.as_secs());
+                bail!(
+                    "guest pid {pid} still running after {} s",
+                    timeout.as_secs()
+                );
             }
             std::thread::sleep(Duration::from_millis(200));
         }
