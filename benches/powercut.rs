@@ -37,19 +37,26 @@ fn main() {
         return;
     };
     let began = Instant::now();
-    let report = match vm::powercut::run(env, cuts, |c| {
-        eprintln!(
-            "cut {}: at {} ms ({} writes, {} flushes before it), first seen after it: {}, \
-             {} unflushed sectors dropped, torn tail {}: {}",
-            c.plan,
-            c.at_ms,
-            c.writes,
-            c.flushes,
-            c.phase_after,
-            c.dropped_sectors,
-            if c.torn_tail { "truncated" } else { "none" },
-            c.failure.as_deref().unwrap_or("converged")
-        )
+    let results = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/RESULTS.md");
+    // The section is written after every cut, so a run stopped early still reports what it did.
+    let report = match vm::powercut::run(env, cuts, |r| {
+        if let Some(c) = r.cuts.last() {
+            eprintln!(
+                "cut {}: at {} ms ({} writes, {} flushes before it), first seen after it: {}, \
+                 {} unflushed sectors dropped, torn tail {}: {}",
+                c.plan,
+                c.at_ms,
+                c.writes,
+                c.flushes,
+                c.phase_after,
+                c.dropped_sectors,
+                if c.torn_tail { "truncated" } else { "none" },
+                c.failure.as_deref().unwrap_or("converged")
+            );
+        }
+        if write_results {
+            write_section(&results, &render(env, r, cuts, began.elapsed()));
+        }
     }) {
         Ok(r) => r,
         Err(e) => {
@@ -57,24 +64,49 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let took = began.elapsed();
+    let s = render(env, &report, cuts, began.elapsed());
+    print!("{s}");
+    if write_results {
+        write_section(&results, &s);
+        eprintln!("wrote the power-cut section of {}", results.display());
+    }
+    if report.survived() != report.cuts.len() || report.cuts.len() != cuts {
+        std::process::exit(1);
+    }
+}
+
+/// The section for the cuts done so far.
+fn render(
+    env: &vm::VmEnv,
+    report: &vm::powercut::Report,
+    planned: usize,
+    took: std::time::Duration,
+) -> String {
     let survived = report.survived();
     let mut phases = std::collections::BTreeMap::<&str, usize>::new();
     for c in &report.cuts {
         *phases.entry(c.phase_after.as_str()).or_default() += 1;
     }
     let torn = report.cuts.iter().filter(|c| c.torn_tail).count();
-    let dropped: Vec<u64> = report.cuts.iter().map(|c| c.dropped_sectors).collect();
+    let mut dropped: Vec<u64> = report.cuts.iter().map(|c| c.dropped_sectors).collect();
+    dropped.sort_unstable();
     let with_loss = dropped.iter().filter(|&&d| d > 0).count();
     let mut boots = report.boot_ms.clone();
     boots.sort_unstable();
     let median_boot = boots.get(boots.len() / 2).copied().unwrap_or(0);
-
+    let done = if report.cuts.len() < planned {
+        format!(
+            " (so far: {} of {planned} planned cuts done)",
+            report.cuts.len()
+        )
+    } else {
+        String::new()
+    };
     let mut s = String::new();
     let _ = writeln!(s, "{SECTION}\n");
     let _ = writeln!(
         s,
-        "Produced by `cargo bench --bench powercut` on {}, commit {}; {:.0} min on {}.\n",
+        "Produced by `cargo bench --bench powercut` on {}, commit {}; {:.0} min on {}{done}.\n",
         now_utc(),
         commit(),
         took.as_secs_f64() / 60.0,
@@ -97,11 +129,7 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", "),
         report.cuts.len(),
-        {
-            let mut d = dropped.clone();
-            d.sort_unstable();
-            d.get(d.len() / 2).copied().unwrap_or(0)
-        },
+        dropped.get(dropped.len() / 2).copied().unwrap_or(0),
         report
             .reference
             .iter()
@@ -116,30 +144,25 @@ fn main() {
         boots.len(),
         median_boot as f64 / 1000.0,
     );
-    print!("{s}");
-    if write_results {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/RESULTS.md");
-        let old = std::fs::read_to_string(&path).unwrap_or_default();
-        let kept = match old.find(SECTION) {
-            Some(start) => {
-                let rest = &old[start + SECTION.len()..];
-                let end = rest
-                    .find("\n## ")
-                    .map(|i| start + SECTION.len() + i + 1)
-                    .unwrap_or(old.len());
-                format!("{}{}", &old[..start], &old[end..])
-            }
-            None => old,
-        };
-        let new = format!("{}\n\n{s}", kept.trim_end());
-        if let Err(e) = std::fs::write(&path, new) {
-            eprintln!("write {}: {e}", path.display());
-        } else {
-            eprintln!("wrote the power-cut section of {}", path.display());
+    s
+}
+
+/// Replaces (or appends) the power-cut section of RESULTS.md, leaving the rest as it is.
+fn write_section(path: &std::path::Path, section: &str) {
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let kept = match old.find(SECTION) {
+        Some(start) => {
+            let rest = &old[start + SECTION.len()..];
+            let end = rest
+                .find("\n## ")
+                .map(|i| start + SECTION.len() + i + 1)
+                .unwrap_or(old.len());
+            format!("{}{}", &old[..start], &old[end..])
         }
-    }
-    if survived != report.cuts.len() || report.cuts.len() != cuts {
-        std::process::exit(1);
+        None => old,
+    };
+    if let Err(e) = std::fs::write(path, format!("{}\n\n{section}", kept.trim_end())) {
+        eprintln!("write {}: {e}", path.display());
     }
 }
 

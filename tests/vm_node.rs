@@ -33,7 +33,10 @@ fn env(test: &str) -> Option<&'static vm::VmEnv> {
     )
 }
 
-fn show(c: &CutOutcome) {
+fn show(report: &powercut::Report) {
+    let Some(c) = report.cuts.last() else {
+        return;
+    };
     eprintln!(
         "power cut: {} at {} ms ({} writes, {} flushes before it), first seen after it: {}, \
          {} unflushed sectors dropped, torn tail {}: {}",

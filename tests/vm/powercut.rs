@@ -263,8 +263,8 @@ fn reference(node: &Node, qga: &mut Qga, report: &mut Report) -> Result<(String,
 }
 
 /// `cuts` power cuts at random moments; every outcome in the report (the caller judges).
-/// `progress` is called after each cut.
-pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&CutOutcome)) -> Result<Report> {
+/// `progress` is called after each cut with the report so far.
+pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&Report)) -> Result<Report> {
     let mut report = Report {
         seed: seed(),
         ..Report::default()
@@ -338,8 +338,8 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&CutOutcome)) -> R
             torn_tail,
             failure,
         };
-        progress(&c);
         report.cuts.push(c);
+        progress(&report);
         if report.cuts.last().is_some_and(|c| c.failure.is_some()) {
             // The node is in an unknown state: the next cuts would judge the wrong thing.
             break;
