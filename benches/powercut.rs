@@ -42,7 +42,7 @@ fn main() {
     let report = match vm::powercut::run(env, cuts, |r| {
         if let Some(c) = r.cuts.last() {
             eprintln!(
-                "cut {}: at {} ms ({} writes, {} flushes before it), first seen after it: {}, \
+                "cut {}: at {} ms ({} writes, {} flushes before it), cut in: {}, \
                  {} unflushed sectors dropped, torn tail {}: {}",
                 c.plan,
                 c.at_ms,
@@ -116,7 +116,7 @@ fn render(
         s,
         "| measurement | result |\n|---|---|\n\
          | power cuts (SIGKILL of qemu) at random moments of a 301-change plan, node converged to the uninterrupted end state, journal verified, no temp files | **{survived} of {} survived** (seed {}) |\n\
-         | where the cuts fell (the plan's phase as first reported after the boot) | {} |\n\
+         | where the cuts fell (the phase the agent resumed in; ended before the cut; not accepted yet) | {} |\n\
          | cuts that dropped unflushed writes of the guest | {with_loss} of {} (median {} sectors) |\n\
          | torn journal tails truncated at the next start | {torn} |\n\
          | uninterrupted plan A / plan B, submission → Succeeded (of that accepted → Succeeded) | {} |\n\

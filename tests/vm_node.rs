@@ -38,7 +38,7 @@ fn show(report: &powercut::Report) {
         return;
     };
     eprintln!(
-        "power cut: {} at {} ms ({} writes, {} flushes before it), first seen after it: {}, \
+        "power cut: {} at {} ms ({} writes, {} flushes before it), cut in: {}, \
          {} unflushed sectors dropped, torn tail {}: {}",
         c.plan,
         c.at_ms,

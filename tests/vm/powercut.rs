@@ -147,8 +147,9 @@ pub struct CutOutcome {
     pub plan: String,
     /// Milliseconds after the submission started.
     pub at_ms: u64,
-    /// The plan's phase when the agent reported it first after the cut ("unknown": the
-    /// cut came before the acceptance was durable).
+    /// Where the cut fell: the phase the agent resumed the plan in after the boot,
+    /// "<phase> before the cut" when it had already ended, "not accepted" when the
+    /// acceptance was not durable yet.
     pub phase_after: String,
     /// Sectors the guest wrote and never flushed, dropped by the cut.
     pub dropped_sectors: u64,
@@ -349,17 +350,38 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&Report)) -> Resul
     Ok(report)
 }
 
-/// After the boot that follows a cut: the plan's first reported phase, whether a torn tail
-/// was truncated; an error when the node did not converge.
+/// After the boot that follows a cut: where the cut fell, whether a torn tail was truncated;
+/// an error when the node did not converge.
 fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, bool)> {
-    let first = qga.sh(
-        &format!("inplace-agent status {id} -o json"),
+    // Where the cut fell: the phase the agent resumed the plan in (it says so as it starts),
+    // else, if the plan is known, it had ended before the cut; else it was not accepted yet.
+    let log = qga.sh(
+        "journalctl -b --no-pager -o cat -u inplace-agent.service",
         Duration::from_secs(60),
     )?;
-    let phase_after = serde_json::from_str::<Value>(&first.stdout)
-        .ok()
-        .and_then(|v| v.get("phase").and_then(Value::as_str).map(str::to_owned))
-        .unwrap_or_else(|| "unknown".into());
+    let resumed = log
+        .stdout
+        .lines()
+        .find(|l| l.contains("an unfinished plan resumes") && l.contains(id))
+        .and_then(|l| l.split("phase=").nth(1))
+        .map(|p| p.split_whitespace().next().unwrap_or_default().to_string());
+    let torn = log.stdout.contains("torn record");
+    let phase_at_cut = match resumed {
+        Some(phase) => phase,
+        None => {
+            let first = qga.sh(
+                &format!("inplace-agent status {id} -o json"),
+                Duration::from_secs(60),
+            )?;
+            match serde_json::from_str::<Value>(&first.stdout)
+                .ok()
+                .and_then(|v| v.get("phase").and_then(Value::as_str).map(str::to_owned))
+            {
+                Some(phase) => format!("{phase} before the cut"),
+                None => "not accepted".into(),
+            }
+        }
+    };
     submit_wait(qga, path)?;
     let got = snapshot(qga)?;
     if got != want {
@@ -376,18 +398,14 @@ fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, boo
             verify.stderr
         );
     }
+    // Temp files are made beside the file they replace (and in the state directory).
     let temp = sh_ok(
         qga,
-        "find / -xdev -name '.*.inplace-tmp' 2>/dev/null || true",
+        "find /etc /var/lib -xdev -name '.*.inplace-tmp' 2>/dev/null || true",
         Duration::from_secs(120),
     )?;
     if !temp.trim().is_empty() {
         bail!("temp files left: {temp}");
     }
-    let log = qga.sh(
-        "journalctl -b --no-pager -u inplace-agent.service | grep -ci 'torn' || true",
-        Duration::from_secs(60),
-    )?;
-    let torn = log.stdout.trim().parse::<u32>().unwrap_or(0) > 0;
-    Ok((phase_after, torn))
+    Ok((phase_at_cut, torn))
 }
