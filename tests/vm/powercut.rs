@@ -280,17 +280,18 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&Report)) -> Resul
     let (state_a, state_b) = reference(&node, &mut qga, &mut report)?;
     // Cut moments, from the submission: mostly while the agent runs the plan (accepted →
     // Succeeded in the longer reference run), some while the client is still submitting,
-    // some after the end (a cut then must converge too).
+    // some after the end (a cut then must converge too). A plan that ended before its cut
+    // shortens the window to its own run: later runs on a settled node are faster than the
+    // reference on a node just booted.
     let slowest = report
         .reference
         .iter()
         .max_by_key(|t| t.total_ms)
         .cloned()
         .context("reference timings")?;
-    let (from, to) = (
-        slowest.before_accepted_ms / 2,
-        slowest.before_accepted_ms + slowest.run_ms * 5 / 4,
-    );
+    let from = slowest.before_accepted_ms / 2;
+    let mut run_ms = slowest.run_ms;
+    let mut to = slowest.before_accepted_ms + run_ms * 5 / 4;
     eprintln!(
         "power cuts: uninterrupted runs {:?}; cuts between {from} and {to} ms after the submission",
         report.reference
@@ -326,7 +327,14 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&Report)) -> Resul
             if which == 'a' { &state_a } else { &state_b },
         );
         let (phase_after, torn_tail, failure) = match outcome {
-            Ok((phase, torn)) => (phase, torn, None),
+            Ok((phase, torn, ended_in)) => {
+                if let Some(d) = ended_in.filter(|&d| d < run_ms) {
+                    run_ms = d;
+                    to = (slowest.before_accepted_ms + run_ms * 5 / 4).max(from + 1);
+                    eprintln!("power cuts: a run took {d} ms; cuts now up to {to} ms");
+                }
+                (phase, torn, None)
+            }
             Err(e) => ("?".into(), false, Some(format!("{e:#}"))),
         };
         let c = CutOutcome {
@@ -352,7 +360,7 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&Report)) -> Resul
 
 /// After the boot that follows a cut: where the cut fell, whether a torn tail was truncated;
 /// an error when the node did not converge.
-fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, bool)> {
+fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, bool, Option<u64>)> {
     // Where the cut fell: the phase the agent resumed the plan in (it says so as it starts),
     // else, if the plan is known, it had ended before the cut; else it was not accepted yet.
     let log = qga.sh(
@@ -366,6 +374,7 @@ fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, boo
         .and_then(|l| l.split("phase=").nth(1))
         .map(|p| p.split_whitespace().next().unwrap_or_default().to_string());
     let torn = log.stdout.contains("torn record");
+    let mut ended_in = None;
     let phase_at_cut = match resumed {
         Some(phase) => phase,
         None => {
@@ -373,12 +382,13 @@ fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, boo
                 &format!("inplace-agent status {id} -o json"),
                 Duration::from_secs(60),
             )?;
-            match serde_json::from_str::<Value>(&first.stdout)
-                .ok()
-                .and_then(|v| v.get("phase").and_then(Value::as_str).map(str::to_owned))
-            {
-                Some(phase) => format!("{phase} before the cut"),
-                None => "not accepted".into(),
+            match serde_json::from_str::<Value>(&first.stdout).ok() {
+                Some(v) if v.get("phase").and_then(Value::as_str).is_some() => {
+                    let ms = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+                    ended_in = Some(ms("finishedAtMs").saturating_sub(ms("acceptedAtMs")));
+                    format!("{} before the cut", v["phase"].as_str().unwrap_or_default())
+                }
+                _ => "not accepted".into(),
             }
         }
     };
@@ -407,5 +417,5 @@ fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, boo
     if !temp.trim().is_empty() {
         bail!("temp files left: {temp}");
     }
-    Ok((phase_at_cut, torn))
+    Ok((phase_at_cut, torn, ended_in))
 }
