@@ -1,4 +1,5 @@
-//! File metadata the agent sets and records (journal pre-images, mutations).
+//! File metadata the agent sets and records (journal pre-images, mutations), and what is
+//! at a path when the agent looks.
 
 /// Permission bits and ownership of a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -9,4 +10,23 @@ pub struct FileMeta {
     pub uid: u32,
     /// Owner gid.
     pub gid: u32,
+}
+
+/// What is at a path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Existing {
+    /// Nothing.
+    Absent,
+    /// A regular file.
+    File {
+        /// Its bytes.
+        content: Vec<u8>,
+        /// Its mode and owner.
+        meta: FileMeta,
+    },
+    /// Something the agent does not manage (a directory, a device, a socket).
+    Other {
+        /// What it is.
+        kind: &'static str,
+    },
 }

@@ -6,6 +6,7 @@ pub mod build;
 mod error;
 mod file_meta;
 pub mod time;
+pub mod units;
 
 pub use error::{ErrorInfo, ErrorKind};
-pub use file_meta::FileMeta;
+pub use file_meta::{Existing, FileMeta};

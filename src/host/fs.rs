@@ -35,24 +35,7 @@ pub struct DirCache {
     dirs: std::collections::HashMap<String, Option<OwnedFd>>,
 }
 
-/// What is at a path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Existing {
-    /// Nothing.
-    Absent,
-    /// A regular file.
-    File {
-        /// Its bytes.
-        content: Vec<u8>,
-        /// Its mode and owner.
-        meta: FileMeta,
-    },
-    /// Something the agent does not manage (a directory, a device, a socket).
-    Other {
-        /// What it is.
-        kind: &'static str,
-    },
-}
+pub use crate::base::Existing;
 
 /// A failed file operation, naming the operation and the node path.
 #[derive(Debug, thiserror::Error)]
