@@ -80,3 +80,23 @@ impl fmt::Display for ErrorInfo {
         }
     }
 }
+
+/// A step failure with a bounded kind.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{detail}")]
+pub struct StepError {
+    /// Classification.
+    pub kind: ErrorKind,
+    /// What failed on what.
+    pub detail: String,
+}
+
+impl StepError {
+    /// A new error.
+    pub fn new(kind: ErrorKind, detail: impl Into<String>) -> StepError {
+        StepError {
+            kind,
+            detail: detail.into(),
+        }
+    }
+}

@@ -5,8 +5,9 @@
 pub mod build;
 mod error;
 mod file_meta;
+pub mod packages;
 pub mod time;
 pub mod units;
 
-pub use error::{ErrorInfo, ErrorKind};
+pub use error::{ErrorInfo, ErrorKind, StepError};
 pub use file_meta::{Existing, FileMeta};

@@ -219,7 +219,7 @@ pub fn services_ready(host: &Host, plan: &Plan) -> Result<(), String> {
     let needs = plan
         .changes
         .iter()
-        .any(|c| crate::steps::needs_services(c) || !c.restart_units().is_empty())
+        .any(|c| c.spec().needs_services() || !c.restart_units().is_empty())
         || plan
             .verify
             .iter()

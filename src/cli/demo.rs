@@ -1,6 +1,7 @@
 //! `inplace-agent demo`: a guided tour on a sandbox node tree that looks like a kubeadm
 //! worker. It never touches anything outside its sandbox directory and binds only loopback.
 
+use super::render::heading;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -131,10 +132,6 @@ fn serve_healthz(mut stream: TcpStream, config: &Path) {
         "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
-}
-
-pub(super) fn heading(n: u32, text: &str) {
-    outln!("\n== {n}. {text}");
 }
 
 /// Why the tour ended before its last section.

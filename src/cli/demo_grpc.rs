@@ -36,7 +36,7 @@ verify:
 
 /// Runs the section; true when everything behaved as the demo says.
 pub fn section(n: u32, dir: &Path, kubelet_port: u16, plain: bool) -> Result<bool, String> {
-    super::demo::heading(
+    super::render::heading(
         n,
         "the node API: `serve` over mutual TLS, driven by the `submit` client",
     );

@@ -262,7 +262,10 @@ pub fn main() -> ExitCode {
         Command::KubeletStandin { args } => return crate::sandbox::standin::run(&args),
         Command::Serve(a) => serve::run(&a),
         Command::Submit(a) => remote::submit(&a),
-        Command::Status(a) => remote::status(&a),
+        Command::Status(a) => match &a.addr {
+            Some(addr) => remote::status(&a, addr),
+            None => status::local(&a),
+        },
         Command::Cancel(a) => remote::cancel(&a),
         Command::Retry(a) => remote::retry(&a),
         Command::Pki(a) => pki::run(&a),

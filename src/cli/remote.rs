@@ -784,11 +784,9 @@ async fn conclude(
     exit_for(&status)
 }
 
-/// `inplace-agent status`.
-pub fn status(args: &StatusArgs) -> u8 {
-    let Some(addr) = &args.addr else {
-        return super::status::local(args);
-    };
+/// `inplace-agent status --addr`: a remote agent's status (without `--addr` it is the
+/// local agent's, `status::local`).
+pub fn status(args: &StatusArgs, addr: &str) -> u8 {
     let runtime = match runtime() {
         Ok(r) => r,
         Err(code) => return code,

@@ -188,3 +188,8 @@ pub fn summary(status: &PlanStatus) -> String {
 pub fn status_json(status: &PlanStatus) -> serde_json::Value {
     serde_json::to_value(crate::status::PlanStatusDocument::new(status.clone())).unwrap_or_default()
 }
+
+/// A numbered section heading of the demos (`== 3. ...`).
+pub(super) fn heading(n: u32, text: &str) {
+    outln!("\n== {n}. {text}");
+}

@@ -125,7 +125,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
     let needs_bus = plan
         .changes
         .iter()
-        .any(|c| steps::needs_services(c) || !c.restart_units().is_empty())
+        .any(|c| c.spec().needs_services() || !c.restart_units().is_empty())
         || plan
             .verify
             .iter()
@@ -152,7 +152,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             .filter(|e| e.field.starts_with(&prefix))
             .map(|e| e.to_string())
             .collect();
-        let mut disruption = steps::disruption(change);
+        let mut disruption = change.spec().disruption();
         let unsupported = config.capabilities.unsupported(change).or_else(|| {
             host.services()
                 .is_none()
@@ -163,7 +163,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             (CheckResultKind::Unsupported, why)
         } else if !mine.is_empty() {
             (CheckResultKind::Invalid, mine.join("; "))
-        } else if let (Change::Unit(_), Some(why)) = (change, &bus_down) {
+        } else if let (true, Some(why)) = (change.spec().needs_services(), &bus_down) {
             (CheckResultKind::Invalid, why.clone())
         } else if let Change::Reboot(_) = change {
             if units::reboot_needed(plan, i, &would_change) {
@@ -182,8 +182,9 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             (CheckResultKind::WouldChange, why)
         } else {
             let mut ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
-            ctx.inputs_changed =
-                steps::kubeadm::inputs_changed(plan, i, |j| would_change.contains(&(j as usize)));
+            ctx.inputs_changed = crate::plan::kinds::inputs_changed(plan, i, |j| {
+                would_change.contains(&(j as usize))
+            });
             match steps::diff(host, change, ctx) {
                 Ok(d) if d.mutations.is_empty() => {
                     (CheckResultKind::Unchanged, d.note.unwrap_or_default())

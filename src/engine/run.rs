@@ -282,20 +282,18 @@ impl Runner {
             }
             self.record(Record::PruneResolved { run, paths }, false)?;
         }
+        let node = steps::HostNode::new(&self.shared.host);
         for (i, change) in plan.changes.iter().enumerate() {
-            let Change::Package(p) = change else { continue };
-            if p.version_prefix().is_none() || rs.versions.contains_key(&(i as u32)) {
+            if rs.versions.contains_key(&(i as u32)) {
                 continue;
             }
             let step = format!("changes[{i}] {} {}", change.kind(), change.target());
-            let found = steps::package::resolve(
-                &self.shared.host,
-                p,
-                plan.options.step_timeout,
-                false,
-                &mut |n| self.note(run, &step, n),
-            );
-            if let Ok(Some(version)) = found {
+            let found = change
+                .spec()
+                .resolve(&node, plan.options.step_timeout, false, &mut |n| {
+                    self.note(run, &step, n)
+                });
+            if let Ok(Some(Some(version))) = found {
                 self.record(
                     Record::VersionResolved {
                         run,
@@ -313,19 +311,19 @@ impl Runner {
     /// (refreshing the package lists once when nothing matches); fails the step when the
     /// repositories offer no matching version.
     fn resolve_at_step(&self, run: u64, plan: &Plan, index: usize) -> Result<(), Abort> {
-        let Some(Change::Package(p)) = plan.changes.get(index) else {
+        let Some(change) = plan.changes.get(index) else {
             return Ok(());
         };
-        let step = format!("changes[{index}] package {}", plan.changes[index].target());
-        let found = steps::package::resolve(
-            &self.shared.host,
-            p,
-            plan.options.step_timeout,
-            true,
-            &mut |n| self.note(run, &step, n),
-        );
+        let step = format!("changes[{index}] {} {}", change.kind(), change.target());
+        let node = steps::HostNode::new(&self.shared.host);
+        let found = change
+            .spec()
+            .resolve(&node, plan.options.step_timeout, true, &mut |n| {
+                self.note(run, &step, n)
+            });
         let error = match found {
-            Ok(Some(version)) => {
+            Ok(None) => return Ok(()),
+            Ok(Some(Some(version))) => {
                 self.record(
                     Record::VersionResolved {
                         run,
@@ -336,13 +334,13 @@ impl Runner {
                 )?;
                 return Ok(());
             }
-            Ok(None) => steps::StepError::new(
+            Ok(Some(None)) => steps::StepError::new(
                 ErrorKind::Package,
                 format!(
-                    "no version of {} matching {} is offered by the configured repositories \
-                     (after refreshing the package lists); check the repository the plan \
-                     configures for this version",
-                    p.name, p.version
+                    "nothing offered by the configured repositories matches {} (after \
+                     refreshing the package lists); check the repository the plan configures \
+                     for this version",
+                    change.target()
                 ),
             ),
             Err(e) => e,
@@ -371,10 +369,8 @@ impl Runner {
             return Ok(());
         }
         let done = self.state(run).map(|s| s.1.done).unwrap_or_default();
+        let node = steps::HostNode::new(&self.shared.host);
         for (i, change) in plan.changes.iter().enumerate() {
-            let Change::Artifact(a) = change else {
-                continue;
-            };
             if done.contains(&(i as u32)) {
                 continue;
             }
@@ -383,8 +379,14 @@ impl Runner {
                 return Err(Abort::Stop(stop));
             }
             let step = format!("changes[{i}] {} {}", change.kind(), change.target());
-            let result =
-                steps::artifact::fetch(&self.shared.host, a, &mut |n| self.note(run, &step, n));
+            let result = change
+                .spec()
+                .prepare(&node, &mut |n| self.note(run, &step, n));
+            let result = match result {
+                Ok(None) => continue,
+                Ok(Some(message)) => Ok(message),
+                Err(e) => Err(e),
+            };
             match result {
                 Ok(message) => self.note(run, &step, steps::Note::Status(&message)),
                 Err(e) => {
@@ -435,7 +437,7 @@ impl Runner {
             // single change of another kind, or a single change resumed after a crash.
             let mut batch = vec![todo[cursor]];
             let alone = |i: usize| {
-                !steps::batchable(&plan.changes[i]) || rs.preimages.contains_key(&(i as u32))
+                !plan.changes[i].spec().batchable() || rs.preimages.contains_key(&(i as u32))
             };
             if !alone(todo[cursor]) {
                 while let Some(&next) = todo.get(cursor + batch.len()) {
@@ -455,9 +457,7 @@ impl Runner {
                 self.reboot_step(run, batch[0] as u32)?;
                 continue;
             }
-            if let Change::Package(p) = &plan.changes[batch[0]]
-                && p.version_prefix().is_some()
-            {
+            if !rs.versions.contains_key(&(batch[0] as u32)) {
                 self.resolve_at_step(run, &plan, batch[0])?;
                 if let Some((_, now, _)) = self.state(run) {
                     rs = now;
@@ -495,11 +495,11 @@ impl Runner {
             self.shared.lock().table.set_running(run, index);
             let in_flight = rs.preimages.get(&index);
             let mut ctx = prepared.ctx(i);
-            if let Change::KubeadmUpgradeNode(_) = &plan.changes[i] {
+            let feeders = crate::plan::kinds::feeders(plan, i);
+            if !feeders.is_empty() {
                 // What changed in this run so far (not the batch's snapshot of it).
                 let changed = self.state(run).map(|s| s.1.preimages).unwrap_or_default();
-                ctx.inputs_changed =
-                    steps::kubeadm::inputs_changed(plan, i, |j| changed.contains_key(&j));
+                ctx.inputs_changed = feeders.into_iter().find(|j| changed.contains_key(j));
             }
             match self.prepare_one(&plan.changes[i], ctx, in_flight) {
                 Ok((diff, preimages)) => work.push(Work {

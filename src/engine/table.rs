@@ -9,7 +9,6 @@ use std::sync::Arc;
 use super::status::*;
 use crate::journal::{ChangeSummary, CheckSummary, Entry, PlanDoc, Preimage, Record};
 use crate::plan::{Check, Limits, Plan, PlanOptions, validate_value};
-use crate::steps;
 
 /// How many finished plans keep their per-change results.
 pub const KEEP_FULL: usize = 16;
@@ -141,8 +140,10 @@ pub struct Table {
 pub fn resolved_plan(plan: &Plan, versions: &BTreeMap<u32, String>, pruned: &[String]) -> Plan {
     let mut plan = plan.clone();
     for (index, version) in versions {
-        if let Some(crate::plan::Change::Package(p)) = plan.changes.get_mut(*index as usize) {
-            p.version = version.clone();
+        if let Some(change) = plan.changes.get_mut(*index as usize)
+            && let Some(resolved) = change.spec().resolved(version)
+        {
+            *change = resolved;
         }
     }
     for path in pruned {
@@ -245,7 +246,7 @@ pub fn summaries(plan: &Plan) -> (Vec<ChangeSummary>, Vec<CheckSummary>) {
         .map(|c| ChangeSummary {
             kind: c.kind(),
             target: c.target(),
-            disruption: steps::disruption(c),
+            disruption: c.spec().disruption(),
         })
         .collect();
     let checks = plan

@@ -25,8 +25,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::host::systemd::{ActiveState, LoadState, UnitJob, UnitState as Observed};
 use crate::journal::Preimage;
+use crate::plan::kinds::{Touched, is_running, is_stopped, is_unit_path};
 use crate::plan::{Change, Disruption, Plan, UnitState};
-use crate::steps::{Mutation, package, unit};
+use crate::steps::Mutation;
 
 /// What one change did (or would do) to the node, as far as units are concerned.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -41,63 +42,43 @@ pub struct Effect {
     pub run_state: bool,
 }
 
-/// The effect of a change that journaled these pre-images (one per mutated target).
-pub fn effect_of_preimages(preimages: &[Preimage]) -> Effect {
-    let mut e = Effect {
-        changed: !preimages.is_empty(),
-        ..Effect::default()
-    };
-    for p in preimages {
-        match p {
-            Preimage::File { path, .. } => {
-                e.reload |= unit::is_unit_path(path);
+/// The effect of what one change touched (or would touch): the one rule, for the runner
+/// (from the journaled pre-images) and the dry run (from the mutations) alike.
+pub fn effect(touched: impl IntoIterator<Item = Touched>) -> Effect {
+    let mut e = Effect::default();
+    for t in touched {
+        e.changed = true;
+        match t {
+            Touched::File(path) => {
+                e.reload |= is_unit_path(&path);
                 e.restart = true;
             }
-            Preimage::UnitFile { .. } => e.reload = true,
-            Preimage::UnitActive { .. } => e.run_state = true,
-            Preimage::Other { kind, .. } if kind == package::PREIMAGE_KIND => {
+            Touched::UnitFile => e.reload = true,
+            Touched::UnitRun => e.run_state = true,
+            Touched::Package => {
                 e.reload = true;
                 e.restart = true;
             }
-            Preimage::Sysctl { .. } | Preimage::Other { .. } => e.restart = true,
+            Touched::Sysctl | Touched::Command => e.restart = true,
         }
     }
     e
 }
 
+/// The effect of a change that journaled these pre-images (one per mutated target).
+pub fn effect_of_preimages(preimages: &[Preimage]) -> Effect {
+    effect(preimages.iter().map(crate::steps::preimage_touched))
+}
+
 /// The effect a change would have with these mutations (the dry run).
 pub fn effect_of_mutations(mutations: &[Mutation]) -> Effect {
-    let mut e = Effect {
-        changed: !mutations.is_empty(),
-        ..Effect::default()
-    };
-    for m in mutations {
-        match m {
-            Mutation::Write { path, .. }
-            | Mutation::Remove { path }
-            | Mutation::WriteFrom { path, .. } => {
-                e.reload |= unit::is_unit_path(path);
-                e.restart = true;
-            }
-            Mutation::UnitFile { .. } => e.reload = true,
-            Mutation::UnitRun { .. } => e.run_state = true,
-            Mutation::Package(_) => {
-                e.reload = true;
-                e.restart = true;
-            }
-            Mutation::SysctlLive { .. } | Mutation::KubeadmUpgradeNode(_) => e.restart = true,
-        }
-    }
-    e
+    effect(mutations.iter().map(Mutation::touched))
 }
 
 /// The units a change feeds: the unit itself for a unit change (restarted when its file or
 /// drop-in changed), `restartUnits` and the kubelet for the others.
 pub fn fed_units(change: &Change) -> Vec<String> {
-    match change {
-        Change::Unit(u) => vec![u.name.clone()],
-        other => other.restart_units(),
-    }
+    change.spec().fed_units()
 }
 
 /// What must hold for a unit at the end of the Restarting phase.
@@ -173,16 +154,14 @@ pub fn plan_units(
                 order.push(u);
             }
         }
-        if let Change::Unit(u) = change
-            && let Some(state) = u.state
-        {
-            desired.insert(u.name.clone(), state);
+        if let Some((unit, state)) = change.spec().run_state() {
+            desired.insert(unit.to_string(), state);
         }
         let Some(effect) = effects.get(&i).filter(|e| e.changed) else {
             continue;
         };
-        if let (Change::Unit(u), true) = (change, effect.run_state) {
-            run_state.insert(u.name.clone());
+        if let (Some((unit, _)), true) = (change.spec().run_state(), effect.run_state) {
+            run_state.insert(unit.to_string());
         }
         if !after_reboot(i) {
             continue;
@@ -248,9 +227,9 @@ pub enum Decision {
 /// Decides the job for a unit (pure).
 pub fn decide(unit: &str, want: &Want, now: &Observed) -> Decision {
     match want {
-        Want::Stopped if unit::is_stopped(now) => Decision::Nothing,
+        Want::Stopped if is_stopped(now) => Decision::Nothing,
         Want::Stopped => Decision::Queue(UnitJob::Stop),
-        Want::Running if unit::is_running(now) => Decision::Nothing,
+        Want::Running if is_running(now) => Decision::Nothing,
         Want::Running => Decision::Queue(UnitJob::Start),
         Want::Restart { start_if_stopped } => {
             let stopped = now.active_state == ActiveState::Inactive;
@@ -355,16 +334,10 @@ pub fn reboot_needed(plan: &Plan, index: usize, changed: &BTreeSet<usize>) -> bo
 
 /// The disruption of one change that would change something, from its effect.
 pub fn disruption_of(change: &Change, effect: &Effect) -> Disruption {
-    if let Change::Reboot(_) = change {
-        return Disruption::Reboot;
+    if let Some(declared) = change.spec().declared_disruption() {
+        return declared;
     }
-    if let Change::Exec(e) = change {
-        return e.disruption;
-    }
-    let restarts = match change {
-        Change::Unit(u) => u.state != Some(UnitState::Stopped),
-        other => !other.restart_units().is_empty(),
-    };
+    let restarts = !change.spec().restart_units().is_empty();
     if (effect.restart && restarts) || effect.run_state {
         Disruption::Restart
     } else if effect.reload {
@@ -506,7 +479,7 @@ mod tests {
             kind: kind.to_string(),
             data: serde_json::json!({}),
         };
-        let pkg = effect_of_preimages(&[other(package::PREIMAGE_KIND)]);
+        let pkg = effect_of_preimages(&[other(crate::steps::package::PREIMAGE_KIND)]);
         assert!(pkg.changed && pkg.reload && pkg.restart, "{pkg:?}");
         let kubeadm = effect_of_preimages(&[other(crate::steps::kubeadm::PREIMAGE_KIND)]);
         assert!(kubeadm.restart && !kubeadm.reload, "{kubeadm:?}");

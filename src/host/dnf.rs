@@ -7,7 +7,7 @@ use std::path::Path;
 
 use super::command::CommandOutput;
 use super::locks::LockSpec;
-use super::packages::{
+use super::package_manager::{
     InstalledPackage, ManagerKind, PackageManager, PkgError, PkgEvent, PkgOptions, Runner,
     Transcript, last_failed, pid_after, validate_name, validate_version,
 };

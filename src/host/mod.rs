@@ -10,6 +10,7 @@ pub mod http;
 pub mod locks;
 pub mod memory;
 pub mod node;
+pub mod package_manager;
 pub mod packages;
 pub mod pkgversion;
 pub mod systemd;
@@ -184,7 +185,7 @@ impl Host {
         explicit: Option<&str>,
     ) -> Result<packages::ManagerKind, packages::PkgError> {
         let kind = match explicit {
-            Some(name) => name.parse()?,
+            Some(name) => packages::manager_kind(name)?,
             None => match self.settings.packages.manager {
                 Some(kind) => kind,
                 None => return packages::detect(self.root.path()),

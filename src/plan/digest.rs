@@ -66,7 +66,7 @@ pub(super) fn canonical_value(plan: &Plan, bodies: bool) -> Value {
         Value::Array(
             plan.changes
                 .iter()
-                .map(|c| change_value(c, bodies))
+                .map(|c| kinds::canonical_change(c, bodies))
                 .collect(),
         ),
     );
@@ -77,83 +77,8 @@ pub(super) fn canonical_value(plan: &Plan, bodies: bool) -> Value {
     Value::Object(doc)
 }
 
-fn b64(bytes: &[u8]) -> String {
+pub(crate) fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
-fn opt<T: serde::Serialize>(m: &mut Map<String, Value>, key: &str, v: &Option<T>) {
-    if let Some(v) = v {
-        m.insert(key.into(), json!(v));
-    }
-}
-
-fn change_value(c: &Change, bodies: bool) -> Value {
-    let body = match c {
-        Change::File(f) => json!({
-            "path": f.path.as_str(),
-            "content": if bodies { b64(&f.content) } else { String::new() },
-            "encoding": "base64",
-            "mode": f.mode.to_string(),
-            "owner": f.owner.to_string(),
-            "append": f.append,
-            "restartUnits": f.restart_units,
-        }),
-        Change::Absent(a) => json!({"path": a.path.as_str(), "restartUnits": a.restart_units}),
-        Change::KubeletConfig(k) => json!({"mergePatch": k.merge_patch}),
-        Change::KubeletFlags(k) => json!({"set": k.set, "remove": k.remove}),
-        Change::Sysctl(s) => json!({"key": s.key, "value": s.value}),
-        Change::Package(p) => {
-            let mut m = Map::new();
-            m.insert("name".into(), json!(p.name));
-            m.insert("version".into(), json!(p.version));
-            opt(&mut m, "manager", &p.manager);
-            m.insert("hold".into(), json!(p.hold));
-            Value::Object(m)
-        }
-        Change::Artifact(a) => {
-            let mut m = Map::new();
-            m.insert("url".into(), json!(a.url));
-            m.insert("sha256".into(), json!(a.sha256));
-            m.insert("path".into(), json!(a.path.as_str()));
-            m.insert("mode".into(), json!(a.mode.to_string()));
-            opt(&mut m, "extract", &a.extract);
-            m.insert("restartUnits".into(), json!(a.restart_units));
-            Value::Object(m)
-        }
-        Change::Unit(u) => {
-            let mut m = Map::new();
-            m.insert("name".into(), json!(u.name));
-            opt(&mut m, "content", &u.content);
-            if let Some(d) = &u.drop_in {
-                m.insert(
-                    "dropIn".into(),
-                    json!({"name": d.name, "content": d.content}),
-                );
-            }
-            opt(&mut m, "enabled", &u.enabled);
-            if let Some(s) = u.state {
-                let s = match s {
-                    UnitState::Running => "running",
-                    UnitState::Stopped => "stopped",
-                };
-                m.insert("state".into(), json!(s));
-            }
-            opt(&mut m, "masked", &u.masked);
-            Value::Object(m)
-        }
-        Change::KubeadmUpgradeNode(k) => json!({"extraArgs": k.extra_args}),
-        Change::Reboot(r) => json!({"reason": r.reason}),
-        Change::Exec(e) => {
-            let mut m = Map::new();
-            m.insert("argv".into(), json!(e.argv));
-            opt(&mut m, "unless", &e.unless);
-            m.insert("disruption".into(), json!(e.disruption.to_string()));
-            Value::Object(m)
-        }
-    };
-    let mut m = Map::new();
-    m.insert(c.kind().as_str().into(), body);
-    Value::Object(m)
 }
 
 fn check_value(c: &Check) -> Value {

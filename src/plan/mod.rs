@@ -9,14 +9,21 @@
 
 mod digest;
 mod error;
-mod parse;
+pub mod kinds;
+pub(crate) mod parse;
 mod path;
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
 pub use error::{FieldError, InvalidPlan};
+pub use kinds::{
+    AbsentChange, ArtifactChange, Change, ChangeKind, DropIn, ExecChange, FileChange,
+    KUBEADM_FLAGS_PATH, KUBELET_CONFIG_PATH, KUBELET_UNIT, Kind, KubeadmUpgradeNodeChange,
+    KubeletConfigChange, KubeletFlagsChange, PackageChange, RebootChange, SysctlChange, UnitChange,
+    UnitState, sysctl_conf_path,
+};
+pub use parse::Cx;
 pub use parse::{
     API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,
     parse_mode, parse_owner, parse_plan, sysctl_segments, validate_value,
@@ -61,175 +68,6 @@ impl Default for PlanOptions {
             prune: None,
         }
     }
-}
-
-/// One entry of `changes[]`.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Change {
-    /// A file with these bytes, mode and owner.
-    File(FileChange),
-    /// A path that must not exist.
-    Absent(AbsentChange),
-    /// A JSON merge patch onto the kubelet configuration.
-    KubeletConfig(KubeletConfigChange),
-    /// Flags in `KUBELET_KUBEADM_ARGS`.
-    KubeletFlags(KubeletFlagsChange),
-    /// A kernel parameter.
-    Sysctl(SysctlChange),
-    /// A package at an exact version.
-    Package(PackageChange),
-    /// A downloaded binary.
-    Artifact(ArtifactChange),
-    /// A systemd unit file or drop-in and its state.
-    Unit(UnitChange),
-    /// `kubeadm upgrade node`.
-    KubeadmUpgradeNode(KubeadmUpgradeNodeChange),
-    /// A reboot, resumed after.
-    Reboot(RebootChange),
-    /// An escape hatch command (disabled unless the config allows it).
-    Exec(ExecChange),
-}
-
-/// The kind of a change, as named in plan files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ChangeKind {
-    /// `file`
-    File,
-    /// `absent`
-    Absent,
-    /// `kubeletConfig`
-    KubeletConfig,
-    /// `kubeletFlags`
-    KubeletFlags,
-    /// `sysctl`
-    Sysctl,
-    /// `package`
-    Package,
-    /// `artifact`
-    Artifact,
-    /// `unit`
-    Unit,
-    /// `kubeadmUpgradeNode`
-    KubeadmUpgradeNode,
-    /// `reboot`
-    Reboot,
-    /// `exec`
-    Exec,
-}
-
-impl ChangeKind {
-    /// Every kind, in documentation order.
-    pub const ALL: [ChangeKind; 11] = [
-        ChangeKind::File,
-        ChangeKind::Absent,
-        ChangeKind::KubeletConfig,
-        ChangeKind::KubeletFlags,
-        ChangeKind::Sysctl,
-        ChangeKind::Package,
-        ChangeKind::Artifact,
-        ChangeKind::Unit,
-        ChangeKind::KubeadmUpgradeNode,
-        ChangeKind::Reboot,
-        ChangeKind::Exec,
-    ];
-
-    /// The key used in plan files.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ChangeKind::File => "file",
-            ChangeKind::Absent => "absent",
-            ChangeKind::KubeletConfig => "kubeletConfig",
-            ChangeKind::KubeletFlags => "kubeletFlags",
-            ChangeKind::Sysctl => "sysctl",
-            ChangeKind::Package => "package",
-            ChangeKind::Artifact => "artifact",
-            ChangeKind::Unit => "unit",
-            ChangeKind::KubeadmUpgradeNode => "kubeadmUpgradeNode",
-            ChangeKind::Reboot => "reboot",
-            ChangeKind::Exec => "exec",
-        }
-    }
-
-    /// Looks a kind up by its plan-file key.
-    pub fn from_key(key: &str) -> Option<ChangeKind> {
-        ChangeKind::ALL.into_iter().find(|k| k.as_str() == key)
-    }
-}
-
-impl fmt::Display for ChangeKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl Change {
-    /// The kind of this change.
-    pub fn kind(&self) -> ChangeKind {
-        match self {
-            Change::File(_) => ChangeKind::File,
-            Change::Absent(_) => ChangeKind::Absent,
-            Change::KubeletConfig(_) => ChangeKind::KubeletConfig,
-            Change::KubeletFlags(_) => ChangeKind::KubeletFlags,
-            Change::Sysctl(_) => ChangeKind::Sysctl,
-            Change::Package(_) => ChangeKind::Package,
-            Change::Artifact(_) => ChangeKind::Artifact,
-            Change::Unit(_) => ChangeKind::Unit,
-            Change::KubeadmUpgradeNode(_) => ChangeKind::KubeadmUpgradeNode,
-            Change::Reboot(_) => ChangeKind::Reboot,
-            Change::Exec(_) => ChangeKind::Exec,
-        }
-    }
-
-    /// What the change is about, for people: a path, a package name, a unit, a key.
-    pub fn target(&self) -> String {
-        match self {
-            Change::File(c) => c.path.to_string(),
-            Change::Absent(c) => c.path.to_string(),
-            Change::KubeletConfig(_) => KUBELET_CONFIG_PATH.to_string(),
-            Change::KubeletFlags(_) => KUBEADM_FLAGS_PATH.to_string(),
-            Change::Sysctl(c) => c.key.clone(),
-            Change::Package(c) => format!("{}={}", c.name, c.version),
-            Change::Artifact(c) => c.path.to_string(),
-            Change::Unit(c) => match &c.drop_in {
-                Some(d) => format!("{}.d/{}", c.name, d.name),
-                None => c.name.clone(),
-            },
-            Change::KubeadmUpgradeNode(_) => "kubeadm upgrade node".to_string(),
-            Change::Reboot(c) => c.reason.clone(),
-            Change::Exec(c) => c.argv.join(" "),
-        }
-    }
-
-    /// Units that must be restarted when this change actually changes something.
-    pub fn restart_units(&self) -> Vec<String> {
-        match self {
-            Change::File(c) => c.restart_units.clone(),
-            Change::Absent(c) => c.restart_units.clone(),
-            Change::Artifact(c) => c.restart_units.clone(),
-            Change::KubeletConfig(_) | Change::KubeletFlags(_) => {
-                vec![KUBELET_UNIT.to_string()]
-            }
-            Change::KubeadmUpgradeNode(_) => vec![KUBELET_UNIT.to_string()],
-            Change::Package(c) if c.name == "kubelet" => vec![KUBELET_UNIT.to_string()],
-            Change::Unit(c) if c.state != Some(UnitState::Stopped) => vec![c.name.clone()],
-            _ => Vec::new(),
-        }
-    }
-}
-
-/// Where kubeadm keeps the kubelet configuration.
-pub const KUBELET_CONFIG_PATH: &str = "/var/lib/kubelet/config.yaml";
-/// Where kubeadm keeps the kubelet's command-line flags.
-pub const KUBEADM_FLAGS_PATH: &str = "/var/lib/kubelet/kubeadm-flags.env";
-/// The kubelet's systemd unit.
-pub const KUBELET_UNIT: &str = "kubelet.service";
-
-/// The file that persists a `sysctl` change (`net.ipv4.ip_forward` →
-/// `/etc/sysctl.d/90-inplace-agent-net.ipv4.ip_forward.conf`).
-pub fn sysctl_conf_path(key: &str) -> Result<NodePath, String> {
-    let name = key.replace('/', ".");
-    NodePath::parse(&format!("/etc/sysctl.d/90-inplace-agent-{name}.conf"))
-        .map_err(|e| e.to_string())
 }
 
 /// How inline content is encoded in the plan file (CAPI `files[].encoding`).
@@ -306,148 +144,6 @@ impl fmt::Display for Mode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:04o}", self.0)
     }
-}
-
-/// `file`: a file with these bytes, mode and owner.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FileChange {
-    /// Absolute path on the node.
-    pub path: NodePath,
-    /// The decoded bytes (the encoding is undone at validation).
-    pub content: Vec<u8>,
-    /// Permission bits (default 0644).
-    pub mode: Mode,
-    /// Owner (default root:root).
-    pub owner: Owner,
-    /// Append `content` unless the file already contains it, instead of replacing the file.
-    pub append: bool,
-    /// Units restarted when this file changes.
-    pub restart_units: Vec<String>,
-}
-
-/// `absent`: a path that must not exist.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AbsentChange {
-    /// Absolute path on the node.
-    pub path: NodePath,
-    /// Units restarted when the file is removed.
-    pub restart_units: Vec<String>,
-}
-
-/// `kubeletConfig`: an RFC 7386 merge patch onto `/var/lib/kubelet/config.yaml`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct KubeletConfigChange {
-    /// The patch; always a JSON object.
-    pub merge_patch: serde_json::Map<String, serde_json::Value>,
-}
-
-/// `kubeletFlags`: flags set or removed in `KUBELET_KUBEADM_ARGS`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct KubeletFlagsChange {
-    /// Flag name (without dashes) → value.
-    pub set: BTreeMap<String, String>,
-    /// Flag names (without dashes) to remove.
-    pub remove: Vec<String>,
-}
-
-/// `sysctl`: a kernel parameter, persisted and applied live.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SysctlChange {
-    /// Dotted key (`net.ipv4.ip_forward`), or slash-separated when a segment has dots.
-    pub key: String,
-    /// The value, as `sysctl` would write it.
-    pub value: String,
-}
-
-/// `package`: a package at an exact version.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PackageChange {
-    /// Package name.
-    pub name: String,
-    /// Exact version (`1.31.2-1.1`), or a pattern ending in `*` (`1.31.2-*`) that the
-    /// engine resolves to the highest available match when the plan prepares.
-    pub version: String,
-    /// `apt` or `dnf`; detected from the node when absent.
-    pub manager: Option<String>,
-    /// Hold the package at that version.
-    pub hold: bool,
-}
-
-/// `artifact`: a binary from a URL, checked against its sha256.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ArtifactChange {
-    /// Where to download from.
-    pub url: String,
-    /// Expected sha256 of the download (lowercase hex).
-    pub sha256: String,
-    /// Install path on the node.
-    pub path: NodePath,
-    /// Permission bits (default 0755).
-    pub mode: Mode,
-    /// Member of a `.tar.gz` to install instead of the download itself.
-    pub extract: Option<String>,
-    /// Units restarted when the binary changes.
-    pub restart_units: Vec<String>,
-}
-
-/// `unit`: a systemd unit file or drop-in and its desired state.
-#[derive(Debug, Clone, PartialEq)]
-pub struct UnitChange {
-    /// Unit name (`containerd.service`).
-    pub name: String,
-    /// Full unit file content, written to `/etc/systemd/system/<name>`.
-    pub content: Option<String>,
-    /// A drop-in written to `/etc/systemd/system/<name>.d/<dropIn.name>`.
-    pub drop_in: Option<DropIn>,
-    /// Enable or disable the unit file; `None` leaves it.
-    pub enabled: Option<bool>,
-    /// Running or stopped; `None` leaves it.
-    pub state: Option<UnitState>,
-    /// Mask or unmask; `None` leaves it.
-    pub masked: Option<bool>,
-}
-
-/// A systemd drop-in file.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DropIn {
-    /// File name, ending in `.conf`.
-    pub name: String,
-    /// Content.
-    pub content: String,
-}
-
-/// Desired run state of a unit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UnitState {
-    /// Active.
-    Running,
-    /// Inactive.
-    Stopped,
-}
-
-/// `kubeadmUpgradeNode`: runs `kubeadm upgrade node`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct KubeadmUpgradeNodeChange {
-    /// Extra arguments (for example `--patches DIR`).
-    pub extra_args: Vec<String>,
-}
-
-/// `reboot`: reboot the node and resume after it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RebootChange {
-    /// Why, for people and the journal.
-    pub reason: String,
-}
-
-/// `exec`: run a command (escape hatch; disabled by default).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExecChange {
-    /// Program and arguments.
-    pub argv: Vec<String>,
-    /// Run only when this command exits non-zero (makes the command idempotent).
-    pub unless: Option<Vec<String>>,
-    /// Declared disruption of running it.
-    pub disruption: Disruption,
 }
 
 /// How disruptive a change is to the node's workloads, from least to most.
@@ -551,13 +247,6 @@ impl Probe {
     }
 }
 
-impl PackageChange {
-    /// The part before the `*` when `version` is a pattern (`1.31.2-*` → `1.31.2-`).
-    pub fn version_prefix(&self) -> Option<&str> {
-        self.version.strip_suffix('*')
-    }
-}
-
 /// A managed set name: 1 to 63 of `[a-z0-9-]`, starting and ending alphanumeric.
 pub fn is_set_name(name: &str) -> bool {
     !name.is_empty()
@@ -574,10 +263,8 @@ impl Plan {
     pub fn file_paths(&self) -> Vec<String> {
         self.changes
             .iter()
-            .filter_map(|c| match c {
-                Change::File(f) => Some(f.path.to_string()),
-                _ => None,
-            })
+            .flat_map(|c| c.spec().set_members())
+            .map(|p| p.to_string())
             .collect()
     }
 

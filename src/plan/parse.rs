@@ -149,16 +149,16 @@ pub fn validate_value(v: &Value, source: &str, limits: &Limits) -> Result<Plan, 
 }
 
 /// Validation context: collected errors and which change claimed which resource.
-struct Cx<'l> {
-    errors: Vec<FieldError>,
-    limits: &'l Limits,
+pub struct Cx<'l> {
+    pub(crate) errors: Vec<FieldError>,
+    pub(crate) limits: &'l Limits,
     /// "file:/etc/x" → the change index that manages it (duplicates are errors).
     claims: HashMap<String, usize>,
     /// The node paths claimed, with the change and the field that claimed them.
     paths: BTreeMap<String, (usize, String)>,
 }
 
-fn type_name(v: &Value) -> &'static str {
+pub(crate) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -169,7 +169,7 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-fn join(path: &str, key: &str) -> String {
+pub(crate) fn join(path: &str, key: &str) -> String {
     if path.is_empty() {
         key.to_string()
     } else {
@@ -204,11 +204,15 @@ fn suggestion(key: &str, allowed: &[&str]) -> String {
 }
 
 impl Cx<'_> {
-    fn err(&mut self, field: impl Into<String>, message: impl Into<String>) {
+    pub(crate) fn err(&mut self, field: impl Into<String>, message: impl Into<String>) {
         self.errors.push(FieldError::new(field, message));
     }
 
-    fn object<'v>(&mut self, path: &str, v: &'v Value) -> Option<&'v Map<String, Value>> {
+    pub(crate) fn object<'v>(
+        &mut self,
+        path: &str,
+        v: &'v Value,
+    ) -> Option<&'v Map<String, Value>> {
         match v {
             Value::Object(m) => Some(m),
             other => {
@@ -218,7 +222,7 @@ impl Cx<'_> {
         }
     }
 
-    fn known_keys(&mut self, path: &str, m: &Map<String, Value>, allowed: &[&str]) {
+    pub(crate) fn known_keys(&mut self, path: &str, m: &Map<String, Value>, allowed: &[&str]) {
         for key in m.keys() {
             if !allowed.contains(&key.as_str()) {
                 let hint = suggestion(key, allowed);
@@ -233,7 +237,7 @@ impl Cx<'_> {
         }
     }
 
-    fn string<'v>(
+    pub(crate) fn string<'v>(
         &mut self,
         path: &str,
         m: &'v Map<String, Value>,
@@ -266,7 +270,7 @@ impl Cx<'_> {
     }
 
     /// A scalar written as a string; numbers and booleans are accepted and stringified.
-    fn scalar(&mut self, path: &str, v: &Value) -> Option<String> {
+    pub(crate) fn scalar(&mut self, path: &str, v: &Value) -> Option<String> {
         match v {
             Value::String(s) if s.contains('\0') => {
                 self.err(path, "contains a NUL byte");
@@ -282,7 +286,12 @@ impl Cx<'_> {
         }
     }
 
-    fn boolean(&mut self, path: &str, m: &Map<String, Value>, key: &str) -> Option<bool> {
+    pub(crate) fn boolean(
+        &mut self,
+        path: &str,
+        m: &Map<String, Value>,
+        key: &str,
+    ) -> Option<bool> {
         match m.get(key) {
             None | Some(Value::Null) => None,
             Some(Value::Bool(b)) => Some(*b),
@@ -296,7 +305,7 @@ impl Cx<'_> {
         }
     }
 
-    fn uint(
+    pub(crate) fn uint(
         &mut self,
         path: &str,
         m: &Map<String, Value>,
@@ -323,7 +332,7 @@ impl Cx<'_> {
         }
     }
 
-    fn string_list(
+    pub(crate) fn string_list(
         &mut self,
         path: &str,
         m: &Map<String, Value>,
@@ -361,7 +370,7 @@ impl Cx<'_> {
     }
 
     /// Records that change `index` manages `resource`; a second claim is an error.
-    fn claim(&mut self, field: &str, resource: String, what: &str, index: usize) {
+    pub(crate) fn claim(&mut self, field: &str, resource: String, what: &str, index: usize) {
         if let Some(first) = self.claims.get(&resource) {
             let msg = format!("{what} is also managed by changes[{first}]");
             self.err(field, msg);
@@ -404,7 +413,7 @@ impl Cx<'_> {
         }
     }
 
-    fn node_path(&mut self, field: &str, s: &str) -> Option<NodePath> {
+    pub(crate) fn node_path(&mut self, field: &str, s: &str) -> Option<NodePath> {
         match NodePath::parse(s) {
             Ok(p) if self.limits.allow.allows(&p) => Some(p),
             Ok(p) => {
@@ -426,7 +435,7 @@ impl Cx<'_> {
         }
     }
 
-    fn content_size(&mut self, field: &str, len: usize) -> bool {
+    pub(crate) fn content_size(&mut self, field: &str, len: usize) -> bool {
         if len > self.limits.max_content_bytes {
             self.err(
                 field,
@@ -662,45 +671,14 @@ impl Cx<'_> {
             body
         };
         let m = self.object(&path, body)?;
-        match kind {
-            ChangeKind::File => self.file(index, &path, m).map(Change::File),
-            ChangeKind::Absent => self.absent(index, &path, m).map(Change::Absent),
-            ChangeKind::KubeletConfig => self
-                .kubelet_config(index, &path, m)
-                .map(Change::KubeletConfig),
-            ChangeKind::KubeletFlags => self
-                .kubelet_flags(index, &path, m)
-                .map(Change::KubeletFlags),
-            ChangeKind::Sysctl => self.sysctl(index, &path, m).map(Change::Sysctl),
-            ChangeKind::Package => self.package(index, &path, m).map(Change::Package),
-            ChangeKind::Artifact => self.artifact(index, &path, m).map(Change::Artifact),
-            ChangeKind::Unit => self.unit(index, &path, m).map(Change::Unit),
-            ChangeKind::KubeadmUpgradeNode => {
-                self.known_keys(&path, m, &["extraArgs"]);
-                self.claim(
-                    &path,
-                    "kubeadm-upgrade-node".into(),
-                    "kubeadm upgrade node",
-                    index,
-                );
-                let extra_args = self.string_list(&path, m, "extraArgs")?;
-                Some(Change::KubeadmUpgradeNode(KubeadmUpgradeNodeChange {
-                    extra_args,
-                }))
-            }
-            ChangeKind::Reboot => {
-                self.known_keys(&path, m, &["reason"]);
-                let reason = self
-                    .string(&path, m, "reason", false)
-                    .unwrap_or("requested by plan")
-                    .to_string();
-                Some(Change::Reboot(RebootChange { reason }))
-            }
-            ChangeKind::Exec => self.exec(&path, m).map(Change::Exec),
-        }
+        kind.parse(self, index, &path, m)
     }
 
-    fn restart_units(&mut self, path: &str, m: &Map<String, Value>) -> Option<Vec<String>> {
+    pub(crate) fn restart_units(
+        &mut self,
+        path: &str,
+        m: &Map<String, Value>,
+    ) -> Option<Vec<String>> {
         let units = self.string_list(path, m, "restartUnits")?;
         let mut ok = true;
         for (i, u) in units.iter().enumerate() {
@@ -712,7 +690,12 @@ impl Cx<'_> {
         ok.then_some(units)
     }
 
-    fn mode(&mut self, path: &str, m: &Map<String, Value>, default: Mode) -> Option<Mode> {
+    pub(crate) fn mode(
+        &mut self,
+        path: &str,
+        m: &Map<String, Value>,
+        default: Mode,
+    ) -> Option<Mode> {
         let field = join(path, "mode");
         match m.get("mode") {
             None | Some(Value::Null) => Some(default),
@@ -743,7 +726,7 @@ impl Cx<'_> {
         }
     }
 
-    fn owner(&mut self, path: &str, m: &Map<String, Value>) -> Option<Owner> {
+    pub(crate) fn owner(&mut self, path: &str, m: &Map<String, Value>) -> Option<Owner> {
         let field = join(path, "owner");
         match self.string(path, m, "owner", false) {
             None => Some(Owner::default()),
@@ -755,526 +738,6 @@ impl Cx<'_> {
                 }
             },
         }
-    }
-
-    fn file(&mut self, index: usize, path: &str, m: &Map<String, Value>) -> Option<FileChange> {
-        self.known_keys(
-            path,
-            m,
-            &[
-                "path",
-                "content",
-                "encoding",
-                "mode",
-                "owner",
-                "append",
-                "restartUnits",
-            ],
-        );
-        let p = self
-            .string(path, m, "path", true)
-            .and_then(|s| self.node_path(&join(path, "path"), s));
-        if let Some(p) = &p {
-            self.claim(&join(path, "path"), format!("path:{p}"), p.as_str(), index);
-        }
-        let encoding = match self.string(path, m, "encoding", false) {
-            None | Some("plain") => Some(Encoding::Plain),
-            Some("base64") => Some(Encoding::Base64),
-            Some("gzip") => Some(Encoding::Gzip),
-            Some("gzip+base64") => Some(Encoding::GzipBase64),
-            Some(other) => {
-                self.err(
-                    join(path, "encoding"),
-                    format!("{other:?} is not one of plain, base64, gzip, gzip+base64"),
-                );
-                None
-            }
-        };
-        let raw = self.string(path, m, "content", true);
-        let content = match (raw, encoding) {
-            (Some(raw), Some(enc)) => {
-                match decode_content(raw, enc, self.limits.max_content_bytes) {
-                    Ok(bytes) => self
-                        .content_size(&join(path, "content"), bytes.len())
-                        .then_some(bytes),
-                    Err(e) => {
-                        self.err(join(path, "content"), e);
-                        None
-                    }
-                }
-            }
-            _ => None,
-        };
-        let mode = self.mode(path, m, Mode::FILE_DEFAULT);
-        let owner = self.owner(path, m);
-        let append = self.boolean(path, m, "append").unwrap_or(false);
-        let restart_units = self.restart_units(path, m);
-        Some(FileChange {
-            path: p?,
-            content: content?,
-            mode: mode?,
-            owner: owner?,
-            append,
-            restart_units: restart_units?,
-        })
-    }
-
-    fn absent(&mut self, index: usize, path: &str, m: &Map<String, Value>) -> Option<AbsentChange> {
-        self.known_keys(path, m, &["path", "restartUnits"]);
-        let p = self
-            .string(path, m, "path", true)
-            .and_then(|s| self.node_path(&join(path, "path"), s));
-        if let Some(p) = &p {
-            self.claim(&join(path, "path"), format!("path:{p}"), p.as_str(), index);
-        }
-        let restart_units = self.restart_units(path, m);
-        Some(AbsentChange {
-            path: p?,
-            restart_units: restart_units?,
-        })
-    }
-
-    fn kubelet_config(
-        &mut self,
-        index: usize,
-        path: &str,
-        m: &Map<String, Value>,
-    ) -> Option<KubeletConfigChange> {
-        self.known_keys(path, m, &["mergePatch"]);
-        let field = join(path, "mergePatch");
-        self.claim(
-            &field,
-            format!("path:{KUBELET_CONFIG_PATH}"),
-            KUBELET_CONFIG_PATH,
-            index,
-        );
-        match m.get("mergePatch") {
-            None | Some(Value::Null) => {
-                self.err(field, "is required");
-                None
-            }
-            Some(Value::Object(patch)) => {
-                let mut ok = true;
-                for key in ["apiVersion", "kind"] {
-                    if patch.contains_key(key) {
-                        self.err(
-                            format!("{field}.{key}"),
-                            "cannot be changed by a merge patch",
-                        );
-                        ok = false;
-                    }
-                }
-                ok.then(|| KubeletConfigChange {
-                    merge_patch: patch.clone(),
-                })
-            }
-            Some(other) => {
-                self.err(
-                    field,
-                    format!(
-                        "must be an object (an RFC 7386 merge patch), got {}",
-                        type_name(other)
-                    ),
-                );
-                None
-            }
-        }
-    }
-
-    fn kubelet_flags(
-        &mut self,
-        index: usize,
-        path: &str,
-        m: &Map<String, Value>,
-    ) -> Option<KubeletFlagsChange> {
-        self.known_keys(path, m, &["set", "remove"]);
-        self.claim(
-            path,
-            format!("path:{KUBEADM_FLAGS_PATH}"),
-            KUBEADM_FLAGS_PATH,
-            index,
-        );
-        let set_field = join(path, "set");
-        let mut ok = true;
-        let mut set = BTreeMap::new();
-        match m.get("set") {
-            None | Some(Value::Null) => {}
-            Some(Value::Object(entries)) => {
-                for (name, value) in entries {
-                    let field = format!("{set_field}[{name:?}]");
-                    if let Err(e) = check_flag_name(name) {
-                        self.err(&field, e);
-                        ok = false;
-                        continue;
-                    }
-                    match self.scalar(&field, value) {
-                        Some(v) => match check_flag_value(&v) {
-                            Ok(()) => {
-                                set.insert(name.clone(), v);
-                            }
-                            Err(e) => {
-                                self.err(&field, e);
-                                ok = false;
-                            }
-                        },
-                        None => ok = false,
-                    }
-                }
-            }
-            Some(other) => {
-                self.err(
-                    set_field,
-                    format!("must be an object of flag: value, got {}", type_name(other)),
-                );
-                ok = false;
-            }
-        }
-        let remove = self.string_list(path, m, "remove");
-        if let Some(remove) = &remove {
-            for (i, name) in remove.iter().enumerate() {
-                let field = format!("{path}.remove[{i}]");
-                if let Err(e) = check_flag_name(name) {
-                    self.err(field, e);
-                    ok = false;
-                } else if set.contains_key(name) {
-                    self.err(field, format!("flag {name:?} is both set and removed"));
-                    ok = false;
-                }
-            }
-        }
-        let mut remove = remove?;
-        remove.sort();
-        remove.dedup();
-        ok.then_some(KubeletFlagsChange { set, remove })
-    }
-
-    fn sysctl(&mut self, index: usize, path: &str, m: &Map<String, Value>) -> Option<SysctlChange> {
-        self.known_keys(path, m, &["key", "value"]);
-        let key = self.string(path, m, "key", true).map(str::to_string);
-        if let Some(k) = &key {
-            if let Err(e) = check_sysctl_key(k) {
-                self.err(join(path, "key"), e);
-            } else {
-                self.claim(&join(path, "key"), format!("sysctl:{k}"), k, index);
-                // The file that persists it, which another change must not write.
-                if let Ok(conf) = super::sysctl_conf_path(k) {
-                    self.claim(
-                        &join(path, "key"),
-                        format!("path:{conf}"),
-                        conf.as_str(),
-                        index,
-                    );
-                }
-            }
-        }
-        let value = match m.get("value") {
-            None | Some(Value::Null) => {
-                self.err(join(path, "value"), "is required");
-                None
-            }
-            Some(v) => self.scalar(&join(path, "value"), v),
-        };
-        if let Some(v) = &value
-            && (v.trim().is_empty() || v.contains('\n') || v.len() > 4096)
-        {
-            self.err(
-                join(path, "value"),
-                "must be a non-empty single line of at most 4096 bytes",
-            );
-        }
-        let key = key.filter(|k| check_sysctl_key(k).is_ok())?;
-        Some(SysctlChange { key, value: value? })
-    }
-
-    fn package(
-        &mut self,
-        index: usize,
-        path: &str,
-        m: &Map<String, Value>,
-    ) -> Option<PackageChange> {
-        self.known_keys(path, m, &["name", "version", "manager", "hold"]);
-        let before = self.errors.len();
-        let name = self.string(path, m, "name", true).map(str::to_string);
-        if let Some(n) = &name {
-            let valid = n.len() <= 128
-                && n.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
-                && n.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "+._-".contains(c));
-            if !valid {
-                self.err(
-                    join(path, "name"),
-                    format!("{n:?} is not a valid package name"),
-                );
-            } else {
-                self.claim(&join(path, "name"), format!("package:{n}"), n, index);
-            }
-        }
-        let version = self.string(path, m, "version", true).map(str::to_string);
-        if let Some(v) = &version {
-            // An exact version, or a pattern: a non-empty prefix and one final `*`.
-            let exact = v.strip_suffix('*').unwrap_or(v);
-            let valid = !exact.is_empty()
-                && v.len() <= 128
-                && exact
-                    .chars()
-                    .next()
-                    .is_some_and(|c| c.is_ascii_alphanumeric())
-                && exact
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || ".+~:_^-".contains(c));
-            if !valid {
-                self.err(
-                    join(path, "version"),
-                    format!(
-                        "{v:?} is not a valid package version (an exact version, or a prefix and a final *)"
-                    ),
-                );
-            }
-        }
-        let manager = match self.string(path, m, "manager", false) {
-            None => Some(None),
-            Some(s @ ("apt" | "dnf")) => Some(Some(s.to_string())),
-            Some(other) => {
-                self.err(
-                    join(path, "manager"),
-                    format!("{other:?} is not a supported package manager (apt, dnf)"),
-                );
-                None
-            }
-        };
-        let hold = self.boolean(path, m, "hold").unwrap_or(false);
-        if self.errors.len() > before {
-            return None;
-        }
-        Some(PackageChange {
-            name: name?,
-            version: version?,
-            manager: manager?,
-            hold,
-        })
-    }
-
-    fn artifact(
-        &mut self,
-        index: usize,
-        path: &str,
-        m: &Map<String, Value>,
-    ) -> Option<ArtifactChange> {
-        self.known_keys(
-            path,
-            m,
-            &["url", "sha256", "path", "mode", "extract", "restartUnits"],
-        );
-        let before = self.errors.len();
-        let url = self.string(path, m, "url", true).map(str::to_string);
-        if let Some(u) = &url
-            && let Err(e) = check_url(u, &self.limits.allow_http_hosts)
-        {
-            self.err(join(path, "url"), e);
-        }
-        let sha = self
-            .string(path, m, "sha256", true)
-            .map(str::to_ascii_lowercase);
-        if let Some(s) = &sha
-            && (s.len() != 64 || !s.chars().all(|c| c.is_ascii_hexdigit()))
-        {
-            self.err(join(path, "sha256"), "must be 64 hexadecimal characters");
-        }
-        let p = self
-            .string(path, m, "path", true)
-            .and_then(|s| self.node_path(&join(path, "path"), s));
-        if let Some(p) = &p {
-            self.claim(&join(path, "path"), format!("path:{p}"), p.as_str(), index);
-        }
-        let mode = self.mode(path, m, Mode::EXEC_DEFAULT);
-        let extract = self.string(path, m, "extract", false).map(str::to_string);
-        if let Some(x) = &extract
-            && (x.is_empty()
-                || x.starts_with('/')
-                || x.split('/').any(|c| c == ".." || c.is_empty()))
-        {
-            self.err(
-                join(path, "extract"),
-                format!("{x:?} must be a relative member path inside the archive"),
-            );
-        }
-        let restart_units = self.restart_units(path, m);
-        if self.errors.len() > before {
-            return None;
-        }
-        Some(ArtifactChange {
-            url: url?,
-            sha256: sha?,
-            path: p?,
-            mode: mode?,
-            extract,
-            restart_units: restart_units?,
-        })
-    }
-
-    fn unit(&mut self, index: usize, path: &str, m: &Map<String, Value>) -> Option<UnitChange> {
-        self.known_keys(
-            path,
-            m,
-            &["name", "content", "dropIn", "enabled", "state", "masked"],
-        );
-        let before = self.errors.len();
-        let name = self.string(path, m, "name", true).map(str::to_string);
-        if let Some(n) = &name
-            && let Err(e) = check_unit_name(n)
-        {
-            self.err(join(path, "name"), e);
-        }
-        let content = self.string(path, m, "content", false).map(str::to_string);
-        if let Some(c) = &content {
-            self.content_size(&join(path, "content"), c.len());
-        }
-        let drop_in = match m.get("dropIn") {
-            None | Some(Value::Null) => None,
-            Some(v) => {
-                let dpath = join(path, "dropIn");
-                self.object(&dpath, v).and_then(|d| {
-                    self.known_keys(&dpath, d, &["name", "content"]);
-                    let dname = self.string(&dpath, d, "name", true).map(str::to_string);
-                    if let Some(dn) = &dname
-                        && (!dn.ends_with(".conf")
-                            || dn.contains('/')
-                            || dn.len() > 255
-                            || dn.starts_with('.'))
-                    {
-                        self.err(
-                            join(&dpath, "name"),
-                            format!("{dn:?} must be a file name ending in .conf"),
-                        );
-                    }
-                    let dcontent = self.string(&dpath, d, "content", true).map(str::to_string);
-                    if let Some(c) = &dcontent {
-                        self.content_size(&join(&dpath, "content"), c.len());
-                    }
-                    Some(DropIn {
-                        name: dname?,
-                        content: dcontent?,
-                    })
-                })
-            }
-        };
-        let enabled = self.boolean(path, m, "enabled");
-        let masked = self.boolean(path, m, "masked");
-        let state = match self.string(path, m, "state", false) {
-            None => None,
-            Some("running") => Some(UnitState::Running),
-            Some("stopped") => Some(UnitState::Stopped),
-            Some(other) => {
-                self.err(
-                    join(path, "state"),
-                    format!("{other:?} is not one of running, stopped"),
-                );
-                None
-            }
-        };
-        if content.is_none()
-            && drop_in.is_none()
-            && enabled.is_none()
-            && state.is_none()
-            && masked.is_none()
-        {
-            self.err(
-                path,
-                "must set at least one of content, dropIn, enabled, state, masked",
-            );
-        }
-        if masked == Some(true) {
-            if content.is_some() {
-                self.err(
-                    join(path, "masked"),
-                    "a masked unit cannot also have content",
-                );
-            }
-            if state == Some(UnitState::Running) || enabled == Some(true) {
-                self.err(
-                    join(path, "masked"),
-                    "a masked unit cannot be enabled or running",
-                );
-            }
-        }
-        if self.errors.len() > before {
-            return None;
-        }
-        let name = name?;
-        let unit_dir = NodePath::parse("/etc/systemd/system").ok()?;
-        if let Ok(file) = unit_dir.join(&name) {
-            if content.is_some() || masked.is_some() {
-                self.node_path(&join(path, "name"), file.as_str())?;
-                self.claim(
-                    &join(path, "name"),
-                    format!("path:{file}"),
-                    file.as_str(),
-                    index,
-                );
-            }
-            if let Some(d) = &drop_in
-                && let Ok(dp) = unit_dir
-                    .join(&format!("{name}.d"))
-                    .and_then(|dir| dir.join(&d.name))
-            {
-                self.node_path(&join(path, "dropIn"), dp.as_str())?;
-                self.claim(
-                    &join(path, "dropIn"),
-                    format!("path:{dp}"),
-                    dp.as_str(),
-                    index,
-                );
-            }
-        }
-        if enabled.is_some() || state.is_some() || masked.is_some() {
-            self.claim(
-                path,
-                format!("unit-state:{name}"),
-                &format!("state of {name}"),
-                index,
-            );
-        }
-        Some(UnitChange {
-            name,
-            content,
-            drop_in,
-            enabled,
-            state,
-            masked,
-        })
-    }
-
-    fn exec(&mut self, path: &str, m: &Map<String, Value>) -> Option<ExecChange> {
-        self.known_keys(path, m, &["argv", "unless", "disruption"]);
-        let argv = self.string_list(path, m, "argv")?;
-        if argv.is_empty() {
-            self.err(join(path, "argv"), "must name a program");
-            return None;
-        }
-        let unless = match m.get("unless") {
-            None | Some(Value::Null) => None,
-            Some(_) => Some(self.string_list(path, m, "unless")?),
-        };
-        let disruption = match self.string(path, m, "disruption", false) {
-            None => Disruption::Restart,
-            Some("None") => Disruption::None,
-            Some("DaemonReload") => Disruption::DaemonReload,
-            Some("Reload") => Disruption::Reload,
-            Some("Restart") => Disruption::Restart,
-            Some("Reboot") => Disruption::Reboot,
-            Some(other) => {
-                self.err(
-                    join(path, "disruption"),
-                    format!("{other:?} is not one of None, DaemonReload, Reload, Restart, Reboot"),
-                );
-                return None;
-            }
-        };
-        Some(ExecChange {
-            argv,
-            unless,
-            disruption,
-        })
     }
 
     fn check(&mut self, index: usize, v: &Value) -> Option<Check> {
@@ -1489,7 +952,7 @@ pub fn check_unit_name(name: &str) -> Result<(), String> {
     }
 }
 
-fn check_flag_name(name: &str) -> Result<(), String> {
+pub(crate) fn check_flag_name(name: &str) -> Result<(), String> {
     if let Some(stripped) = name.strip_prefix("--").or_else(|| name.strip_prefix('-')) {
         return Err(format!(
             "flag names are written without leading dashes ({stripped:?})"
@@ -1511,7 +974,7 @@ fn check_flag_name(name: &str) -> Result<(), String> {
     }
 }
 
-fn check_flag_value(value: &str) -> Result<(), String> {
+pub(crate) fn check_flag_value(value: &str) -> Result<(), String> {
     if value
         .chars()
         .any(|c| c.is_whitespace() || c.is_control() || "\"'\\$`".contains(c))
@@ -1549,11 +1012,11 @@ pub fn sysctl_segments(key: &str) -> Result<Vec<&str>, String> {
     }
 }
 
-fn check_sysctl_key(key: &str) -> Result<(), String> {
+pub(crate) fn check_sysctl_key(key: &str) -> Result<(), String> {
     sysctl_segments(key).map(|_| ())
 }
 
-fn check_url(url: &str, allow_http_hosts: &[String]) -> Result<(), String> {
+pub(crate) fn check_url(url: &str, allow_http_hosts: &[String]) -> Result<(), String> {
     let (scheme, rest) = url
         .split_once("://")
         .ok_or_else(|| format!("{url:?} is not an absolute URL"))?;

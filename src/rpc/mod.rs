@@ -41,6 +41,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
 pub mod authz;
 pub mod budget;
 pub mod convert;
+pub mod identity;
 pub mod pki;
 pub mod server;
 pub mod service;

@@ -204,7 +204,8 @@ pub fn node_info(engine: &Engine) -> pb::GetNodeInfoResponse {
     let manager = packages::detect(host.root_path()).ok();
     let capabilities = &config.capabilities;
     let supported_change_kinds = ChangeKind::ALL
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|kind| capabilities.kinds.contains(kind))
         .filter(|kind| *kind != ChangeKind::Exec || capabilities.exec_allowed)
         .filter(|kind| *kind != ChangeKind::Package || manager.is_some())

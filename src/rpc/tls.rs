@@ -48,7 +48,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
-use super::authz::{Identity, identity_from_certificate};
+use super::identity::{Identity, identity_from_certificate};
 
 /// Upper bound for TCP connect plus TLS handshake of a client connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,23 +1,19 @@
-//! Change kinds: for each, what must change on this node (a pure diff of desired against
-//! observed) expressed as [`Mutation`]s, which the engine journals, executes and can undo.
-//!
-//! A step never writes directly: `diff` reads the node and returns mutations, `capture`
-//! records the pre-image of a mutation's target in the backup store, `execute` performs it,
-//! `restore` puts a pre-image back. This keeps every kind crash-safe and reversible in the
-//! same way.
+//! Carrying out what the kinds decide. A kind (`plan::kinds`) never touches the node: it
+//! observes it through [`HostNode`] (the kinds' `Node`, over `host`) and returns
+//! [`Mutation`]s; here each mutation's pre-image is captured into the backup store
+//! (`capture`), the mutation is performed (`execute`), and a pre-image is put back
+//! (`restore`) — the same way for every kind, which is what keeps every kind crash-safe and
+//! reversible. Admission (`preflight`) checks a plan against the node: what every kind gets
+//! (paths against the allow-list, owners against the node's accounts, units that must exist)
+//! and each kind's own checks.
 
 pub mod artifact;
-pub mod file;
 pub mod kubeadm;
-pub mod kubelet;
+mod node;
 pub mod package;
-pub mod sysctl;
-pub mod unit;
 pub mod verify;
 
-use crate::base::FileMeta;
 use std::io::Read;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::base::ErrorKind;
@@ -27,119 +23,12 @@ use crate::host::users::Accounts;
 use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
 use crate::journal::backup::{BackupError, BackupStore};
 use crate::journal::{FileBefore, Preimage};
-use crate::plan::{Change, ChangeKind, Disruption, FieldError, NodePath, Plan};
+use crate::plan::kinds::is_unit_path;
+use crate::plan::{Change, ChangeKind, FieldError, NodePath, Plan};
 
-/// One change to the node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Mutation {
-    /// Replace or create a file atomically (creating missing directories).
-    Write {
-        /// Node path.
-        path: NodePath,
-        /// New content.
-        content: Vec<u8>,
-        /// New mode and owner.
-        meta: FileMeta,
-    },
-    /// Remove a file.
-    Remove {
-        /// Node path.
-        path: NodePath,
-    },
-    /// Write a value to a `/proc/sys` file.
-    SysctlLive {
-        /// The `/proc/sys/...` node path.
-        path: NodePath,
-        /// The value.
-        value: String,
-    },
-    /// Enable, disable, mask or unmask a unit file through systemd.
-    UnitFile {
-        /// The unit.
-        unit: String,
-        /// What to do.
-        op: UnitFileOp,
-    },
-    /// Bring a unit to a run state. Recorded with its change (which is then changed); the
-    /// start or stop itself happens in the Restarting phase, after the daemon-reload.
-    UnitRun {
-        /// The unit.
-        unit: String,
-        /// Running or stopped.
-        state: crate::plan::UnitState,
-    },
-    /// Replace or create a file atomically with content streamed from a verified file on the
-    /// agent's side (an artifact in the download cache), so binaries are never held in
-    /// memory. Backed up and restored like [`Mutation::Write`].
-    WriteFrom {
-        /// Node path.
-        path: NodePath,
-        /// The file to copy, on the agent's filesystem.
-        source: PathBuf,
-        /// The sha256 the copied content must have (checked while copying, before the rename).
-        sha256: String,
-        /// New mode and owner.
-        meta: FileMeta,
-    },
-    /// Bring a package to a version and hold state.
-    Package(package::PackageMutation),
-    /// Run `kubeadm upgrade node`.
-    KubeadmUpgradeNode(kubeadm::UpgradeNode),
-}
-
-impl Mutation {
-    /// For people: "write /etc/x (12 bytes, 0644 0:0)".
-    pub fn describe(&self) -> String {
-        match self {
-            Mutation::Write {
-                path,
-                content,
-                meta,
-            } => format!(
-                "write {path} ({} bytes, {:04o} {}:{})",
-                content.len(),
-                meta.mode,
-                meta.uid,
-                meta.gid
-            ),
-            Mutation::Remove { path } => format!("remove {path}"),
-            Mutation::SysctlLive { path, value } => format!("set {path} = {value}"),
-            Mutation::UnitFile { unit, op } => format!("{op} {unit}"),
-            Mutation::UnitRun { unit, state } => format!(
-                "{} {unit} (after the daemon-reload)",
-                match state {
-                    crate::plan::UnitState::Running => "start",
-                    crate::plan::UnitState::Stopped => "stop",
-                }
-            ),
-            Mutation::WriteFrom {
-                path, sha256, meta, ..
-            } => format!(
-                "write {path} from the artifact cache (sha256 {}, {:04o} {}:{})",
-                &sha256[..sha256.len().min(12)],
-                meta.mode,
-                meta.uid,
-                meta.gid
-            ),
-            Mutation::Package(p) => p.describe(),
-            Mutation::KubeadmUpgradeNode(k) => k.describe(),
-        }
-    }
-
-    /// What the mutation changes, as a key its pre-image shares (see [`preimage_target`]).
-    pub fn target(&self) -> String {
-        match self {
-            Mutation::Write { path, .. }
-            | Mutation::Remove { path }
-            | Mutation::WriteFrom { path, .. }
-            | Mutation::SysctlLive { path, .. } => path.to_string(),
-            Mutation::Package(p) => p.target(),
-            Mutation::KubeadmUpgradeNode(_) => kubeadm::TARGET.to_string(),
-            Mutation::UnitFile { unit, op } => format!("unit-file:{unit}:{op}"),
-            Mutation::UnitRun { unit, .. } => format!("unit-run:{unit}"),
-        }
-    }
-}
+pub use crate::base::StepError;
+pub use crate::plan::kinds::{Diff, Mutation, Note, StepCtx};
+pub use node::HostNode;
 
 /// What a pre-image describes, the same key as the [`Mutation::target`] it was captured for.
 pub fn preimage_target(p: &Preimage) -> String {
@@ -154,42 +43,17 @@ pub fn preimage_target(p: &Preimage) -> String {
     }
 }
 
-/// What a step says while it works (waiting for a lock, downloading, retrying).
-#[derive(Debug, Clone, Copy)]
-pub enum Note<'a> {
-    /// Where it is ("downloading ...: 12 of 90 MiB"): the plan's status message only.
-    Status(&'a str),
-    /// Something a person watching should see as it happens ("waiting for the dpkg lock,
-    /// held by PID 4242"): the status message, and an event to watchers.
-    Event(&'a str),
-}
-
-/// What a change needs on this node now.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Diff {
-    /// Mutations in order; empty when the node is already in the desired state.
-    pub mutations: Vec<Mutation>,
-    /// Something worth saying about it ("persisted only: no /proc/sys").
-    pub note: Option<String>,
-}
-
-/// A step failure with a bounded kind.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{detail}")]
-pub struct StepError {
-    /// Classification.
-    pub kind: ErrorKind,
-    /// What failed on what.
-    pub detail: String,
-}
-
-impl StepError {
-    /// A new error.
-    pub fn new(kind: ErrorKind, detail: impl Into<String>) -> StepError {
-        StepError {
-            kind,
-            detail: detail.into(),
-        }
+/// What a journaled pre-image touched (see [`Mutation::touched`]).
+pub fn preimage_touched(p: &Preimage) -> crate::plan::kinds::Touched {
+    use crate::plan::kinds::Touched;
+    match p {
+        Preimage::File { path, .. } => Touched::File(path.clone()),
+        Preimage::UnitFile { .. } => Touched::UnitFile,
+        Preimage::UnitActive { .. } => Touched::UnitRun,
+        Preimage::Sysctl { .. } => Touched::Sysctl,
+        Preimage::Other { kind, .. } if kind == package::PREIMAGE_KIND => Touched::Package,
+        // kubeadm upgrade node, exec, and kinds a newer agent journaled.
+        Preimage::Other { .. } => Touched::Command,
     }
 }
 
@@ -235,41 +99,26 @@ impl From<BackupError> for StepError {
 pub struct Capabilities {
     /// `exec` changes are allowed.
     pub exec_allowed: bool,
-    /// The kinds implemented by this build.
+    /// The kinds this build implements (every kind of the plan model).
     pub kinds: Vec<ChangeKind>,
 }
 
 impl Capabilities {
-    /// The kinds this build implements.
+    /// The kinds this build implements: all of them (a kind is its registration).
     pub fn implemented() -> Vec<ChangeKind> {
-        vec![
-            ChangeKind::File,
-            ChangeKind::Absent,
-            ChangeKind::KubeletConfig,
-            ChangeKind::KubeletFlags,
-            ChangeKind::Sysctl,
-            ChangeKind::Unit,
-            ChangeKind::Reboot,
-            ChangeKind::Package,
-            ChangeKind::Artifact,
-            ChangeKind::KubeadmUpgradeNode,
-        ]
+        ChangeKind::ALL.to_vec()
     }
 
     /// Why this node cannot apply `change`, or `None` when it can.
     pub fn unsupported(&self, change: &Change) -> Option<String> {
-        let kind = change.kind();
-        if kind == ChangeKind::Exec && !self.exec_allowed {
+        if let Change::Exec(_) = change
+            && !self.exec_allowed
+        {
             return Some(
                 "exec changes are disabled on this node (set exec.allow = true in the agent \
                  configuration)"
                     .into(),
             );
-        }
-        if !self.kinds.contains(&kind) {
-            return Some(format!(
-                "{kind} changes are not supported by this agent yet"
-            ));
         }
         None
     }
@@ -280,55 +129,15 @@ impl Capabilities {
     }
 }
 
-/// True for changes that cannot be applied without a service manager (units, reboots).
-pub fn needs_services(change: &Change) -> bool {
-    matches!(change, Change::Unit(_) | Change::Reboot(_))
-}
-
 /// Why `change` cannot be applied on a node whose agent has service management off, or
 /// `None` when it can (restarts are then journaled as skipped, not refused).
 pub fn unsupported_without_services(change: &Change) -> Option<String> {
-    needs_services(change).then(|| {
+    change.spec().needs_services().then(|| {
         format!(
             "{} changes need service management, which is off on this agent (--services off)",
             change.kind()
         )
     })
-}
-
-/// True for kinds whose mutations are only file writes and removals, which the engine may
-/// announce in batches with one journal sync.
-pub fn batchable(change: &Change) -> bool {
-    matches!(
-        change,
-        Change::File(_)
-            | Change::Absent(_)
-            | Change::KubeletConfig(_)
-            | Change::KubeletFlags(_)
-            | Change::Artifact(_)
-    )
-}
-
-/// Disruption of a change when it changes something (before looking at the node): a reboot
-/// reboots; a unit change that sets content, a drop-in or a run state restarts (or starts or
-/// stops) its unit, one that only enables or masks reloads systemd; a change that feeds units
-/// restarts them; a file under a unit directory reloads systemd.
-pub fn disruption(change: &Change) -> Disruption {
-    match change {
-        Change::Reboot(_) => Disruption::Reboot,
-        Change::Exec(e) => e.disruption,
-        Change::Unit(u) => {
-            if u.content.is_some() || u.drop_in.is_some() || u.state.is_some() {
-                Disruption::Restart
-            } else {
-                Disruption::DaemonReload
-            }
-        }
-        c if !c.restart_units().is_empty() => Disruption::Restart,
-        Change::File(f) if unit::is_unit_path(&f.path) => Disruption::DaemonReload,
-        Change::Absent(a) if unit::is_unit_path(&a.path) => Disruption::DaemonReload,
-        _ => Disruption::None,
-    }
 }
 
 /// Per-change facts resolved against the node before a run (owners to ids).
@@ -354,23 +163,12 @@ impl Prepared {
     }
 }
 
-/// What a step needs to know about the node besides its own change.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StepCtx {
-    /// The change's resolved owner, for changes with one.
-    pub ids: Option<(u32, u32)>,
-    /// The node's `root:root`, for files the agent creates on its own.
-    pub root_ids: (u32, u32),
-    /// The plan's time budget of one step (commands the step runs get it).
-    pub step_timeout: Duration,
-    /// For `kubeadmUpgradeNode`: the earlier change of the plan that feeds kubeadm and
-    /// changed the node in this run (or would, in a dry run), if any. Set by the engine.
-    pub inputs_changed: Option<u32>,
-}
-
-/// Checks a plan against this node (owners exist, paths do not escape through symlinks,
-/// the kubelet files are usable) without changing anything. Errors name the field.
+/// Checks a plan against this node without changing anything; errors name the field. Every
+/// kind gets the same checks of what it writes (the allow-list, resolved the way the write
+/// will resolve it; something other than a regular file in the way) and of its owner, then
+/// its own ([`crate::plan::Kind::preflight`]).
 pub fn preflight(host: &Host, plan: &Plan) -> Result<Prepared, Vec<FieldError>> {
+    let node = HostNode::new(host);
     let mut errors = Vec::new();
     let accounts = match Accounts::load(&host.root) {
         Ok(a) => a,
@@ -391,91 +189,40 @@ pub fn preflight(host: &Host, plan: &Plan) -> Result<Prepared, Vec<FieldError>> 
     let mut dirs = crate::host::fs::DirCache::default();
     for (i, change) in plan.changes.iter().enumerate() {
         let base = format!("changes[{i}].{}", change.kind());
-        let mut ids = None;
-        // What is at the path when it is neither absent nor a regular file.
-        let mut check_path = |field: &str, p: &NodePath, errors: &mut Vec<FieldError>| match host
-            .root
-            .check_path_in(p, &mut dirs)
-        {
-            Ok(kind) => kind,
-            Err(e) => {
-                errors.push(FieldError::new(format!("{base}.{field}"), e.to_string()));
-                None
+        let spec = change.spec();
+        let mut in_the_way = Vec::new();
+        for w in spec.writes() {
+            match host.root.check_path_in(&w.path, &mut dirs) {
+                Ok(Some(kind)) => in_the_way.push((w, kind)),
+                Ok(None) => {}
+                Err(e) => errors.push(FieldError::new(
+                    format!("{base}.{}", w.field),
+                    e.to_string(),
+                )),
             }
-        };
-        match change {
-            Change::File(f) => {
-                let other = check_path("path", &f.path, &mut errors);
-                match accounts.resolve(&f.owner) {
-                    Ok(resolved) => ids = Some(resolved),
-                    Err(e) => errors.push(FieldError::new(format!("{base}.owner"), e)),
+        }
+        let ids = spec
+            .owner()
+            .and_then(|owner| match accounts.resolve(owner) {
+                Ok(resolved) => Some(resolved),
+                Err(e) => {
+                    errors.push(FieldError::new(format!("{base}.owner"), e));
+                    None
                 }
-                if let Some(kind) = other {
-                    errors.push(FieldError::new(
-                        format!("{base}.path"),
-                        format!("{} is a {kind} on the node, not a regular file", f.path),
-                    ));
-                }
-            }
-            Change::Absent(a) => {
-                if let Some(kind) = check_path("path", &a.path, &mut errors) {
-                    errors.push(FieldError::new(
-                        format!("{base}.path"),
-                        format!(
-                            "{} is a {kind} on the node; absent removes files only",
-                            a.path
-                        ),
-                    ));
-                }
-            }
-            Change::KubeletConfig(_) => {
-                let p = kubelet::config_path();
-                check_path("mergePatch", &p, &mut errors);
-                if let Err(e) = kubelet::read_config(host) {
-                    errors.push(FieldError::new(format!("{base}.mergePatch"), e.detail));
-                }
-            }
-            Change::KubeletFlags(_) => {
-                check_path("set", &kubelet::flags_path(), &mut errors);
-            }
-            Change::Unit(u) => {
-                if u.content.is_some()
-                    && let Some(p) = unit::unit_file_path(&u.name)
-                {
-                    check_path("name", &p, &mut errors);
-                }
-                if let Some(p) = u
-                    .drop_in
-                    .as_ref()
-                    .and_then(|d| unit::drop_in_path(&u.name, &d.name))
-                {
-                    check_path("dropIn", &p, &mut errors);
-                }
-            }
-            Change::Sysctl(s) => {
-                if let Err(e) = sysctl::preflight(host, s) {
-                    errors.push(FieldError::new(format!("{base}.key"), e));
-                }
-                if let Ok(p) = sysctl::conf_path(&s.key) {
-                    check_path("key", &p, &mut errors);
-                }
-            }
-            Change::Package(p) => {
-                for (field, e) in package::preflight(host, p) {
-                    errors.push(FieldError::new(format!("{base}.{field}"), e));
-                }
-            }
-            Change::Artifact(a) => {
-                check_path("path", &a.path, &mut errors);
-                // Opened, not read: the file there may be a large binary.
-                if let Err(FsError::NotAFile { kind, .. }) = host.root.open_file(&a.path) {
-                    errors.push(FieldError::new(
-                        format!("{base}.path"),
-                        format!("{} is a {kind} on the node, not a regular file", a.path),
-                    ));
-                }
-            }
-            _ => {}
+            });
+        for (w, kind) in in_the_way {
+            let problem = if w.removes {
+                format!(
+                    "{} is a {kind} on the node; absent removes files only",
+                    w.path
+                )
+            } else {
+                format!("{} is a {kind} on the node, not a regular file", w.path)
+            };
+            errors.push(FieldError::new(format!("{base}.{}", w.field), problem));
+        }
+        for (field, problem) in spec.preflight(&node) {
+            errors.push(FieldError::new(format!("{base}.{field}"), problem));
         }
         prepared.ids.push(ids);
     }
@@ -487,61 +234,40 @@ pub fn preflight(host: &Host, plan: &Plan) -> Result<Prepared, Vec<FieldError>> 
     }
 }
 
-/// The node paths a change writes or removes, with the field that names them and whether
-/// it only appends.
-pub fn written_paths(change: &Change) -> Vec<(&'static str, NodePath, bool)> {
-    match change {
-        Change::File(f) => vec![("path", f.path.clone(), f.append)],
-        Change::Absent(a) => vec![("path", a.path.clone(), false)],
-        Change::KubeletConfig(_) => vec![("mergePatch", kubelet::config_path(), false)],
-        Change::KubeletFlags(_) => vec![("set", kubelet::flags_path(), false)],
-        Change::Sysctl(s) => sysctl::conf_path(&s.key)
-            .into_iter()
-            .map(|p| ("key", p, false))
-            .collect(),
-        Change::Unit(u) => unit::paths(u)
-            .into_iter()
-            .map(|p| ("name", p, false))
-            .collect(),
-        Change::Artifact(a) => vec![("path", a.path.clone(), false)],
-        _ => Vec::new(),
-    }
+/// The unit a path defines when it is a unit file (`/etc/systemd/system/x.service`), not a
+/// drop-in below a unit's `.d` directory.
+fn unit_defined_by(path: &NodePath) -> Option<&str> {
+    let dir = path.parent()?;
+    (is_unit_path(path) && !dir.as_str().ends_with(".d")).then(|| path.file_name())
 }
 
 /// Units the plan restarts, starts or gates on that this node does not have and no change
 /// of the plan creates: applying would end in a failed restart, a failed gate and a rollback
 /// that restarts a unit that does not exist. Asked of systemd only when it answers at once;
-/// a plan with a package change is not checked (packages ship units).
+/// a plan that installs packages is not checked (packages ship units).
 fn missing_units(host: &Host, plan: &Plan) -> Vec<FieldError> {
     let Some(services) = host.services() else {
         return Vec::new();
     };
-    if plan.changes.iter().any(|c| matches!(c, Change::Package(_))) {
+    if plan.changes.iter().any(|c| !c.spec().packages().is_empty()) {
         return Vec::new();
     }
-    let created: std::collections::BTreeSet<&str> = plan
+    let created: std::collections::BTreeSet<String> = plan
         .changes
         .iter()
-        .flat_map(|c| match c {
-            Change::Unit(u) if u.content.is_some() => vec![u.name.as_str()],
-            Change::File(f) if unit::is_unit_path(&f.path) => vec![f.path.file_name()],
-            _ => Vec::new(),
-        })
+        .flat_map(|c| c.spec().writes())
+        .filter(|w| !w.removes)
+        .filter_map(|w| unit_defined_by(&w.path).map(str::to_string))
         .collect();
     let mut referenced: Vec<(String, String)> = Vec::new();
     for (i, c) in plan.changes.iter().enumerate() {
-        let field = match c {
-            Change::File(_) | Change::Absent(_) | Change::Artifact(_) => "restartUnits",
-            Change::Unit(_) => "name",
-            _ => "",
+        let spec = c.spec();
+        let field = match spec.restart_field() {
+            Some(field) => format!("changes[{i}].{}.{field}", c.kind()),
+            None => format!("changes[{i}].{}", c.kind()),
         };
-        let base = if field.is_empty() {
-            format!("changes[{i}].{}", c.kind())
-        } else {
-            format!("changes[{i}].{}.{field}", c.kind())
-        };
-        for unit in c.restart_units() {
-            referenced.push((base.clone(), unit));
+        for unit in spec.restart_units() {
+            referenced.push((field.clone(), unit));
         }
     }
     for (i, check) in plan.verify.iter().enumerate() {
@@ -549,7 +275,7 @@ fn missing_units(host: &Host, plan: &Plan) -> Vec<FieldError> {
             referenced.push((format!("verify[{i}].unitActive.name"), name.clone()));
         }
     }
-    referenced.retain(|(_, unit)| !created.contains(unit.as_str()));
+    referenced.retain(|(_, unit)| !created.contains(unit));
     if referenced.is_empty() || services.ping().is_err() {
         return Vec::new();
     }
@@ -577,34 +303,49 @@ fn missing_units(host: &Host, plan: &Plan) -> Vec<FieldError> {
     errors
 }
 
-/// What `change` needs on this node now.
+/// What `change` needs on this node now (the kind's diff over the node).
 pub fn diff(host: &Host, change: &Change, ctx: StepCtx) -> Result<Diff, StepError> {
-    match change {
-        Change::File(f) => file::diff_file(host, f, ctx.ids.unwrap_or(ctx.root_ids)),
-        Change::Absent(a) => file::diff_absent(host, a),
-        Change::KubeletConfig(k) => kubelet::diff_config(host, k),
-        Change::KubeletFlags(k) => kubelet::diff_flags(host, k, ctx.root_ids),
-        Change::Sysctl(s) => sysctl::diff(host, s, ctx.root_ids),
-        Change::Unit(u) => unit::diff(host, u, ctx.root_ids),
-        Change::Package(p) => package::diff(host, p, ctx),
-        Change::Artifact(a) => artifact::diff(host, a, ctx),
-        Change::KubeadmUpgradeNode(k) => kubeadm::diff(host, k, ctx),
-        other => Err(StepError::new(
-            ErrorKind::Unsupported,
-            format!(
-                "{} changes are not supported by this agent yet",
-                other.kind()
-            ),
-        )),
-    }
+    change.spec().diff(&HostNode::new(host), ctx)
 }
 
 /// Why a dry run cannot tell whether `change` would change the node without doing work it
 /// must not do (downloading an archive to look at a member); `None` when it can.
 pub fn undecided(host: &Host, change: &Change) -> Option<String> {
-    match change {
-        Change::Artifact(a) => artifact::undecided(host, a),
-        _ => None,
+    change.spec().undecided(&HostNode::new(host))
+}
+
+/// `Preimage::Other` kind of an exec change's pre-image (nothing to restore).
+pub const RUN_PREIMAGE_KIND: &str = "exec";
+
+/// Runs an exec change's command in the node's root; its bounded output is the result.
+fn run(
+    host: &Host,
+    argv: &[String],
+    timeout: Duration,
+    note: &mut dyn FnMut(Note),
+) -> Result<String, StepError> {
+    let spec = host.command(argv.iter().cloned()).timeout(timeout);
+    note(Note::Status(&format!("running {}", spec.display())));
+    match crate::host::command::run(&spec) {
+        Ok(out) if out.success() => Ok(package::transcript_text(
+            &[crate::host::packages::CommandRecord {
+                command: spec.display(),
+                output: out,
+            }],
+            package::MAX_JOURNAL_OUTPUT,
+        )),
+        Ok(out) => Err(StepError::new(
+            if out.timed_out {
+                ErrorKind::Timeout
+            } else {
+                ErrorKind::Command
+            },
+            format!("{}: {}", spec.display(), out.summary()),
+        )),
+        Err(e) => Err(StepError::new(
+            ErrorKind::Command,
+            format!("{}: {e}", spec.display()),
+        )),
     }
 }
 
@@ -635,7 +376,9 @@ pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preim
             })
         }
         Mutation::UnitFile { unit, op } => {
-            let services = host.services().ok_or_else(unit::services_off)?;
+            let services = host
+                .services()
+                .ok_or_else(crate::plan::kinds::services_off)?;
             let mut call = ServiceCall::within(STEP_BUS_WINDOW);
             let before = services.unit_file_state(unit, &mut call)?;
             Ok(Preimage::UnitFile {
@@ -645,7 +388,9 @@ pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preim
             })
         }
         Mutation::UnitRun { unit, .. } => {
-            let services = host.services().ok_or_else(unit::services_off)?;
+            let services = host
+                .services()
+                .ok_or_else(crate::plan::kinds::services_off)?;
             let mut call = ServiceCall::within(STEP_BUS_WINDOW);
             let state = services.unit_state(unit, &mut call)?;
             Ok(Preimage::UnitActive {
@@ -655,6 +400,11 @@ pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preim
         }
         Mutation::Package(p) => package::capture(host, p),
         Mutation::KubeadmUpgradeNode(_) => kubeadm::capture(host, backups),
+        // A command cannot be undone; its pre-image says so, and rollback passes over it.
+        Mutation::Run { .. } => Ok(Preimage::Other {
+            kind: RUN_PREIMAGE_KIND.to_string(),
+            data: serde_json::json!({"target": m.target()}),
+        }),
     }
 }
 
@@ -715,6 +465,7 @@ pub fn execute(
         } => artifact::install(host, path, source, sha256, *meta)?,
         Mutation::Package(p) => return package::execute(host, p, note).map(Some),
         Mutation::KubeadmUpgradeNode(k) => return kubeadm::execute(host, k, note).map(Some),
+        Mutation::Run { argv, timeout } => return run(host, argv, *timeout, note).map(Some),
     }
     Ok(None)
 }
@@ -722,7 +473,9 @@ pub fn execute(
 /// Enables, disables, masks or unmasks a unit file; enabling a unit without an `[Install]`
 /// section is an error (systemd would silently do nothing).
 fn unit_file_op(host: &Host, unit: &str, op: UnitFileOp) -> Result<(), StepError> {
-    let services = host.services().ok_or_else(unit::services_off)?;
+    let services = host
+        .services()
+        .ok_or_else(crate::plan::kinds::services_off)?;
     let mut call = ServiceCall::within(STEP_BUS_WINDOW);
     let changes = services.unit_file(op, unit, &mut call)?;
     if op == UnitFileOp::Enable
@@ -775,6 +528,12 @@ pub fn restore(
         Preimage::Other { kind, data } if kind == kubeadm::PREIMAGE_KIND => {
             kubeadm::restore(host, backups, data)
         }
+        Preimage::Other { kind, .. } if kind == RUN_PREIMAGE_KIND => {
+            note(Note::Event(
+                "an exec change cannot be undone; rollback goes on without it",
+            ));
+            Ok(())
+        }
         Preimage::Other { kind, .. } => Err(StepError::new(
             ErrorKind::Internal,
             format!("cannot restore {kind} state: this agent does not know that step kind"),
@@ -820,8 +579,8 @@ pub(crate) fn restore_file(
 
 /// Removes temp files a crash may have left for the targets of `change`.
 pub fn sweep(host: &Host, change: &Change) -> Result<(), StepError> {
-    for (_, p, _) in written_paths(change) {
-        host.root.sweep_temp(&p)?;
+    for w in change.spec().writes() {
+        host.root.sweep_temp(&w.path)?;
     }
     Ok(())
 }

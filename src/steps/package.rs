@@ -12,15 +12,15 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Diff, Mutation, Note, StepCtx, StepError};
+use super::{Note, StepError};
 use crate::base::ErrorKind;
 use crate::host::Host;
 use crate::host::packages::{
     CommandRecord, InstalledPackage, ManagerKind, PackageManager, PkgError, PkgEvent, PkgOptions,
-    Transcript, validate_version,
+    Transcript,
 };
 use crate::journal::Preimage;
-use crate::plan::PackageChange;
+use crate::plan::kinds::PackageMutation;
 
 /// `Preimage::Other` kind of package pre-images.
 pub const PREIMAGE_KIND: &str = "package";
@@ -30,54 +30,6 @@ pub const MAX_JOURNAL_OUTPUT: usize = 8 * 1024;
 
 /// Most bytes of command output put into an error (and so into the status).
 pub const MAX_ERROR_OUTPUT: usize = 2 * 1024;
-
-/// What a package change does to the node.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PackageMutation {
-    /// The manager doing it.
-    pub manager: ManagerKind,
-    /// Package name.
-    pub name: String,
-    /// Install exactly this version; `None` leaves the version alone.
-    pub version: Option<String>,
-    /// The version installed now, for messages.
-    pub from: Option<String>,
-    /// Held afterwards or not.
-    pub hold: bool,
-    /// Time budget of each command and of each lock wait (the plan's step timeout).
-    pub timeout: Duration,
-}
-
-impl PackageMutation {
-    /// "install kubelet 1.31.2-1.1 (was 1.30.4-1.1) and hold it".
-    pub fn describe(&self) -> String {
-        let hold = if self.hold {
-            "hold"
-        } else {
-            "release the hold"
-        };
-        match (&self.version, &self.from) {
-            (Some(v), Some(from)) => format!("install {} {v} (was {from}), {hold}", self.name),
-            (Some(v), None) => format!("install {} {v} (not installed before), {hold}", self.name),
-            (None, at) => {
-                let at = at
-                    .as_ref()
-                    .map(|v| format!(" (at {v})"))
-                    .unwrap_or_default();
-                if self.hold {
-                    format!("hold {}{at}", self.name)
-                } else {
-                    format!("release the hold of {}{at}", self.name)
-                }
-            }
-        }
-    }
-
-    /// `package:<name>`, the key its pre-image shares.
-    pub fn target(&self) -> String {
-        format!("{PREIMAGE_KIND}:{}", self.name)
-    }
-}
 
 /// What was there before a package change: the journaled pre-image.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,40 +46,13 @@ pub struct PackageBefore {
     pub held: bool,
 }
 
-/// What must change for `change` given what is installed (pure): (install the version?,
-/// change the hold?). `satisfies(have, want)` is the manager's version rule.
-pub fn decide(
-    installed: Option<&InstalledPackage>,
-    change: &PackageChange,
-    satisfies: impl Fn(&str, &str) -> bool,
-) -> (bool, bool) {
-    let version_ok =
-        installed.is_some_and(|p| p.complete && satisfies(&p.version, &change.version));
-    let held = installed.is_some_and(|p| p.held);
-    (!version_ok, held != change.hold)
-}
-
-/// Node-dependent problems of a package change, as (field, message): no usable package
-/// manager, a version the manager cannot read.
-pub fn preflight(host: &Host, change: &PackageChange) -> Vec<(&'static str, String)> {
-    // A pattern's prefix ends where a version part would follow (`1.31.2-`): check the
-    // version it names up to there.
-    let exact = match change.version_prefix() {
-        Some(prefix) => prefix.trim_end_matches(['-', '.', '~', ':', '+', '_', '^']),
-        None => change.version.as_str(),
-    };
-    match host.package_manager_kind(change.manager.as_deref()) {
-        Err(e) => vec![("manager", e.to_string())],
-        Ok(kind) => match validate_version(kind, exact) {
-            Err(e) => vec![("version", format!("{e} (for {kind})"))],
-            Ok(()) => Vec::new(),
-        },
-    }
-}
-
 /// The manager for a step: the configured options with every command and lock wait bounded
 /// by the step's timeout.
-fn manager(host: &Host, kind: ManagerKind, timeout: Duration) -> Box<dyn PackageManager> {
+pub(crate) fn manager(
+    host: &Host,
+    kind: ManagerKind,
+    timeout: Duration,
+) -> Box<dyn PackageManager> {
     host.package_manager(kind, |o: &mut PkgOptions| {
         if !timeout.is_zero() {
             o.query_timeout = o.query_timeout.min(timeout);
@@ -137,7 +62,7 @@ fn manager(host: &Host, kind: ManagerKind, timeout: Duration) -> Box<dyn Package
     })
 }
 
-fn pkg_error(e: PkgError) -> StepError {
+pub(crate) fn pkg_error(e: PkgError) -> StepError {
     let mut detail = e.to_string();
     if let Some(record) = e.record() {
         let tail = output_tail(
@@ -210,114 +135,6 @@ pub fn transcript_text(transcript: &[CommandRecord], limit: usize) -> String {
     tail(&text, limit)
 }
 
-/// The version a pattern (`1.31.2-*`) stands for: the highest version the package
-/// manager offers that starts with its prefix (by the manager's ordering). With `refresh`,
-/// the package lists are refreshed once when nothing matches (the plan may just have
-/// switched the repository). `None`: nothing offered matches. An exact version is returned
-/// as it is.
-pub fn resolve(
-    host: &Host,
-    change: &PackageChange,
-    timeout: Duration,
-    refresh: bool,
-    note: &mut dyn FnMut(Note),
-) -> Result<Option<String>, StepError> {
-    let Some(prefix) = change.version_prefix() else {
-        return Ok(Some(change.version.clone()));
-    };
-    let kind = host
-        .package_manager_kind(change.manager.as_deref())
-        .map_err(pkg_error)?;
-    let pm = manager(host, kind, timeout);
-    let pick = |pm: &dyn PackageManager| -> Result<Option<String>, StepError> {
-        let offered = pm.available_versions(&change.name).map_err(pkg_error)?;
-        Ok(highest_match(&offered, prefix, |a, b| {
-            pm.compare_versions(a, b)
-                .unwrap_or(std::cmp::Ordering::Equal)
-        }))
-    };
-    if let Some(v) = pick(&*pm)? {
-        return Ok(Some(v));
-    }
-    if !refresh {
-        return Ok(None);
-    }
-    note(Note::Event(&format!(
-        "no version of {} matching {} in the package lists as last refreshed; refreshing them",
-        change.name, change.version
-    )));
-    pm.refresh(&mut events(note)).map_err(pkg_error)?;
-    pick(&*pm)
-}
-
-/// The highest of `offered` that starts with `prefix` (pure).
-pub fn highest_match(
-    offered: &[String],
-    prefix: &str,
-    cmp: impl Fn(&str, &str) -> std::cmp::Ordering,
-) -> Option<String> {
-    offered
-        .iter()
-        .filter(|v| v.starts_with(prefix))
-        .max_by(|a, b| cmp(a, b))
-        .cloned()
-}
-
-/// What `change` needs on this node now. A version pattern not resolved yet (only the dry
-/// run sees one) is resolved against the package lists as they are; when nothing matches,
-/// an installed version that matches it is taken as satisfying it.
-pub fn diff(host: &Host, change: &PackageChange, ctx: StepCtx) -> Result<Diff, StepError> {
-    let kind = host
-        .package_manager_kind(change.manager.as_deref())
-        .map_err(pkg_error)?;
-    let pm = manager(host, kind, ctx.step_timeout);
-    let installed = pm.installed(&change.name).map_err(pkg_error)?;
-    let resolved;
-    let change = match change.version_prefix() {
-        None => change,
-        Some(prefix) => {
-            let version = resolve(host, change, ctx.step_timeout, false, &mut |_| {})?
-                .or_else(|| {
-                    installed
-                        .as_ref()
-                        .filter(|p| p.version.starts_with(prefix))
-                        .map(|p| p.version.clone())
-                })
-                .unwrap_or_else(|| change.version.clone());
-            resolved = PackageChange {
-                version,
-                ..change.clone()
-            };
-            &resolved
-        }
-    };
-    let (install, rehold) = decide(installed.as_ref(), change, |have, want| {
-        pm.version_satisfies(have, want)
-    });
-    if !install && !rehold {
-        let held = if change.hold { "held" } else { "not held" };
-        let at = installed.map(|p| p.version).unwrap_or_default();
-        return Ok(Diff {
-            mutations: Vec::new(),
-            note: Some(format!(
-                "{} {at} is installed ({kind}) and {held}",
-                change.name
-            )),
-        });
-    }
-    Ok(Diff {
-        mutations: vec![Mutation::Package(PackageMutation {
-            manager: kind,
-            name: change.name.clone(),
-            version: install.then(|| change.version.clone()),
-            from: installed.map(|p| p.version),
-            hold: change.hold,
-            timeout: ctx.step_timeout,
-        })],
-        note: None,
-    })
-}
-
 /// The package's version and hold before the change.
 pub fn capture(host: &Host, m: &PackageMutation) -> Result<Preimage, StepError> {
     let pm = manager(host, m.manager, m.timeout);
@@ -337,7 +154,7 @@ pub fn capture(host: &Host, m: &PackageMutation) -> Result<Preimage, StepError> 
 }
 
 /// Turns package manager events into notes: lock waits are events, commands status.
-fn events<'a>(note: &'a mut dyn FnMut(Note)) -> impl FnMut(&PkgEvent) + 'a {
+pub(crate) fn events<'a>(note: &'a mut dyn FnMut(Note)) -> impl FnMut(&PkgEvent) + 'a {
     move |e: &PkgEvent| {
         let text = e.to_string();
         match e {
@@ -423,7 +240,8 @@ pub fn restore(
             format!("package pre-image {data}: {e}"),
         )
     })?;
-    let kind: ManagerKind = before.manager.parse().map_err(pkg_error)?;
+    let kind: ManagerKind =
+        crate::host::packages::manager_kind(&before.manager).map_err(pkg_error)?;
     let pm = manager(host, kind, Duration::ZERO);
     let name = &before.name;
     let now = pm.installed(name).map_err(pkg_error)?;
@@ -499,80 +317,6 @@ fn gone(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn change(version: &str, hold: bool) -> PackageChange {
-        PackageChange {
-            name: "kubelet".into(),
-            version: version.into(),
-            manager: None,
-            hold,
-        }
-    }
-
-    fn installed(version: &str, held: bool, complete: bool) -> InstalledPackage {
-        InstalledPackage {
-            name: "kubelet".into(),
-            version: version.into(),
-            held,
-            status: if complete {
-                "installed"
-            } else {
-                "half-configured"
-            }
-            .into(),
-            complete,
-        }
-    }
-
-    fn deb_equal(a: &str, b: &str) -> bool {
-        crate::host::pkgversion::compare_deb(a, b) == Ok(std::cmp::Ordering::Equal)
-    }
-
-    #[test]
-    fn versions_and_holds_are_decided_by_the_managers_rules() {
-        let want = change("1.31.2-1.1", true);
-        assert_eq!(decide(None, &want, deb_equal), (true, true));
-        let at_old = installed("1.30.4-1.1", true, true);
-        assert_eq!(decide(Some(&at_old), &want, deb_equal), (true, false));
-        let there = installed("0:1.31.2-1.1", true, true);
-        assert_eq!(
-            decide(Some(&there), &want, deb_equal),
-            (false, false),
-            "dpkg equality: an explicit zero epoch is the same version"
-        );
-        let unheld = installed("1.31.2-1.1", false, true);
-        assert_eq!(decide(Some(&unheld), &want, deb_equal), (false, true));
-        let broken = installed("1.31.2-1.1", true, false);
-        assert_eq!(
-            decide(Some(&broken), &want, deb_equal),
-            (true, false),
-            "half-configured is installed again"
-        );
-        let release = change("1.31.2-1.1", false);
-        assert_eq!(decide(Some(&there), &release, deb_equal), (false, true));
-    }
-
-    #[test]
-    fn a_pattern_resolves_to_the_highest_match_by_the_managers_order() {
-        let offered: Vec<String> = [
-            "1.31.2-1.1",
-            "1.31.2-1.10",
-            "1.31.2-1.2",
-            "1.31.3-1.1",
-            "1.30.9-1.1",
-        ]
-        .iter()
-        .map(|s| (*s).to_string())
-        .collect();
-        let deb = |a: &str, b: &str| {
-            crate::host::pkgversion::compare_deb(a, b).unwrap_or(std::cmp::Ordering::Equal)
-        };
-        assert_eq!(
-            highest_match(&offered, "1.31.2-", deb).as_deref(),
-            Some("1.31.2-1.10")
-        );
-        assert_eq!(highest_match(&offered, "1.32.0-", deb), None);
-    }
 
     #[test]
     fn mutations_read_well() {

@@ -2,21 +2,18 @@
 //!
 //! Exit codes: 0 success, 1 a runtime failure (the server could not start), 2 invalid input.
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::ExitCode;
-use std::sync::Arc;
-
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::Value;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
 
-use super::agent::{Agents, paths};
-use super::cluster::Cluster;
-use super::handlers::Updater;
-use super::metrics::Metrics;
-use super::server::{Server, ServingTls};
+use super::agent::paths;
+use super::errors::chain;
+use super::server::Server;
 use super::settings::{Defaults, Settings};
+use super::setup::build;
 use super::translate::{Desired, NoSecrets, NodeFacts, translate};
 
 #[derive(Debug, Parser)]
@@ -154,21 +151,6 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// An error and its causes, each said once (errors here often repeat their source's text).
-pub fn chain(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
-}
-
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("INPLACE_UPDATER_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -264,43 +246,4 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         server.shutdown().await;
         Ok(())
     })
-}
-
-/// Builds the updater and its serving TLS (shared by `serve`, the demo and the tests).
-pub async fn build(
-    tls_cert: &std::path::Path,
-    tls_key: &std::path::Path,
-    agent_paths: crate::rpc::tls::ClientTlsPaths,
-    agent_port: u16,
-    kubeconfig: Option<&std::path::Path>,
-) -> anyhow::Result<(Arc<Updater>, Arc<ServingTls>)> {
-    let agents = Agents::new(agent_paths).context("agent client certificate")?;
-    let cluster = Cluster::connect(kubeconfig).await?;
-    let updater = Arc::new_cyclic(|weak: &std::sync::Weak<Updater>| {
-        let weak = weak.clone();
-        let metrics = Metrics::new(Arc::new(move || {
-            weak.upgrade()
-                .map(|u| {
-                    u.agents
-                        .unreachable
-                        .load(std::sync::atomic::Ordering::Relaxed)
-                })
-                .unwrap_or(0)
-        }));
-        Updater {
-            defaults: Defaults { agent_port },
-            cluster,
-            agents,
-            metrics,
-        }
-    });
-    let tls = Arc::new(
-        ServingTls::new(
-            tls_cert.to_path_buf(),
-            tls_key.to_path_buf(),
-            updater.metrics.scraped.clone(),
-        )
-        .context("serving certificate")?,
-    );
-    Ok((updater, tls))
 }

@@ -43,7 +43,7 @@ pub fn run(args: &DemoArgs) -> ExitCode {
     match runtime.block_on(demo(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("inplace-updater demo: {}", super::cli::chain(&e));
+            eprintln!("inplace-updater demo: {}", super::errors::chain(&e));
             ExitCode::from(1)
         }
     }
@@ -249,7 +249,7 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         &["inplace-updater.inplace-system.svc", "127.0.0.1"],
     )?;
     let client = pki.updater_client()?;
-    let (updater, tls) = super::cli::build(
+    let (updater, tls) = super::setup::build(
         &serving.cert,
         &serving.key,
         super::agent::paths(pki.ca(), client.cert.clone(), client.key.clone()),

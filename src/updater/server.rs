@@ -124,7 +124,7 @@ impl ServingTls {
                         self.scraped
                             .tls_reload_failures
                             .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %super::cli::chain(&e), "serving certificate not reloaded; keeping the old one");
+                        tracing::warn!(error = %super::errors::chain(&e), "serving certificate not reloaded; keeping the old one");
                     }
                 }
             }

@@ -1,31 +1,16 @@
-//! `unit`: a systemd unit file or drop-in, its enablement, its mask and its run state.
-//!
-//! A unit change becomes, in this order:
-//!
-//! 1. `unmask` when `masked: false` and the unit is masked (so it can be written and started);
-//! 2. the unit file `/etc/systemd/system/<name>` and the drop-in
-//!    `/etc/systemd/system/<name>.d/<dropIn.name>` (ordinary atomic file writes, 0644
-//!    root:root, with file pre-images);
-//! 3. `enable` / `disable`, then `mask` — symlinks systemd makes on disk (pre-image: the unit
-//!    file state before, undone by the inverse operation);
-//! 4. a desired run state (`running` / `stopped`) when the unit is not in it: recorded with
-//!    the change (pre-image: the unit's state) but carried out in the Restarting phase, after
-//!    the plan's single daemon-reload, so that a new or changed unit file is loaded before
-//!    the unit is started.
-//!
-//! Steps 1–3 happen in the Applying phase; none of them needs a daemon-reload first (systemd
-//! reads unit files from disk to enable or mask them). Restarts are not decided here: the
-//! engine restarts a running unit whose file or drop-in changed (see `engine::units`).
-//!
-//! [`unit_mutations`] is the pure decision, tested below; [`diff`] reads the node for it.
+//! `unit`: a systemd unit file or drop-in and its desired state — written under
+//! `/etc/systemd/system`, enabled/disabled and masked/unmasked through systemd, and brought
+//! to `running` or `stopped` in the Restarting phase after the daemon-reload.
 
-use super::{Diff, Mutation, StepError};
-use crate::base::ErrorKind;
-use crate::base::FileMeta;
-use crate::host::fs::Existing;
-use crate::host::systemd::{UnitFileOp, UnitFileState, UnitState as Observed};
-use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
-use crate::plan::{NodePath, UnitChange, UnitState};
+use serde_json::{Map, Value, json};
+
+use super::{Diff, Mutation, Node, Note, StepCtx};
+use super::{Kind, Written, put_opt};
+use crate::base::StepError;
+use crate::base::units::{ActiveState, UnitFileOp, UnitFileState, UnitState as Observed};
+use crate::base::{ErrorKind, Existing, FileMeta};
+use crate::plan::parse::{Cx, check_unit_name, join};
+use crate::plan::{Disruption, NodePath, Owner};
 
 /// Where the agent writes unit files.
 pub const UNIT_DIR: &str = "/etc/systemd/system";
@@ -39,6 +24,41 @@ pub const UNIT_DIRS: &[&str] = &[
     "/usr/lib/systemd/system",
     "/lib/systemd/system",
 ];
+
+/// `unit`: a systemd unit file or drop-in and its desired state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnitChange {
+    /// Unit name (`containerd.service`).
+    pub name: String,
+    /// Full unit file content, written to `/etc/systemd/system/<name>`.
+    pub content: Option<String>,
+    /// A drop-in written to `/etc/systemd/system/<name>.d/<dropIn.name>`.
+    pub drop_in: Option<DropIn>,
+    /// Enable or disable the unit file; `None` leaves it.
+    pub enabled: Option<bool>,
+    /// Running or stopped; `None` leaves it.
+    pub state: Option<UnitState>,
+    /// Mask or unmask; `None` leaves it.
+    pub masked: Option<bool>,
+}
+
+/// A systemd drop-in file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DropIn {
+    /// File name, ending in `.conf`.
+    pub name: String,
+    /// Content.
+    pub content: String,
+}
+
+/// Desired run state of a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitState {
+    /// Active.
+    Running,
+    /// Inactive.
+    Stopped,
+}
 
 /// `/etc/systemd/system/<name>`.
 pub fn unit_file_path(name: &str) -> Option<NodePath> {
@@ -84,15 +104,14 @@ pub struct Observation {
 /// — but not waiting to be restarted after a failure).
 pub fn is_running(unit: &Observed) -> bool {
     unit.is_active()
-        || (unit.active_state == crate::host::systemd::ActiveState::Activating
-            && unit.sub_state != "auto-restart")
+        || (unit.active_state == ActiveState::Activating && unit.sub_state != "auto-restart")
 }
 
 /// True when a unit counts as stopped for `state: stopped` (inactive or failed).
 pub fn is_stopped(unit: &Observed) -> bool {
     matches!(
         unit.active_state,
-        crate::host::systemd::ActiveState::Inactive | crate::host::systemd::ActiveState::Failed
+        ActiveState::Inactive | ActiveState::Failed
     )
 }
 
@@ -207,69 +226,317 @@ pub fn unit_mutations(
     Ok(out)
 }
 
-/// Reads the node (files, and systemd over D-Bus) and diffs a unit change.
-pub fn diff(host: &Host, change: &UnitChange, ids: (u32, u32)) -> Result<Diff, StepError> {
-    let services = host.services().ok_or_else(services_off)?;
-    let mut call = ServiceCall::within(STEP_BUS_WINDOW);
-    let file_state = services.unit_file_state(&change.name, &mut call)?;
-    let read = |path: Option<NodePath>, wanted: bool| -> Result<Existing, StepError> {
-        match path {
-            Some(p) if wanted && !matches!(file_state, Some(UnitFileState::Masked)) => {
-                Ok(host.root.read(&p)?)
-            }
-            _ => Ok(Existing::Absent),
+impl Kind for UnitChange {
+    fn parse(cx: &mut Cx<'_>, index: usize, path: &str, m: &Map<String, Value>) -> Option<Self> {
+        cx.known_keys(
+            path,
+            m,
+            &["name", "content", "dropIn", "enabled", "state", "masked"],
+        );
+        let before = cx.errors.len();
+        let name = cx.string(path, m, "name", true).map(str::to_string);
+        if let Some(n) = &name
+            && let Err(e) = check_unit_name(n)
+        {
+            cx.err(join(path, "name"), e);
         }
-    };
-    let file = read(unit_file_path(&change.name), change.content.is_some())?;
-    let drop_in = read(
-        change
-            .drop_in
-            .as_ref()
-            .and_then(|d| drop_in_path(&change.name, &d.name)),
-        change.drop_in.is_some(),
-    )?;
-    let unit = match change.state {
-        Some(_) => Some(services.unit_state(&change.name, &mut call)?),
-        None => None,
-    };
-    let seen = Observation {
-        file,
-        drop_in,
-        file_state,
-        unit,
-    };
-    let mutations = unit_mutations(change, &seen, ids)
-        .map_err(|e| StepError::new(ErrorKind::Precondition, e))?;
-    let note = match (&seen.unit, change.state) {
-        (Some(u), Some(_)) if mutations.is_empty() => Some(format!(
-            "already in the desired state ({} {}/{})",
-            change.name, u.active_state, u.sub_state
-        )),
-        _ => None,
-    };
-    Ok(Diff { mutations, note })
-}
+        let content = cx.string(path, m, "content", false).map(str::to_string);
+        if let Some(c) = &content {
+            cx.content_size(&join(path, "content"), c.len());
+        }
+        let drop_in = match m.get("dropIn") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                let dpath = join(path, "dropIn");
+                cx.object(&dpath, v).and_then(|d| {
+                    cx.known_keys(&dpath, d, &["name", "content"]);
+                    let dname = cx.string(&dpath, d, "name", true).map(str::to_string);
+                    if let Some(dn) = &dname
+                        && (!dn.ends_with(".conf")
+                            || dn.contains('/')
+                            || dn.len() > 255
+                            || dn.starts_with('.'))
+                    {
+                        cx.err(
+                            join(&dpath, "name"),
+                            format!("{dn:?} must be a file name ending in .conf"),
+                        );
+                    }
+                    let dcontent = cx.string(&dpath, d, "content", true).map(str::to_string);
+                    if let Some(c) = &dcontent {
+                        cx.content_size(&join(&dpath, "content"), c.len());
+                    }
+                    Some(DropIn {
+                        name: dname?,
+                        content: dcontent?,
+                    })
+                })
+            }
+        };
+        let enabled = cx.boolean(path, m, "enabled");
+        let masked = cx.boolean(path, m, "masked");
+        let state = match cx.string(path, m, "state", false) {
+            None => None,
+            Some("running") => Some(UnitState::Running),
+            Some("stopped") => Some(UnitState::Stopped),
+            Some(other) => {
+                cx.err(
+                    join(path, "state"),
+                    format!("{other:?} is not one of running, stopped"),
+                );
+                None
+            }
+        };
+        if content.is_none()
+            && drop_in.is_none()
+            && enabled.is_none()
+            && state.is_none()
+            && masked.is_none()
+        {
+            cx.err(
+                path,
+                "must set at least one of content, dropIn, enabled, state, masked",
+            );
+        }
+        if masked == Some(true) {
+            if content.is_some() {
+                cx.err(
+                    join(path, "masked"),
+                    "a masked unit cannot also have content",
+                );
+            }
+            if state == Some(UnitState::Running) || enabled == Some(true) {
+                cx.err(
+                    join(path, "masked"),
+                    "a masked unit cannot be enabled or running",
+                );
+            }
+        }
+        if cx.errors.len() > before {
+            return None;
+        }
+        let name = name?;
+        let unit_dir = NodePath::parse(UNIT_DIR).ok()?;
+        if let Ok(file) = unit_dir.join(&name) {
+            if content.is_some() || masked.is_some() {
+                cx.node_path(&join(path, "name"), file.as_str())?;
+                cx.claim(
+                    &join(path, "name"),
+                    format!("path:{file}"),
+                    file.as_str(),
+                    index,
+                );
+            }
+            if let Some(d) = &drop_in
+                && let Ok(dp) = unit_dir
+                    .join(&format!("{name}.d"))
+                    .and_then(|dir| dir.join(&d.name))
+            {
+                cx.node_path(&join(path, "dropIn"), dp.as_str())?;
+                cx.claim(
+                    &join(path, "dropIn"),
+                    format!("path:{dp}"),
+                    dp.as_str(),
+                    index,
+                );
+            }
+        }
+        if enabled.is_some() || state.is_some() || masked.is_some() {
+            cx.claim(
+                path,
+                format!("unit-state:{name}"),
+                &format!("state of {name}"),
+                index,
+            );
+        }
+        Some(UnitChange {
+            name,
+            content,
+            drop_in,
+            enabled,
+            state,
+            masked,
+        })
+    }
 
-/// The paths a unit change writes (for temp-file sweeps and preflight).
-pub fn paths(change: &UnitChange) -> Vec<NodePath> {
-    let mut out = Vec::new();
-    if change.content.is_some()
-        && let Some(p) = unit_file_path(&change.name)
-    {
-        out.push(p);
+    fn canonical(&self, _bodies: bool) -> Value {
+        let mut m = Map::new();
+        m.insert("name".into(), json!(self.name));
+        put_opt(&mut m, "content", &self.content);
+        if let Some(d) = &self.drop_in {
+            m.insert(
+                "dropIn".into(),
+                json!({"name": d.name, "content": d.content}),
+            );
+        }
+        put_opt(&mut m, "enabled", &self.enabled);
+        if let Some(s) = self.state {
+            let s = match s {
+                UnitState::Running => "running",
+                UnitState::Stopped => "stopped",
+            };
+            m.insert("state".into(), json!(s));
+        }
+        put_opt(&mut m, "masked", &self.masked);
+        Value::Object(m)
     }
-    if let Some(d) = &change.drop_in
-        && let Some(p) = drop_in_path(&change.name, &d.name)
-    {
-        out.push(p);
+
+    fn target(&self) -> String {
+        match &self.drop_in {
+            Some(d) => format!("{}.d/{}", self.name, d.name),
+            None => self.name.clone(),
+        }
     }
-    out
+
+    fn restart_units(&self) -> Vec<String> {
+        if self.state == Some(UnitState::Stopped) {
+            Vec::new()
+        } else {
+            vec![self.name.clone()]
+        }
+    }
+
+    fn restart_field(&self) -> Option<&'static str> {
+        Some("name")
+    }
+
+    fn fed_units(&self) -> Vec<String> {
+        vec![self.name.clone()]
+    }
+
+    fn run_state(&self) -> Option<(&str, super::UnitState)> {
+        self.state.map(|s| (self.name.as_str(), s))
+    }
+
+    fn declared_disruption(&self) -> Option<Disruption> {
+        None
+    }
+
+    fn fed_by(&self, other: &super::Change) -> bool {
+        let _ = other;
+        false
+    }
+
+    fn writes(&self) -> Vec<Written> {
+        let mut out = Vec::new();
+        if self.content.is_some()
+            && let Some(p) = unit_file_path(&self.name)
+        {
+            out.push(Written::replaces("name", p));
+        }
+        if let Some(d) = &self.drop_in
+            && let Some(p) = drop_in_path(&self.name, &d.name)
+        {
+            out.push(Written::replaces("dropIn", p));
+        }
+        out
+    }
+
+    fn packages(&self) -> Vec<&str> {
+        Vec::new()
+    }
+
+    fn disruption(&self) -> Disruption {
+        if self.content.is_some() || self.drop_in.is_some() || self.state.is_some() {
+            Disruption::Restart
+        } else {
+            Disruption::DaemonReload
+        }
+    }
+
+    fn needs_services(&self) -> bool {
+        true
+    }
+
+    fn batchable(&self) -> bool {
+        false
+    }
+
+    fn owner(&self) -> Option<&Owner> {
+        None
+    }
+
+    fn preflight(&self, _node: &dyn Node) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+
+    fn prepare(
+        &self,
+        _node: &dyn Node,
+        _note: &mut dyn FnMut(Note),
+    ) -> Result<Option<String>, StepError> {
+        Ok(None)
+    }
+
+    fn undecided(&self, _node: &dyn Node) -> Option<String> {
+        None
+    }
+
+    fn diff(&self, node: &dyn Node, ctx: StepCtx) -> Result<Diff, StepError> {
+        if !node.services_on() {
+            return Err(services_off());
+        }
+        let file_state = node.unit_file_state(&self.name)?;
+        let read = |path: Option<NodePath>, wanted: bool| -> Result<Existing, StepError> {
+            match path {
+                Some(p) if wanted && !matches!(file_state, Some(UnitFileState::Masked)) => {
+                    node.read(&p)
+                }
+                _ => Ok(Existing::Absent),
+            }
+        };
+        let file = read(unit_file_path(&self.name), self.content.is_some())?;
+        let drop_in = read(
+            self.drop_in
+                .as_ref()
+                .and_then(|d| drop_in_path(&self.name, &d.name)),
+            self.drop_in.is_some(),
+        )?;
+        let unit = match self.state {
+            Some(_) => Some(node.unit_state(&self.name)?),
+            None => None,
+        };
+        let seen = Observation {
+            file,
+            drop_in,
+            file_state,
+            unit,
+        };
+        let mutations = unit_mutations(self, &seen, ctx.root_ids)
+            .map_err(|e| StepError::new(ErrorKind::Precondition, e))?;
+        let note = match (&seen.unit, self.state) {
+            (Some(u), Some(_)) if mutations.is_empty() => Some(format!(
+                "already in the desired state ({} {}/{})",
+                self.name, u.active_state, u.sub_state
+            )),
+            _ => None,
+        };
+        Ok(Diff { mutations, note })
+    }
+
+    fn resolve(
+        &self,
+        _node: &dyn Node,
+        _timeout: std::time::Duration,
+        _refresh: bool,
+        _note: &mut dyn FnMut(Note),
+    ) -> Result<Option<Option<String>>, StepError> {
+        Ok(None)
+    }
+
+    fn resolved(&self, _value: &str) -> Option<super::Change> {
+        None
+    }
+
+    fn set_members(&self) -> Vec<NodePath> {
+        Vec::new()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::systemd::{ActiveState, LoadState};
+    use crate::base::units::LoadState;
     use crate::plan::DropIn;
 
     fn change() -> UnitChange {

@@ -1,0 +1,327 @@
+//! `file`: a file with these bytes, mode and owner (CAPI `files[]`).
+
+use serde_json::{Map, Value, json};
+
+use super::Mutation;
+use super::{Diff, Node, Note, StepCtx};
+use super::{Kind, Written, file_disruption};
+use crate::base::StepError;
+use crate::base::{ErrorKind, Existing, FileMeta};
+use crate::plan::parse::{Cx, join};
+use crate::plan::{Disruption, Encoding, Mode, NodePath, Owner, decode_content};
+
+/// `file`: a file with these bytes, mode and owner.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FileChange {
+    /// Absolute path on the node.
+    pub path: NodePath,
+    /// The decoded bytes (the encoding is undone at validation).
+    pub content: Vec<u8>,
+    /// Permission bits (default 0644).
+    pub mode: Mode,
+    /// Owner (default root:root).
+    pub owner: Owner,
+    /// Append `content` unless the file already contains it, instead of replacing the file.
+    pub append: bool,
+    /// Units restarted when this file changes.
+    pub restart_units: Vec<String>,
+}
+
+/// The desired content of a file given what is there now (pure). With `append`, the content
+/// is added unless the file already contains it, so applying twice appends once.
+pub fn desired_content(existing: Option<&[u8]>, change: &FileChange) -> Vec<u8> {
+    match (existing, change.append) {
+        (Some(current), true) => {
+            if contains(current, &change.content) {
+                current.to_vec()
+            } else {
+                let mut out = current.to_vec();
+                out.extend_from_slice(&change.content);
+                out
+            }
+        }
+        _ => change.content.clone(),
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    needle.is_empty() || hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// The mutation a `file` change needs given what is at its path (pure).
+pub fn file_mutation(
+    existing: &Existing,
+    change: &FileChange,
+    ids: (u32, u32),
+) -> Result<Option<Mutation>, String> {
+    let meta = FileMeta {
+        mode: change.mode.0,
+        uid: ids.0,
+        gid: ids.1,
+    };
+    let current = match existing {
+        Existing::Absent => None,
+        Existing::File { content, meta: m } => Some((content.as_slice(), *m)),
+        Existing::Other { kind } => {
+            return Err(format!("{} is a {kind}, not a regular file", change.path));
+        }
+    };
+    let content = desired_content(current.map(|(c, _)| c), change);
+    if let Some((c, m)) = current
+        && c == content.as_slice()
+        && m == meta
+    {
+        return Ok(None);
+    }
+    Ok(Some(Mutation::Write {
+        path: change.path.clone(),
+        content,
+        meta,
+    }))
+}
+
+impl Kind for FileChange {
+    fn parse(cx: &mut Cx<'_>, index: usize, path: &str, m: &Map<String, Value>) -> Option<Self> {
+        cx.known_keys(
+            path,
+            m,
+            &[
+                "path",
+                "content",
+                "encoding",
+                "mode",
+                "owner",
+                "append",
+                "restartUnits",
+            ],
+        );
+        let p = cx
+            .string(path, m, "path", true)
+            .and_then(|s| cx.node_path(&join(path, "path"), s));
+        if let Some(p) = &p {
+            cx.claim(&join(path, "path"), format!("path:{p}"), p.as_str(), index);
+        }
+        let encoding = match cx.string(path, m, "encoding", false) {
+            None | Some("plain") => Some(Encoding::Plain),
+            Some("base64") => Some(Encoding::Base64),
+            Some("gzip") => Some(Encoding::Gzip),
+            Some("gzip+base64") => Some(Encoding::GzipBase64),
+            Some(other) => {
+                cx.err(
+                    join(path, "encoding"),
+                    format!("{other:?} is not one of plain, base64, gzip, gzip+base64"),
+                );
+                None
+            }
+        };
+        let raw = cx.string(path, m, "content", true);
+        let content = match (raw, encoding) {
+            (Some(raw), Some(enc)) => match decode_content(raw, enc, cx.limits.max_content_bytes) {
+                Ok(bytes) => cx
+                    .content_size(&join(path, "content"), bytes.len())
+                    .then_some(bytes),
+                Err(e) => {
+                    cx.err(join(path, "content"), e);
+                    None
+                }
+            },
+            _ => None,
+        };
+        let mode = cx.mode(path, m, Mode::FILE_DEFAULT);
+        let owner = cx.owner(path, m);
+        let append = cx.boolean(path, m, "append").unwrap_or(false);
+        let restart_units = cx.restart_units(path, m);
+        Some(FileChange {
+            path: p?,
+            content: content?,
+            mode: mode?,
+            owner: owner?,
+            append,
+            restart_units: restart_units?,
+        })
+    }
+
+    fn canonical(&self, bodies: bool) -> Value {
+        json!({
+            "path": self.path.as_str(),
+            "content": if bodies { crate::plan::digest::b64(&self.content) } else { String::new() },
+            "encoding": "base64",
+            "mode": self.mode.to_string(),
+            "owner": self.owner.to_string(),
+            "append": self.append,
+            "restartUnits": self.restart_units,
+        })
+    }
+
+    fn target(&self) -> String {
+        self.path.to_string()
+    }
+
+    fn restart_units(&self) -> Vec<String> {
+        self.restart_units.clone()
+    }
+
+    fn restart_field(&self) -> Option<&'static str> {
+        Some("restartUnits")
+    }
+
+    fn fed_units(&self) -> Vec<String> {
+        self.restart_units.clone()
+    }
+
+    fn run_state(&self) -> Option<(&str, super::UnitState)> {
+        None
+    }
+
+    fn declared_disruption(&self) -> Option<Disruption> {
+        None
+    }
+
+    fn fed_by(&self, other: &super::Change) -> bool {
+        let _ = other;
+        false
+    }
+
+    fn writes(&self) -> Vec<Written> {
+        vec![Written {
+            field: "path",
+            path: self.path.clone(),
+            append: self.append,
+            removes: false,
+        }]
+    }
+
+    fn packages(&self) -> Vec<&str> {
+        Vec::new()
+    }
+
+    fn disruption(&self) -> Disruption {
+        file_disruption(&self.path, &self.restart_units)
+    }
+
+    fn needs_services(&self) -> bool {
+        false
+    }
+
+    fn batchable(&self) -> bool {
+        true
+    }
+
+    fn owner(&self) -> Option<&Owner> {
+        Some(&self.owner)
+    }
+
+    fn preflight(&self, _node: &dyn Node) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+
+    fn prepare(
+        &self,
+        _node: &dyn Node,
+        _note: &mut dyn FnMut(Note),
+    ) -> Result<Option<String>, StepError> {
+        Ok(None)
+    }
+
+    fn undecided(&self, _node: &dyn Node) -> Option<String> {
+        None
+    }
+
+    fn diff(&self, node: &dyn Node, ctx: StepCtx) -> Result<Diff, StepError> {
+        let existing = node.read(&self.path)?;
+        Ok(Diff {
+            mutations: file_mutation(&existing, self, ctx.ids.unwrap_or(ctx.root_ids))
+                .map_err(|e| StepError::new(ErrorKind::Precondition, e))?
+                .into_iter()
+                .collect(),
+            note: None,
+        })
+    }
+
+    fn resolve(
+        &self,
+        _node: &dyn Node,
+        _timeout: std::time::Duration,
+        _refresh: bool,
+        _note: &mut dyn FnMut(Note),
+    ) -> Result<Option<Option<String>>, StepError> {
+        Ok(None)
+    }
+
+    fn resolved(&self, _value: &str) -> Option<super::Change> {
+        None
+    }
+
+    fn set_members(&self) -> Vec<NodePath> {
+        vec![self.path.clone()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Mode, NodePath, Owner};
+
+    fn change(content: &str, append: bool) -> FileChange {
+        FileChange {
+            path: NodePath::parse("/etc/kubernetes/x").unwrap(),
+            content: content.as_bytes().to_vec(),
+            mode: Mode(0o640),
+            owner: Owner::default(),
+            append,
+            restart_units: vec![],
+        }
+    }
+
+    fn file(content: &str, mode: u32) -> Existing {
+        Existing::File {
+            content: content.as_bytes().to_vec(),
+            meta: FileMeta {
+                mode,
+                uid: 0,
+                gid: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn unchanged_only_when_bytes_mode_and_owner_match() {
+        let c = change("a\n", false);
+        assert_eq!(
+            file_mutation(&file("a\n", 0o640), &c, (0, 0)).unwrap(),
+            None
+        );
+        assert!(
+            file_mutation(&file("a\n", 0o644), &c, (0, 0))
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            file_mutation(&file("a\n", 0o640), &c, (0, 5))
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            file_mutation(&file("b\n", 0o640), &c, (0, 0))
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            file_mutation(&Existing::Absent, &c, (0, 0))
+                .unwrap()
+                .is_some()
+        );
+        assert!(file_mutation(&Existing::Other { kind: "directory" }, &c, (0, 0)).is_err());
+    }
+
+    #[test]
+    fn append_is_idempotent() {
+        let c = change("line2\n", true);
+        assert_eq!(desired_content(Some(b"line1\n"), &c), b"line1\nline2\n");
+        assert_eq!(
+            desired_content(Some(b"line1\nline2\n"), &c),
+            b"line1\nline2\n"
+        );
+        assert_eq!(desired_content(None, &c), b"line2\n");
+    }
+}
