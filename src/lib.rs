@@ -7,6 +7,8 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(test)]
+mod architecture;
 pub mod base;
 pub mod cli;
 pub mod config;

@@ -196,19 +196,6 @@ fn point_at_step(status: &mut PlanStatus, live: bool, finished: Option<u32>) {
     }
 }
 
-/// What a run waiting for its reboot says, everywhere: the status, the hook response,
-/// sd_notify (step i of n is the reboot change).
-pub fn reboot_message(status: &PlanStatus) -> String {
-    let index = status.progress.current.saturating_sub(1);
-    match status.changes.get(index as usize) {
-        Some(c) => format!(
-            "waiting for the node to reboot (changes[{index}] {} {})",
-            c.kind, c.target
-        ),
-        None => "waiting for the node to reboot".to_string(),
-    }
-}
-
 /// Appends an event to a run's news, keeping the newest [`MAX_RUN_EVENTS`].
 fn push_event(status: &mut PlanStatus, seq: u64, at_ms: u64, message: String) {
     if status.events.len() >= MAX_RUN_EVENTS {
@@ -401,7 +388,9 @@ impl Table {
             }
             if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) {
                 status.progress.message = match status.phase {
-                    Phase::Applying if status.rebooting => reboot_message(status),
+                    Phase::Applying if status.rebooting => {
+                        crate::engine::status::reboot_message(status)
+                    }
                     Phase::Applying if status.progress.current > 0 => {
                         step_name(status.progress.current - 1, &plan)
                     }
@@ -790,7 +779,7 @@ impl Table {
                     c.state = ChangeState::Running;
                 }
                 point_at_step(status, false, Some(index + 1));
-                status.progress.message = reboot_message(status);
+                status.progress.message = crate::engine::status::reboot_message(status);
             }
             (
                 Record::CheckDone {

@@ -561,7 +561,7 @@ impl Runner {
             let waiting = inner
                 .table
                 .by_run(run)
-                .map(crate::engine::table::reboot_message)
+                .map(crate::engine::status::reboot_message)
                 .unwrap_or_default();
             inner.table.set_message(
                 run,
