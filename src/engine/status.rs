@@ -354,6 +354,19 @@ impl PlanStatus {
     }
 }
 
+/// What a run waiting for its reboot says, everywhere: the status, the hook response,
+/// sd_notify (step i of n is the reboot change).
+pub fn reboot_message(status: &PlanStatus) -> String {
+    let index = status.progress.current.saturating_sub(1);
+    match status.changes.get(index as usize) {
+        Some(c) => format!(
+            "waiting for the node to reboot (changes[{index}] {} {})",
+            c.kind, c.target
+        ),
+        None => "waiting for the node to reboot".to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -378,18 +391,5 @@ mod tests {
         );
         assert!(!Pending.can_become(Verifying));
         assert!(!RollingBack.can_become(Succeeded));
-    }
-}
-
-/// What a run waiting for its reboot says, everywhere: the status, the hook response,
-/// sd_notify (step i of n is the reboot change).
-pub fn reboot_message(status: &PlanStatus) -> String {
-    let index = status.progress.current.saturating_sub(1);
-    match status.changes.get(index as usize) {
-        Some(c) => format!(
-            "waiting for the node to reboot (changes[{index}] {} {})",
-            c.kind, c.target
-        ),
-        None => "waiting for the node to reboot".to_string(),
     }
 }
