@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::render::{Renderer, status_json, summary};
-use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output};
+use super::{Exit, NodeArgs, Output};
 use crate::config::Settings;
 use crate::engine::check::{CheckResultKind, check_plan};
 use crate::engine::status::{Phase, PlanStatus};
@@ -14,7 +14,7 @@ use crate::host::Host;
 use crate::plan::{InvalidPlan, Plan, parse_plan};
 
 /// Reads and validates a plan file; prints the errors and returns the exit code on failure.
-pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Plan, u8> {
+pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Plan, Exit> {
     let name = path.display().to_string();
     let bytes = if name == "-" {
         let mut buf = Vec::new();
@@ -29,12 +29,12 @@ pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Pla
         Ok(b) => b,
         Err(e) => {
             errln!("error: read plan {name}: {e}");
-            return Err(EXIT_INVALID);
+            return Err(Exit::Invalid);
         }
     };
     parse_plan(&bytes, &name, &settings.limits).map_err(|invalid| {
         print_invalid(&invalid, output);
-        EXIT_INVALID
+        Exit::Invalid
     })
 }
 
@@ -53,29 +53,29 @@ pub(super) fn print_invalid(invalid: &InvalidPlan, output: Output) {
     }
 }
 
-fn settings(node: &NodeArgs) -> Result<Settings, u8> {
+fn settings(node: &NodeArgs) -> Result<Settings, Exit> {
     node.input().resolve().map_err(|e| {
         errln!("error: {e}");
-        EXIT_INVALID
+        Exit::Invalid
     })
 }
 
-fn open_host(settings: &Settings) -> Result<Arc<Host>, u8> {
+fn open_host(settings: &Settings) -> Result<Arc<Host>, Exit> {
     Host::open(settings.host.clone())
         .map(Arc::new)
         .map_err(|e| {
             errln!("error: {e}");
-            EXIT_INVALID
+            Exit::Invalid
         })
 }
 
 /// `inplace-agent check`.
-pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
+pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> Exit {
     let result = (|| {
         let settings = settings(node)?;
         let plan = load_plan(plan_path, &settings, output)?;
         let host = open_host(&settings)?;
-        Ok::<_, u8>(check_plan(&settings.engine, &host, &plan))
+        Ok::<_, Exit>(check_plan(&settings.engine, &host, &plan))
     })();
     let report = match result {
         Ok(r) => r,
@@ -136,23 +136,14 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> u8 {
         }
     }
     if report.applicable {
-        EXIT_OK
+        Exit::Ok
     } else {
-        EXIT_INVALID
-    }
-}
-
-/// Exit code for a finished status.
-pub fn exit_code(status: &PlanStatus) -> u8 {
-    if status.phase == Phase::Succeeded {
-        EXIT_OK
-    } else {
-        EXIT_FAILED
+        Exit::Invalid
     }
 }
 
 /// `inplace-agent apply`.
-pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, plain: bool) -> u8 {
+pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, plain: bool) -> Exit {
     let settings = match settings(node) {
         Ok(s) => s,
         Err(code) => return code,
@@ -176,17 +167,17 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
             ),
             _ => errln!("error: {e}"),
         }
-        return EXIT_INVALID;
+        return Exit::Invalid;
     }
     if let Err(e) = services_ready(&host, &plan) {
         errln!("error: {e}");
-        return EXIT_FAILED;
+        return Exit::Failed;
     }
     let (engine, report) = match Engine::open(settings.engine.clone(), host) {
         Ok(x) => x,
         Err(e) => {
             errln!("error: {e}");
-            return EXIT_FAILED;
+            return Exit::Failed;
         }
     };
     if let Some(torn) = report.torn {
@@ -203,7 +194,7 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
                 Output::Json => outln!("{:#}", status_json(&status)),
                 Output::Text => outln!("{}", summary(&status)),
             }
-            exit_code(&status)
+            Exit::of_phase(status.phase)
         }
         Err(code) => code,
     }
@@ -245,7 +236,7 @@ pub fn run_plan(
     retry: bool,
     plain: bool,
     quiet_unchanged: bool,
-) -> Result<PlanStatus, u8> {
+) -> Result<PlanStatus, Exit> {
     let mut events = engine.subscribe();
     if let Some(current) = engine.current()
         && (current.id != plan.id || current.digest != plan.digest())
@@ -259,10 +250,7 @@ pub fn run_plan(
     }
     let submission = engine.submit(plan, "cli", retry).map_err(|e| {
         errln!("error: {e}");
-        match e {
-            SubmitError::Journal(_) | SubmitError::Conflict(_) => EXIT_FAILED,
-            _ => EXIT_INVALID,
-        }
+        Exit::of_submit_error(&e)
     })?;
     let status = submission.status().clone();
     if let Submission::Existing(s) = &submission
@@ -312,7 +300,7 @@ pub fn run_plan(
             finished.id,
             finished.phase
         );
-        return Err(EXIT_FAILED);
+        return Err(Exit::Failed);
     }
     let _ = shown.join();
     Ok(finished)

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use super::{EXIT_INVALID, EXIT_OK};
+use super::Exit;
 use crate::config::{DEFAULT_CONFIG, load_config};
 
 /// Arguments of `config`.
@@ -29,11 +29,11 @@ enum ConfigCommand {
 }
 
 /// Runs `config`.
-pub fn run(args: &ConfigArgs) -> u8 {
+pub fn run(args: &ConfigArgs) -> Exit {
     match &args.command {
         ConfigCommand::PrintDefault => {
             crate::cli::write_out(format_args!("{DEFAULT_CONFIG}"));
-            EXIT_OK
+            Exit::Ok
         }
         ConfigCommand::Check { file } => {
             let checked = load_config(file)
@@ -63,7 +63,7 @@ pub fn run(args: &ConfigArgs) -> u8 {
                         for p in &findings.problems {
                             errln!("error: {p}");
                         }
-                        return EXIT_INVALID;
+                        return Exit::Invalid;
                     }
                     outln!(
                         "config {}: valid (node {}, gRPC on {}, status socket {}{})",
@@ -76,11 +76,11 @@ pub fn run(args: &ConfigArgs) -> u8 {
                             .map(|a| format!(", metrics on {a}"))
                             .unwrap_or_default()
                     );
-                    EXIT_OK
+                    Exit::Ok
                 }
                 Err(e) => {
                     errln!("error: {e}");
-                    EXIT_INVALID
+                    Exit::Invalid
                 }
             }
         }

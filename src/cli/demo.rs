@@ -12,7 +12,7 @@ use clap::Args;
 
 use super::apply::run_plan;
 use super::render::summary;
-use super::{EXIT_FAILED, EXIT_OK};
+use super::Exit;
 use crate::config::SettingsInput;
 use crate::engine::Engine;
 use crate::engine::check::{CheckResultKind, check_plan};
@@ -169,7 +169,7 @@ fn plan_for(text: &str, port: u16) -> Result<Plan, String> {
 }
 
 /// Runs the demo.
-pub fn run(args: &DemoArgs) -> u8 {
+pub fn run(args: &DemoArgs) -> Exit {
     if args.systemd {
         return super::demo_systemd::run(args.plain);
     }
@@ -177,14 +177,14 @@ pub fn run(args: &DemoArgs) -> u8 {
         Ok(code) => code,
         Err(e) => {
             errln!("error: demo: {e}");
-            EXIT_FAILED
+            Exit::Failed
         }
     }
 }
 
 /// Makes the sandbox, runs the sections in it and removes it again (unless told to keep
 /// it), however the sections end.
-fn tour(args: &DemoArgs) -> Result<u8, String> {
+fn tour(args: &DemoArgs) -> Result<Exit, String> {
     let (dir, temp) = match &args.dir {
         Some(d) => {
             if d.exists()
@@ -240,14 +240,14 @@ fn tour(args: &DemoArgs) -> Result<u8, String> {
     }
     match ended {
         Ok(code) => Ok(code),
-        Err(Ended::Unread) => Ok(EXIT_OK),
+        Err(Ended::Unread) => Ok(Exit::Ok),
         Err(Ended::Failed(e)) => Err(e),
     }
 }
 
 /// The tour's sections in the sandbox `dir`; the exit code says whether everything behaved
 /// as the demo says.
-fn sections(args: &DemoArgs, dir: &Path) -> Result<u8, Ended> {
+fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
     let dir = dir.to_path_buf();
     outln!("inplace-agent demo: a sandbox node at {}", dir.display());
     outln!("(nothing outside that directory is touched; the kubelet is an in-process stand-in)");
@@ -376,5 +376,5 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<u8, Ended> {
         && failed.phase == Phase::RolledBack
         && config_before == config_after
         && api_ok;
-    Ok(if ok { EXIT_OK } else { EXIT_FAILED })
+    Ok(if ok { Exit::Ok } else { Exit::Failed })
 }

@@ -27,7 +27,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use super::{EXIT_FAILED, EXIT_OK};
+use super::Exit;
 use crate::host::packages::ManagerKind;
 use crate::host::systemd::Systemd;
 use crate::sandbox::packages::{self, KUBE_PACKAGES, KUBEADM_LOG};
@@ -78,25 +78,25 @@ fn heading(n: u32, text: &str) {
 }
 
 /// Runs `demo --systemd`.
-pub fn run(plain: bool) -> u8 {
+pub fn run(plain: bool) -> Exit {
     outln!("inplace-agent demo --systemd: the agent against a real systemd");
     let node = match SandboxNode::try_boot() {
         Ok(node) => node,
         Err(BootError::Unavailable(why)) => {
             outln!("skipped: a real-systemd sandbox cannot run here: {why}");
             let ci = std::env::var("CI").is_ok_and(|v| v == "true");
-            return if ci { EXIT_FAILED } else { EXIT_OK };
+            return if ci { Exit::Failed } else { Exit::Ok };
         }
         Err(BootError::Failed(why)) => {
             errln!("error: demo --systemd: boot the sandboxed node: {why}");
-            return EXIT_FAILED;
+            return Exit::Failed;
         }
     };
     let first = match tour(&node, plain) {
         Ok(ok) => ok,
         Err(e) => {
             errln!("error: demo --systemd: {e}");
-            return EXIT_FAILED;
+            return Exit::Failed;
         }
     };
     drop(node);
@@ -104,7 +104,7 @@ pub fn run(plain: bool) -> u8 {
         Ok(ok) => ok,
         Err(e) => {
             errln!("error: demo --systemd: the version bump: {e}");
-            return EXIT_FAILED;
+            return Exit::Failed;
         }
     };
     let ok = first && bump;
@@ -116,7 +116,7 @@ pub fn run(plain: bool) -> u8 {
             "SOMETHING DID NOT GO AS DESCRIBED (see above)."
         }
     );
-    if ok { EXIT_OK } else { EXIT_FAILED }
+    if ok { Exit::Ok } else { Exit::Failed }
 }
 
 /// This binary, run in the node's network namespace against its root and bus.

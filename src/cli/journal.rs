@@ -3,7 +3,7 @@
 use crate::base::time::rfc3339;
 use clap::Args;
 
-use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, NodeArgs, Output};
+use super::{Exit, NodeArgs, Output};
 use crate::journal::{Entry, JOURNAL_FILE, Reader, Record, verify};
 use crate::status::api::JournalItem;
 
@@ -222,12 +222,12 @@ fn short(digest: &str) -> &str {
 }
 
 /// Runs `journal`.
-pub fn run(args: &JournalArgs) -> u8 {
+pub fn run(args: &JournalArgs) -> Exit {
     let settings = match args.node.input().resolve() {
         Ok(s) => s,
         Err(e) => {
             errln!("error: {e}");
-            return EXIT_INVALID;
+            return Exit::Invalid;
         }
     };
     let state_dir = &settings.engine.state_dir;
@@ -260,14 +260,14 @@ pub fn run(args: &JournalArgs) -> u8 {
                     }
                 }
                 if report.bad_backups.is_empty() {
-                    EXIT_OK
+                    Exit::Ok
                 } else {
-                    EXIT_FAILED
+                    Exit::Failed
                 }
             }
             Err(e) => {
                 errln!("error: {e}");
-                EXIT_FAILED
+                Exit::Failed
             }
         };
     }
@@ -279,11 +279,11 @@ pub fn run(args: &JournalArgs) -> u8 {
                 Output::Json => outln!("[]"),
                 Output::Text => outln!("journal {} is empty", path.display()),
             }
-            return EXIT_OK;
+            return Exit::Ok;
         }
         Err(e) => {
             errln!("error: {e}");
-            return EXIT_FAILED;
+            return Exit::Failed;
         }
     };
     let mut entries: Vec<Entry> = Vec::new();
@@ -342,7 +342,7 @@ pub fn run(args: &JournalArgs) -> u8 {
                 );
                 if super::stdout_closed() {
                     // The reader has what it wanted (`| head`).
-                    return EXIT_OK;
+                    return Exit::Ok;
                 }
             }
         }
@@ -350,8 +350,8 @@ pub fn run(args: &JournalArgs) -> u8 {
     match error {
         Some(e) => {
             errln!("error: {e}");
-            EXIT_FAILED
+            Exit::Failed
         }
-        None => EXIT_OK,
+        None => Exit::Ok,
     }
 }

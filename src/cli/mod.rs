@@ -40,13 +40,53 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::SettingsInput;
+use crate::engine::SubmitError;
+use crate::engine::status::Phase;
 
-/// Exit code: success or nothing to do.
-pub const EXIT_OK: u8 = 0;
-/// Exit code: the plan failed, was rolled back, or could not be run.
-pub const EXIT_FAILED: u8 = 1;
-/// Exit code: the input was invalid; nothing was changed.
-pub const EXIT_INVALID: u8 = 2;
+/// How a command ended. [`Exit::code`] is the one place its number is chosen — the
+/// contract every script and unit depends on: 0 succeeded (or nothing to do), 1 the plan
+/// failed, was rolled back or could not be run, 2 the input was invalid and nothing was
+/// changed (the unit does not restart on 2: `RestartPreventExitStatus=2`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Succeeded, or nothing to do.
+    Ok,
+    /// The plan failed, was rolled back, or could not be run.
+    Failed,
+    /// The input was invalid; nothing was changed.
+    Invalid,
+}
+
+impl Exit {
+    /// The process exit code.
+    pub fn code(self) -> u8 {
+        match self {
+            Exit::Ok => 0,
+            Exit::Failed => 1,
+            Exit::Invalid => 2,
+        }
+    }
+
+    /// For a plan in `phase`: failed when it ended without succeeding; a plan still running
+    /// (submitted, not waited for) is not a failure. The one mapping the local commands,
+    /// the remote ones and `status` share.
+    pub fn of_phase(phase: Phase) -> Exit {
+        if phase.is_terminal() && phase != Phase::Succeeded {
+            Exit::Failed
+        } else {
+            Exit::Ok
+        }
+    }
+
+    /// For a refused submission: invalid input, unless the journal could not record it or
+    /// another process holds it.
+    pub fn of_submit_error(e: &SubmitError) -> Exit {
+        match e {
+            SubmitError::Journal(_) | SubmitError::Conflict(_) => Exit::Failed,
+            _ => Exit::Invalid,
+        }
+    }
+}
 
 #[derive(Debug, Parser)]
 #[command(
@@ -271,10 +311,10 @@ pub fn main() -> ExitCode {
         Command::Pki(a) => pki::run(&a),
         Command::Config(a) => config_cmd::run(&a),
     };
-    ExitCode::from(code)
+    ExitCode::from(code.code())
 }
 
-fn version(output: Output) -> u8 {
+fn version(output: Output) -> Exit {
     let kinds: Vec<&str> = crate::steps::Capabilities::implemented()
         .iter()
         .map(|k| k.as_str())
@@ -304,7 +344,7 @@ fn version(output: Output) -> u8 {
             }
         }
     }
-    EXIT_OK
+    Exit::Ok
 }
 
 #[cfg(test)]

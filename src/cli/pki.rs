@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 
-use super::{EXIT_FAILED, EXIT_OK};
+use super::Exit;
 use crate::rpc::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiInitOptions, init};
 
 /// Arguments of `pki`.
@@ -45,7 +45,7 @@ struct InitArgs {
 }
 
 /// `inplace-agent pki`.
-pub fn run(args: &PkiArgs) -> u8 {
+pub fn run(args: &PkiArgs) -> Exit {
     let PkiCommand::Init(a) = &args.command;
     let options = PkiInitOptions {
         updater_identity: a.updater_identity.clone(),
@@ -92,11 +92,11 @@ pub fn run(args: &PkiArgs) -> u8 {
                 a.updater_identity,
                 a.reader_identity
             );
-            EXIT_OK
+            Exit::Ok
         }
         Err(e) => {
             errln!("error: pki init {}: {e}", a.dir.display());
-            EXIT_FAILED
+            Exit::Failed
         }
     }
 }

@@ -14,7 +14,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tonic::transport::Channel;
 
 use super::render::{status_json, summary};
-use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK, Output};
+use super::{Exit, Output};
 use crate::engine::status::{ChangeState, CheckState, Phase, PlanStatus};
 use crate::plan::{AllowList, Limits, Plan, parse_plan};
 use crate::rpc::convert::plan_to_pb;
@@ -287,7 +287,7 @@ fn code_name(code: tonic::Code) -> String {
 /// Prints a failed call and returns the exit code: 2 when the agent refused the input
 /// (invalid, too large, not for this node), 1 otherwise. A call that failed on the way (the
 /// connection, its TLS) says why, with the whole cause chain and what to do.
-fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> u8 {
+fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> Exit {
     let diagnosis = diagnose(status);
     match &diagnosis.problem {
         Some(problem) => errln!(
@@ -305,18 +305,18 @@ fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> u8 
     match status.code() {
         tonic::Code::InvalidArgument
         | tonic::Code::ResourceExhausted
-        | tonic::Code::FailedPrecondition => EXIT_INVALID,
-        _ => EXIT_FAILED,
+        | tonic::Code::FailedPrecondition => Exit::Invalid,
+        _ => Exit::Failed,
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, u8> {
+fn runtime() -> Result<tokio::runtime::Runtime, Exit> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| {
             errln!("error: start the async runtime: {e}");
-            EXIT_FAILED
+            Exit::Failed
         })
 }
 
@@ -427,7 +427,7 @@ pub fn describe(status: &PlanStatus) -> String {
 }
 
 /// Prints a final (or current) status in the chosen format.
-fn print_status(wire: &pb::PlanStatus, output: RemoteOutput, detailed: bool) -> Result<(), u8> {
+fn print_status(wire: &pb::PlanStatus, output: RemoteOutput, detailed: bool) -> Result<(), Exit> {
     if output == RemoteOutput::HookResponse {
         let hook = wire.hook_response.clone().unwrap_or_default();
         outln!("{}", hook_response_json(&hook));
@@ -435,7 +435,7 @@ fn print_status(wire: &pb::PlanStatus, output: RemoteOutput, detailed: bool) -> 
     }
     let status = status_from_pb(wire).map_err(|e| {
         errln!("error: the agent's answer: {e}");
-        EXIT_FAILED
+        Exit::Failed
     })?;
     match output {
         RemoteOutput::Json => outln!("{:#}", status_json(&status)),
@@ -449,13 +449,9 @@ fn is_terminal(wire: &pb::PlanStatus) -> bool {
     phase_from_pb(wire.phase).is_some_and(Phase::is_terminal)
 }
 
-fn exit_for(wire: &pb::PlanStatus) -> u8 {
-    match phase_from_pb(wire.phase) {
-        Some(Phase::Succeeded) => EXIT_OK,
-        Some(p) if p.is_terminal() => EXIT_FAILED,
-        // Still running (not waited for): accepted is success.
-        _ => EXIT_OK,
-    }
+fn exit_for(wire: &pb::PlanStatus) -> Exit {
+    // A phase this client does not know is not one it can call failed.
+    phase_from_pb(wire.phase).map_or(Exit::Ok, Exit::of_phase)
 }
 
 // === Following a plan ===
@@ -679,7 +675,7 @@ fn client_limits() -> Limits {
     }
 }
 
-fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, u8> {
+fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, Exit> {
     let name = path.display().to_string();
     let bytes = if name == "-" {
         let mut buf = Vec::new();
@@ -689,7 +685,7 @@ fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, u8> {
     };
     let bytes = bytes.map_err(|e| {
         errln!("error: read plan {name}: {e}");
-        EXIT_INVALID
+        Exit::Invalid
     })?;
     parse_plan(&bytes, &name, &client_limits()).map_err(|invalid| {
         let out = if output == RemoteOutput::Json {
@@ -698,12 +694,12 @@ fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, u8> {
             Output::Text
         };
         super::apply::print_invalid(&invalid, out);
-        EXIT_INVALID
+        Exit::Invalid
     })
 }
 
 /// `inplace-agent submit`.
-pub fn submit(args: &SubmitArgs) -> u8 {
+pub fn submit(args: &SubmitArgs) -> Exit {
     let plan = match read_plan(&args.plan, args.output) {
         Ok(p) => p,
         Err(code) => return code,
@@ -717,7 +713,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
             Ok(c) => c,
             Err(e) => {
                 errln!("error: {e}");
-                return EXIT_FAILED;
+                return Exit::Failed;
             }
         };
         let request = pb::ApplyPlanRequest {
@@ -730,7 +726,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
         };
         let Some(status) = response.status else {
             errln!("error: the agent at {} answered without a status", args.addr);
-            return EXIT_FAILED;
+            return Exit::Failed;
         };
         if !response.created {
             let phase = phase_from_pb(status.phase).map_or("?".to_owned(), |p| p.to_string());
@@ -739,7 +735,7 @@ pub fn submit(args: &SubmitArgs) -> u8 {
                 status.id,
                 status.digest,
                 status.attempt,
-                if is_terminal(&status) && exit_for(&status) != EXIT_OK {
+                if is_terminal(&status) && exit_for(&status) != Exit::Ok {
                     " (use --retry to run it again)"
                 } else {
                     ""
@@ -765,7 +761,7 @@ async fn conclude(
     plain: bool,
     output: RemoteOutput,
     detailed: bool,
-) -> u8 {
+) -> Exit {
     if let Some(timeout) = wait
         && !is_terminal(&status)
     {
@@ -774,7 +770,7 @@ async fn conclude(
             Ok(s) => s,
             Err(e) => {
                 errln!("error: {e}");
-                return EXIT_FAILED;
+                return Exit::Failed;
             }
         };
     }
@@ -786,7 +782,7 @@ async fn conclude(
 
 /// `inplace-agent status --addr`: a remote agent's status (without `--addr` it is the
 /// local agent's, `status::local`).
-pub fn status(args: &StatusArgs, addr: &str) -> u8 {
+pub fn status(args: &StatusArgs, addr: &str) -> Exit {
     let runtime = match runtime() {
         Ok(r) => r,
         Err(code) => return code,
@@ -797,7 +793,7 @@ pub fn status(args: &StatusArgs, addr: &str) -> u8 {
             Ok(c) => c,
             Err(e) => {
                 errln!("error: {e}");
-                return EXIT_FAILED;
+                return Exit::Failed;
             }
         };
         let request = pb::GetPlanStatusRequest { id: id.clone() };
@@ -819,7 +815,7 @@ pub fn status(args: &StatusArgs, addr: &str) -> u8 {
 }
 
 /// `inplace-agent cancel`.
-pub fn cancel(args: &CancelArgs) -> u8 {
+pub fn cancel(args: &CancelArgs) -> Exit {
     let runtime = match runtime() {
         Ok(r) => r,
         Err(code) => return code,
@@ -829,7 +825,7 @@ pub fn cancel(args: &CancelArgs) -> u8 {
             Ok(c) => c,
             Err(e) => {
                 errln!("error: {e}");
-                return EXIT_FAILED;
+                return Exit::Failed;
             }
         };
         let request = pb::CancelPlanRequest {
@@ -850,12 +846,12 @@ pub fn cancel(args: &CancelArgs) -> u8 {
         if let Err(code) = print_status(&status, args.output, true) {
             return code;
         }
-        EXIT_OK
+        Exit::Ok
     })
 }
 
 /// `inplace-agent retry`.
-pub fn retry(args: &RetryArgs) -> u8 {
+pub fn retry(args: &RetryArgs) -> Exit {
     let runtime = match runtime() {
         Ok(r) => r,
         Err(code) => return code,
@@ -865,7 +861,7 @@ pub fn retry(args: &RetryArgs) -> u8 {
             Ok(c) => c,
             Err(e) => {
                 errln!("error: {e}");
-                return EXIT_FAILED;
+                return Exit::Failed;
             }
         };
         let request = pb::RetryPlanRequest {

@@ -14,7 +14,7 @@ use clap::Args;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::{EXIT_FAILED, EXIT_INVALID, EXIT_OK};
+use super::Exit;
 use crate::config::{
     DEFAULT_CONFIG_PATH, DaemonInput, DaemonSettings, PlanLimitsInput, SettingsInput, load_config,
 };
@@ -432,15 +432,15 @@ async fn report_status(n: Arc<crate::notify::Notifier>, engine: Engine, addr: So
 }
 
 /// `inplace-agent serve`.
-pub fn run(args: &ServeArgs) -> u8 {
+pub fn run(args: &ServeArgs) -> Exit {
     let settings = match args.settings() {
         Ok(s) => s,
         // Whether it is configured is for serve itself to say, with the file and line.
-        Err(_) if args.check_configured => return EXIT_OK,
+        Err(_) if args.check_configured => return Exit::Ok,
         Err(e) => {
             super::logging::init("info", args.log_format.unwrap_or_default(), true);
             errln!("error: {e}");
-            return EXIT_INVALID;
+            return Exit::Invalid;
         }
     };
     let config = args.config_file();
@@ -469,7 +469,7 @@ pub fn run(args: &ServeArgs) -> u8 {
         for p in &findings.problems {
             errln!("error: {p}");
         }
-        return EXIT_INVALID;
+        return Exit::Invalid;
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -481,24 +481,24 @@ pub fn run(args: &ServeArgs) -> u8 {
         Ok(r) => r,
         Err(e) => {
             errln!("error: start the async runtime: {e}");
-            return EXIT_FAILED;
+            return Exit::Failed;
         }
     };
     match runtime.block_on(serve_until_signalled(settings)) {
-        Ok(()) => EXIT_OK,
+        Ok(()) => Exit::Ok,
         Err(e) => {
             errln!("error: {e}");
-            EXIT_FAILED
+            Exit::Failed
         }
     }
 }
 
 /// `serve --check-configured`: 0 when the TLS files exist, 1 (saying which are missing and
 /// what to do) when the agent is not configured yet.
-fn configured(settings: &DaemonSettings, config: Option<&std::path::Path>) -> u8 {
+fn configured(settings: &DaemonSettings, config: Option<&std::path::Path>) -> Exit {
     let missing = super::selfcheck::missing_tls_files(&settings.tls);
     if missing.is_empty() {
-        return EXIT_OK;
+        return Exit::Ok;
     }
     let list: Vec<String> = missing.iter().map(|p| p.display().to_string()).collect();
     errln!(
@@ -510,7 +510,7 @@ fn configured(settings: &DaemonSettings, config: Option<&std::path::Path>) -> u8
             .map(|f| f.display().to_string())
             .unwrap_or_else(|| "the configuration".into()),
     );
-    EXIT_FAILED
+    Exit::Failed
 }
 
 async fn serve_until_signalled(settings: DaemonSettings) -> Result<(), String> {

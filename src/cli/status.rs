@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json};
-use super::{EXIT_FAILED, EXIT_OK};
+use super::Exit;
 use crate::config::{
     DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
 };
-use crate::engine::status::{Phase, PlanStatus};
+use crate::engine::status::PlanStatus;
 use crate::status::api::{
     self, AgentStatus, Context, NodeInfo, PlanStatusDocument, PlanSummary, Source,
 };
@@ -86,7 +86,7 @@ enum Doc {
 
 /// Asks the socket; when no agent serves there, folds the journal. `Err` is the exit code
 /// (the error is printed).
-fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u8> {
+fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, Exit> {
     let target = match id {
         Some(id) => format!("/v1/plans/{}", percent_encode(id)),
         None => "/v1/status".to_string(),
@@ -102,7 +102,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
                     "error: the agent's answer on {}: {e}",
                     local.socket.display()
                 );
-                EXIT_FAILED
+                Exit::Failed
             })
         }
         Ok(r) => {
@@ -110,7 +110,7 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
                 .map(|d| d.message)
                 .unwrap_or_else(|_| String::from_utf8_lossy(&r.body).trim().to_string());
             errln!("error: {message}");
-            Err(EXIT_FAILED)
+            Err(Exit::Failed)
         }
         Err(ClientError::NotServing { .. }) => {
             if !quiet_fallback {
@@ -125,22 +125,22 @@ fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, u
         }
         Err(e) => {
             errln!("error: {e}");
-            Err(EXIT_FAILED)
+            Err(Exit::Failed)
         }
     }
 }
 
-fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, u8> {
+fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, Exit> {
     let (table, journal) = api::read_journal(&local.state_dir, usize::MAX).map_err(|e| {
         errln!("error: read the journal: {e}");
-        EXIT_FAILED
+        Exit::Failed
     })?;
     match id {
         Some(id) => match table.latest(id) {
             Some(s) => Ok(Doc::Plan(Box::new(PlanStatusDocument::new(s.clone())))),
             None => {
                 errln!("error: no plan with id {id:?} is in the journal");
-                Err(EXIT_FAILED)
+                Err(Exit::Failed)
             }
         },
         None => {
@@ -183,12 +183,12 @@ fn percent_encode(id: &str) -> String {
 }
 
 /// `inplace-agent status` against the local agent.
-pub fn local(args: &StatusArgs) -> u8 {
+pub fn local(args: &StatusArgs) -> Exit {
     let local = match Local::resolve(args) {
         Ok(l) => l,
         Err(e) => {
             errln!("error: {e}");
-            return super::EXIT_INVALID;
+            return super::Exit::Invalid;
         }
     };
     if args.healthz {
@@ -212,11 +212,11 @@ pub fn local(args: &StatusArgs) -> u8 {
 }
 
 /// `status --healthz`: whether the agent serves its status socket, without any fallback.
-fn healthz(local: &Local) -> u8 {
+fn healthz(local: &Local) -> Exit {
     match client::get(&local.socket, "/healthz", REQUEST_TIMEOUT) {
         Ok(r) if r.status == 200 => {
             outln!("{}", String::from_utf8_lossy(&r.body).trim());
-            EXIT_OK
+            Exit::Ok
         }
         Ok(r) => {
             errln!(
@@ -224,33 +224,33 @@ fn healthz(local: &Local) -> u8 {
                 local.socket.display(),
                 r.status
             );
-            EXIT_FAILED
+            Exit::Failed
         }
         Err(e) => {
             errln!("error: {e}");
-            EXIT_FAILED
+            Exit::Failed
         }
     }
 }
 
 /// Prints a document in the chosen format and returns the exit code: 1 when the plan shown
 /// (or, for the agent, the current plan, else the most recent one) did not succeed.
-fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
+fn print(local: &Local, doc: Doc, output: RemoteOutput) -> Exit {
     match (doc, output) {
         (Doc::Plan(p), RemoteOutput::Json) => {
             outln!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
-            exit_for(p.status.phase)
+            Exit::of_phase(p.status.phase)
         }
         (Doc::Plan(p), RemoteOutput::HookResponse) => {
             outln!(
                 "{}",
                 hook_response_json(&crate::rpc::status::hook_response_to_pb(&p.hook_response))
             );
-            exit_for(p.status.phase)
+            Exit::of_phase(p.status.phase)
         }
         (Doc::Plan(p), RemoteOutput::Text) => {
             outln!("{}", describe(&p.status));
-            exit_for(p.status.phase)
+            Exit::of_phase(p.status.phase)
         }
         (Doc::Agent(a), RemoteOutput::Json) => {
             outln!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
@@ -264,7 +264,7 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
                 .or_else(|| a.recent.first().map(|r| r.id.clone()));
             let Some(id) = id else {
                 errln!("error: no plan is known; nothing to answer for");
-                return EXIT_FAILED;
+                return Exit::Failed;
             };
             match fetch(local, Some(&id), true) {
                 Ok(doc) => print(local, doc, RemoteOutput::HookResponse),
@@ -278,24 +278,16 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
     }
 }
 
-fn exit_for(phase: Phase) -> u8 {
-    if phase.is_terminal() && phase != Phase::Succeeded {
-        EXIT_FAILED
-    } else {
-        EXIT_OK
-    }
-}
-
-fn agent_exit(a: &AgentStatus) -> u8 {
+fn agent_exit(a: &AgentStatus) -> Exit {
     if a.current.is_some() {
-        return EXIT_OK;
+        return Exit::Ok;
     }
-    a.recent.first().map_or(EXIT_OK, |r| exit_for(r.phase))
+    a.recent.first().map_or(Exit::Ok, |r| Exit::of_phase(r.phase))
 }
 
 /// Follows plan `id` until it ends: a progress bar on a terminal, a line per step otherwise;
 /// then the plan's status. Waits for an agent that went away (restart, reboot).
-fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
+fn watch(local: &Local, id: &str, args: &StatusArgs) -> Exit {
     let mut view = SnapshotView::new(args.no_progress);
     let mut lost = false;
     let mut last: Option<PlanStatus> = None;
@@ -315,7 +307,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                     Ok(d) => d,
                     Err(e) => {
                         errln!("error: the agent's answer: {e}");
-                        return EXIT_FAILED;
+                        return Exit::Failed;
                     }
                 };
                 let done = doc.status.phase.is_terminal();
@@ -334,7 +326,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                         .map(|d| d.message)
                         .unwrap_or_else(|_| format!("the agent answered {}", r.status))
                 );
-                return EXIT_FAILED;
+                return Exit::Failed;
             }
             Err(ClientError::NotServing { .. }) => {
                 if !lost {
@@ -349,7 +341,7 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
             }
             Err(e) => {
                 errln!("error: {e}");
-                return EXIT_FAILED;
+                return Exit::Failed;
             }
         }
         std::thread::sleep(WATCH_EVERY.saturating_sub(started.elapsed()));
