@@ -5,6 +5,7 @@
 pub mod build;
 mod error;
 mod file_meta;
+pub mod sha256;
 pub mod time;
 pub mod units;
 

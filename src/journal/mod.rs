@@ -399,7 +399,7 @@ impl Journal {
         file.seek(SeekFrom::End(0)).map_err(io_at(&path))?;
         if !existed {
             // A new journal file must survive a crash together with its first records.
-            crate::host::fs::sync_dir(&dir).map_err(io_at(&dir))?;
+            sync_dir(&dir).map_err(io_at(&dir))?;
         }
         Ok((
             Journal {
@@ -521,7 +521,7 @@ impl Journal {
             drop(f);
             failpoint::hit("journal.compact.before_rename");
             std::fs::rename(&tmp, &self.path)?;
-            crate::host::fs::sync_dir(&self.dir)?;
+            sync_dir(&self.dir)?;
             OpenOptions::new().append(true).read(true).open(&self.path)
         };
         let file = match write() {
@@ -538,6 +538,11 @@ impl Journal {
         self.last_hash = prev;
         Ok(())
     }
+}
+
+/// fsyncs a directory of the state directory (a new or renamed entry in it is durable).
+fn sync_dir(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()
 }
 
 /// Creates a directory (and parents) readable only by its owner.
