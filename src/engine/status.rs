@@ -58,21 +58,33 @@ impl Phase {
         )
     }
 
-    /// Whether a run may move from `self` to `next`: the phases' state machine.
+    /// Whether a run may move from `self` to `next`: the phases' state machine. Every
+    /// `Phase` and `PlanFinished` record goes through it (`engine::transitions`): the engine
+    /// refuses to journal an illegal move, the table reports one it finds in a journal.
     pub fn can_become(self, next: Phase) -> bool {
         use Phase::*;
         match (self, next) {
+            // A run never leaves its end (a retry is a new run), and a resumed run goes on
+            // in the phase it was in without journaling it again.
             (a, b) if a.is_terminal() || a == b => false,
+            // The happy path; Restarting is skipped when no unit needs a job.
             (Pending, Preparing) => true,
             (Preparing, Applying) => true,
             (Applying, Restarting | Verifying) => true,
             (Restarting, Verifying) => true,
             (Verifying, Succeeded) => true,
+            // A step or gate failed (or the plan timed out, or a cancel came) after changes:
+            // rollback, when the plan asks for it.
             (Pending | Preparing | Applying | Restarting | Verifying, RollingBack) => true,
+            // A failure with nothing to roll back, or no rollback wanted; from Pending also
+            // the end of a move the engine refused.
             (Pending | Preparing | Applying | Restarting | Verifying, Failed) => true,
+            // A cancel or a newer plan, honoured at a step boundary.
             (Pending | Preparing | Applying | Restarting | Verifying, Superseded | Cancelled) => {
                 true
             }
+            // Rollback ends restored, cancelled (the cancel that started it), or failed (a
+            // change it could not restore, or a refused move).
             (RollingBack, RolledBack | Failed | Cancelled) => true,
             _ => false,
         }
