@@ -18,6 +18,7 @@ use crate::engine::check::{CheckResultKind, check_plan};
 use crate::engine::status::Phase;
 use crate::host::Host;
 use crate::plan::{Limits, Plan, parse_plan};
+use crate::status::api::HookResponse;
 
 /// Arguments of `demo`.
 #[derive(Debug, Args, Clone)]
@@ -311,7 +312,7 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<u8, Ended> {
         .map_err(|_| "re-apply failed")?;
     outln!(
         "  hook response: {}",
-        serde_json::to_string(&again.hook_response()).unwrap_or_default()
+        serde_json::to_string(&HookResponse::from(&again.hook_response())).unwrap_or_default()
     );
 
     section(
@@ -344,7 +345,7 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<u8, Ended> {
     outln!("{}", summary(&failed));
     outln!(
         "  hook response: {}",
-        serde_json::to_string(&failed.hook_response()).unwrap_or_default()
+        serde_json::to_string(&HookResponse::from(&failed.hook_response())).unwrap_or_default()
     );
     let config_after = std::fs::read(&config).map_err(|e| e.to_string())?;
     outln!(

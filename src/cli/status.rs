@@ -239,18 +239,20 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> u8 {
     match (doc, output) {
         (Doc::Plan(p), RemoteOutput::Json) => {
             outln!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
-            exit_for(p.status.phase)
+            exit_for(p.status.phase.into())
         }
         (Doc::Plan(p), RemoteOutput::HookResponse) => {
+            let hook = p.hook_response.clone().into();
             outln!(
                 "{}",
-                hook_response_json(&crate::rpc::status::hook_response_to_pb(&p.hook_response))
+                hook_response_json(&crate::rpc::status::hook_response_to_pb(&hook))
             );
-            exit_for(p.status.phase)
+            exit_for(p.status.phase.into())
         }
         (Doc::Plan(p), RemoteOutput::Text) => {
-            outln!("{}", describe(&p.status));
-            exit_for(p.status.phase)
+            let status = PlanStatus::from(p.status);
+            outln!("{}", describe(&status));
+            exit_for(status.phase)
         }
         (Doc::Agent(a), RemoteOutput::Json) => {
             outln!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
@@ -290,7 +292,9 @@ fn agent_exit(a: &AgentStatus) -> u8 {
     if a.current.is_some() {
         return EXIT_OK;
     }
-    a.recent.first().map_or(EXIT_OK, |r| exit_for(r.phase))
+    a.recent
+        .first()
+        .map_or(EXIT_OK, |r| exit_for(r.phase.into()))
 }
 
 /// Follows plan `id` until it ends: a progress bar on a terminal, a line per step otherwise;
@@ -318,10 +322,11 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> u8 {
                         return EXIT_FAILED;
                     }
                 };
-                let done = doc.status.phase.is_terminal();
-                if last.as_ref() != Some(&doc.status) {
-                    view.show(doc.status.clone());
-                    last = Some(doc.status.clone());
+                let status = PlanStatus::from(doc.status.clone());
+                let done = status.phase.is_terminal();
+                if last.as_ref() != Some(&status) {
+                    view.show(status.clone());
+                    last = Some(status);
                 }
                 if done {
                     return print(local, Doc::Plan(Box::new(doc)), args.output);
