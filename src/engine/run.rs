@@ -154,22 +154,24 @@ impl Runner {
     }
 
     fn finish(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
+        let kind = error.as_ref().map(|e| e.kind.as_str());
         let record = Record::PlanFinished {
             run,
             phase: phase.into(),
             error,
         };
         self.record(record, true)?;
-        // As journaled: an illegal end was refused and the run ended Failed instead.
-        let ended = {
+        let (result, kind, took) = {
             let inner = self.shared.lock();
-            inner.table.by_run(run).map(|s| {
-                let kind = s.error.as_ref().map(|e| e.kind.as_str());
-                (s.phase, kind, s.duration_ms(now_ms()))
-            })
-        };
-        let Some((result, kind, took)) = ended.filter(|e| e.0.is_terminal()) else {
-            return Ok(());
+            match inner.table.by_run(run) {
+                Some(s) if s.phase == phase => (phase, kind, s.duration_ms(now_ms())),
+                // Refused as illegal: the run ended Failed (internal) instead.
+                Some(s) if s.phase.is_terminal() => {
+                    let kind = s.error.as_ref().map(|e| e.kind.as_str());
+                    (s.phase, kind, s.duration_ms(now_ms()))
+                }
+                _ => return Ok(()),
+            }
         };
         match kind {
             None => tracing::info!(%result, duration_ms = took, "plan finished"),
