@@ -1147,8 +1147,131 @@ pub fn schema() -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::base::ErrorKind;
 
     const SCHEMA_FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/status-api.schema.json");
+
+    fn sample() -> engine::PlanStatus {
+        engine::PlanStatus {
+            id: "default/md-0@abc".into(),
+            digest: "sha256:ab".into(),
+            attempt: 2,
+            run: 7,
+            source: "grpc".into(),
+            phase: engine::Phase::RolledBack,
+            progress: engine::Progress {
+                current: 2,
+                total: 2,
+                message: "RolledBack".into(),
+            },
+            changes: vec![engine::ChangeStatus {
+                index: 0,
+                kind: ChangeKind::KubeletConfig,
+                target: "/var/lib/kubelet/config.yaml".into(),
+                state: engine::ChangeState::RolledBack,
+                message: "maxPods 110 → 0".into(),
+                disruption: Disruption::Restart,
+                duration_ms: Some(1234),
+            }],
+            checks: vec![engine::CheckStatus {
+                index: 0,
+                kind: "httpGet".into(),
+                target: "http://127.0.0.1:10248/healthz".into(),
+                state: engine::CheckState::Failed,
+                message: "answered 500".into(),
+            }],
+            error: Some(ErrorInfo {
+                kind: ErrorKind::Verification,
+                step: Some("verify[0] httpGet http://127.0.0.1:10248/healthz".into()),
+                detail: "answered 500".into(),
+            }),
+            rebooting: false,
+            services: "off".into(),
+            accepted_at_ms: 1000,
+            started_at_ms: Some(1001),
+            finished_at_ms: Some(1009),
+            counts: engine::Counts {
+                total: 1,
+                changed: 1,
+                unchanged: 0,
+                rolled_back: 1,
+            },
+            events: vec![engine::RunEvent {
+                seq: 12,
+                at_ms: 1005,
+                message: "restarted kubelet.service".into(),
+            }],
+        }
+    }
+
+    /// The document of a plan status, field by field and spelled as clients read it: the
+    /// engine's state is converted, so renaming an engine field cannot change this.
+    #[test]
+    fn a_plan_status_document_is_spelled_as_clients_read_it() {
+        let doc = serde_json::to_value(PlanStatusDocument::new(sample())).unwrap();
+        let want = serde_json::json!({
+            "apiVersion": "inplace.agent/v1",
+            "kind": "PlanStatus",
+            "id": "default/md-0@abc",
+            "digest": "sha256:ab",
+            "attempt": 2,
+            "run": 7,
+            "source": "grpc",
+            "phase": "RolledBack",
+            "progress": {"current": 2, "total": 2, "message": "RolledBack"},
+            "changes": [{
+                "index": 0,
+                "kind": "kubeletConfig",
+                "target": "/var/lib/kubelet/config.yaml",
+                "state": "RolledBack",
+                "message": "maxPods 110 → 0",
+                "disruption": "Restart",
+                "durationMs": 1234
+            }],
+            "checks": [{
+                "index": 0,
+                "kind": "httpGet",
+                "target": "http://127.0.0.1:10248/healthz",
+                "state": "Failed",
+                "message": "answered 500"
+            }],
+            "error": {
+                "kind": "verification",
+                "step": "verify[0] httpGet http://127.0.0.1:10248/healthz",
+                "detail": "answered 500"
+            },
+            "rebooting": false,
+            "services": "off",
+            "acceptedAtMs": 1000,
+            "startedAtMs": 1001,
+            "finishedAtMs": 1009,
+            "counts": {"total": 1, "changed": 1, "unchanged": 0, "rolledBack": 1},
+            "events": [{"seq": 12, "atMs": 1005, "message": "restarted kubelet.service"}],
+            "hookResponse": {
+                "status": "Failure",
+                "message": "plan default/md-0@abc failed and was rolled back: verify[0] httpGet http://127.0.0.1:10248/healthz: answered 500",
+                "retryAfterSeconds": 0
+            }
+        });
+        assert_eq!(doc, want);
+    }
+
+    /// A client reads a document back into the engine's state and renders it like a local
+    /// status: nothing is lost either way.
+    #[test]
+    fn documents_read_back_into_the_same_engine_state() {
+        let status = sample();
+        let text = serde_json::to_string(&PlanStatusDocument::new(status.clone())).unwrap();
+        let doc: PlanStatusDocument = serde_json::from_str(&text).unwrap();
+        assert_eq!(engine::PlanStatus::from(doc.status), status);
+        assert_eq!(
+            engine::HookResponse::from(doc.hook_response),
+            status.hook_response()
+        );
+        let current = current_plan(&status, 2000);
+        assert_eq!(current.phase, Phase::RolledBack);
+        assert_eq!(engine::Phase::from(current.phase), status.phase);
+    }
 
     /// The schema kept in docs/ is the one the types generate. To regenerate after changing
     /// a type: `INPLACE_AGENT_BLESS=1 cargo test --lib the_schema_in_docs_is_current`.
