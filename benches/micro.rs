@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
-use inplace_agent::engine::status::Phase;
+use inplace_agent::journal::RunPhase as Phase;
 use inplace_agent::journal::{Journal, Record};
 use inplace_agent::plan::{Limits, parse_plan};
 

@@ -356,7 +356,7 @@ fn bench_plan(run: u64, changes: usize) -> inplace_agent::plan::Plan {
 
 /// Writes a journal of about `records` records shaped like real runs (100-change plans).
 fn write_journal(state: &Path, records: u64) -> u64 {
-    use inplace_agent::engine::status::Phase;
+    use inplace_agent::journal::RunPhase as Phase;
     let (mut j, _) = Journal::open(state, |_| {}).expect("journal");
     let mut written = 0;
     let mut run = 1;

@@ -21,9 +21,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("notify", &[]),
     ("plan", &["base"]),
     ("host", &["base", "failpoint", "plan"]),
-    // TEMPORARY until the journal gets its own record types (issue 12 item 3, in progress):
-    // then journal may use base, failpoint and plan only.
-    ("journal", &["base", "engine", "failpoint", "host", "plan"]),
+    ("journal", &["base", "failpoint", "plan"]),
     ("steps", &["base", "failpoint", "host", "journal", "plan"]),
     (
         "engine",

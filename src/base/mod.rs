@@ -6,6 +6,7 @@ pub mod build;
 mod error;
 mod file_meta;
 pub mod packages;
+pub mod sha256;
 pub mod time;
 pub mod units;
 

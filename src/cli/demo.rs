@@ -10,15 +10,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Args;
 
+use super::Exit;
 use super::apply::run_plan;
 use super::render::summary;
-use super::Exit;
 use crate::config::SettingsInput;
 use crate::engine::Engine;
 use crate::engine::check::{CheckResultKind, check_plan};
 use crate::engine::status::Phase;
 use crate::host::Host;
 use crate::plan::{Limits, Plan, parse_plan};
+use crate::status::api::HookResponse;
 
 /// Arguments of `demo`.
 #[derive(Debug, Args, Clone)]
@@ -308,7 +309,7 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         .map_err(|_| "re-apply failed")?;
     outln!(
         "  hook response: {}",
-        serde_json::to_string(&again.hook_response()).unwrap_or_default()
+        serde_json::to_string(&HookResponse::from(&again.hook_response())).unwrap_or_default()
     );
 
     section(
@@ -341,7 +342,7 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
     outln!("{}", summary(&failed));
     outln!(
         "  hook response: {}",
-        serde_json::to_string(&failed.hook_response()).unwrap_or_default()
+        serde_json::to_string(&HookResponse::from(&failed.hook_response())).unwrap_or_default()
     );
     let config_after = std::fs::read(&config).map_err(|e| e.to_string())?;
     outln!(

@@ -8,8 +8,8 @@ use crate::base::time::rfc3339;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json};
 use super::Exit;
+use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json};
 use crate::config::{
     DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
 };
@@ -239,18 +239,20 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> Exit {
     match (doc, output) {
         (Doc::Plan(p), RemoteOutput::Json) => {
             outln!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
-            Exit::of_phase(p.status.phase)
+            Exit::of_phase(p.status.phase.into())
         }
         (Doc::Plan(p), RemoteOutput::HookResponse) => {
+            let hook = p.hook_response.clone().into();
             outln!(
                 "{}",
-                hook_response_json(&crate::rpc::status::hook_response_to_pb(&p.hook_response))
+                hook_response_json(&crate::rpc::status::hook_response_to_pb(&hook))
             );
-            Exit::of_phase(p.status.phase)
+            Exit::of_phase(p.status.phase.into())
         }
         (Doc::Plan(p), RemoteOutput::Text) => {
-            outln!("{}", describe(&p.status));
-            Exit::of_phase(p.status.phase)
+            let status = PlanStatus::from(p.status);
+            outln!("{}", describe(&status));
+            Exit::of_phase(status.phase)
         }
         (Doc::Agent(a), RemoteOutput::Json) => {
             outln!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
@@ -282,7 +284,9 @@ fn agent_exit(a: &AgentStatus) -> Exit {
     if a.current.is_some() {
         return Exit::Ok;
     }
-    a.recent.first().map_or(Exit::Ok, |r| Exit::of_phase(r.phase))
+    a.recent
+        .first()
+        .map_or(Exit::Ok, |r| Exit::of_phase(r.phase.into()))
 }
 
 /// Follows plan `id` until it ends: a progress bar on a terminal, a line per step otherwise;
@@ -310,10 +314,11 @@ fn watch(local: &Local, id: &str, args: &StatusArgs) -> Exit {
                         return Exit::Failed;
                     }
                 };
-                let done = doc.status.phase.is_terminal();
-                if last.as_ref() != Some(&doc.status) {
-                    view.show(doc.status.clone());
-                    last = Some(doc.status.clone());
+                let status = PlanStatus::from(doc.status.clone());
+                let done = status.phase.is_terminal();
+                if last.as_ref() != Some(&status) {
+                    view.show(status.clone());
+                    last = Some(status);
                 }
                 if done {
                     return print(local, Doc::Plan(Box::new(doc)), args.output);

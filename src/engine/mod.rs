@@ -10,9 +10,11 @@
 //!   which is a new attempt.
 
 pub mod check;
+mod journaled;
 mod run;
 pub mod status;
 pub mod table;
+pub mod transitions;
 pub mod units;
 
 use crate::base::time::now_ms;
@@ -281,6 +283,28 @@ impl Shared {
         bodies: Option<&[u8]>,
     ) -> Result<(), JournalError> {
         let mut inner = self.lock();
+        // Every phase change goes through the state machine, under the lock that orders the
+        // journal: an illegal one is a bug, refused here, and the run ends Failed instead.
+        let (record, sync) = match inner
+            .table
+            .check_transition(&record)
+            .map_err(|illegal| (illegal.instead(), illegal))
+        {
+            Ok(()) => (record, sync),
+            Err((instead, illegal)) => {
+                tracing::error!(
+                    run = illegal.run,
+                    from = illegal.from.map(|p| p.to_string()).unwrap_or_default(),
+                    to = %illegal.to,
+                    "internal error: refusing to journal an illegal phase change ({illegal}); \
+                     the run ends Failed where it is"
+                );
+                match instead {
+                    Some(instead) => (instead, true),
+                    None => return Ok(()),
+                }
+            }
+        };
         if let Some(blob) = bodies {
             self.backups.put(blob).map_err(|e| self.backup_error(e))?;
             inner.bodies_bytes += blob.len() as u64;

@@ -137,25 +137,46 @@ impl Runner {
         self.shared.record(rec, sync)
     }
 
+    /// Journals a move to `phase`. An illegal move is refused (the run ends Failed instead,
+    /// see `Shared::record`): the next look at the run's state finds it ended.
     fn phase(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
-        tracing::info!(%phase, "phase changed");
-        self.record(Record::Phase { run, phase, error }, false)
+        let record = Record::Phase {
+            run,
+            phase: phase.into(),
+            error,
+        };
+        self.record(record, false)?;
+        let now = self.shared.lock().table.by_run(run).map(|s| s.phase);
+        if now == Some(phase) {
+            tracing::info!(%phase, "phase changed");
+        }
+        Ok(())
     }
 
     fn finish(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
         let kind = error.as_ref().map(|e| e.kind.as_str());
-        self.record(Record::PlanFinished { run, phase, error }, true)?;
-        let took = {
+        let record = Record::PlanFinished {
+            run,
+            phase: phase.into(),
+            error,
+        };
+        self.record(record, true)?;
+        let (result, kind, took) = {
             let inner = self.shared.lock();
-            inner
-                .table
-                .by_run(run)
-                .and_then(|s| s.duration_ms(now_ms()))
+            match inner.table.by_run(run) {
+                Some(s) if s.phase == phase => (phase, kind, s.duration_ms(now_ms())),
+                // Refused as illegal: the run ended Failed (internal) instead.
+                Some(s) if s.phase.is_terminal() => {
+                    let kind = s.error.as_ref().map(|e| e.kind.as_str());
+                    (s.phase, kind, s.duration_ms(now_ms()))
+                }
+                _ => return Ok(()),
+            }
         };
         match kind {
-            None => tracing::info!(result = %phase, duration_ms = took, "plan finished"),
+            None => tracing::info!(%result, duration_ms = took, "plan finished"),
             Some(kind) => {
-                tracing::warn!(result = %phase, error_kind = kind, duration_ms = took, "plan finished")
+                tracing::warn!(%result, error_kind = kind, duration_ms = took, "plan finished")
             }
         }
         Ok(())

@@ -1,17 +1,19 @@
 //! What the agent reports about a plan: phase, progress, per-change results, the error, and
 //! the CAPI hook response derived from them. Everything here is a fold of journal records,
 //! so a restarted agent reports exactly what it reported before.
+//!
+//! These are the engine's state, not a format: nothing here is serialized. The journal
+//! (`journal::SummaryStatus`, `RunPhase`), the status socket's documents (`status::api`) and
+//! the gRPC messages (`rpc::status`) have their own types, converted from these.
 
 use crate::base::ErrorInfo;
 use std::fmt;
-
-use serde::{Deserialize, Serialize};
 
 use crate::plan::{ChangeKind, Disruption};
 
 /// Phases of a plan run: Pending → Preparing → Applying → Restarting → Verifying →
 /// Succeeded, or Failed / RollingBack → RolledBack, Superseded, Cancelled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
     /// Accepted, not started.
     Pending,
@@ -58,21 +60,33 @@ impl Phase {
         )
     }
 
-    /// Whether a run may move from `self` to `next`: the phases' state machine.
+    /// Whether a run may move from `self` to `next`: the phases' state machine. Every
+    /// `Phase` and `PlanFinished` record goes through it (`engine::transitions`): the engine
+    /// refuses to journal an illegal move, the table reports one it finds in a journal.
     pub fn can_become(self, next: Phase) -> bool {
         use Phase::*;
         match (self, next) {
+            // A run never leaves its end (a retry is a new run), and a resumed run goes on
+            // in the phase it was in without journaling it again.
             (a, b) if a.is_terminal() || a == b => false,
+            // The happy path; Restarting is skipped when no unit needs a job.
             (Pending, Preparing) => true,
             (Preparing, Applying) => true,
             (Applying, Restarting | Verifying) => true,
             (Restarting, Verifying) => true,
             (Verifying, Succeeded) => true,
+            // A step or gate failed (or the plan timed out, or a cancel came) after changes:
+            // rollback, when the plan asks for it.
             (Pending | Preparing | Applying | Restarting | Verifying, RollingBack) => true,
+            // A failure with nothing to roll back, or no rollback wanted; from Pending also
+            // the end of a move the engine refused.
             (Pending | Preparing | Applying | Restarting | Verifying, Failed) => true,
+            // A cancel or a newer plan, honoured at a step boundary.
             (Pending | Preparing | Applying | Restarting | Verifying, Superseded | Cancelled) => {
                 true
             }
+            // Rollback ends restored, cancelled (the cancel that started it), or failed (a
+            // change it could not restore, or a refused move).
             (RollingBack, RolledBack | Failed | Cancelled) => true,
             _ => false,
         }
@@ -86,7 +100,7 @@ impl fmt::Display for Phase {
 }
 
 /// State of one change within a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChangeState {
     /// Not reached yet.
     Pending,
@@ -108,7 +122,7 @@ pub enum ChangeState {
 }
 
 /// State of one health gate within a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CheckState {
     /// Not run yet.
     Pending,
@@ -123,8 +137,7 @@ pub enum CheckState {
 }
 
 /// Result of one change.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChangeStatus {
     /// Position in `changes[]`.
     pub index: u32,
@@ -135,18 +148,15 @@ pub struct ChangeStatus {
     /// State.
     pub state: ChangeState,
     /// The last thing said about it.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
     /// Disruption when it changes something.
     pub disruption: Disruption,
     /// How long it took, once done.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
 }
 
 /// Result of one health gate.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckStatus {
     /// Position in `verify[]`.
     pub index: u32,
@@ -157,12 +167,11 @@ pub struct CheckStatus {
     /// State.
     pub state: CheckState,
     /// What it saw last.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
 }
 
 /// Progress through a run: step `current` of `total`.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Progress {
     /// 1-based number of the step running (the change being applied, the gate being
     /// polled), else of the last one run (0 before the first). While units restart it stays
@@ -175,7 +184,7 @@ pub struct Progress {
 }
 
 /// The CAPI `UpdateMachine` response status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HookStatus {
     /// In progress (retryAfterSeconds > 0) or done (0).
     Success,
@@ -184,8 +193,7 @@ pub enum HookStatus {
 }
 
 /// Exactly what an updater returns to CAPI for this plan.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HookResponse {
     /// Success or Failure.
     pub status: HookStatus,
@@ -201,8 +209,7 @@ pub const RETRY_IN_PROGRESS: u32 = 10;
 pub const RETRY_REBOOTING: u32 = 60;
 
 /// The status of one plan attempt.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlanStatus {
     /// Plan id.
     pub id: String,
@@ -219,41 +226,32 @@ pub struct PlanStatus {
     /// Step i of n.
     pub progress: Progress,
     /// Per change.
-    #[serde(default)]
     pub changes: Vec<ChangeStatus>,
     /// Per gate.
-    #[serde(default)]
     pub checks: Vec<CheckStatus>,
     /// Why it failed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorInfo>,
     /// A reboot was requested and the node has not come back yet.
-    #[serde(default)]
     pub rebooting: bool,
     /// How the agent manages units for this run (`systemd on unix:path=...`, or `off` when
     /// restarts are only journaled), as it said when the run started or resumed.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub services: String,
     /// When it was accepted (Unix ms).
     pub accepted_at_ms: u64,
     /// When it started running.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at_ms: Option<u64>,
     /// When it ended.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at_ms: Option<u64>,
     /// Counts, kept when the per-change list is trimmed from old plans.
     pub counts: Counts,
     /// What happened to the node's units and the node itself as the run went, oldest first
     /// (the newest 32): unit jobs queued and done (with the unit's InvocationID),
     /// daemon-reloads, reboots, a lost systemd connection, the agent restarting, a cancel.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub events: Vec<RunEvent>,
 }
 
 /// One thing that happened in a run, from its journal record.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunEvent {
     /// The journal record's sequence number (increasing: a watcher shows each once).
     pub seq: u64,
@@ -268,10 +266,7 @@ pub struct RunEvent {
 pub const MAX_RUN_EVENTS: usize = 32;
 
 /// How many changes ended in each state.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
-)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Counts {
     /// Changes in the plan.
     pub total: u32,

@@ -2,12 +2,17 @@
 //! through the same [`Table::apply`], so a restarted agent knows and reports exactly what it
 //! knew before.
 
-use crate::base::{ErrorInfo, ErrorKind};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use super::journaled;
 use super::status::*;
-use crate::journal::{ChangeSummary, CheckSummary, Entry, PlanDoc, Preimage, Record};
+use super::transitions::{self, IllegalTransition};
+use crate::base::units::{UnitBefore, UnitJob};
+use crate::base::{ErrorInfo, ErrorKind};
+use crate::journal::{
+    ChangeSummary, CheckSummary, Entry, PlanDoc, Preimage, Record, UnitJobOutcome,
+};
 use crate::plan::{Check, Limits, Plan, PlanOptions, validate_value};
 
 /// How many finished plans keep their per-change results.
@@ -133,6 +138,8 @@ pub struct Table {
     live: bool,
     /// The members of each managed set: what plans of the set wrote and did not remove.
     sets: BTreeMap<String, BTreeSet<String>>,
+    /// Illegal phase changes found in the journal (see [`Table::illegal_transitions`]).
+    illegal_transitions: u64,
 }
 
 /// `plan` with a run's resolutions applied: exact package versions, and an `absent` change
@@ -278,9 +285,24 @@ impl Table {
 
     /// Applies one record; for a `PlanAccepted` written by this process, `plan` is the
     /// already validated plan, so it is not read back from the document.
+    ///
+    /// One arm per record kind, each folded by its own function; a record that changes a
+    /// run's phase is checked against the phases' state machine first
+    /// ([`transitions::check`]).
     pub fn apply_with_plan(&mut self, entry: Entry, plan: Option<Arc<Plan>>) {
-        let ts = entry.ts;
-        match entry.record {
+        let Entry {
+            seq, ts, record, ..
+        } = entry;
+        if let Err(illegal) = self.check_transition(&record)
+            && !self.report_illegal(seq, ts, &illegal)
+        {
+            return;
+        }
+        let at = At { seq, ts };
+        let note = record.note();
+        match record {
+            // The first record of a compacted journal: what it replaced is gone, and the
+            // records after it say everything that was kept.
             Record::Compacted { .. } => {}
             Record::PlanAccepted {
                 run,
@@ -330,17 +352,224 @@ impl Table {
                 plan,
                 bodies,
             } => {
+                let status = journaled::status_of(*status);
                 self.next_run = self.next_run.max(status.run + 1);
                 if let Some(doc) = plan {
                     self.retained.insert(status.run, KeptPlan { doc, bodies });
                 }
-                self.plans.push(*status);
+                self.plans.push(status);
             }
-            rec => {
-                let Some(run) = rec.run() else { return };
-                self.apply_run(run, rec, entry.seq, ts);
+            Record::Phase { run, phase, error } => {
+                self.in_run(run, at, note, |f| f.phase(phase.into(), error));
+            }
+            Record::PlanFinished { run, phase, error } => {
+                self.finished(run, at, phase.into(), error);
+            }
+            Record::VersionResolved {
+                run,
+                index,
+                version,
+            } => self.in_run(run, at, note, |f| f.version_resolved(index, version)),
+            Record::PruneResolved { run, paths } => {
+                self.in_run(run, at, note, |f| f.prune_resolved(paths));
+            }
+            Record::StepStarted {
+                run,
+                index,
+                preimages,
+                planned,
+            } => self.in_run(run, at, note, |f| f.step_started(index, preimages, planned)),
+            Record::StepDone {
+                run,
+                index,
+                changed,
+                message,
+            } => self.in_run(run, at, note, |f| f.step_done(index, changed, message)),
+            // What a change's commands printed is for readers of the journal (`inplace-agent
+            // journal`, `/v1/journal`); the status says what the change did in its
+            // `StepDone` or `StepFailed` message.
+            Record::StepOutput { .. } => {}
+            Record::StepFailed { run, index, error } => {
+                self.in_run(run, at, note, |f| f.step_failed(index, error));
+            }
+            Record::StepAbandoned { run, index } => {
+                self.in_run(run, at, note, |f| f.step_abandoned(index));
+            }
+            Record::StepRolledBack { run, index } => {
+                self.in_run(run, at, note, |f| f.step_rolled_back(index));
+            }
+            Record::StepRollbackFailed { run, index, error } => {
+                self.in_run(run, at, note, |f| f.step_rollback_failed(index, error));
+            }
+            Record::DaemonReloaded { run, rollback } => {
+                self.in_run(run, at, note, |f| f.daemon_reloaded(rollback));
+            }
+            Record::UnitRestarted {
+                run,
+                unit,
+                rollback,
+                skipped,
+                message,
+            } => self.in_run(run, at, note, |f| {
+                f.unit_restarted(unit, rollback, skipped, message)
+            }),
+            Record::UnitJobStarted {
+                run,
+                unit,
+                job,
+                rollback,
+                before,
+            } => self.in_run(run, at, note, |f| {
+                f.unit_job_started(unit, job, rollback, before)
+            }),
+            Record::UnitJobDone {
+                run,
+                unit,
+                job,
+                rollback,
+                outcome,
+                message,
+            } => self.in_run(run, at, note, |f| {
+                f.unit_job_done(unit, job, rollback, outcome, message)
+            }),
+            Record::SystemdUnreachable { run, message } => {
+                self.in_run(run, at, note, |f| f.status.progress.message = message);
+            }
+            Record::ServiceManager { run, description } => {
+                self.in_run(run, at, note, |f| f.service_manager(description));
+            }
+            Record::RebootRequested {
+                run,
+                index,
+                boot_id,
+            } => self.in_run(run, at, note, |f| f.reboot_requested(index, boot_id)),
+            Record::CheckDone {
+                run,
+                index,
+                passed,
+                message,
+            } => self.in_run(run, at, note, |f| f.check_done(index, passed, message)),
+            Record::CancelRequested { run, reason, by } => {
+                self.in_run(run, at, note, |f| f.cancel_requested(&reason, &by));
             }
         }
+    }
+
+    /// Reports an illegal phase change found in the journal: a warning naming the record,
+    /// a note in the run's events (so `status` shows it), and [`Table::illegal_transitions`].
+    /// Returns whether to fold the record anyway. A move out of a terminal phase is not
+    /// folded: the run's end is final, and folding it would have the runner resume a run
+    /// that ended. Any other is folded as written: the agent that wrote it went on from
+    /// there, and the records after it say so.
+    fn report_illegal(&mut self, seq: u64, ts: u64, illegal: &IllegalTransition) -> bool {
+        let fold = !illegal.from.is_some_and(Phase::is_terminal);
+        let what = if fold {
+            "folded as written"
+        } else {
+            "ignored: the run had ended"
+        };
+        tracing::warn!(
+            seq,
+            run = illegal.run,
+            from = illegal.from.map(|p| p.to_string()).unwrap_or_default(),
+            to = %illegal.to,
+            "journal record {seq}: {illegal}; {what}"
+        );
+        self.illegal_transitions += 1;
+        if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == illegal.run) {
+            push_event(
+                status,
+                seq,
+                ts,
+                format!(
+                    "journal record {seq}: {illegal}; {what} (a bug of the agent that wrote it)"
+                ),
+            );
+        }
+        fold
+    }
+
+    /// Checks the phase change `record` would make against the phases' state machine
+    /// ([`transitions::check`]), from the phase its run is in now.
+    pub fn check_transition(&self, record: &Record) -> Result<(), IllegalTransition> {
+        transitions::check(record, |run| self.by_run(run).map(|s| s.phase))
+    }
+
+    /// How many illegal phase changes the journal had (each reported as it was folded).
+    pub fn illegal_transitions(&self) -> u64 {
+        self.illegal_transitions
+    }
+
+    /// Folds a record of an unfinished run: the run's news goes to its events, then `fold`
+    /// updates its status and resume state. A record of a run compaction dropped changes
+    /// nothing; nor does one of a run that ended (its end is final: a cancel that arrived
+    /// as the run ended, say).
+    fn in_run(&mut self, run: u64, at: At, note: Option<String>, fold: impl FnOnce(&mut RunFold)) {
+        let live = self.live;
+        let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) else {
+            return;
+        };
+        if let Some(message) = note {
+            push_event(status, at.seq, at.ts, message);
+        }
+        let Some(rs) = self.runs.get_mut(&run) else {
+            return;
+        };
+        fold(&mut RunFold {
+            status,
+            rs,
+            at,
+            live,
+        });
+    }
+
+    /// `PlanFinished`: the run ends. Its managed set learns what it holds now, what never
+    /// ran is Skipped, and the run's resume state goes (its plan is kept for a retry when it
+    /// did not succeed).
+    fn finished(&mut self, run: u64, at: At, phase: Phase, error: Option<ErrorInfo>) {
+        let Some(pos) = self.plans.iter().rposition(|p| p.run == run) else {
+            return;
+        };
+        if let Some(rs) = self.runs.get(&run)
+            && let Some(set) = &rs.prune_set
+        {
+            let members = self.sets.entry(set.clone()).or_default();
+            match phase {
+                // The node holds exactly this plan's files of the set.
+                Phase::Succeeded => {
+                    *members = rs.members.iter().cloned().collect();
+                }
+                // Everything this run did was undone.
+                Phase::RolledBack => {}
+                // Partly applied: the set may hold both plans' files.
+                _ => members.extend(rs.members.iter().cloned()),
+            }
+        }
+        let status = &mut self.plans[pos];
+        status.phase = phase;
+        status.finished_at_ms = Some(at.ts);
+        status.rebooting = false;
+        if error.is_some() {
+            status.error = error;
+        }
+        status.progress.message = phase.to_string();
+        for c in &mut status.changes {
+            if c.state == ChangeState::Pending || c.state == ChangeState::Running {
+                c.state = ChangeState::Skipped;
+            }
+        }
+        for c in &mut status.checks {
+            if c.state == CheckState::Pending || c.state == CheckState::Running {
+                c.state = CheckState::Skipped;
+            }
+        }
+        self.runs.remove(&run);
+        if let Some(doc) = self.docs.remove(&run)
+            && phase != Phase::Succeeded
+        {
+            self.retained.insert(run, doc);
+        }
+        self.trim();
     }
 
     /// Ends the replay: from now on records are live, and unfinished runs get their plan
@@ -388,9 +617,7 @@ impl Table {
             }
             if let Some(status) = self.plans.iter_mut().rev().find(|p| p.run == run) {
                 status.progress.message = match status.phase {
-                    Phase::Applying if status.rebooting => {
-                        crate::engine::status::reboot_message(status)
-                    }
+                    Phase::Applying if status.rebooting => reboot_message(status),
                     Phase::Applying if status.progress.current > 0 => {
                         step_name(status.progress.current - 1, &plan)
                     }
@@ -506,404 +733,6 @@ impl Table {
         );
         self.docs.insert(run, kept);
         self.plans.push(status);
-    }
-
-    fn apply_run(&mut self, run: u64, rec: Record, seq: u64, ts: u64) {
-        let Some(pos) = self.plans.iter().rposition(|p| p.run == run) else {
-            return;
-        };
-        let live = self.live;
-        let status = &mut self.plans[pos];
-        let state = self.runs.get_mut(&run);
-        // Unit jobs, reloads, reboots, a lost bus, a cancel: news for watchers.
-        if let Some(message) = rec.note() {
-            push_event(status, seq, ts, message);
-        }
-        let mut finished = false;
-        match (rec, state) {
-            (Record::Phase { phase, error, .. }, Some(rs)) => {
-                if status.phase == Phase::Pending && phase != Phase::Pending {
-                    status.started_at_ms = Some(ts);
-                }
-                status.phase = phase;
-                if error.is_some() {
-                    status.error = error;
-                }
-                status.progress.message = phase_message(phase);
-                rs.last_ts = ts;
-            }
-            (
-                Record::StepStarted {
-                    index,
-                    preimages,
-                    planned,
-                    ..
-                },
-                Some(rs),
-            ) => {
-                if !planned.is_empty() {
-                    rs.planned.insert(index, planned);
-                }
-                let entry = rs.preimages.entry(index).or_default();
-                for p in preimages {
-                    if !entry.contains(&p) {
-                        entry.push(p);
-                    }
-                }
-                if let Some(c) = status.changes.get_mut(index as usize) {
-                    c.state = ChangeState::Running;
-                }
-                point_at_step(status, live, Some(index + 1));
-            }
-            (
-                Record::StepDone {
-                    index,
-                    changed,
-                    message,
-                    ..
-                },
-                Some(rs),
-            ) => {
-                if rs.done.insert(index) {
-                    if changed {
-                        status.counts.changed += 1;
-                    } else {
-                        status.counts.unchanged += 1;
-                    }
-                }
-                if let Some(c) = status.changes.get_mut(index as usize) {
-                    c.state = if changed {
-                        ChangeState::Changed
-                    } else {
-                        ChangeState::Unchanged
-                    };
-                    c.message = message;
-                    c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
-                }
-                point_at_step(status, live, Some(index + 1));
-                rs.last_ts = ts;
-                let is_reboot = status
-                    .changes
-                    .get(index as usize)
-                    .is_some_and(|c| c.kind == crate::plan::ChangeKind::Reboot);
-                if is_reboot {
-                    status.rebooting = false;
-                    rs.reboot = None;
-                    if changed {
-                        rs.rebooted_at = Some(index);
-                        let said = status
-                            .changes
-                            .get(index as usize)
-                            .map(|c| format!("changes[{index}]: {}", c.message))
-                            .unwrap_or_default();
-                        push_event(status, seq, ts, said);
-                    }
-                }
-            }
-            (Record::StepFailed { index, error, .. }, Some(rs)) => {
-                if let Some(c) = status.changes.get_mut(index as usize) {
-                    c.state = ChangeState::Failed;
-                    c.message = error.detail.clone();
-                    c.duration_ms = Some(ts.saturating_sub(rs.last_ts));
-                }
-                status.progress.current = index + 1;
-                status.error = Some(error);
-                rs.last_ts = ts;
-            }
-            (Record::StepAbandoned { index, .. }, Some(rs)) => {
-                rs.preimages.remove(&index);
-                rs.planned.remove(&index);
-                if let Some(c) = status.changes.get_mut(index as usize) {
-                    c.state = ChangeState::Pending;
-                }
-                point_at_step(status, live, None);
-            }
-            (Record::StepRolledBack { index, .. }, Some(rs)) => {
-                if rs.rolled_back.insert(index) {
-                    status.counts.rolled_back += 1;
-                }
-                rs.rollback_failed.remove(&index);
-                if let Some(c) = status.changes.get_mut(index as usize) {
-                    c.state = ChangeState::RolledBack;
-                }
-                if live {
-                    status.progress.message = format!("rolled back {}", step_name(index, &rs.plan));
-                }
-                rs.last_ts = ts;
-            }
-            (Record::StepRollbackFailed { index, error, .. }, Some(rs)) => {
-                rs.rollback_failed.insert(index);
-                if let Some(c) = status.changes.get_mut(index as usize) {
-                    c.state = ChangeState::RollbackFailed;
-                    c.message = error.detail;
-                }
-                if live {
-                    status.progress.message =
-                        format!("could not roll back {}", step_name(index, &rs.plan));
-                }
-                rs.last_ts = ts;
-            }
-            (Record::DaemonReloaded { rollback, .. }, Some(rs)) => {
-                status.progress.message = format!(
-                    "systemd reloaded unit files{}",
-                    if rollback { " (rollback)" } else { "" }
-                );
-                if rollback {
-                    rs.reloaded.1 = true;
-                } else {
-                    rs.reloaded.0 = true;
-                }
-            }
-            (
-                Record::UnitRestarted {
-                    unit,
-                    rollback,
-                    skipped,
-                    message,
-                    ..
-                },
-                Some(rs),
-            ) => {
-                // Written by earlier versions: a restart, done or skipped.
-                rs.unit_jobs.push(super::units::JobRecord {
-                    unit,
-                    job: crate::host::systemd::UnitJob::Restart,
-                    rollback,
-                    before: Default::default(),
-                    outcome: Some(if skipped {
-                        crate::journal::UnitJobOutcome::Skipped
-                    } else {
-                        crate::journal::UnitJobOutcome::Done
-                    }),
-                    message: message.clone(),
-                    queued: !skipped,
-                });
-                status.progress.message = message;
-            }
-            (
-                Record::UnitJobStarted {
-                    unit,
-                    job,
-                    rollback,
-                    before,
-                    ..
-                },
-                Some(rs),
-            ) => {
-                status.progress.message = format!(
-                    "{} {unit}{}",
-                    match job {
-                        crate::host::systemd::UnitJob::Start => "starting",
-                        crate::host::systemd::UnitJob::Stop => "stopping",
-                        crate::host::systemd::UnitJob::Restart => "restarting",
-                    },
-                    if rollback { " (rollback)" } else { "" }
-                );
-                rs.unit_jobs.push(super::units::JobRecord {
-                    unit,
-                    job,
-                    rollback,
-                    before,
-                    outcome: None,
-                    message: String::new(),
-                    queued: true,
-                });
-            }
-            (
-                Record::UnitJobDone {
-                    unit,
-                    job,
-                    rollback,
-                    outcome,
-                    message,
-                    ..
-                },
-                Some(rs),
-            ) => {
-                let open = rs
-                    .unit_jobs
-                    .iter_mut()
-                    .rev()
-                    .find(|j| j.unit == unit && j.rollback == rollback && j.outcome.is_none());
-                status.progress.message = message.clone();
-                match open {
-                    Some(j) => {
-                        j.outcome = Some(outcome);
-                        j.message = message;
-                    }
-                    None => rs.unit_jobs.push(super::units::JobRecord {
-                        unit,
-                        job,
-                        rollback,
-                        before: Default::default(),
-                        outcome: Some(outcome),
-                        message,
-                        queued: false,
-                    }),
-                }
-            }
-            (Record::SystemdUnreachable { message, .. }, Some(_)) => {
-                status.progress.message = message;
-            }
-            (Record::ServiceManager { description, .. }, Some(rs)) => {
-                // Journaled each time the agent (re)starts driving the run: a second one
-                // means it restarted in the middle and resumed.
-                rs.drives += 1;
-                if rs.drives > 1 {
-                    push_event(
-                        status,
-                        seq,
-                        ts,
-                        format!(
-                            "the agent restarted; the run resumes in {} at step {}/{}",
-                            status.phase, status.progress.current, status.progress.total
-                        ),
-                    );
-                }
-                status.services = description;
-            }
-            (Record::RebootRequested { index, boot_id, .. }, Some(rs)) => {
-                let same = rs
-                    .reboot
-                    .as_ref()
-                    .is_some_and(|r| r.index == index && r.boot_id == boot_id);
-                if !same {
-                    rs.reboot = Some(RebootRequest {
-                        index,
-                        boot_id,
-                        requested_at_ms: ts,
-                    });
-                }
-                status.rebooting = true;
-                if let Some(c) = status.changes.get_mut(index as usize) {
-                    c.state = ChangeState::Running;
-                }
-                point_at_step(status, false, Some(index + 1));
-                status.progress.message = crate::engine::status::reboot_message(status);
-            }
-            (
-                Record::CheckDone {
-                    index,
-                    passed,
-                    message,
-                    ..
-                },
-                Some(rs),
-            ) => {
-                if passed {
-                    rs.checks_passed.insert(index);
-                } else if let Some(check) = status.checks.get(index as usize) {
-                    status.error = Some(ErrorInfo {
-                        kind: ErrorKind::Verification,
-                        step: Some(format!("verify[{index}] {} {}", check.kind, check.target)),
-                        detail: message.clone(),
-                    });
-                }
-                if let Some(c) = status.checks.get_mut(index as usize) {
-                    c.state = if passed {
-                        CheckState::Passed
-                    } else {
-                        CheckState::Failed
-                    };
-                    c.message = message;
-                }
-                status.progress.current = status.changes.len() as u32 + index + 1;
-                status.progress.message = format!("verify[{index}]");
-                rs.last_ts = ts;
-            }
-            (Record::CancelRequested { reason, by, .. }, Some(rs)) => {
-                rs.cancel_requested = true;
-                rs.cancel_reason = match (by.is_empty(), reason.is_empty()) {
-                    (true, true) => String::new(),
-                    (false, true) => format!(" by {by}"),
-                    (true, false) => format!(": {reason}"),
-                    (false, false) => format!(" by {by}: {reason}"),
-                };
-            }
-            (Record::VersionResolved { index, version, .. }, Some(rs)) => {
-                if let Some(c) = status.changes.get_mut(index as usize)
-                    && let Some((name, _)) = c.target.split_once('=')
-                {
-                    c.target = format!("{name}={version}");
-                }
-                if live {
-                    let mut versions = BTreeMap::new();
-                    versions.insert(index, version.clone());
-                    rs.plan = Arc::new(resolved_plan(&rs.plan, &versions, &[]));
-                }
-                rs.versions.insert(index, version);
-                rs.last_ts = ts;
-            }
-            (Record::PruneResolved { paths, .. }, Some(rs)) => {
-                if rs.pruned.is_none() {
-                    let first = status.changes.len() as u32;
-                    for (i, path) in paths.iter().enumerate() {
-                        status.changes.push(ChangeStatus {
-                            index: first + i as u32,
-                            kind: crate::plan::ChangeKind::Absent,
-                            target: path.clone(),
-                            state: ChangeState::Pending,
-                            message: String::new(),
-                            disruption: crate::plan::Disruption::None,
-                            duration_ms: None,
-                        });
-                    }
-                    status.counts.total = status.changes.len() as u32;
-                    status.progress.total += paths.len() as u32;
-                    if live {
-                        rs.plan = Arc::new(resolved_plan(&rs.plan, &BTreeMap::new(), &paths));
-                    }
-                    rs.pruned = Some(paths);
-                }
-                rs.last_ts = ts;
-            }
-            (Record::PlanFinished { phase, error, .. }, state) => {
-                if let Some(rs) = state
-                    && let Some(set) = &rs.prune_set
-                {
-                    let members = self.sets.entry(set.clone()).or_default();
-                    match phase {
-                        // The node holds exactly this plan's files of the set.
-                        Phase::Succeeded => {
-                            *members = rs.members.iter().cloned().collect();
-                        }
-                        // Everything this run did was undone.
-                        Phase::RolledBack => {}
-                        // Partly applied: the set may hold both plans' files.
-                        _ => members.extend(rs.members.iter().cloned()),
-                    }
-                }
-                status.phase = phase;
-                status.finished_at_ms = Some(ts);
-                status.rebooting = false;
-                if error.is_some() {
-                    status.error = error;
-                }
-                status.progress.message = phase.to_string();
-                for c in &mut status.changes {
-                    if c.state == ChangeState::Pending || c.state == ChangeState::Running {
-                        c.state = ChangeState::Skipped;
-                    }
-                }
-                for c in &mut status.checks {
-                    if c.state == CheckState::Pending || c.state == CheckState::Running {
-                        c.state = CheckState::Skipped;
-                    }
-                }
-                finished = true;
-            }
-            _ => {}
-        }
-        if finished {
-            let phase = status.phase;
-            self.runs.remove(&run);
-            if let Some(doc) = self.docs.remove(&run)
-                && phase != Phase::Succeeded
-            {
-                self.retained.insert(run, doc);
-            }
-            self.trim();
-        }
     }
 
     /// Bounds memory: per-change results only for the newest finished plans, and at most
@@ -1036,7 +865,7 @@ impl Table {
                 .map(|p| {
                     let kept = self.retained.get(&p.run);
                     Record::Summary {
-                        status: Box::new(p.clone()),
+                        status: Box::new(journaled::summary_of(p)),
                         plan: kept.map(|k| k.doc.clone()),
                         bodies: kept.and_then(|k| k.bodies.clone()),
                     }
@@ -1051,6 +880,359 @@ impl Table {
             .get(set)
             .map(|m| m.iter().cloned().collect())
             .unwrap_or_default()
+    }
+}
+
+/// Where a record sits in the journal.
+#[derive(Debug, Clone, Copy)]
+struct At {
+    seq: u64,
+    ts: u64,
+}
+
+/// The fold of one record of an unfinished run: its status and its resume state. One
+/// function per record kind.
+struct RunFold<'a> {
+    status: &'a mut PlanStatus,
+    rs: &'a mut RunState,
+    at: At,
+    /// False while the journal is replayed (see [`Table`]'s `live`).
+    live: bool,
+}
+
+impl RunFold<'_> {
+    /// `Phase` (already checked against the state machine).
+    fn phase(&mut self, phase: Phase, error: Option<ErrorInfo>) {
+        let status = &mut *self.status;
+        if status.phase == Phase::Pending && phase != Phase::Pending {
+            status.started_at_ms = Some(self.at.ts);
+        }
+        status.phase = phase;
+        if error.is_some() {
+            status.error = error;
+        }
+        status.progress.message = phase_message(phase);
+        self.rs.last_ts = self.at.ts;
+    }
+
+    /// `VersionResolved`: the change's target and the run's plan name the exact version.
+    fn version_resolved(&mut self, index: u32, version: String) {
+        if let Some(c) = self.status.changes.get_mut(index as usize)
+            && let Some((name, _)) = c.target.split_once('=')
+        {
+            c.target = format!("{name}={version}");
+        }
+        let rs = &mut *self.rs;
+        if self.live {
+            let mut versions = BTreeMap::new();
+            versions.insert(index, version.clone());
+            rs.plan = Arc::new(resolved_plan(&rs.plan, &versions, &[]));
+        }
+        rs.versions.insert(index, version);
+        rs.last_ts = self.at.ts;
+    }
+
+    /// `PruneResolved`: the paths the managed set removes become `absent` changes after
+    /// the plan's own (once: the first decision stands).
+    fn prune_resolved(&mut self, paths: Vec<String>) {
+        let (status, rs) = (&mut *self.status, &mut *self.rs);
+        if rs.pruned.is_none() {
+            let first = status.changes.len() as u32;
+            for (i, path) in paths.iter().enumerate() {
+                status.changes.push(ChangeStatus {
+                    index: first + i as u32,
+                    kind: crate::plan::ChangeKind::Absent,
+                    target: path.clone(),
+                    state: ChangeState::Pending,
+                    message: String::new(),
+                    disruption: crate::plan::Disruption::None,
+                    duration_ms: None,
+                });
+            }
+            status.counts.total = status.changes.len() as u32;
+            status.progress.total += paths.len() as u32;
+            if self.live {
+                rs.plan = Arc::new(resolved_plan(&rs.plan, &BTreeMap::new(), &paths));
+            }
+            rs.pruned = Some(paths);
+        }
+        rs.last_ts = self.at.ts;
+    }
+
+    /// `StepStarted`: the change is running; its pre-images (deduplicated: a resumed change
+    /// announces only what it had not captured) are what rollback restores.
+    fn step_started(&mut self, index: u32, preimages: Vec<Preimage>, planned: Vec<String>) {
+        let rs = &mut *self.rs;
+        if !planned.is_empty() {
+            rs.planned.insert(index, planned);
+        }
+        let entry = rs.preimages.entry(index).or_default();
+        for p in preimages {
+            if !entry.contains(&p) {
+                entry.push(p);
+            }
+        }
+        if let Some(c) = self.status.changes.get_mut(index as usize) {
+            c.state = ChangeState::Running;
+        }
+        point_at_step(self.status, self.live, Some(index + 1));
+    }
+
+    /// `StepDone`: the change is in its desired state (counted once, also when a resumed
+    /// run says it again); a reboot change done means the node came back.
+    fn step_done(&mut self, index: u32, changed: bool, message: String) {
+        let (status, rs, at) = (&mut *self.status, &mut *self.rs, self.at);
+        if rs.done.insert(index) {
+            if changed {
+                status.counts.changed += 1;
+            } else {
+                status.counts.unchanged += 1;
+            }
+        }
+        if let Some(c) = status.changes.get_mut(index as usize) {
+            c.state = if changed {
+                ChangeState::Changed
+            } else {
+                ChangeState::Unchanged
+            };
+            c.message = message;
+            c.duration_ms = Some(at.ts.saturating_sub(rs.last_ts));
+        }
+        point_at_step(status, self.live, Some(index + 1));
+        rs.last_ts = at.ts;
+        let is_reboot = status
+            .changes
+            .get(index as usize)
+            .is_some_and(|c| c.kind == crate::plan::ChangeKind::Reboot);
+        if is_reboot {
+            status.rebooting = false;
+            rs.reboot = None;
+            if changed {
+                rs.rebooted_at = Some(index);
+                let said = status
+                    .changes
+                    .get(index as usize)
+                    .map(|c| format!("changes[{index}]: {}", c.message))
+                    .unwrap_or_default();
+                push_event(status, at.seq, at.ts, said);
+            }
+        }
+    }
+
+    /// `StepFailed`: the change failed; its error is the run's.
+    fn step_failed(&mut self, index: u32, error: ErrorInfo) {
+        let (status, rs) = (&mut *self.status, &mut *self.rs);
+        if let Some(c) = status.changes.get_mut(index as usize) {
+            c.state = ChangeState::Failed;
+            c.message = error.detail.clone();
+            c.duration_ms = Some(self.at.ts.saturating_sub(rs.last_ts));
+        }
+        status.progress.current = index + 1;
+        status.error = Some(error);
+        rs.last_ts = self.at.ts;
+    }
+
+    /// `StepAbandoned`: announced, never touched; it is pending again, with nothing to
+    /// restore.
+    fn step_abandoned(&mut self, index: u32) {
+        self.rs.preimages.remove(&index);
+        self.rs.planned.remove(&index);
+        if let Some(c) = self.status.changes.get_mut(index as usize) {
+            c.state = ChangeState::Pending;
+        }
+        point_at_step(self.status, self.live, None);
+    }
+
+    /// `StepRolledBack`: restored from its pre-images.
+    fn step_rolled_back(&mut self, index: u32) {
+        let (status, rs) = (&mut *self.status, &mut *self.rs);
+        if rs.rolled_back.insert(index) {
+            status.counts.rolled_back += 1;
+        }
+        rs.rollback_failed.remove(&index);
+        if let Some(c) = status.changes.get_mut(index as usize) {
+            c.state = ChangeState::RolledBack;
+        }
+        if self.live {
+            status.progress.message = format!("rolled back {}", step_name(index, &rs.plan));
+        }
+        rs.last_ts = self.at.ts;
+    }
+
+    /// `StepRollbackFailed`: rollback could not restore the change.
+    fn step_rollback_failed(&mut self, index: u32, error: ErrorInfo) {
+        let (status, rs) = (&mut *self.status, &mut *self.rs);
+        rs.rollback_failed.insert(index);
+        if let Some(c) = status.changes.get_mut(index as usize) {
+            c.state = ChangeState::RollbackFailed;
+            c.message = error.detail;
+        }
+        if self.live {
+            status.progress.message = format!("could not roll back {}", step_name(index, &rs.plan));
+        }
+        rs.last_ts = self.at.ts;
+    }
+
+    /// `DaemonReloaded`, forward or during rollback (each is done once per run).
+    fn daemon_reloaded(&mut self, rollback: bool) {
+        self.status.progress.message = format!(
+            "systemd reloaded unit files{}",
+            if rollback { " (rollback)" } else { "" }
+        );
+        if rollback {
+            self.rs.reloaded.1 = true;
+        } else {
+            self.rs.reloaded.0 = true;
+        }
+    }
+
+    /// `UnitRestarted`, written by earlier versions: a restart, done or skipped.
+    fn unit_restarted(&mut self, unit: String, rollback: bool, skipped: bool, message: String) {
+        self.rs.unit_jobs.push(super::units::JobRecord {
+            unit,
+            job: crate::base::units::UnitJob::Restart,
+            rollback,
+            before: Default::default(),
+            outcome: Some(if skipped {
+                UnitJobOutcome::Skipped
+            } else {
+                UnitJobOutcome::Done
+            }),
+            message: message.clone(),
+            queued: !skipped,
+        });
+        self.status.progress.message = message;
+    }
+
+    /// `UnitJobStarted`: a job is about to be queued (with the unit's state before it).
+    fn unit_job_started(&mut self, unit: String, job: UnitJob, rollback: bool, before: UnitBefore) {
+        self.status.progress.message = format!(
+            "{} {unit}{}",
+            match job {
+                UnitJob::Start => "starting",
+                UnitJob::Stop => "stopping",
+                UnitJob::Restart => "restarting",
+            },
+            if rollback { " (rollback)" } else { "" }
+        );
+        self.rs.unit_jobs.push(super::units::JobRecord {
+            unit,
+            job,
+            rollback,
+            before,
+            outcome: None,
+            message: String::new(),
+            queued: true,
+        });
+    }
+
+    /// `UnitJobDone`: ends the open job of the unit, or records one that was never queued
+    /// (skipped).
+    fn unit_job_done(
+        &mut self,
+        unit: String,
+        job: UnitJob,
+        rollback: bool,
+        outcome: UnitJobOutcome,
+        message: String,
+    ) {
+        let open = self
+            .rs
+            .unit_jobs
+            .iter_mut()
+            .rev()
+            .find(|j| j.unit == unit && j.rollback == rollback && j.outcome.is_none());
+        self.status.progress.message = message.clone();
+        match open {
+            Some(j) => {
+                j.outcome = Some(outcome);
+                j.message = message;
+            }
+            None => self.rs.unit_jobs.push(super::units::JobRecord {
+                unit,
+                job,
+                rollback,
+                before: Default::default(),
+                outcome: Some(outcome),
+                message,
+                queued: false,
+            }),
+        }
+    }
+
+    /// `ServiceManager`: journaled each time an agent (re)starts driving the run; a second
+    /// one means it restarted in the middle and resumed.
+    fn service_manager(&mut self, description: String) {
+        let status = &mut *self.status;
+        self.rs.drives += 1;
+        if self.rs.drives > 1 {
+            let message = format!(
+                "the agent restarted; the run resumes in {} at step {}/{}",
+                status.phase, status.progress.current, status.progress.total
+            );
+            push_event(status, self.at.seq, self.at.ts, message);
+        }
+        status.services = description;
+    }
+
+    /// `RebootRequested`: the run waits for the node to come back. Asked again from the
+    /// same boot (after a restart of the agent), the first request time stays, so the step
+    /// timeout is not extended.
+    fn reboot_requested(&mut self, index: u32, boot_id: String) {
+        let (status, rs) = (&mut *self.status, &mut *self.rs);
+        let same = rs
+            .reboot
+            .as_ref()
+            .is_some_and(|r| r.index == index && r.boot_id == boot_id);
+        if !same {
+            rs.reboot = Some(RebootRequest {
+                index,
+                boot_id,
+                requested_at_ms: self.at.ts,
+            });
+        }
+        status.rebooting = true;
+        if let Some(c) = status.changes.get_mut(index as usize) {
+            c.state = ChangeState::Running;
+        }
+        point_at_step(status, false, Some(index + 1));
+        status.progress.message = reboot_message(status);
+    }
+
+    /// `CheckDone`: a gate passed, or failed (its failure is the run's error).
+    fn check_done(&mut self, index: u32, passed: bool, message: String) {
+        let (status, rs) = (&mut *self.status, &mut *self.rs);
+        if passed {
+            rs.checks_passed.insert(index);
+        } else if let Some(check) = status.checks.get(index as usize) {
+            status.error = Some(ErrorInfo {
+                kind: ErrorKind::Verification,
+                step: Some(format!("verify[{index}] {} {}", check.kind, check.target)),
+                detail: message.clone(),
+            });
+        }
+        if let Some(c) = status.checks.get_mut(index as usize) {
+            c.state = if passed {
+                CheckState::Passed
+            } else {
+                CheckState::Failed
+            };
+            c.message = message;
+        }
+        status.progress.current = status.changes.len() as u32 + index + 1;
+        status.progress.message = format!("verify[{index}]");
+        rs.last_ts = self.at.ts;
+    }
+
+    /// `CancelRequested`: honoured by the runner at the next step boundary.
+    fn cancel_requested(&mut self, reason: &str, by: &str) {
+        self.rs.cancel_requested = true;
+        self.rs.cancel_reason = match (by.is_empty(), reason.is_empty()) {
+            (true, true) => String::new(),
+            (false, true) => format!(" by {by}"),
+            (true, false) => format!(": {reason}"),
+            (false, false) => format!(" by {by}: {reason}"),
+        };
     }
 }
 
@@ -1113,7 +1295,7 @@ mod tests {
             3,
             Record::PlanFinished {
                 run: 1,
-                phase: Phase::Succeeded,
+                phase: Phase::Succeeded.into(),
                 error: None,
             },
         ));
@@ -1144,7 +1326,7 @@ mod tests {
             accepted(&plan),
             Record::Phase {
                 run: 1,
-                phase: Phase::Applying,
+                phase: Phase::Applying.into(),
                 error: None,
             },
             Record::RebootRequested {
@@ -1176,7 +1358,7 @@ mod tests {
             accepted(&plan),
             Record::Phase {
                 run: 1,
-                phase: Phase::Applying,
+                phase: Phase::Applying.into(),
                 error: None,
             },
             Record::StepDone {
@@ -1262,14 +1444,16 @@ mod tests {
             table.apply(entry(seq, 1000 + seq, r));
         };
         apply(&mut table, accepted(&plan));
-        apply(
-            &mut table,
-            Record::Phase {
-                run: 1,
-                phase: Phase::Applying,
-                error: None,
-            },
-        );
+        for phase in [Phase::Preparing, Phase::Applying] {
+            apply(
+                &mut table,
+                Record::Phase {
+                    run: 1,
+                    phase: phase.into(),
+                    error: None,
+                },
+            );
+        }
         for index in 0..3 {
             table.set_running(1, index);
             apply(
@@ -1315,7 +1499,7 @@ mod tests {
             &mut table,
             Record::Phase {
                 run: 1,
-                phase: Phase::Verifying,
+                phase: Phase::Verifying.into(),
                 error: None,
             },
         );
@@ -1345,14 +1529,17 @@ mod tests {
             run: 1,
             description: description.into(),
         };
+        let phase = |phase: Phase| Record::Phase {
+            run: 1,
+            phase: phase.into(),
+            error: None,
+        };
         let records = [
             accepted(&plan),
             service("systemd"),
-            Record::Phase {
-                run: 1,
-                phase: Phase::Restarting,
-                error: None,
-            },
+            phase(Phase::Preparing),
+            phase(Phase::Applying),
+            phase(Phase::Restarting),
             service("systemd"),
             Record::DaemonReloaded {
                 run: 1,
@@ -1361,9 +1548,9 @@ mod tests {
             Record::UnitJobStarted {
                 run: 1,
                 unit: "kubelet.service".into(),
-                job: crate::host::systemd::UnitJob::Restart,
+                job: crate::base::units::UnitJob::Restart,
                 rollback: false,
-                before: crate::host::systemd::UnitBefore {
+                before: crate::base::units::UnitBefore {
                     active_state: "active".into(),
                     sub_state: "running".into(),
                     invocation_id: Some("0123456789abcdef0123456789abcdef".into()),
@@ -1372,7 +1559,7 @@ mod tests {
             Record::UnitJobDone {
                 run: 1,
                 unit: "kubelet.service".into(),
-                job: crate::host::systemd::UnitJob::Restart,
+                job: crate::base::units::UnitJob::Restart,
                 rollback: false,
                 outcome: crate::journal::UnitJobOutcome::Done,
                 message: "restarted kubelet.service in 20 ms: unit is active/running, InvocationID fedcba987654".into(),
@@ -1392,16 +1579,16 @@ mod tests {
             events,
             [
                 (
-                    4,
+                    6,
                     "the agent restarted; the run resumes in Restarting at step 0/1"
                 ),
-                (5, "systemd reloaded unit files"),
+                (7, "systemd reloaded unit files"),
                 (
-                    6,
+                    8,
                     "restarting kubelet.service (it was active/running, InvocationID 0123456789ab)"
                 ),
                 (
-                    7,
+                    9,
                     "restarted kubelet.service in 20 ms: unit is active/running, InvocationID fedcba987654"
                 ),
             ]

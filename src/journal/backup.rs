@@ -4,14 +4,14 @@
 //! so a `StepStarted` record never points at a missing backup. Identical content is stored
 //! once. Blobs no unfinished plan references are removed by [`BackupStore::retain`].
 
-use crate::base::FileMeta;
 use std::collections::HashSet;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use crate::host::fs::{open_dir, write_in_dir};
+use crate::base::sha256::VerifyingReader;
+use crate::failpoint;
 
 /// The backup store of one state directory.
 #[derive(Debug, Clone)]
@@ -77,13 +77,28 @@ impl BackupStore {
             move |source| BackupError::Io { path, op, source }
         };
         super::create_private_dir(&self.dir).map_err(io("create", &self.dir))?;
-        let dir = open_dir(&self.dir).map_err(io("open", &self.dir))?;
-        let meta = FileMeta {
-            mode: 0o600,
-            uid: rustix::process::geteuid().as_raw(),
-            gid: rustix::process::getegid().as_raw(),
+        // Written next to its place under a name of its own (a crash may have left it: only
+        // one agent writes the store), synced, renamed into place, and the rename synced.
+        let tmp = self.dir.join(format!(".{sha}.partial"));
+        let _ = std::fs::remove_file(&tmp);
+        let write = || -> Result<(), (&'static str, io::Error)> {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(|e| ("create temp file for", e))?;
+            f.write_all(content).map_err(|e| ("write", e))?;
+            f.sync_all().map_err(|e| ("sync", e))?;
+            failpoint::hit("backup.before_rename");
+            std::fs::rename(&tmp, &path).map_err(|e| ("rename", e))?;
+            super::sync_dir(&self.dir).map_err(|e| ("sync directory of", e))
         };
-        write_in_dir(&dir, &sha, content, meta).map_err(|(op, e)| io(op, &path)(e))?;
+        if let Err((op, e)) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(op, &path)(e));
+        }
         Ok(sha)
     }
 
@@ -120,23 +135,20 @@ impl BackupStore {
         tmp.as_file().sync_all().map_err(io("sync", tmp.path()))?;
         tmp.persist(&path)
             .map_err(|e| io("rename", &path)(e.error))?;
-        crate::host::fs::sync_dir(&self.dir).map_err(io("sync", &self.dir))?;
+        super::sync_dir(&self.dir).map_err(io("sync", &self.dir))?;
         Ok(sha)
     }
 
     /// A reader of a blob that checks it against its name as it goes: the read that reaches
     /// the end fails when the content does not match (nothing is held in memory).
-    pub fn open(
-        &self,
-        sha: &str,
-    ) -> Result<crate::host::download::VerifyingReader<std::fs::File>, BackupError> {
+    pub fn open(&self, sha: &str) -> Result<VerifyingReader<std::fs::File>, BackupError> {
         let path = self.blob(sha);
         let file = std::fs::File::open(&path).map_err(|source| BackupError::Io {
             path: path.clone(),
             op: "open",
             source,
         })?;
-        Ok(crate::host::download::VerifyingReader::new(
+        Ok(VerifyingReader::new(
             file,
             sha,
             format!(

@@ -14,6 +14,10 @@
 //! and made durable by the next sync. Compaction rewrites the file atomically when no plan
 //! is unfinished, keeping one summary per retained plan. An exclusive `flock` on
 //! `<state>/journal/lock` keeps two agents from writing at once.
+//!
+//! The records (`record.rs`) are the journal's own types, format version
+//! [`FORMAT_VERSION`]; the engine converts its state to and from them. The journal depends on
+//! neither the engine nor the host: it writes only its own state directory.
 
 pub mod backup;
 pub mod bodies;
@@ -27,7 +31,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub use record::{
-    ChangeSummary, CheckSummary, FileBefore, PlanDoc, Preimage, Record, UnitJobOutcome,
+    ChangeSummary, CheckSummary, FileBefore, PlanDoc, Preimage, Record, RunPhase, SummaryChange,
+    SummaryChangeState, SummaryCheck, SummaryCheckState, SummaryCounts, SummaryEvent,
+    SummaryProgress, SummaryStatus, UnitJobOutcome,
 };
 
 use crate::failpoint;
@@ -91,8 +97,26 @@ fn decode_hash(text: &[u8]) -> Option<[u8; 32]> {
     (bad == 0).then_some(out)
 }
 
+/// The journal format this agent writes and reads. A record's envelope names its version
+/// only when it is not 1 (`{"v":2,"seq":...}`), so every journal written so far is version
+/// 1 without saying so. A format change that an agent of this version would misread bumps
+/// it; a reader refuses a record of a newer version wherever it is in the file (its hash
+/// checks out, so it is no torn tail to truncate): an older agent must neither guess at nor
+/// cut off what a newer one wrote.
+pub const FORMAT_VERSION: u32 = 1;
+
+fn is_v1(v: &u32) -> bool {
+    *v == 1
+}
+
+fn v1() -> u32 {
+    1
+}
+
 #[derive(Serialize)]
 struct EnvelopeOut<'a> {
+    #[serde(skip_serializing_if = "is_v1")]
+    v: u32,
     seq: u64,
     ts: u64,
     rec: &'a Record,
@@ -100,9 +124,26 @@ struct EnvelopeOut<'a> {
 
 #[derive(Deserialize)]
 struct EnvelopeIn {
+    #[serde(default = "v1")]
+    v: u32,
     seq: u64,
     ts: u64,
     rec: Record,
+}
+
+/// The envelope without its record: what a record this agent cannot decode still tells.
+#[derive(Deserialize)]
+struct EnvelopeHead {
+    #[serde(default = "v1")]
+    v: u32,
+}
+
+/// Why a line does not read.
+enum Bad {
+    /// It may be a write cut short by a crash (incomplete, or failing its hash).
+    Damaged(String),
+    /// Its hash checks out, so it was written whole, but this agent cannot read it.
+    Unreadable(String),
 }
 
 /// Journal errors.
@@ -131,6 +172,23 @@ pub enum JournalError {
         /// Its byte offset.
         offset: u64,
         /// What is wrong with it.
+        reason: String,
+    },
+    /// A record was written whole (its hash checks out) but this agent cannot read it: a
+    /// newer journal format, or a record kind it does not know.
+    #[error(
+        "journal {path}: record {seq} (byte offset {offset}) cannot be read by this agent, \
+         which reads journal format v{FORMAT_VERSION}: {reason}; it was written by another \
+         version of inplace-agent: run that version or a newer one"
+    )]
+    Unreadable {
+        /// The file.
+        path: PathBuf,
+        /// The sequence number of the record.
+        seq: u64,
+        /// Its byte offset.
+        offset: u64,
+        /// What does not read.
         reason: String,
     },
     /// Another process holds the journal.
@@ -210,30 +268,40 @@ impl Reader {
         self.offset
     }
 
-    fn decode(&self, line: &[u8]) -> Result<(EnvelopeIn, [u8; 32]), String> {
+    fn decode(&self, line: &[u8]) -> Result<(EnvelopeIn, [u8; 32]), Bad> {
+        let damaged = |why: &str| Bad::Damaged(why.to_string());
         let body = line
             .strip_suffix(b"\n")
-            .ok_or_else(|| "record is incomplete (no end of line)".to_string())?;
+            .ok_or_else(|| damaged("record is incomplete (no end of line)"))?;
         if body.len() < 66 || body[64] != b' ' {
-            return Err("record is not '<hash> <json>'".into());
+            return Err(damaged("record is not '<hash> <json>'"));
         }
-        let hash = decode_hash(&body[..64]).ok_or_else(|| "bad hash".to_string())?;
+        let hash = decode_hash(&body[..64]).ok_or_else(|| damaged("bad hash"))?;
         let json = &body[65..];
         let mut h = Sha256::new();
         h.update(self.prev);
         h.update(json);
         if h.finalize().as_slice() != hash {
-            return Err("hash does not match the chain".into());
+            return Err(damaged("hash does not match the chain"));
         }
-        let env: EnvelopeIn =
-            serde_json::from_slice(json).map_err(|e| format!("undecodable record: {e}"))?;
+        let env: EnvelopeIn = serde_json::from_slice(json).map_err(|e| {
+            Bad::Unreadable(match serde_json::from_slice::<EnvelopeHead>(json) {
+                Ok(head) if head.v > FORMAT_VERSION => {
+                    format!("it is journal format v{}", head.v)
+                }
+                _ => format!("undecodable record: {e}"),
+            })
+        })?;
+        if env.v > FORMAT_VERSION {
+            return Err(Bad::Unreadable(format!("it is journal format v{}", env.v)));
+        }
         if let Some(want) = self.next_seq
             && env.seq != want
         {
-            return Err(format!(
+            return Err(Bad::Damaged(format!(
                 "sequence number {} where {want} was expected",
                 env.seq
-            ));
+            )));
         }
         Ok((env, hash))
     }
@@ -275,7 +343,16 @@ impl Iterator for Reader {
                 self.next_seq = Some(env.seq + 1);
                 Some(Ok(entry))
             }
-            Err(reason) => {
+            Err(Bad::Unreadable(reason)) => {
+                self.done = true;
+                Some(Err(JournalError::Unreadable {
+                    path: self.path.clone(),
+                    seq: self.next_seq(),
+                    offset: self.offset,
+                    reason,
+                }))
+            }
+            Err(Bad::Damaged(reason)) => {
                 self.done = true;
                 let at_end = match self.buf.fill_buf() {
                     Ok(rest) => rest.is_empty(),
@@ -399,7 +476,7 @@ impl Journal {
         file.seek(SeekFrom::End(0)).map_err(io_at(&path))?;
         if !existed {
             // A new journal file must survive a crash together with its first records.
-            crate::host::fs::sync_dir(&dir).map_err(io_at(&dir))?;
+            sync_dir(&dir).map_err(io_at(&dir))?;
         }
         Ok((
             Journal {
@@ -423,6 +500,7 @@ impl Journal {
         failpoint::hit("journal.append.before");
         let seq = self.next_seq;
         let json = serde_json::to_vec(&EnvelopeOut {
+            v: FORMAT_VERSION,
             seq,
             ts,
             rec: &record,
@@ -498,8 +576,13 @@ impl Journal {
         };
         let count = records.len() as u64 + 1;
         for rec in std::iter::once(anchor).chain(records) {
-            let json = serde_json::to_vec(&EnvelopeOut { seq, ts, rec: &rec })
-                .map_err(|e| io_at(&tmp)(io::Error::other(e)))?;
+            let json = serde_json::to_vec(&EnvelopeOut {
+                v: FORMAT_VERSION,
+                seq,
+                ts,
+                rec: &rec,
+            })
+            .map_err(|e| io_at(&tmp)(io::Error::other(e)))?;
             let mut h = Sha256::new();
             h.update(prev);
             h.update(&json);
@@ -521,7 +604,7 @@ impl Journal {
             drop(f);
             failpoint::hit("journal.compact.before_rename");
             std::fs::rename(&tmp, &self.path)?;
-            crate::host::fs::sync_dir(&self.dir)?;
+            sync_dir(&self.dir)?;
             OpenOptions::new().append(true).read(true).open(&self.path)
         };
         let file = match write() {
@@ -538,6 +621,11 @@ impl Journal {
         self.last_hash = prev;
         Ok(())
     }
+}
+
+/// fsyncs a directory of the state directory (a new or renamed entry in it is durable).
+fn sync_dir(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()
 }
 
 /// Creates a directory (and parents) readable only by its owner.
@@ -626,12 +714,11 @@ pub fn verify(state_dir: &Path) -> Result<VerifyReport, JournalError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::status::Phase;
 
     fn rec(run: u64) -> Record {
         Record::Phase {
             run,
-            phase: Phase::Applying,
+            phase: RunPhase::Applying,
             error: None,
         }
     }
@@ -757,5 +844,155 @@ mod tests {
         assert_eq!(seen.iter().map(|e| e.seq).collect::<Vec<_>>(), [11, 12, 13]);
         let report = verify(t.path()).unwrap();
         assert_eq!(report.records, 3);
+    }
+}
+
+#[cfg(test)]
+mod format_tests {
+    use super::*;
+
+    const GOLDEN: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/golden-journal/state/journal/journal.log"
+    );
+
+    /// The journal's own types read every record the release of the golden journal wrote
+    /// and write it back byte for byte: the exact spellings of the format, version 1.
+    #[test]
+    fn golden_records_re_encode_byte_for_byte() {
+        let text = std::fs::read_to_string(GOLDEN).unwrap();
+        let mut kinds = std::collections::BTreeSet::new();
+        for line in text.lines() {
+            let json = &line[65..];
+            let env: EnvelopeIn = serde_json::from_str(json).unwrap();
+            assert_eq!(env.v, 1, "no version written means version 1");
+            kinds.insert(env.rec.name());
+            let again = serde_json::to_string(&EnvelopeOut {
+                v: FORMAT_VERSION,
+                seq: env.seq,
+                ts: env.ts,
+                rec: &env.rec,
+            })
+            .unwrap();
+            assert_eq!(again, json);
+        }
+        for kind in [
+            "compacted",
+            "summary",
+            "planAccepted",
+            "phase",
+            "stepStarted",
+        ] {
+            assert!(kinds.contains(kind), "{kind} not in the fixture: {kinds:?}");
+        }
+    }
+
+    /// Appends a line whose hash fits the chain, with any JSON.
+    fn append_raw(dir: &Path, json: &str) {
+        let path = file_path(dir);
+        let mut last = [0u8; 32];
+        if let Some(reader) = Reader::open(&path).unwrap() {
+            for e in reader {
+                last = e.unwrap().hash;
+            }
+        }
+        let mut h = Sha256::new();
+        h.update(last);
+        h.update(json.as_bytes());
+        let line = format!("{} {json}\n", hex::encode(h.finalize()));
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(line.as_bytes()).unwrap();
+    }
+
+    /// A record written whole by a newer agent (its hash checks out) is refused wherever it
+    /// is, naming it, and the file is left as it is: it is not a torn tail to cut off.
+    #[test]
+    fn records_of_a_newer_format_or_kind_are_refused_not_truncated() {
+        for (json, says) in [
+            (
+                r#"{"v":2,"seq":3,"ts":5,"rec":{"phase":{"run":1,"phase":"Applying"}}}"#,
+                "it is journal format v2",
+            ),
+            (
+                r#"{"v":2,"seq":3,"ts":5,"rec":{"teleported":{"run":1}}}"#,
+                "it is journal format v2",
+            ),
+            (
+                r#"{"seq":3,"ts":5,"rec":{"teleported":{"run":1}}}"#,
+                "undecodable record",
+            ),
+        ] {
+            let t = tempfile::tempdir().unwrap();
+            {
+                let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+                j.append(
+                    1,
+                    Record::SetMembers {
+                        set: "s".into(),
+                        paths: Vec::new(),
+                    },
+                    true,
+                )
+                .unwrap();
+                j.append(
+                    2,
+                    Record::SetMembers {
+                        set: "t".into(),
+                        paths: Vec::new(),
+                    },
+                    true,
+                )
+                .unwrap();
+            }
+            append_raw(t.path(), json);
+            let before = std::fs::read(file_path(t.path())).unwrap();
+            let err = Journal::open(t.path(), |_| {}).err().expect("refused");
+            let msg = err.to_string();
+            assert!(
+                matches!(err, JournalError::Unreadable { seq: 3, .. }),
+                "{msg}"
+            );
+            assert!(msg.contains(says), "{msg}");
+            assert!(msg.contains("reads journal format v1"), "{msg}");
+            assert_eq!(std::fs::read(file_path(t.path())).unwrap(), before);
+            assert!(verify(t.path()).is_err());
+        }
+    }
+
+    /// What this agent writes names no version (version 1, as every journal so far), and
+    /// reads back.
+    #[test]
+    fn records_are_written_as_version_1_without_saying_so() {
+        let t = tempfile::tempdir().unwrap();
+        {
+            let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+            j.append(
+                7,
+                Record::Phase {
+                    run: 1,
+                    phase: RunPhase::Verifying,
+                    error: None,
+                },
+                true,
+            )
+            .unwrap();
+        }
+        let text = std::fs::read_to_string(file_path(t.path())).unwrap();
+        assert!(
+            text.ends_with(
+                " {\"seq\":1,\"ts\":7,\"rec\":{\"phase\":{\"run\":1,\"phase\":\"Verifying\"}}}\n"
+            ),
+            "{text}"
+        );
+        let mut seen = Vec::new();
+        Journal::open(t.path(), |e| seen.push(e.record)).unwrap();
+        assert_eq!(
+            seen,
+            [Record::Phase {
+                run: 1,
+                phase: RunPhase::Verifying,
+                error: None
+            }]
+        );
     }
 }

@@ -1,13 +1,18 @@
-//! The records of the journal. Field names are part of the on-disk format: only add.
+//! The records of the journal: the on-disk contract, apart from the engine's state. Field
+//! names and spellings are part of the format (version [`super::FORMAT_VERSION`]): only add
+//! fields, with a default, so journals of earlier versions still read. The engine converts
+//! its state to and from these types (`engine::journaled`); a renamed engine field changes
+//! that conversion, never the file. The values embedded here are the journal's own or small
+//! shared value types whose serde form is itself fixed (`base`: errors, file metadata, unit
+//! jobs and states; `plan`: change kinds, disruption, node paths).
 
-use crate::base::ErrorInfo;
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
-
 use serde_json::value::RawValue;
 
-use crate::base::FileMeta;
-use crate::engine::status::{Phase, PlanStatus};
-use crate::host::systemd::{UnitBefore, UnitFileOp, UnitJob};
+use crate::base::units::{UnitBefore, UnitFileOp, UnitJob};
+use crate::base::{ErrorInfo, FileMeta};
 use crate::plan::{ChangeKind, Disruption, NodePath};
 
 /// A plan document kept as JSON text: replaying a journal does not parse the plans of runs
@@ -138,8 +143,8 @@ pub enum Record {
     Phase {
         /// Run number.
         run: u64,
-        /// The new phase.
-        phase: Phase,
+        /// The new phase (never a terminal one: a run ends with `PlanFinished`).
+        phase: RunPhase,
         /// Why, when the phase is entered because something failed (`RollingBack`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<ErrorInfo>,
@@ -323,14 +328,14 @@ pub enum Record {
         /// Run number.
         run: u64,
         /// Terminal phase.
-        phase: Phase,
+        phase: RunPhase,
         /// Why, when it did not succeed.
         error: Option<ErrorInfo>,
     },
     /// A finished plan carried over by compaction.
     Summary {
         /// Its final status (per-change results may be trimmed for old plans).
-        status: Box<PlanStatus>,
+        status: Box<SummaryStatus>,
         /// The canonical plan, kept for recent unsuccessful plans so they can be retried.
         plan: Option<PlanDoc>,
         /// The blob holding `plan`'s file contents, as in `PlanAccepted`.
@@ -436,9 +441,9 @@ impl Record {
             } => Some(format!(
                 "{} {unit}{} (it was {}/{}{})",
                 match job {
-                    crate::host::systemd::UnitJob::Start => "starting",
-                    crate::host::systemd::UnitJob::Stop => "stopping",
-                    crate::host::systemd::UnitJob::Restart => "restarting",
+                    UnitJob::Start => "starting",
+                    UnitJob::Stop => "stopping",
+                    UnitJob::Restart => "restarting",
                 },
                 if *rollback { " to roll back" } else { "" },
                 before.active_state,
@@ -460,7 +465,25 @@ impl Record {
                 "changes[{index}]: reboot requested from boot {boot_id}; waiting for the node \
                  to come back"
             )),
-            _ => None,
+            // Phases, steps and gates are in the status itself (phase, per-change and
+            // per-gate results); the rest is bookkeeping.
+            Record::Compacted { .. }
+            | Record::PlanAccepted { .. }
+            | Record::VersionResolved { .. }
+            | Record::PruneResolved { .. }
+            | Record::SetMembers { .. }
+            | Record::Phase { .. }
+            | Record::StepStarted { .. }
+            | Record::StepDone { .. }
+            | Record::StepOutput { .. }
+            | Record::StepFailed { .. }
+            | Record::StepAbandoned { .. }
+            | Record::StepRolledBack { .. }
+            | Record::StepRollbackFailed { .. }
+            | Record::ServiceManager { .. }
+            | Record::CheckDone { .. }
+            | Record::PlanFinished { .. }
+            | Record::Summary { .. } => None,
         }
     }
 }
@@ -544,4 +567,220 @@ pub enum FileBefore {
         /// Mode and owner.
         meta: FileMeta,
     },
+}
+
+/// A run's phase as the journal spells it (`"Applying"`). The engine's `Phase` converts to
+/// and from it; which moves between phases are legal is the engine's business
+/// (`Phase::can_become`), not the format's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RunPhase {
+    /// Accepted, not started.
+    Pending,
+    /// Re-validating against the node, downloading and checking artifacts.
+    Preparing,
+    /// Changing the node.
+    Applying,
+    /// Reloading systemd and restarting units.
+    Restarting,
+    /// Running the health gates.
+    Verifying,
+    /// Every change applied and every gate passed.
+    Succeeded,
+    /// Ended failed, not rolled back.
+    Failed,
+    /// Restoring what the run changed.
+    RollingBack,
+    /// Ended failed, every change restored.
+    RolledBack,
+    /// A newer plan took over.
+    Superseded,
+    /// Cancelled on request.
+    Cancelled,
+}
+
+impl RunPhase {
+    /// The name as written (`Applying`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunPhase::Pending => "Pending",
+            RunPhase::Preparing => "Preparing",
+            RunPhase::Applying => "Applying",
+            RunPhase::Restarting => "Restarting",
+            RunPhase::Verifying => "Verifying",
+            RunPhase::Succeeded => "Succeeded",
+            RunPhase::Failed => "Failed",
+            RunPhase::RollingBack => "RollingBack",
+            RunPhase::RolledBack => "RolledBack",
+            RunPhase::Superseded => "Superseded",
+            RunPhase::Cancelled => "Cancelled",
+        }
+    }
+}
+
+impl fmt::Display for RunPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The final status of a run, as a `Summary` record carries it after compaction dropped the
+/// run's own records. The shape is the one `Summary` records have always had.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SummaryStatus {
+    /// Plan id.
+    pub id: String,
+    /// Plan digest (`sha256:...`).
+    pub digest: String,
+    /// Attempt number.
+    pub attempt: u32,
+    /// Run number.
+    pub run: u64,
+    /// Where the plan came from (`cli`, `grpc`).
+    pub source: String,
+    /// The phase the run ended in.
+    pub phase: RunPhase,
+    /// Step i of n when it ended.
+    pub progress: SummaryProgress,
+    /// Per change (empty for old plans: only the newest keep them).
+    #[serde(default)]
+    pub changes: Vec<SummaryChange>,
+    /// Per gate.
+    #[serde(default)]
+    pub checks: Vec<SummaryCheck>,
+    /// Why it did not succeed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+    /// A reboot was pending.
+    #[serde(default)]
+    pub rebooting: bool,
+    /// How units were managed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub services: String,
+    /// Accepted (Unix ms).
+    pub accepted_at_ms: u64,
+    /// Started (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at_ms: Option<u64>,
+    /// Ended (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at_ms: Option<u64>,
+    /// Changes by result.
+    pub counts: SummaryCounts,
+    /// The run's newest events.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<SummaryEvent>,
+}
+
+/// Step i of n in a [`SummaryStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct SummaryProgress {
+    /// 1-based step.
+    pub current: u32,
+    /// Changes plus gates.
+    pub total: u32,
+    /// The last message.
+    pub message: String,
+}
+
+/// One change's result in a [`SummaryStatus`] (not [`ChangeSummary`], which is a change's
+/// kind and target in `PlanAccepted`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SummaryChange {
+    /// Position in `changes[]`.
+    pub index: u32,
+    /// Kind.
+    pub kind: ChangeKind,
+    /// Path, package or unit.
+    pub target: String,
+    /// How it ended.
+    pub state: SummaryChangeState,
+    /// The last thing said about it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+    /// Disruption when it changes something.
+    pub disruption: Disruption,
+    /// How long it took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+}
+
+/// How a change ended, as a [`SummaryChange`] spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SummaryChangeState {
+    /// Not reached.
+    Pending,
+    /// Being applied.
+    Running,
+    /// Already in the desired state.
+    Unchanged,
+    /// Changed.
+    Changed,
+    /// Failed.
+    Failed,
+    /// Changed, then restored.
+    RolledBack,
+    /// Changed, and rollback could not restore it.
+    RollbackFailed,
+    /// Not applied because the run ended first.
+    Skipped,
+}
+
+/// One gate's result in a [`SummaryStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SummaryCheck {
+    /// Position in `verify[]`.
+    pub index: u32,
+    /// Check kind (`httpGet`).
+    pub kind: String,
+    /// What it checks.
+    pub target: String,
+    /// How it ended.
+    pub state: SummaryCheckState,
+    /// What it saw last.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
+}
+
+/// How a gate ended, as a [`SummaryCheck`] spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SummaryCheckState {
+    /// Not run.
+    Pending,
+    /// Being polled.
+    Running,
+    /// Passed.
+    Passed,
+    /// Failed.
+    Failed,
+    /// Not run because the run ended first.
+    Skipped,
+}
+
+/// Changes by result in a [`SummaryStatus`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SummaryCounts {
+    /// Changes in the plan.
+    pub total: u32,
+    /// Changed.
+    pub changed: u32,
+    /// Already in the desired state.
+    pub unchanged: u32,
+    /// Restored by rollback.
+    pub rolled_back: u32,
+}
+
+/// One event of a run in a [`SummaryStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SummaryEvent {
+    /// The sequence number of the record it came from.
+    pub seq: u64,
+    /// When (Unix ms).
+    pub at_ms: u64,
+    /// What happened.
+    pub message: String,
 }

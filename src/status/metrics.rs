@@ -233,15 +233,16 @@ impl RecordObserver for Metrics {
     fn journaled(&self, record: &Record, ts: u64, status: Option<&PlanStatus>) {
         match record {
             Record::PlanFinished { phase, error, .. } => {
+                let phase = Phase::from(*phase);
                 self.plans
-                    .get_or_create(&[("result", phase_label(*phase))])
+                    .get_or_create(&[("result", phase_label(phase))])
                     .inc();
                 if let Some(e) = error {
                     self.plan_errors
                         .get_or_create(&[("kind", e.kind.as_str())])
                         .inc();
                 }
-                if *phase == Phase::Succeeded {
+                if phase == Phase::Succeeded {
                     self.last_success.set(ts as f64 / 1000.0);
                 }
             }
@@ -560,7 +561,7 @@ mod tests {
         m.journaled(
             &Record::PlanFinished {
                 run: 1,
-                phase: Phase::RolledBack,
+                phase: Phase::RolledBack.into(),
                 error: Some(ErrorInfo {
                     kind: ErrorKind::Systemd,
                     step: None,
@@ -573,7 +574,7 @@ mod tests {
         m.journaled(
             &Record::PlanFinished {
                 run: 2,
-                phase: Phase::Succeeded,
+                phase: Phase::Succeeded.into(),
                 error: None,
             },
             1_800_000_000_500,
