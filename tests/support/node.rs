@@ -1,6 +1,5 @@
-//! Shared helpers for the integration tests: a sandbox node tree, running the real binary,
+//! A sandbox node tree (a kubeadm worker's files in a temp dir), the real binary run on it,
 //! and snapshots of a whole tree (content hash, mode, owner) for before/after comparisons.
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
@@ -19,15 +18,18 @@ pub fn is_root() -> bool {
     rustix::process::geteuid().is_root()
 }
 
-/// Skips a root-only test outside CI with a loud message; fails it in CI.
-pub fn require_root(test: &str) -> bool {
+/// Whether a root-only test runs: yes as root; a failure when CI=true without root (CI must
+/// run it); otherwise a loud SKIP line saying `why` root is needed, and no.
+pub fn require_root(test: &str, why: &str) -> bool {
     if is_root() {
         return true;
     }
     if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{test} needs root and CI=true: it must run here");
+        panic!("{test} needs root ({why}) and CI=true: it must run here");
     }
-    eprintln!("SKIP {test}: needs root (CI runs it as root)");
+    super::say(&format!(
+        "\n*** SKIPPED {test}: needs root ({why}); CI runs it as root ***\n"
+    ));
     false
 }
 

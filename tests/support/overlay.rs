@@ -1,27 +1,9 @@
-//! Shared pieces of the host-level package tests: a disposable copy-on-write root, root checks
-//! and a child process that holds an fcntl lock.
-#![allow(dead_code)]
+//! Shared pieces of the host-level package tests: a disposable copy-on-write root, stand-in
+//! packages and an apt repository of them, and a child process that holds an fcntl lock.
 
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
-
-/// True when tests that need root must run: we are root, or CI=true (where skipping is a
-/// failure). Otherwise prints a loud skip notice and returns false.
-pub fn require_root(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("{test}: must run as root when CI=true");
-    }
-    // Straight to the stderr handle: libtest captures eprintln! of passing tests.
-    let _ = std::io::Write::write_all(
-        &mut std::io::stderr(),
-        format!("\n*** SKIPPED {test}: needs root (mounts an overlay root) ***\n").as_bytes(),
-    );
-    false
-}
 
 /// Runs a command on the host and panics with its output when it fails.
 pub fn sh(argv: &[&str]) -> String {
@@ -142,9 +124,9 @@ impl Drop for Overlay {
 
 const HOLD_ENV: &str = "INPLACE_AGENT_TEST_HOLD_LOCK";
 
-/// Body of the `lock_holder_process` helper test of each test binary: takes an fcntl write
-/// lock on the file named by the environment (as dpkg, apt and rpm do), says so, and keeps it
-/// until stdin closes. Does nothing when not started by [`LockHolder::start`].
+/// Body of the `lock_holder_process` helper test of each test module that holds locks: takes
+/// an fcntl write lock on the file named by the environment (as dpkg, apt and rpm do), says
+/// so, and keeps it until stdin closes. Does nothing when not started by [`LockHolder::start`].
 pub fn lock_holder_main() {
     let Ok(path) = std::env::var(HOLD_ENV) else {
         return;
@@ -168,10 +150,16 @@ pub struct LockHolder {
 }
 
 impl LockHolder {
-    /// Starts this test binary's `lock_holder_process` test as a child holding `path`.
-    pub fn start(path: &Path) -> LockHolder {
+    /// Starts the `lock_holder_process` test of the test module `module` (its
+    /// `module_path!()`) as a child, running this test binary again, holding `path`.
+    pub fn start(module: &str, path: &Path) -> LockHolder {
+        // libtest names a test by its module path without the crate.
+        let test = match module.split_once("::") {
+            Some((_, inner)) => format!("{inner}::lock_holder_process"),
+            None => "lock_holder_process".to_owned(),
+        };
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["lock_holder_process", "--exact", "--ignored", "--nocapture"])
+            .args([&test, "--exact", "--ignored", "--nocapture"])
             .env(HOLD_ENV, path)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -189,7 +177,7 @@ impl LockHolder {
             line.clear();
         }
         let status = child.wait();
-        panic!("lock holder exited without taking the lock: {status:?}");
+        panic!("lock holder {test} exited without taking the lock: {status:?}");
     }
 
     /// Its PID.

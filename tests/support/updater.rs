@@ -3,18 +3,16 @@
 //! sandbox node trees (each on its own loopback address, all on one port, as a fleet whose
 //! agents share `agentPort`), the real `inplace-updater serve` binary, and a client that
 //! calls it exactly as Cluster API does (`updater::emulate::CapiClient`).
-#![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
+use super::daemon::{Daemon, Ready, serve_command};
+use super::patience::deadline;
 use inplace_agent::updater::emulate::{CapiClient, CertFiles, Pki};
 use inplace_agent::updater::hooks::{
     HOOKS_API_VERSION, Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION,
@@ -28,67 +26,9 @@ pub const KUBELET_STANDIN: &str = env!("CARGO_BIN_EXE_kubelet-standin");
 /// The host name CAPI dials (the Service's DNS name); the serving certificate names it.
 pub const SERVICE_HOST: &str = "inplace-updater.inplace-system.svc";
 
-/// Upper bound for anything a test waits for.
-pub const PATIENCE: Duration = Duration::from_secs(120);
-
 /// What never appears in a log: the bootstrap token of the fixtures and a secret file body.
 pub const BOOTSTRAP_TOKEN: &str = "abcdef.0123456789abcdef";
 pub const SECRET_CONTENT: &str = "s3cr3t-registry-password";
-
-/// A process whose stderr is collected; killed when dropped.
-pub struct Proc {
-    pub child: Child,
-    pub log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Proc {
-    /// Spawns `cmd`, returning once a stderr line contains `ready` (and that line).
-    pub fn spawn(mut cmd: Command, ready: &str) -> (Proc, String) {
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let lines = log.clone();
-        let ready = ready.to_owned();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if line.contains(&ready) {
-                    let _ = tx.send(line.clone());
-                }
-                lines.lock().unwrap().push(line);
-            }
-        });
-        match rx.recv_timeout(PATIENCE) {
-            Ok(line) => (Proc { child, log }, line),
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                std::thread::sleep(Duration::from_millis(100));
-                panic!(
-                    "process did not get ready:\n{}",
-                    log.lock().unwrap().join("\n")
-                );
-            }
-        }
-    }
-
-    pub fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// An agent: a sandbox node tree (or a given root) and `inplace-agent serve` on it.
 pub struct Agent {
@@ -96,7 +36,7 @@ pub struct Agent {
     pub ip: String,
     pub root: PathBuf,
     _tree: Option<tempfile::TempDir>,
-    pub proc: Proc,
+    pub proc: Daemon,
 }
 
 /// A free TCP port on 127.0.0.1 (the agents bind it on other loopback addresses).
@@ -115,7 +55,7 @@ pub struct World {
     pub api: ApiStandin,
     pub agent_port: u16,
     pub agents: Vec<Agent>,
-    pub updater: Option<Proc>,
+    pub updater: Option<Daemon>,
     pub updater_addr: Option<SocketAddr>,
     pub client_cert: CertFiles,
     /// The third octet of this test's loopback addresses (tests run in parallel).
@@ -178,30 +118,24 @@ impl World {
         let ip = format!("127.0.{}.{}", self.subnet, self.agents.len() + 2);
         let server = self.pki.server(node, &[node, &ip]).unwrap();
         let state = self.dir.path().join(format!("state-{node}"));
-        let mut cmd = Command::new(AGENT);
-        cmd.args(["serve", "--config", "/dev/null", "--root"])
-            .arg(root)
-            .args(["--state-dir"])
+        let mut cmd = serve_command(
+            Path::new(AGENT),
+            root,
+            node,
+            &server.cert,
+            &server.key,
+            &self.pki.ca(),
+        );
+        cmd.arg("--state-dir")
             .arg(&state)
-            .args(["--node-name", node, "--listen"])
+            .arg("--listen")
             .arg(format!("{ip}:{}", self.agent_port))
-            .arg("--tls-cert")
-            .arg(&server.cert)
-            .arg("--tls-key")
-            .arg(&server.key)
-            .arg("--client-ca")
-            .arg(self.pki.ca())
-            .args(["--admin", DEFAULT_UPDATER_IDENTITY])
             .args(extra)
-            .env("INPLACE_AGENT_LOG", "info")
-            .env_remove("INPLACE_AGENT_ROOT")
-            .env_remove("INPLACE_AGENT_STATE_DIR")
-            .env_remove("INPLACE_AGENT_CONFIG")
-            .env_remove("INPLACE_AGENT_SERVICES");
+            .env("INPLACE_AGENT_LOG", "info");
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let (proc, _) = Proc::spawn(cmd, "listening on");
+        let proc = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("agent {node}: {e}"));
         self.agents.push(Agent {
             node: node.to_owned(),
             ip,
@@ -236,13 +170,11 @@ impl World {
             .arg("--kubeconfig")
             .arg(&kubeconfig)
             .env("INPLACE_UPDATER_LOG", "debug");
-        let (proc, line) = Proc::spawn(cmd, "listening on");
-        let addr: SocketAddr = line
-            .rsplit("listening on ")
-            .next()
-            .and_then(|s| s.split_whitespace().next())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("no address in {line:?}"));
+        let proc = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("updater: {e}"));
+        let addr: SocketAddr = proc
+            .addr
+            .parse()
+            .unwrap_or_else(|e| panic!("updater address {:?}: {e}", proc.addr));
         self.updater = Some(proc);
         self.updater_addr = Some(addr);
         addr
@@ -253,7 +185,7 @@ impl World {
     }
 
     pub fn updater_log(&self) -> String {
-        self.updater.as_ref().map(Proc::log).unwrap_or_default()
+        self.updater.as_ref().map(Daemon::log).unwrap_or_default()
     }
 
     /// Puts the Machine `name` (for agent `i`) and its KubeadmConfig into the stand-in,
@@ -380,7 +312,7 @@ pub fn go_json(v: &Value) -> Vec<u8> {
 /// after each in-progress answer it waits `retryAfterSeconds` (scaled by `scale`, so a test
 /// does not wait 10 s per round), like CAPI's hook cache. Returns every response.
 pub async fn poll_update(client: &mut CapiClient, body: &[u8], scale: f64) -> Vec<Value> {
-    let deadline = Instant::now() + PATIENCE;
+    let deadline = deadline();
     let mut seen = Vec::new();
     loop {
         let r = client.call(Hook::UpdateMachine, body).await.unwrap();
