@@ -1,11 +1,10 @@
 //! `inplace-agent apply` end to end on sandbox trees: idempotence, rollback, retry, resume
 //! after a torn journal, exit codes.
 
-mod common;
-
 use std::os::unix::fs::MetadataExt;
 
-use common::{Node, header, journal, text};
+use crate::support;
+use crate::support::{Node, header, journal, text};
 
 /// A plan touching every kind this build implements, with a gate that passes.
 fn full_plan(id: &str) -> String {
@@ -120,7 +119,7 @@ fn second_apply_changes_nothing_and_journals_no_mutation() {
 #[test]
 fn failing_gate_restores_every_file_with_mode_and_owner() {
     let node = Node::new();
-    if common::is_root() {
+    if support::is_root() {
         // Owners that differ from root, to see them restored.
         std::fs::write(
             node.path("etc/passwd"),
@@ -167,7 +166,7 @@ fn failing_gate_restores_every_file_with_mode_and_owner() {
     assert_eq!(status["hookResponse"]["status"], "Failure");
     assert_eq!(status["counts"]["rolledBack"], 7);
     let after = node.snapshot_without_state();
-    assert_eq!(common::diff(&before, &after), Vec::<String>::new());
+    assert_eq!(support::diff(&before, &after), Vec::<String>::new());
     assert!(
         !node.path("etc/kubernetes/audit").exists(),
         "created directory not removed"
@@ -178,7 +177,7 @@ fn failing_gate_restores_every_file_with_mode_and_owner() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("use --retry"), "{}", text(&out));
     assert_eq!(
-        common::diff(&before, &node.snapshot_without_state()),
+        support::diff(&before, &node.snapshot_without_state()),
         Vec::<String>::new()
     );
     // ...only through an explicit retry, as attempt 2.
@@ -373,7 +372,7 @@ verify:
     assert_eq!(status["counts"]["rolledBack"], 3);
     // Everything but b.conf (now the gate's directory) is as before.
     let after = node.snapshot_without_state();
-    let diff = common::diff(&before, &after);
+    let diff = support::diff(&before, &after);
     assert!(
         diff.iter().all(|d| d.contains("etc/kubernetes/ra/b.conf")),
         "{diff:?}"
@@ -424,7 +423,7 @@ fn a_plan_whose_paths_fight_is_refused_before_anything_changes() {
         );
     }
     assert_eq!(
-        common::diff(&before, &node.snapshot()),
+        support::diff(&before, &node.snapshot()),
         Vec::<String>::new()
     );
 }

@@ -6,14 +6,10 @@ use std::process::Command;
 
 #[test]
 fn the_systemd_demo_goes_as_described() {
-    if !rustix::process::geteuid().is_root() {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            panic!("demo --systemd must run as root when CI=true");
-        }
-        let _ = std::io::Write::write_all(
-            &mut std::io::stderr(),
-            b"\n**** SKIP: the_systemd_demo_goes_as_described: needs root ****\n",
-        );
+    if !crate::support::require_root(
+        "the_systemd_demo_goes_as_described",
+        "demo --systemd boots this machine's systemd in namespaces",
+    ) {
         return;
     }
     let out = Command::new(env!("CARGO_BIN_EXE_inplace-agent"))

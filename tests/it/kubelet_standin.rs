@@ -10,7 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 const STANDIN: &str = env!("CARGO_BIN_EXE_kubelet-standin");
-const VALID_CONFIG: &str = include_str!("fixtures/kubelet-config.yaml");
+const VALID_CONFIG: &str = include_str!("../fixtures/kubelet-config.yaml");
 
 fn standin() -> Command {
     let mut cmd = Command::new(STANDIN);

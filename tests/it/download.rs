@@ -2,8 +2,8 @@
 //! that misbehaves on purpose: cut bodies, 5xx, oversized bodies, plain http, redirects; then
 //! `artifact` changes through the real binary on a sandbox node tree.
 
-mod common;
-
+use crate::support;
+use crate::support::pki::{HttpsPki, https_pki};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use inplace_agent::host::download::{
     DownloadConfig, DownloadEvent, Downloader, ExtractLimits, extract_tar_gz_member,
 };
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use sha2::{Digest, Sha256};
 
 /// What the server does for one request.
@@ -177,41 +176,6 @@ fn respond(
     Ok(false)
 }
 
-/// A test CA and a server certificate for 127.0.0.1 and localhost signed by it.
-struct Pki {
-    ca_pem: String,
-    server: Arc<rustls::ServerConfig>,
-}
-
-fn pki() -> Pki {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "inplace-agent test CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-    let leaf_key = rcgen::KeyPair::generate().unwrap();
-    let leaf_params =
-        rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
-            .unwrap();
-    let leaf = leaf_params.signed_by(&leaf_key, &issuer).unwrap();
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
-    let certs: Vec<CertificateDer<'static>> = vec![leaf.der().clone()];
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let server = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .unwrap();
-    Pki {
-        ca_pem: ca_cert.pem(),
-        server: Arc::new(server),
-    }
-}
-
 fn sha(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
 }
@@ -221,7 +185,7 @@ fn artifact(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 31 % 251) as u8).collect()
 }
 
-fn config(state: &Path, pki: &Pki) -> DownloadConfig {
+fn config(state: &Path, pki: &HttpsPki) -> DownloadConfig {
     let mut c = DownloadConfig::new(state);
     c.extra_ca_pem = vec![pki.ca_pem.as_bytes().to_vec()];
     c.system_roots = false;
@@ -275,7 +239,7 @@ fn standard_routes(body: Vec<u8>) -> Arc<Routes> {
 
 #[test]
 fn downloads_verify_and_cache_hits_do_no_request() {
-    let pki = pki();
+    let pki = https_pki();
     let body = artifact(700 * 1024);
     let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
     let state = tempfile::tempdir().unwrap();
@@ -332,7 +296,7 @@ fn downloads_verify_and_cache_hits_do_no_request() {
 
 #[test]
 fn a_wrong_sha256_leaves_nothing_behind() {
-    let pki = pki();
+    let pki = https_pki();
     let body = artifact(100 * 1024);
     let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
     let state = tempfile::tempdir().unwrap();
@@ -357,7 +321,7 @@ fn a_wrong_sha256_leaves_nothing_behind() {
 
 #[test]
 fn a_cut_connection_is_retried_and_completed() {
-    let pki = pki();
+    let pki = https_pki();
     let body = artifact(600 * 1024);
     let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
     let state = tempfile::tempdir().unwrap();
@@ -391,7 +355,7 @@ fn a_cut_connection_is_retried_and_completed() {
 
 #[test]
 fn server_errors_back_off_and_client_errors_do_not_retry() {
-    let pki = pki();
+    let pki = https_pki();
     let body = artifact(10 * 1024);
     let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
     let state = tempfile::tempdir().unwrap();
@@ -459,7 +423,7 @@ fn server_errors_back_off_and_client_errors_do_not_retry() {
 
 #[test]
 fn bodies_over_the_cap_are_aborted() {
-    let pki = pki();
+    let pki = https_pki();
     let server = Server::start(Some(pki.server.clone()), standard_routes(artifact(10)));
     let state = tempfile::tempdir().unwrap();
     let dl = Downloader::new(config(state.path(), &pki)).unwrap();
@@ -497,7 +461,7 @@ fn bodies_over_the_cap_are_aborted() {
 
 #[test]
 fn plain_http_is_refused_unless_the_host_is_allowed() {
-    let pki = pki();
+    let pki = https_pki();
     let body = artifact(4096);
     let plain = Server::start(None, standard_routes(body.clone()));
     let redirect_to = plain.url("/ok");
@@ -551,8 +515,8 @@ fn plain_http_is_refused_unless_the_host_is_allowed() {
 
 #[test]
 fn an_untrusted_server_certificate_is_refused() {
-    let pki = pki();
-    let other = crate::pki(); // a different CA
+    let pki = https_pki();
+    let other = https_pki(); // a different CA
     let body = artifact(100);
     let server = Server::start(Some(pki.server.clone()), standard_routes(body.clone()));
     let state = tempfile::tempdir().unwrap();
@@ -577,7 +541,7 @@ fn an_untrusted_server_certificate_is_refused() {
 
 #[test]
 fn a_member_of_a_downloaded_tarball_is_extracted() {
-    let pki = pki();
+    let pki = https_pki();
     let kubelet = artifact(300 * 1024);
     let archive = {
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
@@ -621,18 +585,18 @@ fn a_member_of_a_downloaded_tarball_is_extracted() {
 
 /// A sandbox node, the test CA in a file next to it, and a server.
 struct PlanEnv {
-    node: common::Node,
+    node: support::Node,
     ca: tempfile::NamedTempFile,
     server: Server,
 }
 
 impl PlanEnv {
     fn new(routes: Arc<Routes>) -> PlanEnv {
-        let pki = pki();
+        let pki = https_pki();
         let ca = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(ca.path(), &pki.ca_pem).unwrap();
         PlanEnv {
-            node: common::Node::new(),
+            node: support::Node::new(),
             ca,
             server: Server::start(Some(pki.server.clone()), routes),
         }
@@ -668,7 +632,7 @@ fn artifact_change(url: &str, sha256: &str, path: &str, extra: &str) -> String {
 }
 
 fn artifact_plan(id: &str, changes: &str) -> String {
-    format!("{}changes:\n{changes}", common::header(id))
+    format!("{}changes:\n{changes}", support::header(id))
 }
 
 /// A tarball with the given members.
@@ -748,7 +712,7 @@ fn artifact_plans_download_while_preparing_and_install_from_the_cache() {
         cache.join(sha(&kubeadm)).is_file(),
         "the member is cached too"
     );
-    let restarts: Vec<serde_json::Value> = common::journal(&env.node)
+    let restarts: Vec<serde_json::Value> = support::journal(&env.node)
         .into_iter()
         .filter(|e| e["type"] == "unitJobDone")
         .collect();
@@ -774,7 +738,7 @@ fn artifact_plans_download_while_preparing_and_install_from_the_cache() {
         (env.server.hits("/kubelet"), env.server.hits("/node.tar.gz")),
         (1, 1)
     );
-    assert!(common::diff(&before, &env.node.snapshot_without_state()).is_empty());
+    assert!(support::diff(&before, &env.node.snapshot_without_state()).is_empty());
 
     // A dry run names what it cannot know before a download, and downloads nothing.
     let other = artifact_change(
@@ -787,7 +751,7 @@ fn artifact_plans_download_while_preparing_and_install_from_the_cache() {
     let out = env
         .node
         .agent(&["check", "-o", "json", plan.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", common::text(&out));
+    assert!(out.status.success(), "{}", support::text(&out));
     let check: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(check["changes"][0]["result"], "wouldChange");
     assert!(
@@ -830,12 +794,12 @@ fn a_wrong_sha256_fails_the_plan_before_anything_on_the_node_changes() {
     assert_eq!(status["changes"][1]["state"], "Failed");
     let after = env.node.snapshot_without_state();
     assert!(
-        common::diff(&before, &after).is_empty(),
+        support::diff(&before, &after).is_empty(),
         "{:#?}",
-        common::diff(&before, &after)
+        support::diff(&before, &after)
     );
     assert!(
-        !common::journal(&env.node)
+        !support::journal(&env.node)
             .iter()
             .any(|e| e["type"] == "stepStarted"),
         "no mutation was even announced"
@@ -994,9 +958,9 @@ fn a_replaced_binary_is_restored_byte_for_byte_on_rollback() {
     assert_eq!(status["changes"][0]["state"], "RolledBack");
     let after = env.node.snapshot_without_state();
     assert!(
-        common::diff(&before, &after).is_empty(),
+        support::diff(&before, &after).is_empty(),
         "{:#?}",
-        common::diff(&before, &after)
+        support::diff(&before, &after)
     );
     assert_eq!(mode_of(&target), 0o700);
 }
@@ -1036,7 +1000,7 @@ fn a_symlink_planted_during_the_download_leads_no_write_outside_the_allow_list()
         ),
     );
     let path = env.node.plan_file("1.yaml", &plan);
-    let child = std::process::Command::new(common::bin())
+    let child = std::process::Command::new(support::bin())
         .args([
             "apply",
             "--no-progress",

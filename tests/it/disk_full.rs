@@ -1,11 +1,10 @@
 //! A node whose filesystem fills up mid-plan: the apply fails cleanly, rolls back, and leaves
 //! no partial or temp file. Needs root (it mounts a small tmpfs).
 
-mod common;
-
 use std::process::Command;
 
-use common::{header, text};
+use crate::support;
+use crate::support::{header, text};
 
 /// A tmpfs mounted for the test, unmounted on drop.
 struct Tmpfs {
@@ -43,7 +42,10 @@ impl Drop for Tmpfs {
 
 #[test]
 fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
-    if !common::require_root("filling_the_disk_rolls_back_and_leaves_no_temp_file") {
+    if !support::require_root(
+        "filling_the_disk_rolls_back_and_leaves_no_temp_file",
+        "it mounts a small tmpfs",
+    ) {
         return;
     }
     let fs = Tmpfs::mount("512k");
@@ -51,7 +53,7 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
     inplace_agent::sandbox::tree::build_kubeadm_worker(root).unwrap();
     // The journal and backups live on the ordinary disk; the node's filesystem fills up.
     let state = tempfile::tempdir().unwrap();
-    let before = common::snapshot(root, &[]);
+    let before = support::snapshot(root, &[]);
 
     // Each file is 96 KiB: the first few fit, one of them does not.
     let chunk = "x".repeat(96 * 1024);
@@ -71,7 +73,7 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
     )
     .unwrap();
 
-    let out = Command::new(common::bin())
+    let out = Command::new(support::bin())
         .args(["apply", "--services", "off", "--output", "json", "--root"])
         .arg(root)
         .arg("--state-dir")
@@ -93,16 +95,16 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
         "{status:#}"
     );
 
-    let after = common::snapshot(root, &[]);
+    let after = support::snapshot(root, &[]);
     assert_eq!(
-        common::diff(&before, &after),
+        support::diff(&before, &after),
         Vec::<String>::new(),
         "tree not restored"
     );
     let leftovers: Vec<_> = after.keys().filter(|k| k.contains("inplace-tmp")).collect();
     assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
 
-    let verify = Command::new(common::bin())
+    let verify = Command::new(support::bin())
         .args(["journal", "--verify", "--root"])
         .arg(root)
         .arg("--state-dir")

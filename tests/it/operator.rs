@@ -1,12 +1,11 @@
 //! An operator's first hour (issue 15): what a person meets around the plan errors — the
 //! version they run, output into a closed pipe, hints that name real keys and flags.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-use common::{Node, bin, header};
+use crate::support;
+use crate::support::{Node, bin, header};
 
 /// Runs the agent with its standard output a pipe whose reader goes away after `lines` lines
 /// (`| head -n <lines>`); returns the exit status and standard error.
@@ -83,7 +82,7 @@ fn journal_into_a_closed_pipe_exits_quietly() {
         "--no-progress",
         plan.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", common::text(&out));
+    assert!(out.status.success(), "{}", support::text(&out));
     for lines in [0, 1] {
         let (status, stderr) = into_closed_pipe(
             Command::new(bin())
@@ -157,7 +156,7 @@ fn a_change_finished_after_a_crash_still_says_what_it_wrote() {
         )
     };
     let crashed = apply(&[("INPLACE_AGENT_CRASH_AT", "step.after_mutation")]);
-    assert!(!crashed.status.success(), "{}", common::text(&crashed));
+    assert!(!crashed.status.success(), "{}", support::text(&crashed));
     let resumed = node.agent_env(
         &[
             "apply",
@@ -168,8 +167,8 @@ fn a_change_finished_after_a_crash_still_says_what_it_wrote() {
         ],
         &[],
     );
-    assert!(resumed.status.success(), "{}", common::text(&resumed));
-    let said = common::text(&resumed);
+    assert!(resumed.status.success(), "{}", support::text(&resumed));
+    let said = support::text(&resumed);
     assert!(
         said.contains(
             "changes[0] file /etc/kubernetes/audit.yaml: changed (write /etc/kubernetes/audit.yaml (13 bytes, 0640 "
@@ -210,7 +209,7 @@ fn status_after_a_crash_says_the_agent_is_not_running_and_where_the_plan_resumes
         ],
         &[("INPLACE_AGENT_CRASH_AT", "step.after_mutation@2")],
     );
-    assert!(!crashed.status.success(), "{}", common::text(&crashed));
+    assert!(!crashed.status.success(), "{}", support::text(&crashed));
     let status = |args: &[&str]| {
         Command::new(bin())
             .arg("status")
@@ -230,7 +229,7 @@ fn status_after_a_crash_says_the_agent_is_not_running_and_where_the_plan_resumes
                 "it resumes at changes[1] file /etc/kubernetes/b.conf (step 2/3) when the agent starts"
             ),
         "{}",
-        common::text(&out)
+        support::text(&out)
     );
     assert!(!shown.contains("running: plan"), "{shown}");
     let out = status(&["-o", "json"]);

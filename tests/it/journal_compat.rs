@@ -6,11 +6,10 @@
 //! the same statuses, and finish the unfinished plan. A change of the on-disk format keeps
 //! this test green or adds a migration; never edit the fixture to make it pass.
 
-mod common;
-
 use std::path::Path;
 
-use common::{Node, text};
+use crate::support;
+use crate::support::{Node, text};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden-journal");
 
@@ -73,7 +72,7 @@ fn a_journal_of_the_previous_release_reads_verifies_and_resumes() {
         .as_array()
         .unwrap()
         .clone();
-    let got: Vec<serde_json::Value> = common::journal(&node)
+    let got: Vec<serde_json::Value> = support::journal(&node)
         .iter()
         .map(|r| serde_json::json!([r["seq"], r["run"], r["type"], r["hash"]]))
         .collect();
@@ -110,7 +109,7 @@ fn a_journal_of_the_previous_release_reads_verifies_and_resumes() {
     assert_eq!(finished["counts"]["changed"], 4, "{finished}");
     let out = node.agent(&["journal", "--verify"]);
     assert!(out.status.success(), "{}", text(&out));
-    let leftovers: Vec<_> = common::snapshot(node.root(), &[])
+    let leftovers: Vec<_> = support::snapshot(node.root(), &[])
         .into_keys()
         .filter(|k| k.ends_with(".inplace-tmp"))
         .collect();

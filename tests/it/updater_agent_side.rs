@@ -4,9 +4,7 @@
 //! validation of package version patterns. (The pattern's resolution against a real package
 //! manager runs in tests/updater_e2e.rs on a sandboxed systemd node with apt.)
 
-mod common;
-
-use common::{Node, header, journal, text};
+use crate::support::{Node, header, journal, text};
 use serde_json::Value;
 
 fn plan(id: &str, files: &[(&str, &str)], gate_ok: bool) -> String {

@@ -1,9 +1,8 @@
 //! Invalid plans: each exits 2 with an error naming the change and the field, and the node
 //! tree (including the agent's state directory) is exactly as before.
 
-mod common;
-
-use common::{Node, header, text};
+use crate::support;
+use crate::support::{Node, header, text};
 
 const H: &str = "apiVersion: inplace.agent/v1\nkind: Plan\nid: ns/m@bad\n";
 
@@ -334,7 +333,7 @@ fn invalid_plans_exit_2_name_the_field_and_change_nothing() {
             .unwrap();
         }
         assert_eq!(
-            common::diff(&before, &node.snapshot()),
+            support::diff(&before, &node.snapshot()),
             Vec::<String>::new(),
             "{name} changed the tree"
         );

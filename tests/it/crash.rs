@@ -5,12 +5,11 @@
 
 #![cfg_attr(not(feature = "failpoints"), allow(dead_code))]
 
-mod common;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Node, header, text};
+use crate::support;
+use crate::support::{Node, header, text};
 
 /// At least ten changes of every implemented kind, on existing and new files.
 fn plan(id: &str, gate: &str) -> String {
@@ -58,7 +57,7 @@ fn apply(node: &Node, plan: &std::path::Path, crash_at: Option<u64>) -> std::pro
 }
 
 fn temp_files(node: &Node) -> Vec<String> {
-    common::snapshot(node.root(), &[])
+    support::snapshot(node.root(), &[])
         .into_keys()
         .filter(|k| k.ends_with(".inplace-tmp") || k.contains("journal.log.compact"))
         .collect()
@@ -76,7 +75,7 @@ fn crash_everywhere(gate: &str, want_success: bool) -> u64 {
         // The reference run rolled back: its tree is the original one.
         let original = node().snapshot_without_state();
         assert_eq!(
-            common::diff(&original, &want),
+            support::diff(&original, &want),
             Vec::<String>::new(),
             "rollback is not exact"
         );
@@ -106,7 +105,7 @@ fn crash_everywhere(gate: &str, want_success: bool) -> u64 {
         );
         let got = node.snapshot_without_state();
         assert_eq!(
-            common::diff(&want, &got),
+            support::diff(&want, &got),
             Vec::<String>::new(),
             "hit {n}: tree differs"
         );
@@ -190,7 +189,7 @@ fn sigkill_at_random_moments_of_a_300_file_apply() {
     let window = took.as_micros().max(2000) as u64;
     let mut killed_mid_run = 0;
     for round in 0..20 {
-        let mut child = Command::new(common::bin())
+        let mut child = Command::new(support::bin())
             .args(["apply", "--no-progress", "--root"])
             .arg(node.root())
             .arg(&p)
@@ -210,7 +209,7 @@ fn sigkill_at_random_moments_of_a_300_file_apply() {
     let out = node.agent(&["apply", p.to_str().unwrap()]);
     assert!(out.status.success(), "seed {seed}: {}", text(&out));
     assert_eq!(
-        common::diff(&want, &node.snapshot_without_state()),
+        support::diff(&want, &node.snapshot_without_state()),
         Vec::<String>::new(),
         "seed {seed}"
     );
