@@ -22,6 +22,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
+use crate::support::{eventually_async, patience};
 use inplace_agent::rpc::authz::{AuthzCounters, AuthzRules, Caller};
 use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
 use inplace_agent::rpc::pb::node_agent_server::NodeAgent;
@@ -35,9 +36,6 @@ use inplace_agent::rpc::tls::{
 const ADMIN: &str = "spiffe://test/updater";
 const READER: &str = "spiffe://test/reader";
 const STRANGER: &str = "spiffe://test/stranger";
-
-/// Upper bound for any single test step, so a hang fails instead of blocking CI.
-const STEP: Duration = Duration::from_secs(20);
 
 // === Certificates ===
 
@@ -346,7 +344,7 @@ impl TestServer {
     async fn shutdown(mut self) {
         assert!(!self.task.is_finished(), "server stopped on its own");
         let _ = self.stop.take().unwrap().send(());
-        let result = tokio::time::timeout(STEP, self.task).await;
+        let result = tokio::time::timeout(patience(), self.task).await;
         result.expect("server shuts down").unwrap().unwrap();
     }
 }
@@ -356,7 +354,7 @@ async fn channel(
     client: &ClientTlsPaths,
 ) -> Result<Channel, tls::ConnectError> {
     let config = Arc::new(tls::client_config(client).unwrap());
-    tokio::time::timeout(STEP, tls::connect(&server.target(), None, config))
+    tokio::time::timeout(patience(), tls::connect(&server.target(), None, config))
         .await
         .expect("connect finishes")
 }
@@ -388,7 +386,7 @@ async fn raw_handshake(
             Err(e) => Err(e.to_string()),
         }
     };
-    tokio::time::timeout(STEP, attempt)
+    tokio::time::timeout(patience(), attempt)
         .await
         .expect("handshake finishes")
 }
@@ -416,14 +414,7 @@ fn anonymous_client_config(ca_pem: &str) -> rustls::ClientConfig {
 
 /// Waits until `check` holds (server-side counters are updated asynchronously).
 async fn eventually(what: &str, check: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + STEP;
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually_async(what, || check().then_some(())).await
 }
 
 fn plan(id: &str) -> pb::Plan {
@@ -755,7 +746,7 @@ async fn assert_handshake_rejected(
             .await
             .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
     };
-    let outcome = tokio::time::timeout(STEP, outcome).await.unwrap();
+    let outcome = tokio::time::timeout(patience(), outcome).await.unwrap();
     let error = outcome.expect_err("grpc call unexpectedly succeeded");
     assert!(!error.starts_with("PermissionDenied"), "{error}");
     assert_eq!(server.authz_counters.allowed(), 0);
@@ -968,7 +959,7 @@ async fn rotated_material_is_used_without_restarting_the_server() {
 
     // The connection it opened before the rotation is closed by max_connection_age, and
     // its channel cannot reconnect.
-    let deadline = tokio::time::Instant::now() + STEP;
+    let deadline = tokio::time::Instant::now() + patience();
     loop {
         let result = old_admin.get_node_info(pb::GetNodeInfoRequest {}).await;
         if result.is_err() {
@@ -1192,7 +1183,7 @@ async fn reach(
             .map(|_| ())
             .map_err(|status| tls::diagnose(&status))
     };
-    tokio::time::timeout(STEP, attempt)
+    tokio::time::timeout(patience(), attempt)
         .await
         .expect("connect finishes")
 }

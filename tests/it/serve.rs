@@ -6,31 +6,24 @@
 //! service: refusals that change nothing, idempotence under concurrency, watch streams,
 //! restarts (kill -9 and SIGTERM), the hook response, the CLI client, the config file.
 
-mod common;
-
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tonic::Code;
 use tonic::transport::Channel;
 
-use common::{Node, bin, diff, text};
+use crate::support;
+use crate::support::agent::Agent;
+use crate::support::pki::{As, NodePki};
+use crate::support::{Node, bin, diff, patience, text};
 use inplace_agent::plan::{Limits, parse_plan};
 use inplace_agent::rpc::convert::plan_to_pb;
 use inplace_agent::rpc::pb;
 use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::{
-    DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiFiles, PkiInitOptions,
-};
-use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
+use inplace_agent::rpc::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiInitOptions};
 
 const NODE: &str = "test-node";
-
-/// Upper bound for waiting on anything, so a hang fails instead of blocking CI.
-const PATIENCE: Duration = Duration::from_secs(60);
 
 /// Content that must never appear in the agent's logs (plans carry secrets).
 const SECRET: &str = "bootstrap-token-7f3a9c.0123456789abcdef";
@@ -38,180 +31,8 @@ const SECRET: &str = "bootstrap-token-7f3a9c.0123456789abcdef";
 // === Fixtures ===
 
 /// A throwaway PKI for the node.
-struct Pki {
-    _dir: tempfile::TempDir,
-    files: PkiFiles,
-}
-
-fn pki() -> Pki {
-    let dir = tempfile::tempdir().unwrap();
-    let files =
-        inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), NODE)).unwrap();
-    Pki { _dir: dir, files }
-}
-
-/// Who the client is.
-#[derive(Clone, Copy)]
-enum As {
-    Updater,
-    Reader,
-}
-
-impl Pki {
-    fn client_paths(&self, who: As) -> ClientTlsPaths {
-        let (cert, key) = match who {
-            As::Updater => (&self.files.updater_cert, &self.files.updater_key),
-            As::Reader => (&self.files.reader_cert, &self.files.reader_key),
-        };
-        ClientTlsPaths {
-            ca: self.files.ca_cert.clone(),
-            cert: cert.clone(),
-            key: key.clone(),
-        }
-    }
-
-    /// The `--ca --cert --key --server-name` flags of the client commands.
-    fn client_flags(&self, who: As) -> Vec<String> {
-        let p = self.client_paths(who);
-        vec![
-            "--ca".into(),
-            p.ca.display().to_string(),
-            "--cert".into(),
-            p.cert.display().to_string(),
-            "--key".into(),
-            p.key.display().to_string(),
-            "--server-name".into(),
-            NODE.into(),
-        ]
-    }
-
-    async fn client(&self, addr: &str, who: As) -> NodeAgentClient<Channel> {
-        let config = client_config(&self.client_paths(who)).unwrap();
-        let channel = connect(addr, Some(NODE), Arc::new(config)).await.unwrap();
-        NodeAgentClient::new(channel)
-    }
-}
-
-/// A running `inplace-agent serve`, killed when dropped.
-struct Agent {
-    child: Child,
-    addr: String,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Agent {
-    /// Starts the binary on the node with the PKI and roles given as flags.
-    fn start(node: &Node, pki: &Pki, extra: &[&str]) -> Agent {
-        let f = &pki.files;
-        let mut args: Vec<String> = vec![
-            "serve".into(),
-            "--config".into(),
-            "/dev/null".into(),
-            "--root".into(),
-            node.root().display().to_string(),
-            "--node-name".into(),
-            NODE.into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--tls-cert".into(),
-            f.server_cert.display().to_string(),
-            "--tls-key".into(),
-            f.server_key.display().to_string(),
-            "--client-ca".into(),
-            f.ca_cert.display().to_string(),
-            "--admin".into(),
-            DEFAULT_UPDATER_IDENTITY.into(),
-            "--reader".into(),
-            DEFAULT_READER_IDENTITY.into(),
-            "--no-chroot".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        Agent::spawn(&args)
-    }
-
-    /// Starts the binary with a configuration file and nothing else.
-    fn start_with_config(config: &Path) -> Agent {
-        Agent::spawn(&[
-            "serve".into(),
-            "--config".into(),
-            config.display().to_string(),
-        ])
-    }
-
-    fn spawn(args: &[String]) -> Agent {
-        let mut child = Command::new(bin())
-            .args(args)
-            .env("INPLACE_AGENT_LOG", "debug")
-            // Plain sandbox trees have no systemd: restarts are journaled as skipped.
-            .env("INPLACE_AGENT_SERVICES", "off")
-            .env_remove("INPLACE_AGENT_ROOT")
-            .env_remove("INPLACE_AGENT_STATE_DIR")
-            .env_remove("INPLACE_AGENT_CONFIG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start inplace-agent serve");
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let lines = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(addr) = line.split("listening on ").nth(1) {
-                    let _ = tx.send(addr.split_whitespace().next().unwrap_or("").to_owned());
-                }
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let addr = match rx.recv_timeout(PATIENCE) {
-            Ok(addr) => addr,
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                std::thread::sleep(Duration::from_millis(100));
-                panic!(
-                    "serve did not start listening:\n{}",
-                    log.lock().unwrap().join("\n")
-                );
-            }
-        };
-        Agent { child, addr, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
-    }
-
-    fn kill9(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    /// Sends SIGTERM and waits for the process to exit.
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        let pid = rustix::process::Pid::from_child(&self.child);
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "serve did not stop after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn pki() -> NodePki {
+    NodePki::new(NODE).unwrap()
 }
 
 /// A plan (YAML) for the test node, validated as a plan file and put on the wire.
@@ -268,7 +89,7 @@ async fn wait_for(
     what: &str,
     done: impl Fn(&pb::PlanStatus) -> bool,
 ) -> pb::PlanStatus {
-    let deadline = Instant::now() + PATIENCE;
+    let deadline = support::deadline();
     loop {
         let s = status(client, id).await;
         if done(&s) {
@@ -301,7 +122,7 @@ async fn watch_phases(
         .unwrap()
         .into_inner();
     let mut phases = Vec::new();
-    while let Some(s) = tokio::time::timeout(PATIENCE, stream.message())
+    while let Some(s) = tokio::time::timeout(patience(), stream.message())
         .await
         .expect("watch stream stalled")
         .unwrap()
@@ -323,7 +144,7 @@ fn distinct(phases: &[pb::Phase]) -> Vec<pb::Phase> {
 
 /// Journal records of the node whose record type is `kind` (`planAccepted`, ...).
 fn records(node: &Node, kind: &str) -> Vec<serde_json::Value> {
-    common::journal(node)
+    support::journal(node)
         .into_iter()
         .filter_map(|r| r["record"].get(kind).cloned())
         .collect()
@@ -587,7 +408,7 @@ async fn two_hundred_watchers_see_every_phase_in_order() {
     }
     // Release the blocker once every stream has its first snapshot.
     for _ in 0..200 {
-        tokio::time::timeout(PATIENCE, started.recv())
+        tokio::time::timeout(patience(), started.recv())
             .await
             .expect("watchers did not start")
             .unwrap();
@@ -670,7 +491,7 @@ async fn a_watcher_that_falls_behind_still_sees_every_phase() {
     let done = finished(&mut admin, "big").await;
     assert_eq!(phase(&done), pb::Phase::Succeeded);
     let mut phases = vec![phase(&first)];
-    while let Some(s) = tokio::time::timeout(PATIENCE, stream.message())
+    while let Some(s) = tokio::time::timeout(patience(), stream.message())
         .await
         .unwrap()
         .unwrap()
@@ -1181,7 +1002,7 @@ async fn clients_that_cannot_connect_say_why_and_what_to_do() {
     for _ in 0..3 {
         drop(std::net::TcpStream::connect(&agent.addr).unwrap());
     }
-    let deadline = Instant::now() + PATIENCE;
+    let deadline = support::deadline();
     while !agent
         .log()
         .contains("connection closed before any tls byte")
@@ -1472,7 +1293,7 @@ async fn large_concurrent_requests_are_held_to_a_memory_bound() {
     assert!(ok >= 1, "some were answered");
     assert!(peak_mib <= 96, "peak RSS {peak_mib} MiB");
     // The memory goes back within a minute.
-    let deadline = Instant::now() + PATIENCE;
+    let deadline = support::deadline();
     loop {
         let anon_mib = proc_kib(pid, "RssAnon") / 1024;
         if anon_mib <= 16 {

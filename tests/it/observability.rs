@@ -5,69 +5,34 @@
 //! (the agent runs node commands without chroot here) that waits until the test creates a
 //! flag file, so the test decides how long the plan stays in the middle of its changes.
 
-mod common;
-
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tonic::transport::Channel;
 
-use common::{Node, bin, text};
+use crate::support;
+use crate::support::agent::Agent;
+use crate::support::pki::{As, NodePki};
+use crate::support::{Node, bin, patience, text};
 use inplace_agent::plan::{Limits, parse_plan};
 use inplace_agent::rpc::convert::plan_to_pb;
 use inplace_agent::rpc::pb;
 use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::{
-    DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiFiles, PkiInitOptions,
-};
-use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
+use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
 use inplace_agent::status::client;
 
 const NODE: &str = "obs-node";
-
-/// Upper bound for waiting on anything, so a hang fails instead of blocking CI.
-const PATIENCE: Duration = Duration::from_secs(60);
 
 /// Content that must never appear in the agent's logs (plans carry secrets).
 const SECRET: &str = "bootstrap-token-9c1d2e.fedcba9876543210";
 
 // === Fixtures ===
 
-struct Pki {
-    _dir: tempfile::TempDir,
-    files: PkiFiles,
-}
-
-fn pki() -> Pki {
-    let dir = tempfile::tempdir().unwrap();
-    let files =
-        inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), NODE)).unwrap();
-    Pki { _dir: dir, files }
-}
-
-impl Pki {
-    async fn client(&self, addr: &str, admin: bool) -> NodeAgentClient<Channel> {
-        let f = &self.files;
-        let (cert, key) = if admin {
-            (&f.updater_cert, &f.updater_key)
-        } else {
-            (&f.reader_cert, &f.reader_key)
-        };
-        let paths = ClientTlsPaths {
-            ca: f.ca_cert.clone(),
-            cert: cert.clone(),
-            key: key.clone(),
-        };
-        let channel = connect(addr, Some(NODE), Arc::new(client_config(&paths).unwrap()))
-            .await
-            .unwrap();
-        NodeAgentClient::new(channel)
-    }
+fn pki() -> NodePki {
+    NodePki::new(NODE).unwrap()
 }
 
 /// A `kubeadm` stand-in that waits for `<dir>/release` and a flag to release it.
@@ -102,152 +67,6 @@ impl SlowKubeadm {
     }
 }
 
-/// A running `inplace-agent serve`, killed when dropped.
-struct Agent {
-    child: Child,
-    addr: String,
-    socket: PathBuf,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl Agent {
-    fn start(node: &Node, pki: &Pki, extra: &[&str], env: &[(&str, &str)]) -> Agent {
-        Agent::start_with_stderr(node, pki, extra, env, None)
-    }
-
-    /// Starts serve; with `stderr_file` its stderr goes there (and the address is read from
-    /// the file) instead of a pipe.
-    fn start_with_stderr(
-        node: &Node,
-        pki: &Pki,
-        extra: &[&str],
-        env: &[(&str, &str)],
-        stderr_file: Option<&Path>,
-    ) -> Agent {
-        let f = &pki.files;
-        let mut args: Vec<String> = vec![
-            "serve".into(),
-            "--config".into(),
-            "/dev/null".into(),
-            "--root".into(),
-            node.root().display().to_string(),
-            "--node-name".into(),
-            NODE.into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--tls-cert".into(),
-            f.server_cert.display().to_string(),
-            "--tls-key".into(),
-            f.server_key.display().to_string(),
-            "--client-ca".into(),
-            f.ca_cert.display().to_string(),
-            "--admin".into(),
-            DEFAULT_UPDATER_IDENTITY.into(),
-            "--reader".into(),
-            DEFAULT_READER_IDENTITY.into(),
-            "--no-chroot".into(),
-        ];
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let mut cmd = Command::new(bin());
-        cmd.args(&args)
-            .env("INPLACE_AGENT_LOG", "debug")
-            .env("INPLACE_AGENT_SERVICES", "off")
-            .env_remove("INPLACE_AGENT_ROOT")
-            .env_remove("INPLACE_AGENT_STATE_DIR")
-            .env_remove("INPLACE_AGENT_CONFIG")
-            .env_remove("NOTIFY_SOCKET")
-            .env_remove("WATCHDOG_USEC")
-            .env_remove("JOURNAL_STREAM")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let child = match stderr_file {
-            Some(path) => {
-                cmd.stderr(std::fs::File::create(path).unwrap());
-                let child = cmd.spawn().expect("start inplace-agent serve");
-                let path = path.to_path_buf();
-                std::thread::spawn(move || {
-                    let deadline = Instant::now() + PATIENCE;
-                    while Instant::now() < deadline {
-                        let text = std::fs::read_to_string(&path).unwrap_or_default();
-                        if let Some(addr) = text.split("listening on ").nth(1) {
-                            let _ =
-                                tx.send(addr.split_whitespace().next().unwrap_or("").to_owned());
-                            return;
-                        }
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                });
-                child
-            }
-            None => {
-                cmd.stderr(Stdio::piped());
-                let mut child = cmd.spawn().expect("start inplace-agent serve");
-                let stderr = child.stderr.take().unwrap();
-                let lines = log.clone();
-                std::thread::spawn(move || {
-                    for line in BufReader::new(stderr).lines() {
-                        let Ok(line) = line else { break };
-                        if let Some(addr) = line.split("listening on ").nth(1) {
-                            let addr = addr.split(['"', ' ']).next().unwrap_or("").to_owned();
-                            let _ = tx.send(addr);
-                        }
-                        lines.lock().unwrap().push(line);
-                    }
-                });
-                child
-            }
-        };
-        let mut agent = Agent {
-            child,
-            addr: String::new(),
-            socket: node.path("/run/inplace-agent/status.sock"),
-            log,
-        };
-        match rx.recv_timeout(PATIENCE) {
-            Ok(addr) => agent.addr = addr,
-            Err(_) => panic!("serve did not start listening:\n{}", agent.log()),
-        }
-        agent
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
-    }
-
-    fn get(&self, target: &str) -> (u16, Value) {
-        let r = client::get(&self.socket, target, Duration::from_secs(30))
-            .unwrap_or_else(|e| panic!("GET {target}: {e}"));
-        let v = serde_json::from_slice(&r.body)
-            .unwrap_or_else(|e| panic!("GET {target}: {e}: {}", String::from_utf8_lossy(&r.body)));
-        (r.status, v)
-    }
-
-    fn terminate(&mut self) {
-        let pid = rustix::process::Pid::from_child(&self.child);
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
-        let deadline = Instant::now() + PATIENCE;
-        while self.child.try_wait().unwrap().is_none() {
-            assert!(
-                Instant::now() < deadline,
-                "serve did not stop after SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn plan_yaml(id: &str, body: &str) -> String {
     format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nnodeName: {NODE}\n{body}")
 }
@@ -273,7 +92,7 @@ async fn submit(client: &mut NodeAgentClient<Channel>, yaml: &str) -> pb::PlanSt
 
 /// Polls `/v1/plans/{id}` until `done` holds.
 fn wait_plan(agent: &Agent, id: &str, what: &str, done: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + PATIENCE;
+    let deadline = support::deadline();
     loop {
         let (code, v) = agent.get(&format!("/v1/plans/{id}"));
         if code == 200 && done(&v) {
@@ -333,13 +152,13 @@ async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
     let node = Node::new();
     let pki = pki();
     let kubeadm = SlowKubeadm::new();
-    let agent = Agent::start(&node, &pki, &[], &[("PATH", &kubeadm.path_env())]);
+    let agent = Agent::start_env(&node, &pki, &[], &[("PATH", &kubeadm.path_env())]);
     let root = node.root().display().to_string();
-    let mut admin = pki.client(&agent.addr, true).await;
+    let mut admin = pki.client(&agent.addr, As::Updater).await;
     let accepted = submit(&mut admin, &slow_plan("slow")).await;
 
     // Held in changes[1]: step 2 of 4, kubeadmUpgradeNode running.
-    let deadline = Instant::now() + PATIENCE;
+    let deadline = support::deadline();
     let status = loop {
         let (code, v) = agent.get("/v1/status");
         assert_eq!(code, 200, "{v:#}");
@@ -556,7 +375,7 @@ fn without_an_agent_status_reads_the_journal_and_says_so() {
     assert_eq!(v["lastFailure"]["error"]["kind"], "verification");
     assert_eq!(
         v["journal"]["records"].as_u64(),
-        Some(common::journal(&node).len() as u64)
+        Some(support::journal(&node).len() as u64)
     );
 
     // A probe never takes the journal for an agent.
@@ -729,7 +548,7 @@ fn sample(samples: &[(String, Value, f64)], name: &str, labels: &[(&str, &str)])
 async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
     let node = Node::new();
     let pki = pki();
-    let agent = Agent::start(&node, &pki, &["--metrics-listen", "127.0.0.1:0"], &[]);
+    let agent = Agent::start_env(&node, &pki, &["--metrics-listen", "127.0.0.1:0"], &[]);
     let metrics_addr = agent
         .log()
         .split("serving metrics on http://")
@@ -737,7 +556,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
         .and_then(|s| s.split('/').next())
         .map(str::to_owned)
         .unwrap_or_else(|| panic!("no metrics listener: {}", agent.log()));
-    let mut admin = pki.client(&agent.addr, true).await;
+    let mut admin = pki.client(&agent.addr, As::Updater).await;
     submit(
         &mut admin,
         &plan_yaml(
@@ -758,7 +577,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
     .await;
     assert_eq!(finished(&agent, "bad")["phase"], "RolledBack");
     // A reader may not apply: one denied call.
-    let mut reader = pki.client(&agent.addr, false).await;
+    let mut reader = pki.client(&agent.addr, As::Reader).await;
     let denied = reader
         .apply_plan(pb::ApplyPlanRequest {
             plan: Some(wire(&plan_yaml("denied", "changes: []\n"))),
@@ -775,7 +594,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
             .await
             .unwrap();
         let mut sink = Vec::new();
-        let _ = tokio::time::timeout(PATIENCE, raw.read_to_end(&mut sink)).await;
+        let _ = tokio::time::timeout(patience(), raw.read_to_end(&mut sink)).await;
     }
 
     // Over TCP (what a scraper sees) and over the socket: the same families.
@@ -921,12 +740,15 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
 
 #[test]
 fn only_root_and_the_group_can_read_the_socket() {
-    if !common::require_root("only_root_and_the_group_can_read_the_socket") {
+    if !support::require_root(
+        "only_root_and_the_group_can_read_the_socket",
+        "the socket belongs to root and a group",
+    ) {
         return;
     }
     let node = Node::new();
     let pki = pki();
-    let agent = Agent::start(&node, &pki, &[], &[]);
+    let agent = Agent::start_env(&node, &pki, &[], &[]);
     let meta = std::fs::metadata(&agent.socket).unwrap();
     assert_eq!(meta.mode() & 0o7777, 0o660);
     // The group was created in the node's /etc/group (not this machine's) and owns it.
@@ -990,7 +812,7 @@ fn only_root_and_the_group_can_read_the_socket() {
     assert_eq!(json_out(&out)["source"], "agent");
     // The refused connection never reached the server; the member's did, with its uid
     // (the log is read by another thread: wait for the line).
-    let deadline = Instant::now() + PATIENCE;
+    let deadline = support::deadline();
     while !agent
         .log()
         .lines()
@@ -1009,8 +831,8 @@ async fn a_thousand_concurrent_status_requests_during_an_apply_all_succeed() {
     const REQUESTS: usize = 1000;
     let node = Node::new();
     let pki = pki();
-    let agent = Agent::start(&node, &pki, &[], &[]);
-    let mut admin = pki.client(&agent.addr, true).await;
+    let agent = Agent::start_env(&node, &pki, &[], &[]);
+    let mut admin = pki.client(&agent.addr, As::Updater).await;
     let flag = node.root().with_extension("release");
     let mut body = String::from("changes:\n");
     for i in 0..FILES {
@@ -1080,7 +902,7 @@ async fn a_thousand_concurrent_status_requests_during_an_apply_all_succeed() {
             format!("file {i}\n")
         );
     }
-    let records = common::journal(&node);
+    let records = support::journal(&node);
     let step_done = records.iter().filter(|r| r["type"] == "stepDone").count();
     assert_eq!(step_done, FILES);
 }
@@ -1115,7 +937,7 @@ async fn serve_tells_systemd_it_is_ready_where_the_plan_is_and_that_it_lives() {
             }
         })
     };
-    let mut agent = Agent::start(
+    let mut agent = Agent::start_env(
         &node,
         &pki,
         &[],
@@ -1125,7 +947,7 @@ async fn serve_tells_systemd_it_is_ready_where_the_plan_is_and_that_it_lives() {
             ("PATH", &kubeadm.path_env()),
         ],
     );
-    let mut admin = pki.client(&agent.addr, true).await;
+    let mut admin = pki.client(&agent.addr, As::Updater).await;
     submit(&mut admin, &slow_plan("notified")).await;
     wait_plan(&agent, "notified", "in changes[1]", |v| {
         v["changes"][1]["state"] == "Running"
@@ -1198,8 +1020,8 @@ async fn log_lines_carry_the_plan_and_change_never_its_content() {
     // JSON: every line about the plan names it, its digest and, for a change, the index.
     let node = Node::new();
     let pki = pki();
-    let agent = Agent::start(&node, &pki, &["--log-format", "json"], &[]);
-    let mut admin = pki.client(&agent.addr, true).await;
+    let agent = Agent::start_env(&node, &pki, &["--log-format", "json"], &[]);
+    let mut admin = pki.client(&agent.addr, As::Updater).await;
     let accepted = submit(
         &mut admin,
         &plan_yaml(
