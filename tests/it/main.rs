@@ -8,10 +8,12 @@
 #[path = "../support/mod.rs"]
 
 mod apply;
+mod apt_host;
 mod bad_input;
 mod crash;
 mod demo_systemd;
 mod disk_full;
+mod dnf_host;
 mod download;
 mod hints;
 mod journal_compat;
@@ -19,8 +21,13 @@ mod kubelet_standin;
 mod mtls;
 mod observability;
 mod operator;
+mod packages_plan;
+mod packaging;
 mod properties;
 mod serve;
+mod systemd_agent;
+mod systemd_host;
+mod systemd_packages;
 mod updater_agent_side;
 mod updater_packaging;
 mod updater_translate;

@@ -2,33 +2,18 @@
 //! sandbox (tests/sandbox, DESIGN.md §7) and drives it through our D-Bus client only.
 //! As root these tests run; otherwise they print a SKIP line (and fail when CI=true).
 
-mod sandbox;
-
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::support;
+use crate::support::sandbox::{self, SandboxNode, StandinExt};
 use inplace_agent::host::systemd::{
     ActiveState, LoadState, Systemd, UnitFileState, unix_path_address,
 };
-use sandbox::{SandboxNode, StandinExt};
 
 const JOB: Duration = Duration::from_secs(30);
 const KUBELET: &str = "kubelet.service";
-
-/// Polls `f` every 50 ms until it returns `Some`, for at most `timeout`.
-fn eventually<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[test]
 fn sandbox_boots_on_an_overlay_and_leaves_the_host_alone() {
@@ -131,7 +116,7 @@ fn automatic_restarts_are_counted() {
     systemd
         .kill_main(KUBELET, 9)
         .expect("kill kubelet's main process");
-    let after = eventually(Duration::from_secs(20), || {
+    let after = support::poll(|| {
         let s = systemd.unit_state(KUBELET).ok()?;
         (s.n_restarts == Some(1) && s.is_active()).then_some(s)
     })

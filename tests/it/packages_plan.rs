@@ -4,19 +4,18 @@
 //! Service management is off here (restarts are journaled as skipped); the version bump on a
 //! real systemd is tests/systemd_packages.rs. Needs root.
 
-mod overlay;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use overlay::{Overlay, require_root};
+use crate::support::overlay::{self, Overlay};
+use crate::support::require_root;
 use serde_json::Value;
 
 const OLD: &str = "1.30.4-1.1";
 const NEW: &str = "1.31.2-1.1";
-const EXAMPLE: &str = include_str!("../examples/plans/upgrade-1.30-to-1.31.yaml");
+const EXAMPLE: &str = include_str!("../../examples/plans/upgrade-1.30-to-1.31.yaml");
 
 #[test]
 #[ignore = "helper process for the lock test, started by it"]
@@ -32,7 +31,7 @@ struct Node {
 
 impl Node {
     fn new(test: &str) -> Option<Node> {
-        if !require_root(test) {
+        if !require_root(test, "mounts an overlay root") {
             return None;
         }
         let overlay = Overlay::new();
@@ -622,7 +621,10 @@ fn a_held_dpkg_lock_is_shown_in_the_status_and_waited_for() {
     let (engine, _) = Engine::open(settings.engine.clone(), host).unwrap();
     let mut events = engine.subscribe();
 
-    let holder = overlay::LockHolder::start(&node.overlay.path("/var/lib/dpkg/lock-frontend"));
+    let holder = overlay::LockHolder::start(
+        module_path!(),
+        &node.overlay.path("/var/lib/dpkg/lock-frontend"),
+    );
     let pid = holder.pid();
     engine.submit(parsed, "test", false).unwrap();
     let worker = engine.spawn_worker().unwrap();

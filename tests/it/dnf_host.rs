@@ -2,17 +2,16 @@
 //! Kubernetes rpms, inside a disposable overlay root set up like an rpm node: rpm database in
 //! /var/lib/rpm, a file repository, versionlock plugin. Needs root.
 
-mod overlay;
-
 use std::path::Path;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use crate::support::overlay::{self, LockHolder, Overlay, sh};
+use crate::support::require_root;
 use inplace_agent::host::dnf::Dnf;
 use inplace_agent::host::packages::{
     self, LockWait, ManagerKind, PackageManager, PkgEvent, PkgOptions,
 };
-use overlay::{LockHolder, Overlay, require_root, sh};
 
 const OLD: &str = "1.30.4-150500.1.1";
 const NEW: &str = "1.31.2-150500.1.1";
@@ -41,7 +40,7 @@ chmod 755 %{buildroot}/usr/bin/%{pkgname}
 "#;
 
 fn setup(test: &str) -> Option<(Overlay, Dnf)> {
-    if !require_root(test) {
+    if !require_root(test, "mounts an overlay root") {
         return None;
     }
     let overlay = Overlay::new();
@@ -195,7 +194,7 @@ fn dnf_waits_for_the_rpm_lock() {
     let Some((overlay, dnf)) = setup("dnf_waits_for_the_rpm_lock") else {
         return;
     };
-    let holder = LockHolder::start(&overlay.path("/var/lib/rpm/.rpm.lock"));
+    let holder = LockHolder::start(module_path!(), &overlay.path("/var/lib/rpm/.rpm.lock"));
     let pid = holder.pid();
     let (tx, rx) = mpsc::channel::<PkgEvent>();
     let worker = std::thread::spawn(move || {

@@ -1,17 +1,16 @@
 //! Real apt and dpkg against a local file repository of stand-in Kubernetes packages, inside a
 //! disposable overlay root (the machine's own dpkg state is never touched). Needs root.
 
-mod overlay;
-
 use std::path::Path;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::support::overlay::{self, LockHolder, Overlay};
+use crate::support::require_root;
 use inplace_agent::host::apt::Apt;
 use inplace_agent::host::packages::{
     self, LockWait, ManagerKind, PackageManager, PkgEvent, PkgOptions,
 };
-use overlay::{LockHolder, Overlay, require_root};
 
 const OLD: &str = "1.30.4-1.1";
 const NEW: &str = "1.31.2-1.1";
@@ -49,7 +48,7 @@ fn options() -> PkgOptions {
 }
 
 fn setup(test: &str) -> Option<(Overlay, Apt)> {
-    if !require_root(test) {
+    if !require_root(test, "mounts an overlay root") {
         return None;
     }
     let overlay = Overlay::new();
@@ -216,7 +215,7 @@ fn waits_for_a_held_dpkg_lock_and_says_who_holds_it() {
     let Some((overlay, apt)) = setup("waits_for_a_held_dpkg_lock_and_says_who_holds_it") else {
         return;
     };
-    let holder = LockHolder::start(&overlay.path("/var/lib/dpkg/lock-frontend"));
+    let holder = LockHolder::start(module_path!(), &overlay.path("/var/lib/dpkg/lock-frontend"));
     let holder_pid = holder.pid();
 
     let (tx, rx) = mpsc::channel::<PkgEvent>();
@@ -287,7 +286,7 @@ fn gives_up_on_a_lock_that_stays_held() {
     let apt = Apt::new(overlay.root(), opts);
     // (The machine under the overlay may have a kubectl of its own.)
     let before = apt.installed("kubectl").unwrap();
-    let holder = LockHolder::start(&overlay.path("/var/lib/dpkg/lock"));
+    let holder = LockHolder::start(module_path!(), &overlay.path("/var/lib/dpkg/lock"));
     let err = apt.install("kubectl", NEW, &mut |_| {}).unwrap_err();
     assert_eq!(err.kind(), "lock_timeout", "{err}");
     let text = err.to_string();

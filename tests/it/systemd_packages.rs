@@ -8,19 +8,18 @@
 //! network namespace so that its health gate reaches the node's 127.0.0.1:10248.
 //! As root these tests run; otherwise they print a SKIP line (and fail when CI=true).
 
-mod overlay;
-mod sandbox;
+use crate::support::overlay;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::Instant;
 
+use crate::support::sandbox::{self, KUBELET_CONFIG, START_LOG, SandboxNode, Standin, Systemd};
+use crate::support::text;
 use inplace_agent::host::packages::ManagerKind;
 use inplace_agent::sandbox::packages::{self, KUBE_PACKAGES, KUBEADM_FAIL, KUBEADM_LOG};
-use sandbox::{KUBELET_CONFIG, START_LOG, SandboxNode, Standin, Systemd};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inplace-agent");
 const KUBELET: &str = "kubelet.service";
 
 fn example(kind: ManagerKind) -> PathBuf {
@@ -84,18 +83,7 @@ impl Node {
     /// `inplace-agent <args> --root <node> --bus <node's bus>`, in the node's network
     /// namespace.
     fn agent(&self, args: &[&str]) -> Command {
-        let mut cmd = self.node.command_in_netns(Path::new(BIN));
-        cmd.args(args)
-            .arg("--root")
-            .arg(self.node.root())
-            .arg("--bus")
-            .arg(self.node.bus_address())
-            .env("INPLACE_AGENT_LOG", "warn")
-            .env_remove("INPLACE_AGENT_SERVICES")
-            .env_remove("INPLACE_AGENT_BUS")
-            .env_remove("INPLACE_AGENT_ROOT")
-            .env_remove("INPLACE_AGENT_STATE_DIR");
-        cmd
+        sandbox::agent_command(&self.node, args)
     }
 
     /// Applies a plan file; the exit code, the final status (`-o json`) and all output.
@@ -222,14 +210,6 @@ impl Node {
     fn kubeadm_log(&self) -> String {
         std::fs::read_to_string(self.node.path(KUBEADM_LOG)).unwrap_or_default()
     }
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn states(status: &Value) -> Vec<String> {

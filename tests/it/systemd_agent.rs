@@ -4,14 +4,14 @@
 //! run in the node's network namespace (so its gates reach the node's 127.0.0.1).
 //! As root these tests run; otherwise they print a SKIP line (and fail when CI=true).
 
-mod sandbox;
-
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
+use crate::support;
+use crate::support::sandbox::{SandboxNode, StandinExt, Systemd, agent_command as agent};
+use crate::support::text;
 use inplace_agent::host::systemd::{ActiveState, SystemdError, UnitFileState};
-use sandbox::{SandboxNode, StandinExt, Systemd};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_inplace-agent");
@@ -49,30 +49,6 @@ impl Work {
         std::fs::write(&path, format!("{id}\n")).expect("write boot id");
         path
     }
-}
-
-/// `inplace-agent <args> --root <node> --bus <node's bus>`, in the node's network namespace.
-fn agent(node: &SandboxNode, args: &[&str]) -> Command {
-    let mut cmd = node.command_in_netns(Path::new(BIN));
-    cmd.args(args)
-        .arg("--root")
-        .arg(node.root())
-        .arg("--bus")
-        .arg(node.bus_address())
-        .env("INPLACE_AGENT_LOG", "warn")
-        .env_remove("INPLACE_AGENT_SERVICES")
-        .env_remove("INPLACE_AGENT_BUS")
-        .env_remove("INPLACE_AGENT_ROOT")
-        .env_remove("INPLACE_AGENT_STATE_DIR");
-    cmd
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// Applies a plan; returns the exit code and the final status (`-o json`).
@@ -145,19 +121,6 @@ fn invocation(systemd: &Systemd, unit: &str) -> String {
         .invocation_id
         .map(|i| i.to_string())
         .unwrap_or_default()
-}
-
-fn eventually<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn run_of(status: &Value) -> u64 {
@@ -387,7 +350,7 @@ verify:
     assert!(systemd.unit_state("hello.service").unwrap().is_active());
     let greeting = || node.read_file("/run/hello.env");
     assert_eq!(
-        eventually(Duration::from_secs(5), || {
+        support::poll(|| {
             let g = greeting();
             (!g.is_empty()).then_some(g)
         })
@@ -426,7 +389,7 @@ verify:
     assert_eq!(jobs(&records, "hello.service", "restart", false).len(), 1);
     assert_ne!(invocation(&systemd, "hello.service"), first);
     assert_eq!(
-        eventually(Duration::from_secs(5), || {
+        support::poll(|| {
             let g = greeting();
             (g == "greeting=hi\n").then_some(g)
         })
@@ -571,9 +534,7 @@ fn a_reboot_in_the_middle_resumes_after_it_and_runs_later_changes_once() {
     let starts_before = starts(&node).len();
     let before = invocation(&systemd, KUBELET);
     let mut child = spawn_apply(&node, &plan, &["--boot-id-file", &boot_arg]);
-    let asked = eventually(Duration::from_secs(30), || {
-        reboot_target_active(&systemd).then_some(())
-    });
+    let asked = support::poll(|| reboot_target_active(&systemd).then_some(()));
     assert!(asked.is_some(), "the agent did not ask systemd to reboot");
     // It waits to be taken down, with the changes before the reboot applied, nothing
     // restarted, and nothing after the reboot done yet.
@@ -659,9 +620,7 @@ changes:
 ",
     );
     let mut child = spawn_apply(&node, &plan, &["--boot-id-file", &boot_arg]);
-    let asked = eventually(Duration::from_secs(30), || {
-        reboot_target_active(&systemd).then_some(())
-    });
+    let asked = support::poll(|| reboot_target_active(&systemd).then_some(()));
     assert!(asked.is_some(), "the agent did not ask systemd to reboot");
     child.kill().expect("kill the agent");
     let _ = child.wait();
@@ -728,7 +687,7 @@ fn the_bus_dying_mid_restart_is_reported_and_the_restart_is_done_once() {
     let starts_before = starts(&node).len();
     let child = spawn_apply(&node, &plan, &[]);
     assert!(
-        eventually(Duration::from_secs(30), || restarting(&systemd)).is_some(),
+        support::poll(|| restarting(&systemd)).is_some(),
         "the kubelet never started restarting"
     );
     kill_bus(&node, &systemd);
@@ -784,7 +743,7 @@ fn a_bus_that_stays_down_never_lets_the_plan_succeed() {
     );
     let child = spawn_apply(&node, &plan, &[]);
     assert!(
-        eventually(Duration::from_secs(30), || restarting(&systemd)).is_some(),
+        support::poll(|| restarting(&systemd)).is_some(),
         "the kubelet never started restarting"
     );
     // Stop the bus for good (systemctl talks to systemd's private socket, not the bus).

@@ -14,19 +14,18 @@
 //!
 //! The sandbox tests need root and print a SKIP line without it (and fail when CI=true).
 
-mod sandbox;
-
-use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::daemon::{Daemon, Ready};
+use crate::support::sandbox::{SandboxNode, StandinExt, Systemd};
+use crate::support::{eventually, say, text};
 use inplace_agent::config::parse_config;
 use inplace_agent::rpc::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY};
-use sandbox::{SandboxNode, StandinExt, Systemd};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_inplace-agent");
@@ -34,23 +33,8 @@ const REPO: &str = env!("CARGO_MANIFEST_DIR");
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const AGENT: &str = "inplace-agent.service";
 const STARTS: &str = "/var/log/kubelet-standin.starts";
-/// Upper bound for waiting on anything, so that a hang fails instead of blocking CI.
-const PATIENCE: Duration = Duration::from_secs(90);
 
 // === Helpers ===
-
-/// Writes straight to stderr (libtest captures `eprintln!` of passing tests).
-fn say(text: &str) {
-    let _ = writeln!(std::io::stderr(), "{text}");
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 /// Runs `cmd`, panics with its output unless it succeeds, returns its stdout.
 fn run(cmd: &mut Command) -> String {
@@ -65,17 +49,6 @@ fn run(cmd: &mut Command) -> String {
         text(&out)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// `packaging/build --binary <this test's binary> --fast <kind> --version <version>`: the
@@ -873,39 +846,15 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
     };
 
     // hostNetwork: the pod is in the node's network namespace.
-    let mut agent: Child = node
-        .command_in_netns(Path::new(BIN))
-        .args(&args)
+    let mut cmd = node.command_in_netns(Path::new(BIN));
+    cmd.args(&args)
         .env("INPLACE_AGENT_LOG", env_value("INPLACE_AGENT_LOG").unwrap())
         .env_remove("INPLACE_AGENT_CONFIG")
         .env_remove("INPLACE_AGENT_ROOT")
         .env_remove("INPLACE_AGENT_STATE_DIR")
         .env_remove("INPLACE_AGENT_SERVICES")
-        .env_remove("INPLACE_AGENT_BUS")
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = agent.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let log = std::thread::spawn(move || {
-        let mut lines = Vec::new();
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("listening on") {
-                let _ = tx.send(());
-            }
-            lines.push(line);
-        }
-        lines.join("\n")
-    });
-    if rx.recv_timeout(PATIENCE).is_err() {
-        let _ = agent.kill();
-        let _ = agent.wait();
-        panic!(
-            "the agent did not start listening:\n{}",
-            log.join().unwrap()
-        );
-    }
+        .env_remove("INPLACE_AGENT_BUS");
+    let mut agent = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("the agent: {e}"));
 
     // The readiness probe, as the manifest says, with the pod's /host: ready, and no TLS
     // handshake for it (a TCP probe was a failed handshake on every node every 10 s).
@@ -948,13 +897,8 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(failures, 0.0, "no handshake failed for the probes");
-    rustix::process::kill_process(
-        rustix::process::Pid::from_child(&agent),
-        rustix::process::Signal::TERM,
-    )
-    .unwrap();
-    let exit = agent.wait().unwrap();
-    let log = log.join().unwrap();
+    let exit = agent.terminate();
+    let log = agent.log();
     assert_node_plan_applied(&node, starts, &applied);
     assert!(exit.success(), "SIGTERM ends it cleanly: {exit}\n{log}");
     assert!(
@@ -1053,8 +997,8 @@ fn the_rpm_has_the_expected_files_config_and_scripts() {
 
 // === The packaged config.toml ===
 
-const PACKAGED_CONFIG: &str = include_str!("../packaging/config.toml");
-const EXAMPLE_CONFIG: &str = include_str!("../examples/config.toml");
+const PACKAGED_CONFIG: &str = include_str!("../../packaging/config.toml");
+const EXAMPLE_CONFIG: &str = include_str!("../../examples/config.toml");
 
 /// The packaged file with every `# key = value` line uncommented; with `examples` false,
 /// lines marked as examples (`# default: ...` after the value) stay commented.
