@@ -29,6 +29,8 @@ mod systemd_agent;
 mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
+mod updater_e2e;
+mod updater_http;
 mod updater_packaging;
 mod updater_translate;
 

@@ -4,17 +4,15 @@
 //! `status: Failure` body naming the field (never a panic, never an empty 500), probes and
 //! metrics, the serving certificate reloaded when its files change.
 
-mod updater_harness;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tokio::io::{AsyncWriteExt, split};
 
+use crate::support::updater::*;
 use inplace_agent::updater::emulate::{CapiClient, read_response};
 use inplace_agent::updater::hooks::Hook;
-use updater_harness::*;
 
 fn fixture(name: &str) -> Vec<u8> {
     std::fs::read(

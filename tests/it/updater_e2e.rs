@@ -5,9 +5,7 @@
 //! 0; the same desired state again changes nothing; a dropped file is removed; a failing
 //! gate answers Failure on every later call; a Machine not being updated starts nothing.
 
-mod overlay;
-mod sandbox;
-mod updater_harness;
+use crate::support::{overlay, sandbox};
 
 use std::path::Path;
 use std::time::Duration;
@@ -15,9 +13,9 @@ use std::time::Duration;
 use base64::Engine as _;
 use serde_json::{Value, json};
 
+use crate::support::updater::*;
 use inplace_agent::updater::hooks::{Hook, PENDING_HOOKS_ANNOTATION};
 use inplace_agent::updater::standin::{object_path, secret};
-use updater_harness::*;
 
 /// How much of `retryAfterSeconds` the emulated CAPI waits (10 s → 100 ms).
 const SCALE: f64 = 0.01;
