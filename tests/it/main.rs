@@ -6,6 +6,7 @@
 //! A new file here must be added below: [`every_file_here_is_a_module`] fails until it is.
 
 #[path = "../support/mod.rs"]
+mod support;
 
 mod apply;
 mod apt_host;
