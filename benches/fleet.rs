@@ -33,7 +33,7 @@ use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
 use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
 use inplace_agent::updater::emulate::Pki;
 
-use support::daemon::{Daemon, Ready, Starting, serve_command};
+use support::daemon::{Daemon, Ready, Starting, raise_nofile, serve_command};
 use support::memory::Memory;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -134,22 +134,6 @@ fn options(args: &[String]) -> Result<Options, Error> {
         return Err("--agents, --concurrency and --start-concurrency must be positive".into());
     }
     Ok(o)
-}
-
-/// Raises the soft open-file limit to the hard one (each agent is a child with pipes and a
-/// notify socket here; the updater holds a connection per agent in flight).
-fn raise_nofile() {
-    use rustix::process::{Resource, getrlimit, setrlimit};
-    let limit = getrlimit(Resource::Nofile);
-    if let Some(max) = limit.maximum {
-        let _ = setrlimit(
-            Resource::Nofile,
-            rustix::process::Rlimit {
-                current: Some(max),
-                maximum: Some(max),
-            },
-        );
-    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

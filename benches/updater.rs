@@ -37,7 +37,7 @@ use inplace_agent::updater::standin::ApiStandin;
 use serde_json::{Value, json};
 
 use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
-use support::daemon::{Daemon, Ready, Starting, serve_command};
+use support::daemon::{Daemon, Ready, Starting, raise_nofile, serve_command};
 use support::memory::Memory;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -81,19 +81,6 @@ fn options() -> Result<Options, Error> {
         }
     }
     Ok(o)
-}
-
-fn raise_nofile() {
-    use rustix::process::{Resource, getrlimit, setrlimit};
-    if let Some(max) = getrlimit(Resource::Nofile).maximum {
-        let _ = setrlimit(
-            Resource::Nofile,
-            rustix::process::Rlimit {
-                current: Some(max),
-                maximum: Some(max),
-            },
-        );
-    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

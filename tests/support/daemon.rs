@@ -55,6 +55,21 @@ pub fn serve_command(
     cmd
 }
 
+/// Raises this process's soft open-file limit to the hard one, for a program that starts many
+/// daemons (each a child with pipes or a notify socket) and holds a connection to each.
+pub fn raise_nofile() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    if let Some(max) = getrlimit(Resource::Nofile).maximum {
+        let _ = setrlimit(
+            Resource::Nofile,
+            rustix::process::Rlimit {
+                current: Some(max),
+                maximum: Some(max),
+            },
+        );
+    }
+}
+
 /// How to tell that a daemon serves.
 pub enum Ready {
     /// A stderr line with `listening on ADDR`; stderr is kept as the log.
