@@ -7,6 +7,9 @@
 //! round runs both back to back; the figure is the median of the rounds' ratios. Prints one
 //! line per round and a summary; exits 1 when the target is missed.
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -15,35 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inplace_agent::host::download::{DownloadConfig, Downloader};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use sha2::{Digest, Sha256};
-
-/// A test CA (PEM) and a server configuration for 127.0.0.1 signed by it.
-fn pki() -> (String, Arc<rustls::ServerConfig>) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "inplace-agent bench CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-    let leaf_key = rcgen::KeyPair::generate().unwrap();
-    let leaf = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
-        .unwrap()
-        .signed_by(&leaf_key, &issuer)
-        .unwrap();
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
-    let certs: Vec<CertificateDer<'static>> = vec![leaf.der().clone()];
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let server = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .unwrap();
-    (ca_cert.pem(), Arc::new(server))
-}
+use support::pki::{HttpsPki, https_pki};
 
 /// Serves `body` for every GET, one thread per connection, HTTP/1.1 with Content-Length.
 fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, body: Arc<Vec<u8>>) {
@@ -100,7 +76,10 @@ fn main() {
     let rounds: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(7);
     let body: Vec<u8> = (0..mib << 20).map(|i| (i * 31 % 251) as u8).collect();
     let sha = hex::encode(Sha256::digest(&body));
-    let (ca_pem, tls) = pki();
+    let HttpsPki {
+        ca_pem,
+        server: tls,
+    } = https_pki();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("https://{}/artifact", listener.local_addr().unwrap());
     let body = Arc::new(body);

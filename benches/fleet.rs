@@ -16,11 +16,13 @@
 //! SIGKILL after 10 s) and the sandbox removed at the end; `--pids FILE` lists the agents'
 //! pids while they run, so `benches/run` can stop them if this program is killed.
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::io::Write;
-use std::os::unix::net::UnixDatagram;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,12 +30,11 @@ use inplace_agent::plan::{Limits, parse_plan};
 use inplace_agent::rpc::convert::plan_to_pb;
 use inplace_agent::rpc::pb;
 use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
 use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
-};
+use inplace_agent::updater::emulate::Pki;
+
+use support::daemon::{Daemon, Ready, Starting, raise_nofile, serve_command};
+use support::memory::Memory;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -43,113 +44,28 @@ fn agent_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_inplace-agent")))
 }
 
-// === PKI: one CA, one updater certificate, a server certificate per node ===
-
-struct Ca {
-    issuer: Issuer<'static, KeyPair>,
-    pem: String,
-}
-
-fn ca() -> Result<Ca, Error> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::default();
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "inplace-agent fleet bench CA");
-    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let cert = params.self_signed(&key)?;
-    Ok(Ca {
-        issuer: Issuer::new(params, key),
-        pem: cert.pem(),
-    })
-}
-
-/// Signs a leaf; returns (certificate PEM, key PEM).
-fn leaf(ca: &Ca, mut params: CertificateParams) -> Result<(String, String), Error> {
-    let key = KeyPair::generate()?;
-    params.is_ca = IsCa::ExplicitNoCa;
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    params.use_authority_key_identifier_extension = true;
-    let cert = params.signed_by(&key, &ca.issuer)?;
-    Ok((cert.pem(), key.serialize_pem()))
-}
-
-fn server_cert(ca: &Ca, node: &str) -> Result<(String, String), Error> {
-    let mut params = CertificateParams::new(vec![node.to_string(), "127.0.0.1".to_string()])?;
-    params.distinguished_name.push(DnType::CommonName, node);
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    leaf(ca, params)
-}
-
-fn updater_cert(ca: &Ca) -> Result<(String, String), Error> {
-    let mut params = CertificateParams::default();
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "updater");
-    params.subject_alt_names = vec![SanType::URI(DEFAULT_UPDATER_IDENTITY.try_into()?)];
-    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    leaf(ca, params)
-}
-
 // === The agents ===
 
 struct Agent {
     node: String,
-    child: Child,
-    addr: String,
-    startup: Duration,
-}
-
-/// Memory of a process in KiB: (VmRSS, RssAnon, RssFile, Pss, threads).
-fn memory(pid: u32) -> (u64, u64, u64, u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    let field = |text: &str, name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (
-        field(&status, "VmRSS:"),
-        field(&status, "RssAnon:"),
-        field(&status, "RssFile:"),
-        field(&rollup, "Pss:"),
-        field(&status, "Threads:"),
-    )
+    daemon: Daemon,
 }
 
 /// Every agent started so far; stopped on drop (also when starting the fleet fails).
 struct Fleet {
     agents: Vec<Agent>,
-    starting: Vec<Child>,
 }
 
 impl Fleet {
+    /// SIGTERM to every agent at once, then each waited for; SIGKILL after 10 s.
     fn stop(&mut self) {
-        let mut children: Vec<Child> = self.agents.drain(..).map(|a| a.child).collect();
-        children.append(&mut self.starting);
-        for c in &children {
-            let _ = rustix::process::kill_process(
-                rustix::process::Pid::from_child(c),
-                rustix::process::Signal::TERM,
-            );
+        for a in &self.agents {
+            a.daemon.signal_term();
         }
         let deadline = Instant::now() + Duration::from_secs(10);
-        for mut c in children {
-            loop {
-                match c.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
-                    Ok(None) if Instant::now() >= deadline => {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        break;
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
+        for mut a in self.agents.drain(..) {
+            // A daemon dropped while it still runs is killed.
+            let _ = a.daemon.wait_until(deadline);
         }
     }
 }
@@ -160,66 +76,26 @@ impl Drop for Fleet {
     }
 }
 
-/// Spawns one agent; returns it with the socket its `READY=1` arrives on.
-fn spawn_agent(dir: &Path, i: usize, ca: &Ca) -> Result<(String, Child, UnixDatagram), Error> {
+/// Spawns agent `i` on its own sandbox root with its own server certificate; it is ready when
+/// its `READY=1` ("...serving on ADDR") arrives.
+fn spawn_agent(dir: &Path, i: usize, pki: &Pki) -> Result<(String, Starting), Error> {
     let node = format!("node-{i:04}");
     let home = dir.join(&node);
     let root = home.join("root");
     inplace_agent::sandbox::tree::build_kubeadm_worker(&root)?;
-    let (cert, key) = server_cert(ca, &node)?;
-    std::fs::write(home.join("server.crt"), cert)?;
-    std::fs::write(home.join("server.key"), key)?;
-    let notify = home.join("notify.sock");
-    let socket = UnixDatagram::bind(&notify)?;
-    socket.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let child = Command::new(agent_bin())
-        .args([
-            "serve",
-            "--config",
-            "/dev/null",
-            "--listen",
-            "127.0.0.1:0",
-            "--no-chroot",
-            "--services",
-            "off",
-            "--admin",
-            DEFAULT_UPDATER_IDENTITY,
-            "--node-name",
-            &node,
-        ])
-        .arg("--root")
-        .arg(&root)
-        .arg("--tls-cert")
-        .arg(home.join("server.crt"))
-        .arg("--tls-key")
-        .arg(home.join("server.key"))
-        .arg("--client-ca")
-        .arg(dir.join("ca.crt"))
-        .env("NOTIFY_SOCKET", &notify)
-        .env("INPLACE_AGENT_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn()?;
-    Ok((node, child, socket))
-}
-
-/// Waits for `READY=1` ("...serving on ADDR") and returns the address.
-fn wait_ready(socket: &UnixDatagram) -> Result<String, Error> {
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = socket.recv(&mut buf)?;
-        let text = String::from_utf8_lossy(&buf[..n]);
-        if text.lines().any(|l| l == "READY=1") {
-            let addr = text
-                .split("serving on ")
-                .nth(1)
-                .and_then(|rest| rest.split([';', '\n', ' ']).next())
-                .ok_or_else(|| format!("READY=1 without an address: {text:?}"))?;
-            return Ok(addr.to_string());
-        }
-    }
+    let cert = pki.server(&node, &[&node, "127.0.0.1"])?;
+    let mut cmd = serve_command(&agent_bin(), &root, &node, &cert.cert, &cert.key, &pki.ca());
+    cmd.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--no-chroot",
+        "--services",
+        "off",
+    ])
+    .env("INPLACE_AGENT_LOG", "warn")
+    .process_group(0);
+    let starting = Daemon::spawn(cmd, Ready::Notify(home.join("notify.sock")))?;
+    Ok((node, starting))
 }
 
 struct Options {
@@ -260,22 +136,6 @@ fn options(args: &[String]) -> Result<Options, Error> {
     Ok(o)
 }
 
-/// Raises the soft open-file limit to the hard one (each agent is a child with pipes and a
-/// notify socket here; the updater holds a connection per agent in flight).
-fn raise_nofile() {
-    use rustix::process::{Resource, getrlimit, setrlimit};
-    let limit = getrlimit(Resource::Nofile);
-    if let Some(max) = limit.maximum {
-        let _ = setrlimit(
-            Resource::Nofile,
-            rustix::process::Rlimit {
-                current: Some(max),
-                maximum: Some(max),
-            },
-        );
-    }
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -290,16 +150,12 @@ fn harness(o: Options) -> Result<(), Error> {
         .prefix("inplace-fleet-")
         .tempdir_in(base)?;
     let dir = work.path();
-    let ca = ca()?;
-    std::fs::write(dir.join("ca.crt"), &ca.pem)?;
-    let (cert, key) = updater_cert(&ca)?;
-    std::fs::write(dir.join("updater.crt"), cert)?;
-    std::fs::write(dir.join("updater.key"), key)?;
+    let pki = Pki::new(&dir.join("pki"))?;
+    let updater_cert = pki.updater_client()?;
 
     // Start the fleet, a few agents at a time, each timed from spawn to READY=1.
     let mut fleet = Fleet {
         agents: Vec::with_capacity(o.agents),
-        starting: Vec::new(),
     };
     let started = Instant::now();
     let mut next = 0;
@@ -307,33 +163,20 @@ fn harness(o: Options) -> Result<(), Error> {
         let n = o.start_concurrency.min(o.agents - next);
         let mut batch = Vec::with_capacity(n);
         for i in next..next + n {
-            let t = Instant::now();
-            let (node, child, socket) = spawn_agent(dir, i, &ca)?;
-            fleet.starting.push(child);
-            batch.push((node, socket, t));
+            batch.push(spawn_agent(dir, i, &pki)?);
         }
-        let children: Vec<Child> = fleet.starting.drain(..).collect();
-        for ((node, socket, t), mut child) in batch.into_iter().zip(children) {
-            match wait_ready(&socket) {
-                Ok(addr) => fleet.agents.push(Agent {
-                    node,
-                    child,
-                    addr,
-                    startup: t.elapsed(),
-                }),
-                Err(e) => {
-                    let status = child.try_wait().ok().flatten();
-                    fleet.starting.push(child);
-                    return Err(format!("{node} did not become ready ({status:?}): {e}").into());
-                }
-            }
+        for (node, starting) in batch {
+            let daemon = starting
+                .wait()
+                .map_err(|e| format!("{node} did not become ready: {e}"))?;
+            fleet.agents.push(Agent { node, daemon });
         }
         next += n;
         if let Some(p) = &o.pids {
             let list: String = fleet
                 .agents
                 .iter()
-                .map(|a| format!("{}\n", a.child.id()))
+                .map(|a| format!("{}\n", a.daemon.pid()))
                 .collect();
             std::fs::write(p, list)?;
         }
@@ -342,7 +185,7 @@ fn harness(o: Options) -> Result<(), Error> {
     let mut startups: Vec<f64> = fleet
         .agents
         .iter()
-        .map(|a| a.startup.as_secs_f64() * 1000.0)
+        .map(|a| a.daemon.ready_after.as_secs_f64() * 1000.0)
         .collect();
     startups.sort_by(f64::total_cmp);
     eprintln!(
@@ -355,9 +198,15 @@ fn harness(o: Options) -> Result<(), Error> {
     let (idle_rss, idle_anon, idle_file, idle_pss, threads) = fleet
         .agents
         .iter()
-        .map(|a| memory(a.child.id()))
+        .map(|a| a.daemon.memory())
         .fold((0, 0, 0, 0, 0), |s, m| {
-            (s.0 + m.0, s.1 + m.1, s.2 + m.2, s.3 + m.3, s.4 + m.4)
+            (
+                s.0 + m.rss,
+                s.1 + m.anon,
+                s.2 + m.file,
+                s.3 + m.pss,
+                s.4 + m.threads,
+            )
         });
     eprintln!(
         "fleet: before the plan: RSS sum {:.0} MiB (anon {:.0}, file {:.0}), Pss sum {:.0} MiB, {threads} threads",
@@ -371,15 +220,15 @@ fn harness(o: Options) -> Result<(), Error> {
     let targets = dir.join("targets");
     let mut f = std::fs::File::create(&targets)?;
     for a in &fleet.agents {
-        writeln!(f, "{} {}", a.node, a.addr)?;
+        writeln!(f, "{} {}", a.node, a.daemon.addr)?;
     }
     drop(f);
     let out = Command::new(std::env::current_exe()?)
         .arg("updater")
         .arg(&targets)
-        .arg(dir.join("ca.crt"))
-        .arg(dir.join("updater.crt"))
-        .arg(dir.join("updater.key"))
+        .arg(pki.ca())
+        .arg(&updater_cert.cert)
+        .arg(&updater_cert.key)
         .arg(o.concurrency.to_string())
         .stderr(Stdio::inherit())
         .output()?;
@@ -390,16 +239,16 @@ fn harness(o: Options) -> Result<(), Error> {
 
     // Idle again (the blocking pools' threads have gone), then the memory of every agent.
     std::thread::sleep(Duration::from_secs(o.idle_seconds));
-    let mems: Vec<_> = fleet.agents.iter().map(|a| memory(a.child.id())).collect();
+    let mems: Vec<Memory> = fleet.agents.iter().map(|a| a.daemon.memory()).collect();
     let alive = fleet
         .agents
         .iter_mut()
-        .map(|a| matches!(a.child.try_wait(), Ok(None)))
+        .map(|a| matches!(a.daemon.child.try_wait(), Ok(None)))
         .filter(|alive| *alive)
         .count();
-    let sum = |f: fn(&(u64, u64, u64, u64, u64)) -> u64| mems.iter().map(f).sum::<u64>();
-    let max = |f: fn(&(u64, u64, u64, u64, u64)) -> u64| mems.iter().map(f).max().unwrap_or(0);
-    let over_8 = mems.iter().filter(|m| m.0 > 8 * 1024).count();
+    let sum = |f: fn(&Memory) -> u64| mems.iter().map(f).sum::<u64>();
+    let max = |f: fn(&Memory) -> u64| mems.iter().map(f).max().unwrap_or(0);
+    let over_8 = mems.iter().filter(|m| m.rss > 8 * 1024).count();
     let figures = serde_json::json!({
         "agents": o.agents,
         "alive": alive,
@@ -409,10 +258,10 @@ fn harness(o: Options) -> Result<(), Error> {
                            "max": startups.last().copied().unwrap_or(0.0)},
         "updater": updater,
         "agentsKiB": {
-            "rssSum": sum(|m| m.0), "rssMax": max(|m| m.0),
-            "anonSum": sum(|m| m.1), "anonMax": max(|m| m.1),
-            "fileSum": sum(|m| m.2), "fileMax": max(|m| m.2),
-            "pssSum": sum(|m| m.3), "threads": sum(|m| m.4),
+            "rssSum": sum(|m| m.rss), "rssMax": max(|m| m.rss),
+            "anonSum": sum(|m| m.anon), "anonMax": max(|m| m.anon),
+            "fileSum": sum(|m| m.file), "fileMax": max(|m| m.file),
+            "pssSum": sum(|m| m.pss), "threads": sum(|m| m.threads),
             "over8MiB": over_8,
         },
     });
@@ -524,16 +373,7 @@ fn updater(args: &[String]) -> Result<(), Error> {
     })?;
     let wall = started.elapsed();
     latencies.sort_by(f64::total_cmp);
-    let me = memory(std::process::id());
-    let hwm = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .unwrap_or(0);
+    let me = Memory::of_self();
     for f in failures.iter().take(5) {
         eprintln!("updater: {f}");
     }
@@ -543,8 +383,8 @@ fn updater(args: &[String]) -> Result<(), Error> {
         "failed": failures.len(),
         "perAgentMillis": {"p50": percentile(&latencies, 0.5), "p99": percentile(&latencies, 0.99),
                             "max": latencies.last().copied().unwrap_or(0.0)},
-        "rssKiB": me.0,
-        "peakRssKiB": hwm,
+        "rssKiB": me.rss,
+        "peakRssKiB": me.hwm,
     });
     println!("{figures}");
     if !failures.is_empty() {

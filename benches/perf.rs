@@ -18,8 +18,10 @@
 //! perf baseline-writes DIR N SIZE      (internal) the raw atomic-write baseline
 //! ```
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::io::Write as _;
-use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,6 +31,10 @@ use serde_json::{Value, json};
 use inplace_agent::engine::{Engine, EngineConfig};
 use inplace_agent::host::{Host, HostSettings};
 use inplace_agent::journal::{Journal, Preimage, Record};
+
+use support::daemon::{Daemon, OnDrop, Ready, serve_command};
+use support::memory::Memory;
+use support::pki::NodePki;
 
 fn agent_bin() -> PathBuf {
     std::env::var_os("INPLACE_AGENT_BIN")
@@ -518,97 +524,31 @@ fn journal_size(plans: u64) -> Value {
            "load": [load_before, load()]})
 }
 
-/// A running `serve` started with `NOTIFY_SOCKET`; stopped on drop.
-struct Serve {
-    child: std::process::Child,
-    ready_after: Duration,
-}
-
-impl Serve {
-    fn start(
-        home: &Path,
-        root: &Path,
-        state: &Path,
-        pki: &inplace_agent::rpc::pki::PkiFiles,
-    ) -> Serve {
-        let sock = home.join("notify.sock");
-        let _ = std::fs::remove_file(&sock);
-        let socket = UnixDatagram::bind(&sock).expect("notify socket");
-        socket
-            .set_read_timeout(Some(Duration::from_secs(30)))
-            .expect("timeout");
-        let spawned = Instant::now();
-        let child = Command::new(agent_bin())
-            .args(["serve", "--config", "/dev/null", "--listen", "127.0.0.1:0"])
-            .args([
-                "--no-chroot",
-                "--services",
-                "off",
-                "--node-name",
-                "bench-node",
-            ])
-            .args(["--admin", inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY])
-            .arg("--root")
-            .arg(root)
-            .arg("--state-dir")
-            .arg(state)
-            .arg("--tls-cert")
-            .arg(&pki.server_cert)
-            .arg("--tls-key")
-            .arg(&pki.server_key)
-            .arg("--client-ca")
-            .arg(&pki.ca_cert)
-            .env("NOTIFY_SOCKET", &sock)
-            .env("INPLACE_AGENT_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn serve");
-        let mut serve = Serve {
-            child,
-            ready_after: Duration::ZERO,
-        };
-        let mut buf = [0u8; 4096];
-        loop {
-            let n = socket.recv(&mut buf).expect("READY=1 within 30 s");
-            if String::from_utf8_lossy(&buf[..n])
-                .lines()
-                .any(|l| l == "READY=1")
-            {
-                serve.ready_after = spawned.elapsed();
-                return serve;
-            }
-        }
-    }
-
-    /// (VmRSS, RssAnon, RssFile, VmHWM) in KiB.
-    fn memory(&self) -> (u64, u64, u64, u64) {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find(|l| l.starts_with(name))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        };
-        (
-            field("VmRSS:"),
-            field("RssAnon:"),
-            field("RssFile:"),
-            field("VmHWM:"),
-        )
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let pid = rustix::process::Pid::from_child(&self.child);
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        let _ = self.child.wait();
-    }
+/// A running `serve` of the release binary on `root` with its state in `state`, ready when
+/// it said `READY=1` on a notify socket in `home`; stopped with SIGTERM on drop.
+fn serve(home: &Path, root: &Path, state: &Path, pki: &NodePki) -> Daemon {
+    let f = &pki.files;
+    let mut cmd = serve_command(
+        &agent_bin(),
+        root,
+        &pki.node,
+        &f.server_cert,
+        &f.server_key,
+        &f.ca_cert,
+    );
+    cmd.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--no-chroot",
+        "--services",
+        "off",
+    ])
+    .arg("--state-dir")
+    .arg(state)
+    .env("INPLACE_AGENT_LOG", "warn");
+    Daemon::start(cmd, Ready::Notify(home.join("notify.sock")))
+        .unwrap_or_else(|e| panic!("serve: {e}"))
+        .on_drop(OnDrop::Term)
 }
 
 /// Footprint: the stripped binary, start-up to READY=1 (empty state and a 10,000-record
@@ -630,25 +570,27 @@ fn footprint(runs: usize) -> Value {
     let work = tempfile::tempdir().expect("tempdir");
     let root = work.path().join("node");
     inplace_agent::sandbox::tree::build_kubeadm_worker(&root).expect("tree");
-    let pki = inplace_agent::rpc::pki::init(&inplace_agent::rpc::pki::PkiInitOptions::new(
-        work.path().join("pki"),
-        "bench-node",
-    ))
-    .expect("pki");
+    let pki = NodePki::new("bench-node").expect("pki");
     let empty = work.path().join("state-empty");
     let full = work.path().join("state-10k");
     let records = write_journal(&full, 10_000);
     let (mut cold, mut warm) = (Vec::new(), Vec::new());
     for _ in 0..runs {
         let _ = std::fs::remove_dir_all(&empty);
-        cold.push(Serve::start(work.path(), &root, &empty, &pki).ready_after);
-        warm.push(Serve::start(work.path(), &root, &full, &pki).ready_after);
+        cold.push(serve(work.path(), &root, &empty, &pki).ready_after);
+        warm.push(serve(work.path(), &root, &full, &pki).ready_after);
     }
     // Idle memory with the 10,000-record journal: 15 s after READY (the runtime's idle
     // blocking threads are gone by then).
-    let serve = Serve::start(work.path(), &root, &full, &pki);
+    let serve = serve(work.path(), &root, &full, &pki);
     std::thread::sleep(Duration::from_secs(15));
-    let (rss, anon, file, hwm) = serve.memory();
+    let Memory {
+        rss,
+        anon,
+        file,
+        hwm,
+        ..
+    } = serve.memory();
     drop(serve);
     let (c, w) = (stats(&cold), stats(&warm));
     eprintln!(

@@ -41,18 +41,7 @@ fn main() {
     // The section is written after every cut, so a run stopped early still reports what it did.
     let report = match vm::powercut::run(env, cuts, |r| {
         if let Some(c) = r.cuts.last() {
-            eprintln!(
-                "cut {}: at {} ms ({} writes, {} flushes before it), cut in: {}, \
-                 {} unflushed sectors dropped, torn tail {}: {}",
-                c.plan,
-                c.at_ms,
-                c.writes,
-                c.flushes,
-                c.phase_after,
-                c.dropped_sectors,
-                if c.torn_tail { "truncated" } else { "none" },
-                c.failure.as_deref().unwrap_or("converged")
-            );
+            eprintln!("cut {}", c.summary());
         }
         if write_results {
             write_section(&results, &render(env, r, cuts, began.elapsed()));

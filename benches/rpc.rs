@@ -13,8 +13,10 @@
 //! Run: `cargo bench --bench rpc` (see benches/README.md for the options). It prints a
 //! table and, with `--json FILE`, writes the figures for the performance suite.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,12 +24,13 @@ use inplace_agent::plan::{Limits, parse_plan};
 use inplace_agent::rpc::convert::plan_to_pb;
 use inplace_agent::rpc::pb;
 use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::{
-    DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiFiles, PkiInitOptions,
-};
-use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
+use inplace_agent::rpc::pki::DEFAULT_READER_IDENTITY;
+use inplace_agent::rpc::tls::{client_config, connect};
 use rustls::ClientConfig;
 use tonic::transport::Channel;
+
+use support::daemon::{Daemon, OnDrop, Ready, serve_command};
+use support::pki::{As, NodePki};
 
 const NODE: &str = "bench-node";
 
@@ -82,86 +85,22 @@ impl Options {
     }
 }
 
-/// The daemon under test.
-struct Serve {
-    child: Child,
-    addr: String,
-}
-
-impl Serve {
-    fn start(root: &std::path::Path, pki: &PkiFiles) -> Result<Serve, String> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
-            .args([
-                "serve",
-                "--config",
-                "/dev/null",
-                "--listen",
-                "127.0.0.1:0",
-                "--no-chroot",
-            ])
-            .args(["--node-name", NODE, "--root"])
-            .arg(root)
-            .arg("--tls-cert")
-            .arg(&pki.server_cert)
-            .arg("--tls-key")
-            .arg(&pki.server_key)
-            .arg("--client-ca")
-            .arg(&pki.ca_cert)
-            .args([
-                "--admin",
-                DEFAULT_UPDATER_IDENTITY,
-                "--reader",
-                DEFAULT_READER_IDENTITY,
-            ])
-            .env("INPLACE_AGENT_LOG", "warn,inplace_agent::cli::serve=info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("start serve: {e}"))?;
-        let stderr = child.stderr.take().ok_or("no stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .ok_or("serve exited before listening")?
-                .map_err(|e| e.to_string())?;
-            if let Some(rest) = line.split("listening on ").nth(1) {
-                break rest.split_whitespace().next().unwrap_or("").to_owned();
-            }
-        };
-        // Keep draining the log so the daemon never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Ok(Serve { child, addr })
-    }
-
-    /// Memory in KiB: (VmRSS, VmHWM, RssAnon, RssFile).
-    fn memory(&self) -> (u64, u64, u64, u64) {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find(|l| l.starts_with(name))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        };
-        (
-            field("VmRSS:"),
-            field("VmHWM:"),
-            field("RssAnon:"),
-            field("RssFile:"),
-        )
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let pid = rustix::process::Pid::from_child(&self.child);
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        let _ = self.child.wait();
-    }
+/// The daemon under test (the bench build), its log at warnings and its start-up line;
+/// stopped with SIGTERM.
+fn serve(root: &Path, pki: &NodePki) -> Result<Daemon, String> {
+    let f = &pki.files;
+    let mut cmd = serve_command(
+        Path::new(env!("CARGO_BIN_EXE_inplace-agent")),
+        root,
+        NODE,
+        &f.server_cert,
+        &f.server_key,
+        &f.ca_cert,
+    );
+    cmd.args(["--listen", "127.0.0.1:0", "--no-chroot"])
+        .args(["--reader", DEFAULT_READER_IDENTITY])
+        .env("INPLACE_AGENT_LOG", "warn,inplace_agent::cli::serve=info");
+    Ok(Daemon::start(cmd, Ready::Log)?.on_drop(OnDrop::Term))
 }
 
 async fn client(
@@ -227,19 +166,12 @@ async fn run(options: Options) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let root = dir.path().join("node");
     inplace_agent::sandbox::tree::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
-    let pki = inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), NODE))
-        .map_err(|e| e.to_string())?;
-    let serve = Serve::start(&root, &pki)?;
+    let pki = NodePki::new(NODE)?;
+    let serve = serve(&root, &pki)?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (rss_start, _, anon_start, file_start) = serve.memory();
-    let config = Arc::new(
-        client_config(&ClientTlsPaths {
-            ca: pki.ca_cert.clone(),
-            cert: pki.updater_cert.clone(),
-            key: pki.updater_key.clone(),
-        })
-        .map_err(|e| e.to_string())?,
-    );
+    let start = serve.memory();
+    let config =
+        Arc::new(client_config(&pki.client_paths(As::Updater)).map_err(|e| e.to_string())?);
     let mut admin = client(&serve.addr, &config).await?;
     apply_and_wait(&mut admin, 0).await?;
 
@@ -292,7 +224,7 @@ async fn run(options: Options) -> Result<(), String> {
     let apply_seconds = started.elapsed().as_secs_f64();
     drop(admin);
     tokio::time::sleep(Duration::from_secs(options.idle_seconds)).await;
-    let (rss_idle, rss_peak, anon_idle, file_idle) = serve.memory();
+    let idle = serve.memory();
 
     println!("inplace-agent node API benchmark (serve: release build, 127.0.0.1, TLS 1.3 mTLS)");
     println!(
@@ -314,15 +246,15 @@ async fn run(options: Options) -> Result<(), String> {
     let mib = |kib: u64| kib as f64 / 1024.0;
     println!(
         "  serve RSS: {:.1} MiB after start (anon {:.1}, file {:.1}), {:.1} MiB idle {}s after {} plans (anon {:.1}, file {:.1}; peak {:.1} MiB)",
-        mib(rss_start),
-        mib(anon_start),
-        mib(file_start),
-        mib(rss_idle),
+        mib(start.rss),
+        mib(start.anon),
+        mib(start.file),
+        mib(idle.rss),
         options.idle_seconds,
         options.plans,
-        mib(anon_idle),
-        mib(file_idle),
-        mib(rss_peak)
+        mib(idle.anon),
+        mib(idle.file),
+        mib(idle.hwm)
     );
     drop(serve);
     let abuse = abuse(&root, &pki).await?;
@@ -359,13 +291,13 @@ async fn run(options: Options) -> Result<(), String> {
             "connectionsPerSecond": connections_per_second,
             "plans": {"count": options.plans, "seconds": apply_seconds},
             "rssKiB": {
-                "start": rss_start,
-                "startAnon": anon_start,
-                "startFile": file_start,
-                "idle": rss_idle,
-                "idleAnon": anon_idle,
-                "idleFile": file_idle,
-                "peak": rss_peak,
+                "start": start.rss,
+                "startAnon": start.anon,
+                "startFile": start.file,
+                "idle": idle.rss,
+                "idleAnon": idle.anon,
+                "idleFile": idle.file,
+                "peak": idle.hwm,
             },
         });
         std::fs::write(path, format!("{figures:#}\n"))
@@ -386,16 +318,9 @@ struct Abuse {
     back_after_seconds: f64,
 }
 
-async fn abuse(root: &std::path::Path, pki: &PkiFiles) -> Result<Abuse, String> {
-    let serve = Serve::start(root, pki)?;
-    let config = Arc::new(
-        client_config(&ClientTlsPaths {
-            ca: pki.ca_cert.clone(),
-            cert: pki.reader_cert.clone(),
-            key: pki.reader_key.clone(),
-        })
-        .map_err(|e| e.to_string())?,
-    );
+async fn abuse(root: &Path, pki: &NodePki) -> Result<Abuse, String> {
+    let serve = serve(root, pki)?;
+    let config = Arc::new(client_config(&pki.client_paths(As::Reader)).map_err(|e| e.to_string())?);
     // Four files of just under the 4 MiB content limit: a valid plan of 16 MiB.
     let content = vec![b'x'; (4 << 20) - 4096];
     let plan = pb::Plan {
@@ -435,13 +360,13 @@ async fn abuse(root: &std::path::Path, pki: &PkiFiles) -> Result<Abuse, String> 
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    let (_, peak, _, _) = serve.memory();
+    let peak = serve.memory().hwm;
     let done = Instant::now();
     let (mut rss_after, mut anon_after) = (0, 0);
     while done.elapsed() < Duration::from_secs(60) {
-        let (rss, _, anon, _) = serve.memory();
-        (rss_after, anon_after) = (rss, anon);
-        if rss <= 16 * 1024 {
+        let now = serve.memory();
+        (rss_after, anon_after) = (now.rss, now.anon);
+        if now.rss <= 16 * 1024 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;

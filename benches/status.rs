@@ -12,9 +12,10 @@
 //! Run: `cargo bench --bench status` (benches/README.md lists the options). It prints a
 //! table and, with `--json FILE`, writes the figures for the performance suite.
 
-use std::io::{BufRead, BufReader};
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,7 +23,9 @@ use inplace_agent::config::SettingsInput;
 use inplace_agent::engine::Engine;
 use inplace_agent::host::Host;
 use inplace_agent::plan::{Limits, parse_plan};
-use inplace_agent::rpc::pki::{DEFAULT_UPDATER_IDENTITY, PkiFiles, PkiInitOptions};
+
+use support::daemon::{Daemon, OnDrop, Ready, serve_command};
+use support::pki::NodePki;
 
 const NODE: &str = "bench-node";
 
@@ -102,84 +105,22 @@ fn fill_journal(root: &Path, records: u64) -> Result<u64, String> {
     Ok(engine.journal_info().records)
 }
 
-struct Serve {
-    child: Child,
-}
-
-impl Serve {
-    fn start(root: &Path, pki: &PkiFiles) -> Result<Serve, String> {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
-            .args([
-                "serve",
-                "--config",
-                "/dev/null",
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--no-chroot",
-                "--services",
-                "off",
-            ])
-            .args(["--node-name", NODE, "--root"])
-            .arg(root)
-            .arg("--tls-cert")
-            .arg(&pki.server_cert)
-            .arg("--tls-key")
-            .arg(&pki.server_key)
-            .arg("--client-ca")
-            .arg(&pki.ca_cert)
-            .args(["--admin", DEFAULT_UPDATER_IDENTITY])
-            .env("INPLACE_AGENT_LOG", "warn,inplace_agent::cli::serve=info")
-            .env_remove("NOTIFY_SOCKET")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("start serve: {e}"))?;
-        let stderr = child.stderr.take().ok_or("no stderr")?;
-        let mut lines = BufReader::new(stderr).lines();
-        loop {
-            let line = lines
-                .next()
-                .ok_or("serve exited before listening")?
-                .map_err(|e| e.to_string())?;
-            if line.contains("listening on ") {
-                break;
-            }
-        }
-        // Keep draining the log so the daemon never blocks on a full pipe.
-        std::thread::spawn(move || for _ in lines {});
-        Ok(Serve { child })
-    }
-
-    /// Memory in KiB: (VmRSS, VmHWM, RssAnon, RssFile).
-    fn memory(&self) -> (u64, u64, u64, u64) {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find(|l| l.starts_with(name))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        };
-        (
-            field("VmRSS:"),
-            field("VmHWM:"),
-            field("RssAnon:"),
-            field("RssFile:"),
-        )
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let pid = rustix::process::Pid::from_child(&self.child);
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        let _ = self.child.wait();
-    }
+/// The daemon under test (the bench build) with the metrics on a TCP listener too, service
+/// management off; stopped with SIGTERM.
+fn serve(root: &Path, pki: &NodePki) -> Result<Daemon, String> {
+    let f = &pki.files;
+    let mut cmd = serve_command(
+        Path::new(env!("CARGO_BIN_EXE_inplace-agent")),
+        root,
+        NODE,
+        &f.server_cert,
+        &f.server_key,
+        &f.ca_cert,
+    );
+    cmd.args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .args(["--no-chroot", "--services", "off"])
+        .env("INPLACE_AGENT_LOG", "warn,inplace_agent::cli::serve=info");
+    Ok(Daemon::start(cmd, Ready::Log)?.on_drop(OnDrop::Term))
 }
 
 /// One `GET /v1/status` on a new connection; the body length.
@@ -215,8 +156,7 @@ async fn run(options: Options) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let root = dir.path().join("node");
     inplace_agent::sandbox::tree::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
-    let pki = inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), NODE))
-        .map_err(|e| e.to_string())?;
+    let pki = NodePki::new(NODE)?;
     let filling = Instant::now();
     let root_for_fill = root.clone();
     let records = options.records;
@@ -227,10 +167,10 @@ async fn run(options: Options) -> Result<(), String> {
     let journal_bytes = std::fs::metadata(root.join("var/lib/inplace-agent/journal/journal.log"))
         .map(|m| m.len())
         .unwrap_or(0);
-    let serve = Serve::start(&root, &pki)?;
+    let serve = serve(&root, &pki)?;
     let socket = Arc::new(root.join("run/inplace-agent/status.sock"));
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (rss_start, _, anon_start, file_start) = serve.memory();
+    let start = serve.memory();
 
     // Warm-up, then the open-loop run.
     let mut body_bytes = 0;
@@ -281,7 +221,7 @@ async fn run(options: Options) -> Result<(), String> {
         *latencies.last().unwrap_or(&Duration::ZERO),
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (rss_after, peak, anon_after, file_after) = serve.memory();
+    let after = serve.memory();
 
     println!(
         "status socket: GET /v1/status, {} requests at {}/s (open loop, new connection each)",
@@ -309,7 +249,8 @@ async fn run(options: Options) -> Result<(), String> {
         micros(service_p99)
     );
     println!(
-        "  RSS of serve: {rss_start} KiB after start (anon {anon_start}, file {file_start}), {rss_after} KiB after the load (anon {anon_after}, file {file_after}), peak {peak} KiB"
+        "  RSS of serve: {} KiB after start (anon {}, file {}), {} KiB after the load (anon {}, file {}), peak {} KiB",
+        start.rss, start.anon, start.file, after.rss, after.anon, after.file, after.hwm
     );
     if let Some(path) = &options.json {
         let figures = serde_json::json!({
@@ -327,9 +268,9 @@ async fn run(options: Options) -> Result<(), String> {
             },
             "journal": {"records": records, "bytes": journal_bytes},
             "rssKiB": {
-                "start": rss_start, "startAnon": anon_start, "startFile": file_start,
-                "afterLoad": rss_after, "afterLoadAnon": anon_after, "afterLoadFile": file_after,
-                "peak": peak,
+                "start": start.rss, "startAnon": start.anon, "startFile": start.file,
+                "afterLoad": after.rss, "afterLoadAnon": after.anon, "afterLoadFile": after.file,
+                "peak": after.hwm,
             },
         });
         std::fs::write(path, format!("{figures:#}\n"))

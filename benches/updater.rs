@@ -17,15 +17,17 @@
 //! same run: the same callers calling the agents' GetPlanStatus directly over mutual TLS
 //! (what one UpdateMachine costs at least), so the updater's own overhead is a ratio.
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use inplace_agent::rpc::pb;
 use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
 use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
 use inplace_agent::updater::emulate::{CapiClient, Pki};
 use inplace_agent::updater::hooks::{
@@ -33,6 +35,10 @@ use inplace_agent::updater::hooks::{
 };
 use inplace_agent::updater::standin::ApiStandin;
 use serde_json::{Value, json};
+
+use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
+use support::daemon::{Daemon, Ready, Starting, raise_nofile, serve_command};
+use support::memory::Memory;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -77,51 +83,11 @@ fn options() -> Result<Options, Error> {
     Ok(o)
 }
 
-fn raise_nofile() {
-    use rustix::process::{Resource, getrlimit, setrlimit};
-    if let Some(max) = getrlimit(Resource::Nofile).maximum {
-        let _ = setrlimit(
-            Resource::Nofile,
-            rustix::process::Rlimit {
-                current: Some(max),
-                maximum: Some(max),
-            },
-        );
-    }
-}
-
-/// (VmRSS, VmHWM) in KiB.
-fn rss(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
     sorted[(((sorted.len() - 1) as f64) * p).round() as usize]
-}
-
-struct Kill(Vec<Child>);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-        }
-        for c in &mut self.0 {
-            let _ = c.wait();
-        }
-    }
 }
 
 fn ip(i: usize) -> String {
@@ -132,7 +98,9 @@ fn node(i: usize) -> String {
     format!("node-{i:04}")
 }
 
-fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Child, Error> {
+/// Spawns agent `i` on its own sandbox tree (a kubelet that reports v1.35.2) on its own
+/// loopback address and `port`; it is ready when its `READY=1` arrives.
+fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Starting, Error> {
     let home = dir.join(node(i));
     let root = home.join("root");
     inplace_agent::sandbox::tree::build_kubeadm_worker(&root)?;
@@ -144,50 +112,22 @@ fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Child, Erro
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )?;
     let cert = pki.server(&node(i), &[&node(i), &ip(i)])?;
-    Ok(
-        Command::new(bin("agent", env!("CARGO_BIN_EXE_inplace-agent")))
-            .args([
-                "serve",
-                "--config",
-                "/dev/null",
-                "--no-chroot",
-                "--services",
-                "off",
-            ])
-            .args([
-                "--admin",
-                DEFAULT_UPDATER_IDENTITY,
-                "--reader",
-                DEFAULT_UPDATER_IDENTITY,
-            ])
-            .args(["--node-name", &node(i), "--listen"])
-            .arg(format!("{}:{port}", ip(i)))
-            .arg("--root")
-            .arg(&root)
-            .arg("--state-dir")
-            .arg(home.join("state"))
-            .arg("--tls-cert")
-            .arg(&cert.cert)
-            .arg("--tls-key")
-            .arg(&cert.key)
-            .arg("--client-ca")
-            .arg(pki.ca())
-            .env("INPLACE_AGENT_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    )
-}
-
-fn wait_listening(addr: &str, deadline: Instant) -> Result<(), Error> {
-    while std::net::TcpStream::connect(addr).is_err() {
-        if Instant::now() > deadline {
-            return Err(format!("{addr} never listened").into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
+    let mut cmd = serve_command(
+        &bin("agent", env!("CARGO_BIN_EXE_inplace-agent")),
+        &root,
+        &node(i),
+        &cert.cert,
+        &cert.key,
+        &pki.ca(),
+    );
+    cmd.args(["--no-chroot", "--services", "off"])
+        .args(["--reader", DEFAULT_UPDATER_IDENTITY])
+        .arg("--listen")
+        .arg(format!("{}:{port}", ip(i)))
+        .arg("--state-dir")
+        .arg(home.join("state"))
+        .env("INPLACE_AGENT_LOG", "warn");
+    Ok(Daemon::spawn(cmd, Ready::Notify(home.join("notify.sock")))?)
 }
 
 fn machine(i: usize) -> Value {
@@ -469,16 +409,17 @@ fn main() -> Result<(), Error> {
 
     // The fleet, a few agents at a time.
     let started = Instant::now();
-    let mut kill = Kill(Vec::new());
+    // Every process started here, killed at the end (also on an error).
+    let mut daemons: Vec<Daemon> = Vec::new();
     let mut next = 0;
     while next < o.agents {
         let batch: Vec<usize> = (next..(next + o.start_concurrency).min(o.agents)).collect();
+        let mut starting = Vec::with_capacity(batch.len());
         for &i in &batch {
-            kill.0.push(spawn_agent(dir, &pki, i, port)?);
+            starting.push(spawn_agent(dir, &pki, i, port)?);
         }
-        let deadline = Instant::now() + Duration::from_secs(120);
-        for &i in &batch {
-            wait_listening(&format!("{}:{port}", ip(i)), deadline)?;
+        for (s, i) in starting.into_iter().zip(&batch) {
+            daemons.push(s.wait().map_err(|e| format!("{}: {e}", node(*i)))?);
         }
         next += batch.len();
     }
@@ -501,9 +442,8 @@ fn main() -> Result<(), Error> {
         let kubeconfig = dir.join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;
-        let log = std::fs::File::create(dir.join("updater.log"))?;
-        let updater = Command::new(bin("updater", env!("CARGO_BIN_EXE_inplace-updater")))
-            .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+        let mut cmd = Command::new(bin("updater", env!("CARGO_BIN_EXE_inplace-updater")));
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
             .arg(&serving.cert)
             .arg("--tls-key")
             .arg(&serving.key)
@@ -515,26 +455,17 @@ fn main() -> Result<(), Error> {
             .arg(&client_cert.key)
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .env("INPLACE_UPDATER_LOG", "warn,inplace_agent::updater::cli=info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()?;
-        let pid = updater.id();
-        kill.0.push(updater);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let addr: SocketAddr = loop {
-            let text = std::fs::read_to_string(dir.join("updater.log")).unwrap_or_default();
-            if let Some(a) = text.split("listening on ").nth(1).and_then(|s| s.split_whitespace().next()) {
-                break a.parse()?;
-            }
-            if Instant::now() > deadline {
-                return Err::<Value, Error>(format!("the updater did not start: {text}").into());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+            .env("INPLACE_UPDATER_LOG", "warn,inplace_agent::updater::cli=info");
+        // Its log in a file (it is not read while the load runs).
+        let updater = tokio::task::block_in_place(|| {
+            Daemon::start(cmd, Ready::LogFile(dir.join("updater.log")))
+        })
+        .map_err(|e| format!("the updater did not start: {e}"))?;
+        let pid = updater.pid();
+        let addr: SocketAddr = updater.addr.parse()?;
+        daemons.push(updater);
         tokio::time::sleep(Duration::from_secs(3)).await;
-        let (idle_rss, _) = rss(pid);
+        let idle_rss = Memory::of(pid).rss;
         println!("updater idle RSS: {:.1} MiB", idle_rss as f64 / 1024.0);
 
         let bodies = Arc::new((0..o.agents).map(|i| request(i, port)).collect::<Vec<_>>());
@@ -564,12 +495,16 @@ fn main() -> Result<(), Error> {
         let steady_s = summary("UpdateMachine, closed loop, converged (plan known)", steady_ms.clone());
         let base = baseline(&pki, &client_cert, o.agents, port, o.callers, rounds).await?;
         let base_s = summary("baseline: GetPlanStatus direct to the agents", base.clone());
-        let (after_rss, peak) = rss(pid);
+        let Memory {
+            rss: after_rss,
+            hwm: peak,
+            ..
+        } = Memory::of(pid);
         println!("updater RSS after the load: {:.1} MiB, peak {:.1} MiB", after_rss as f64 / 1024.0, peak as f64 / 1024.0);
         let ratio = steady_s["p50_ms"].as_f64().unwrap_or(0.0) / base_s["p50_ms"].as_f64().unwrap_or(1.0).max(1e-9);
         println!("steady UpdateMachine p50 / direct GetPlanStatus p50: {ratio:.2}");
         println!("load average at end: {}", loadavg());
-        Ok(json!({
+        Ok::<Value, Error>(json!({
             "agents": o.agents, "callers": o.callers,
             "capi_like_converged_seconds": capi_took.as_secs_f64(),
             "update_machine_capi_like": capi_s,
@@ -582,7 +517,7 @@ fn main() -> Result<(), Error> {
             "loadavg_start": load_start, "loadavg_end": loadavg(),
         }))
     });
-    drop(kill);
+    drop(daemons);
     let figures = result?;
     if let Some(path) = o.json {
         std::fs::write(path, serde_json::to_vec_pretty(&figures)?)?;

@@ -19,6 +19,9 @@
 //! Needs root (namespaces, mounts, cgroups) and the tools to build the repository; without
 //! them it says why and exits 0 (`{"skipped": "..."}` with `--json`). Not a pass/fail test.
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -28,8 +31,7 @@ use inplace_agent::sandbox::packages::{self, Content, PackageFile};
 use inplace_agent::sandbox::{BootError, SandboxNode, Standin};
 use serde_json::{Value, json};
 
-const BIN: &str = env!("CARGO_BIN_EXE_inplace-agent");
-const STANDIN: &str = env!("CARGO_BIN_EXE_kubelet-standin");
+use support::sandbox::{STANDIN, agent_command};
 
 struct Options {
     kind: ManagerKind,
@@ -134,15 +136,8 @@ fn round(opts: &Options, payload: Option<&Path>) -> Result<(Figures, Value), Rou
             ManagerKind::Dnf => "upgrade-1.30-to-1.31-dnf.yaml",
         });
     let agent = |args: &[&str]| {
-        let mut cmd = node.command_in_netns(Path::new(BIN));
-        cmd.args(args)
-            .arg("--root")
-            .arg(node.root())
-            .arg("--bus")
-            .arg(node.bus_address())
-            .env("INPLACE_AGENT_LOG", "error")
-            .env_remove("INPLACE_AGENT_SERVICES")
-            .env_remove("INPLACE_AGENT_STATE_DIR");
+        let mut cmd = agent_command(&node, args);
+        cmd.env("INPLACE_AGENT_LOG", "error");
         cmd
     };
 
@@ -319,14 +314,15 @@ fn main() {
         .expect("tempdir");
     let payload = (opts.payload_mib > 0).then(|| payload(work.path(), opts.payload_mib));
     println!(
-        "upgrade benchmark: {} rounds, {}, stand-in packages{}; release binary {BIN}",
+        "upgrade benchmark: {} rounds, {}, stand-in packages{}; release binary {}",
         opts.rounds,
         opts.kind,
         if opts.payload_mib > 0 {
             format!(" + {} MiB payload each", opts.payload_mib)
         } else {
             String::new()
-        }
+        },
+        support::bin()
     );
     let mut all: Vec<Figures> = Vec::new();
     let mut sizes = Value::Null;

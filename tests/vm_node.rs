@@ -37,18 +37,7 @@ fn show(report: &powercut::Report) {
     let Some(c) = report.cuts.last() else {
         return;
     };
-    eprintln!(
-        "power cut: {} at {} ms ({} writes, {} flushes before it), cut in: {}, \
-         {} unflushed sectors dropped, torn tail {}: {}",
-        c.plan,
-        c.at_ms,
-        c.writes,
-        c.flushes,
-        c.phase_after,
-        c.dropped_sectors,
-        if c.torn_tail { "truncated" } else { "none" },
-        c.failure.as_deref().unwrap_or("converged")
-    );
+    eprintln!("power cut: {}", c.summary());
 }
 
 #[test]

@@ -162,6 +162,24 @@ pub struct CutOutcome {
     pub failure: Option<String>,
 }
 
+impl CutOutcome {
+    /// One line for the test's and the bench's output.
+    pub fn summary(&self) -> String {
+        format!(
+            "{} at {} ms ({} writes, {} flushes before it), cut in: {}, {} unflushed sectors \
+             dropped, torn tail {}: {}",
+            self.plan,
+            self.at_ms,
+            self.writes,
+            self.flushes,
+            self.phase_after,
+            self.dropped_sectors,
+            if self.torn_tail { "truncated" } else { "none" },
+            self.failure.as_deref().unwrap_or("converged")
+        )
+    }
+}
+
 /// How long an uninterrupted run took.
 #[derive(Debug, Clone)]
 pub struct Timing {

@@ -1,0 +1,332 @@
+//! Shared harness of the updater's tests: a throwaway PKI, the Kubernetes API stand-in
+//! (`inplace_agent::updater::standin`, in this process), real `inplace-agent serve` agents on
+//! sandbox node trees (each on its own loopback address, all on one port, as a fleet whose
+//! agents share `agentPort`), the real `inplace-updater serve` binary, and a client that
+//! calls it exactly as Cluster API does (`updater::emulate::CapiClient`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use super::daemon::{Daemon, Ready, serve_command};
+use super::patience::deadline;
+use inplace_agent::updater::emulate::{CapiClient, CertFiles, Pki};
+use inplace_agent::updater::hooks::{
+    HOOKS_API_VERSION, Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION,
+};
+use inplace_agent::updater::standin::ApiStandin;
+
+pub const AGENT: &str = env!("CARGO_BIN_EXE_inplace-agent");
+pub const UPDATER: &str = env!("CARGO_BIN_EXE_inplace-updater");
+pub const KUBELET_STANDIN: &str = env!("CARGO_BIN_EXE_kubelet-standin");
+
+/// The host name CAPI dials (the Service's DNS name); the serving certificate names it.
+pub const SERVICE_HOST: &str = "inplace-updater.inplace-system.svc";
+
+/// What never appears in a log: the bootstrap token of the fixtures and a secret file body.
+pub const BOOTSTRAP_TOKEN: &str = "abcdef.0123456789abcdef";
+pub const SECRET_CONTENT: &str = "s3cr3t-registry-password";
+
+/// An agent: a sandbox node tree (or a given root) and `inplace-agent serve` on it.
+pub struct Agent {
+    pub node: String,
+    pub ip: String,
+    pub root: PathBuf,
+    _tree: Option<tempfile::TempDir>,
+    pub proc: Daemon,
+}
+
+/// A free TCP port on 127.0.0.1 (the agents bind it on other loopback addresses).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The whole setup of one test.
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub pki: Pki,
+    pub api: ApiStandin,
+    pub agent_port: u16,
+    pub agents: Vec<Agent>,
+    pub updater: Option<Daemon>,
+    pub updater_addr: Option<SocketAddr>,
+    pub client_cert: CertFiles,
+    /// The third octet of this test's loopback addresses (tests run in parallel).
+    pub subnet: u8,
+}
+
+impl World {
+    pub async fn new(subnet: u8) -> World {
+        let dir = tempfile::Builder::new()
+            .prefix("inplace-updater-test-")
+            .tempdir()
+            .unwrap();
+        let pki = Pki::new(&dir.path().join("pki")).unwrap();
+        let client_cert = pki.updater_client().unwrap();
+        let api = ApiStandin::start().await.unwrap();
+        World {
+            dir,
+            pki,
+            api,
+            agent_port: free_port(),
+            agents: Vec::new(),
+            updater: None,
+            updater_addr: None,
+            client_cert,
+            subnet,
+        }
+    }
+
+    /// Starts an agent for `node` on a fresh kubeadm-like tree whose kubelet (the stand-in)
+    /// reports `kubelet_version`. Service management is off (no systemd in a tree).
+    pub fn add_agent(&mut self, node: &str, kubelet_version: &str) -> usize {
+        let tree = tempfile::Builder::new()
+            .prefix("inplace-updater-node-")
+            .tempdir()
+            .unwrap();
+        inplace_agent::sandbox::tree::build_kubeadm_worker(tree.path()).unwrap();
+        let bin = tree.path().join("usr/local/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::copy(KUBELET_STANDIN, bin.join("kubelet")).unwrap();
+        std::fs::write(bin.join("kubelet.version"), format!("{kubelet_version}\n")).unwrap();
+        let root = tree.path().to_path_buf();
+        let i = self.start_agent(
+            node,
+            &root,
+            &["--no-chroot"],
+            &[("INPLACE_AGENT_SERVICES", "off")],
+        );
+        self.agents[i]._tree = Some(tree);
+        i
+    }
+
+    /// Starts `inplace-agent serve` for `node` on `root` with extra flags and environment.
+    pub fn start_agent(
+        &mut self,
+        node: &str,
+        root: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> usize {
+        let ip = format!("127.0.{}.{}", self.subnet, self.agents.len() + 2);
+        let server = self.pki.server(node, &[node, &ip]).unwrap();
+        let state = self.dir.path().join(format!("state-{node}"));
+        let mut cmd = serve_command(
+            Path::new(AGENT),
+            root,
+            node,
+            &server.cert,
+            &server.key,
+            &self.pki.ca(),
+        );
+        cmd.arg("--state-dir")
+            .arg(&state)
+            .arg("--listen")
+            .arg(format!("{ip}:{}", self.agent_port))
+            .args(extra)
+            .env("INPLACE_AGENT_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let proc = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("agent {node}: {e}"));
+        self.agents.push(Agent {
+            node: node.to_owned(),
+            ip,
+            root: root.to_path_buf(),
+            _tree: None,
+            proc,
+        });
+        self.agents.len() - 1
+    }
+
+    /// Starts the updater binary against the stand-in.
+    pub fn start_updater(&mut self) -> SocketAddr {
+        let serving = self
+            .pki
+            .server("serving", &[SERVICE_HOST, "localhost", "127.0.0.1"])
+            .unwrap();
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        self.api.write_kubeconfig(&kubeconfig).unwrap();
+        let mut cmd = Command::new(UPDATER);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+            .arg(&serving.cert)
+            .arg("--tls-key")
+            .arg(&serving.key)
+            .arg("--agent-ca")
+            .arg(self.pki.ca())
+            .arg("--agent-cert")
+            .arg(&self.client_cert.cert)
+            .arg("--agent-key")
+            .arg(&self.client_cert.key)
+            .arg("--agent-port")
+            .arg(self.agent_port.to_string())
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .env("INPLACE_UPDATER_LOG", "debug");
+        let proc = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("updater: {e}"));
+        let addr: SocketAddr = proc
+            .addr
+            .parse()
+            .unwrap_or_else(|e| panic!("updater address {:?}: {e}", proc.addr));
+        self.updater = Some(proc);
+        self.updater_addr = Some(addr);
+        addr
+    }
+
+    pub fn client(&self) -> CapiClient {
+        CapiClient::new(self.updater_addr.unwrap(), SERVICE_HOST, &self.pki.ca()).unwrap()
+    }
+
+    pub fn updater_log(&self) -> String {
+        self.updater.as_ref().map(Daemon::log).unwrap_or_default()
+    }
+
+    /// Puts the Machine `name` (for agent `i`) and its KubeadmConfig into the stand-in,
+    /// marked as being updated in place.
+    pub fn put_machine(
+        &self,
+        name: &str,
+        agent: usize,
+        version: &str,
+        bootstrap_spec: Value,
+    ) -> (Value, Value) {
+        let a = &self.agents[agent];
+        let machine = machine(name, version, &a.node, &a.ip, true);
+        let config = kubeadm_config(name, bootstrap_spec);
+        self.api.put(machine.clone());
+        self.api.put(config.clone());
+        (machine, config)
+    }
+}
+
+/// A Machine as the API server serves it (typed order: kind first), being updated in place
+/// when `in_place`.
+pub fn machine(name: &str, version: &str, node: &str, ip: &str, in_place: bool) -> Value {
+    let mut annotations = serde_json::Map::new();
+    if in_place {
+        annotations.insert(UPDATE_IN_PROGRESS_ANNOTATION.into(), json!(""));
+        annotations.insert(PENDING_HOOKS_ANNOTATION.into(), json!("UpdateMachine"));
+    }
+    json!({
+        "kind": "Machine",
+        "apiVersion": "cluster.x-k8s.io/v1beta2",
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": {"cluster.x-k8s.io/cluster-name": "capi-quickstart"},
+            "annotations": annotations,
+        },
+        "spec": {
+            "clusterName": "capi-quickstart",
+            "bootstrap": {
+                "configRef": {"kind": "KubeadmConfig", "name": name, "apiGroup": "bootstrap.cluster.x-k8s.io"},
+                "dataSecretName": name,
+            },
+            "infrastructureRef": {"kind": "DevMachine", "name": name, "apiGroup": "infrastructure.cluster.x-k8s.io"},
+            "version": version,
+            "providerID": format!("docker:////{name}"),
+        },
+        "status": {
+            "nodeRef": {"name": node},
+            "addresses": [
+                {"type": "Hostname", "address": node},
+                {"type": "InternalIP", "address": ip},
+            ],
+            "phase": "Running",
+        },
+    })
+}
+
+/// A KubeadmConfig with `spec` (unstructured, as the API server serves it).
+pub fn kubeadm_config(name: &str, spec: Value) -> Value {
+    json!({
+        "apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2",
+        "kind": "KubeadmConfig",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    })
+}
+
+/// The KubeadmConfig spec of the fixtures: one file, two kubelet flags, a bootstrap token.
+pub fn bootstrap_spec(files: Value) -> Value {
+    json!({
+        "files": files,
+        "joinConfiguration": {
+            "discovery": {"bootstrapToken": {"apiServerEndpoint": "172.18.0.3:6443", "token": BOOTSTRAP_TOKEN}},
+            "nodeRegistration": {"kubeletExtraArgs": [
+                {"name": "eviction-hard", "value": "nodefs.available<0%,nodefs.inodesFree<0%,imagefs.available<0%"},
+                {"name": "max-pods", "value": "150"},
+            ]},
+        },
+    })
+}
+
+/// The UpdateMachine request CAPI's Machine controller sends for the live objects (as Go's
+/// json.Marshal writes it: compact, `<` escaped, no status).
+pub fn update_request(machine: &Value, config: Option<&Value>, settings: Value) -> Vec<u8> {
+    let strip = |o: &Value| {
+        let mut o = o.clone();
+        if let Some(m) = o.as_object_mut() {
+            m.remove("status");
+        }
+        o
+    };
+    let mut desired = serde_json::Map::new();
+    desired.insert("machine".into(), strip(machine));
+    desired.insert(
+        "infrastructureMachine".into(),
+        json!({"apiVersion": "infrastructure.cluster.x-k8s.io/v1beta2", "kind": "DevMachine",
+               "metadata": {"name": machine["metadata"]["name"], "namespace": "default"}, "spec": {}}),
+    );
+    if let Some(c) = config {
+        desired.insert("bootstrapConfig".into(), strip(c));
+    }
+    let mut req = serde_json::Map::new();
+    req.insert("kind".into(), json!("UpdateMachineRequest"));
+    req.insert("apiVersion".into(), json!(HOOKS_API_VERSION));
+    if settings.as_object().is_some_and(|s| !s.is_empty()) {
+        req.insert("settings".into(), settings);
+    }
+    req.insert("desired".into(), Value::Object(desired));
+    go_json(&Value::Object(req))
+}
+
+/// Go's `json.Marshal` escaping of `<`, `>` and `&`.
+pub fn go_json(v: &Value) -> Vec<u8> {
+    serde_json::to_string(v)
+        .unwrap()
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026")
+        .into_bytes()
+}
+
+/// Calls UpdateMachine as CAPI's Machine controller does until it says done or fails:
+/// after each in-progress answer it waits `retryAfterSeconds` (scaled by `scale`, so a test
+/// does not wait 10 s per round), like CAPI's hook cache. Returns every response.
+pub async fn poll_update(client: &mut CapiClient, body: &[u8], scale: f64) -> Vec<Value> {
+    let deadline = deadline();
+    let mut seen = Vec::new();
+    loop {
+        let r = client.call(Hook::UpdateMachine, body).await.unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v = r.json();
+        seen.push(v.clone());
+        let retry = v["retryAfterSeconds"].as_i64().unwrap_or(0);
+        if v["status"] != "Success" || retry == 0 {
+            return seen;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "UpdateMachine never finished: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_secs_f64(retry as f64 * scale)).await;
+    }
+}
