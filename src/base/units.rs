@@ -286,7 +286,7 @@ impl fmt::Display for InvocationId {
 
 /// A unit's state as systemd reports it, read in one go after a job or on request.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnitState {
+pub struct ObservedUnit {
     /// The unit name.
     pub unit: String,
     /// `LoadState`.
@@ -311,7 +311,7 @@ pub struct UnitState {
     pub job: Option<u32>,
 }
 
-impl UnitState {
+impl ObservedUnit {
     /// True when the unit is active (or reloading or refreshing, which are active too).
     pub fn is_active(&self) -> bool {
         matches!(
@@ -327,7 +327,7 @@ impl UnitState {
     }
 }
 
-impl fmt::Display for UnitState {
+impl fmt::Display for ObservedUnit {
     /// `unit is failed/failed (result exit-code); status: "..."`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.load_state != LoadState::Loaded {
@@ -350,7 +350,7 @@ impl fmt::Display for UnitState {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnitOutcome {
     /// The unit's state right after the job.
-    pub state: UnitState,
+    pub state: ObservedUnit,
     /// From queuing the job to reading the state.
     pub elapsed: Duration,
 }
@@ -498,7 +498,7 @@ impl JobKind {
     }
 
     /// Whether the unit's state after a `done` job is what this job asked for.
-    pub(crate) fn state_ok(self, state: &UnitState) -> bool {
+    pub(crate) fn state_ok(self, state: &ObservedUnit) -> bool {
         match self {
             JobKind::Stop => true,
             // A oneshot service without RemainAfterExit= is inactive/dead with result
@@ -624,7 +624,7 @@ pub struct UnitBefore {
 
 impl UnitBefore {
     /// The journaled form of a unit's state.
-    pub fn of(state: &UnitState) -> UnitBefore {
+    pub fn of(state: &ObservedUnit) -> UnitBefore {
         UnitBefore {
             active_state: state.active_state.as_str().to_string(),
             sub_state: state.sub_state.clone(),

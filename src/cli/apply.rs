@@ -7,8 +7,8 @@ use std::sync::Arc;
 use super::render::{Renderer, status_json, summary};
 use super::{Exit, NodeArgs, Output};
 use crate::config::Settings;
-use crate::engine::check::{CheckResultKind, check_plan};
-use crate::engine::status::{Phase, PlanStatus};
+use crate::engine::dry_run::{ChangeVerdict, check_plan};
+use crate::engine::state::{Phase, PlanStatus};
 use crate::engine::{Engine, Submission, SubmitError};
 use crate::host::Host;
 use crate::plan::{InvalidPlan, Plan, parse_plan};
@@ -92,10 +92,10 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> Exit {
             let width = n.to_string().len();
             for c in &report.changes {
                 let what = match c.result {
-                    CheckResultKind::WouldChange => format!("would change [{}]", c.disruption),
-                    CheckResultKind::Unchanged => "unchanged".to_string(),
-                    CheckResultKind::Unsupported => "NOT SUPPORTED".to_string(),
-                    CheckResultKind::Invalid => "INVALID".to_string(),
+                    ChangeVerdict::WouldChange => format!("would change [{}]", c.disruption),
+                    ChangeVerdict::Unchanged => "unchanged".to_string(),
+                    ChangeVerdict::Unsupported => "NOT SUPPORTED".to_string(),
+                    ChangeVerdict::Invalid => "INVALID".to_string(),
                 };
                 let detail = if c.detail.is_empty() {
                     String::new()

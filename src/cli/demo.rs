@@ -15,8 +15,8 @@ use super::apply::run_plan;
 use super::render::summary;
 use crate::config::SettingsInput;
 use crate::engine::Engine;
-use crate::engine::check::{CheckResultKind, check_plan};
-use crate::engine::status::Phase;
+use crate::engine::dry_run::{ChangeVerdict, check_plan};
+use crate::engine::state::Phase;
 use crate::host::Host;
 use crate::plan::{Limits, Plan, parse_plan};
 use crate::status::api::HookResponse;
@@ -279,8 +279,8 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
     let report = check_plan(&settings.engine, &host, &tuning);
     for c in &report.changes {
         let what = match c.result {
-            CheckResultKind::WouldChange => format!("would change ({} when applied)", c.disruption),
-            CheckResultKind::Unchanged => "unchanged".into(),
+            ChangeVerdict::WouldChange => format!("would change ({} when applied)", c.disruption),
+            ChangeVerdict::Unchanged => "unchanged".into(),
             other => format!("{other:?}: {}", c.detail),
         };
         outln!("  changes[{}] {} {}: {what}", c.index, c.kind, c.target);

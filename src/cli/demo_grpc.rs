@@ -13,7 +13,7 @@ use crate::plan::{Limits, parse_plan};
 use crate::rpc::convert::plan_to_pb;
 use crate::rpc::pb;
 use crate::rpc::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiInitOptions};
-use crate::rpc::status::phase_from_pb;
+use crate::rpc::replies::phase_from_pb;
 
 /// The sandbox node's name in this section.
 const NODE: &str = "demo-node";
@@ -170,7 +170,7 @@ async fn drive(
             .unwrap_or_default()
     );
     Ok(first.created
-        && phase_from_pb(done.phase) == Some(crate::engine::status::Phase::Succeeded)
+        && phase_from_pb(done.phase) == Some(crate::engine::state::Phase::Succeeded)
         && !again.created
         && again_status.run == accepted.run
         && matches!(&refused, Err(s) if s.code() == tonic::Code::PermissionDenied))

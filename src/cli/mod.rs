@@ -41,7 +41,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::SettingsInput;
 use crate::engine::SubmitError;
-use crate::engine::status::Phase;
+use crate::engine::state::Phase;
 
 /// How a command ended. [`Exit::code`] is the one place its number is chosen — the
 /// contract every script and unit depends on: 0 succeeded (or nothing to do), 1 the plan

@@ -15,12 +15,12 @@ use tonic::transport::Channel;
 
 use super::render::{status_json, summary};
 use super::{Exit, Output};
-use crate::engine::status::{ChangeState, CheckState, Phase, PlanStatus};
+use crate::engine::state::{ChangeState, CheckState, Phase, PlanStatus};
 use crate::plan::{AllowList, Limits, Plan, parse_plan};
 use crate::rpc::convert::plan_to_pb;
 use crate::rpc::pb;
 use crate::rpc::pb::node_agent_client::NodeAgentClient;
-use crate::rpc::status::{phase_from_pb, status_from_pb};
+use crate::rpc::replies::{phase_from_pb, status_from_pb};
 use crate::rpc::tls::{ClientTlsPaths, ConnectProblem, client_config, connect, diagnose};
 
 /// `apiVersion` of the CAPI hook response `--output hook-response` prints.

@@ -7,7 +7,7 @@ use std::io::{IsTerminal, Write};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::engine::Event;
-use crate::engine::status::{ChangeState, CheckState, Phase, PlanStatus};
+use crate::engine::state::{ChangeState, CheckState, Phase, PlanStatus};
 
 /// Renders events of one run.
 pub struct Renderer {

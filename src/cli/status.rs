@@ -13,7 +13,7 @@ use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_respo
 use crate::config::{
     DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
 };
-use crate::engine::status::PlanStatus;
+use crate::engine::state::PlanStatus;
 use crate::status::api::{
     self, AgentStatus, Context, NodeInfo, PlanStatusDocument, PlanSummary, Source,
 };
@@ -245,7 +245,7 @@ fn print(local: &Local, doc: Doc, output: RemoteOutput) -> Exit {
             let hook = p.hook_response.clone().into();
             outln!(
                 "{}",
-                hook_response_json(&crate::rpc::status::hook_response_to_pb(&hook))
+                hook_response_json(&crate::rpc::replies::hook_response_to_pb(&hook))
             );
             Exit::of_phase(p.status.phase.into())
         }

@@ -3,7 +3,7 @@
 //! of [`PlanStatus`] changes these functions (the compiler points at them) and never the
 //! file. Every match is exhaustive both ways: a new phase or state is a decision here.
 
-use super::status::{
+use super::state::{
     ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, Phase, PlanStatus, Progress,
     RunEvent,
 };

@@ -9,10 +9,10 @@
 //! - a plan (id + digest) that finished is never run again, except by an explicit retry,
 //!   which is a new attempt.
 
-pub mod check;
+pub mod dry_run;
 mod journaled;
 mod run;
-pub mod status;
+pub mod state;
 pub mod table;
 pub mod transitions;
 pub mod units;
@@ -29,7 +29,7 @@ use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
 use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_value};
 use crate::steps::{self, Capabilities};
-use status::{Phase, PlanStatus};
+use state::{Phase, PlanStatus};
 use table::Table;
 
 /// Engine settings (validated: no `Option` where a value is required).
@@ -140,11 +140,11 @@ pub struct ProgressEvent {
     /// Journal sequence number of the record (0 for a [`ProgressEvent::note`]).
     pub seq: u64,
     /// Step i of n.
-    pub progress: status::Progress,
+    pub progress: state::Progress,
     /// The change the record was about, as it is now.
-    pub change: Option<status::ChangeStatus>,
+    pub change: Option<state::ChangeStatus>,
     /// The gate the record was about, as it is now.
-    pub check: Option<status::CheckStatus>,
+    pub check: Option<state::CheckStatus>,
     /// News the record carries about unit jobs, restarts, daemon-reloads, reboots and lost
     /// systemd connections (`Record::note`).
     pub restart: Option<String>,
@@ -743,7 +743,7 @@ pub fn admit(cfg: &EngineConfig, host: &Host, plan: &Plan) -> Result<steps::Prep
             }
         }
         for (i, c) in plan.verify.iter().enumerate() {
-            if let Some(why) = steps::verify::unsupported_without_services(&c.probe) {
+            if let Some(why) = steps::check::unsupported_without_services(&c.probe) {
                 reasons.push(format!("verify[{i}] {}: {why}", c.probe.key()));
             }
         }

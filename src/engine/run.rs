@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::Shared;
-use super::status::Phase;
+use super::state::Phase;
 use super::table::{RunState, check_name};
 use crate::failpoint;
 use crate::journal::{JournalError, Record};
@@ -712,7 +712,7 @@ impl Runner {
                 inner.table.set_message(run, format!("{name}: {msg}"));
             };
             let outcome =
-                crate::steps::verify::run_check(&self.shared.host, check, &stop, &mut progress);
+                crate::steps::check::run_check(&self.shared.host, check, &stop, &mut progress);
             let message = self.with_unit_failures(run, outcome.message.clone(), outcome.passed);
             self.record(
                 Record::CheckDone {

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use super::journaled;
-use super::status::*;
+use super::state::*;
 use super::transitions::{self, IllegalTransition};
 use crate::base::units::{UnitBefore, UnitJob};
 use crate::base::{ErrorInfo, ErrorKind};
@@ -1239,7 +1239,7 @@ impl RunFold<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::status::{HookStatus, RETRY_IN_PROGRESS, RETRY_REBOOTING};
+    use crate::engine::state::{HookStatus, RETRY_IN_PROGRESS, RETRY_REBOOTING};
     use crate::plan::parse_plan;
 
     fn entry(seq: u64, ts: u64, record: Record) -> Entry {

@@ -14,7 +14,7 @@
 //!   goes on from there (its `ServiceManager` record marks the resume), so a phase never
 //!   follows itself.
 
-use super::status::Phase;
+use super::state::Phase;
 use crate::base::{ErrorInfo, ErrorKind};
 use crate::journal::Record;
 

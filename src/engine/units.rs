@@ -23,7 +23,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::host::systemd::{ActiveState, LoadState, UnitJob, UnitState as Observed};
+use crate::host::systemd::{ActiveState, LoadState, ObservedUnit as Observed, UnitJob};
 use crate::journal::Preimage;
 use crate::plan::kinds::{Touched, is_running, is_stopped, is_unit_path};
 use crate::plan::{Change, Disruption, Plan, UnitState};

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use systemd::{
-    SystemdError, UnitBefore, UnitFileChanges, UnitFileOp, UnitFileState, UnitJob, UnitOutcome,
-    UnitState,
+    ObservedUnit, SystemdError, UnitBefore, UnitFileChanges, UnitFileOp, UnitFileState, UnitJob,
+    UnitOutcome,
 };
 
 /// How the agent reaches the node.
@@ -279,8 +279,11 @@ pub trait ServiceManager: Send + Sync {
     /// Reloads unit files (`daemon-reload`).
     fn daemon_reload(&self, call: &mut ServiceCall<'_>) -> Result<(), SystemdError>;
     /// A unit's current state (a unit without a unit file is `not-found` and inactive).
-    fn unit_state(&self, unit: &str, call: &mut ServiceCall<'_>)
-    -> Result<UnitState, SystemdError>;
+    fn unit_state(
+        &self,
+        unit: &str,
+        call: &mut ServiceCall<'_>,
+    ) -> Result<ObservedUnit, SystemdError>;
     /// A unit file's enablement state; `None` when there is no unit file of that name.
     fn unit_file_state(
         &self,

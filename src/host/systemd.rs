@@ -140,7 +140,7 @@ pub enum SystemdError {
         /// systemd's job result: `failed`, `canceled`, `timeout`, `dependency`, `skipped`...
         job_result: String,
         /// The unit's state right after the job, when it could be read.
-        state: Option<Box<UnitState>>,
+        state: Option<Box<ObservedUnit>>,
     },
     /// The job was done but the unit is not in the state the operation asked for (a start or
     /// restart that left the unit failed or restarting).
@@ -149,7 +149,7 @@ pub enum SystemdError {
         /// The operation and its unit.
         op: String,
         /// The unit's state after the job.
-        state: Box<UnitState>,
+        state: Box<ObservedUnit>,
     },
     /// No answer in time: a method call without reply, or a job still running at the
     /// deadline. A timed-out job is left queued in systemd.
@@ -233,7 +233,7 @@ impl SystemdError {
     }
 
     /// The unit's state as read right after the job, for job and unit failures.
-    pub fn unit_state(&self) -> Option<&UnitState> {
+    pub fn unit_state(&self) -> Option<&ObservedUnit> {
         match self {
             SystemdError::JobFailed { state, .. } => state.as_deref(),
             SystemdError::UnitFailed { state, .. } => Some(state),
@@ -243,7 +243,7 @@ impl SystemdError {
 }
 
 /// Renders an optional unit state for [`SystemdError::JobFailed`].
-struct StateNote<'a>(Option<&'a UnitState>);
+struct StateNote<'a>(Option<&'a ObservedUnit>);
 
 impl fmt::Display for StateNote<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -397,7 +397,7 @@ impl Systemd {
     }
 
     /// Restarts `unit` (starting it if it was stopped) and waits up to `timeout`; the unit must
-    /// be active afterwards. Its [`UnitState::invocation_id`] changes.
+    /// be active afterwards. Its [`ObservedUnit::invocation_id`] changes.
     pub fn restart(&self, unit: &str, timeout: Duration) -> Result<UnitOutcome, SystemdError> {
         self.run_job(JobKind::Restart, unit, timeout)
     }
@@ -488,7 +488,7 @@ impl Systemd {
 
     /// Reads the unit's current state. A unit without a unit file is not an error: it
     /// comes back with [`LoadState::NotFound`] and inactive/dead.
-    pub fn unit_state(&self, unit: &str) -> Result<UnitState, SystemdError> {
+    pub fn unit_state(&self, unit: &str) -> Result<ObservedUnit, SystemdError> {
         validate("show", unit)?;
         self.read_state(unit)
             .map_err(|e| dbus_error(format!("show {unit}"), e, Some(self.call_timeout)))
@@ -557,7 +557,7 @@ impl Systemd {
     }
 
     /// Waits (polling every 100 ms) until no job is pending for `unit`, then returns its state.
-    pub fn wait_idle(&self, unit: &str, timeout: Duration) -> Result<UnitState, SystemdError> {
+    pub fn wait_idle(&self, unit: &str, timeout: Duration) -> Result<ObservedUnit, SystemdError> {
         let started = Instant::now();
         loop {
             let state = self.unit_state(unit)?;
@@ -681,7 +681,7 @@ impl Systemd {
     }
 
     /// Reads the unit's properties (and the service's, for `.service` units).
-    fn read_state(&self, unit: &str) -> zbus::Result<UnitState> {
+    fn read_state(&self, unit: &str) -> zbus::Result<ObservedUnit> {
         let props = self.properties(&unit_object_path(unit))?;
         let unit_props = props.get_all(UNIT_INTERFACE)?;
         let service_props = if unit.ends_with(".service") {
@@ -699,7 +699,7 @@ impl Systemd {
             .as_ref()
             .and_then(|m| text(m, "Result"))
             .or_else(|| self.unit_type_result(&props, unit));
-        Ok(UnitState {
+        Ok(ObservedUnit {
             unit: unit.to_string(),
             load_state: LoadState::parse(&text(&unit_props, "LoadState").unwrap_or_default()),
             active_state: ActiveState::parse(&text(&unit_props, "ActiveState").unwrap_or_default()),
@@ -841,7 +841,7 @@ impl crate::host::ServiceManager for SystemdServices {
         &self,
         unit: &str,
         call: &mut crate::host::ServiceCall<'_>,
-    ) -> Result<UnitState, SystemdError> {
+    ) -> Result<ObservedUnit, SystemdError> {
         self.retry(&format!("show {unit}"), call, |sd, _| sd.unit_state(unit))
     }
 
@@ -1122,8 +1122,8 @@ mod tests {
         }
     }
 
-    fn state(active: &str, sub: &str, result: Option<&str>) -> UnitState {
-        UnitState {
+    fn state(active: &str, sub: &str, result: Option<&str>) -> ObservedUnit {
+        ObservedUnit {
             unit: "kubelet.service".into(),
             load_state: LoadState::Loaded,
             active_state: ActiveState::parse(active),

@@ -43,7 +43,7 @@ pub mod budget;
 pub mod convert;
 pub mod identity;
 pub mod pki;
+pub mod replies;
 pub mod server;
 pub mod service;
-pub mod status;
 pub mod tls;

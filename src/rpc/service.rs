@@ -31,9 +31,9 @@ use super::authz::Caller;
 use super::convert::{plan_error_status, validate_owned};
 use super::pb;
 use super::pb::node_agent_server::NodeAgent;
-use super::status::{check_report_to_pb, status_to_pb};
-use crate::engine::check::check_plan;
-use crate::engine::status::{Phase, PlanStatus};
+use super::replies::{check_report_to_pb, status_to_pb};
+use crate::engine::dry_run::check_plan;
+use crate::engine::state::{Phase, PlanStatus};
 use crate::engine::{Engine, Event, Submission, SubmitError};
 use crate::plan::{ChangeKind, FieldError, Limits};
 

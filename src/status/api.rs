@@ -10,7 +10,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::base::ErrorInfo;
-use crate::engine::status as engine;
+use crate::engine::state as engine;
 use crate::engine::table::Table;
 use crate::journal::{Entry, JournalError, Reader, Record};
 use crate::plan::{ChangeKind, Disruption};
@@ -356,7 +356,7 @@ impl ErrorDocument {
 // === The plan status as the documents carry it ===
 //
 // The engine's state converted (bootc's way with its API types): the same names and shapes
-// the documents have always had, separate from `engine::status`, so a change there changes
+// the documents have always had, separate from `engine::state`, so a change there changes
 // the conversions below (the compiler points at them) and not the JSON, and the schema in
 // docs/ keeps guarding what clients see.
 

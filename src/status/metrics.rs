@@ -19,7 +19,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
-use crate::engine::status::{ChangeState, Phase, PlanStatus};
+use crate::engine::state::{ChangeState, Phase, PlanStatus};
 use crate::engine::{Engine, RecordObserver};
 use crate::host::systemd::UnitJob;
 use crate::journal::{Record, UnitJobOutcome};

@@ -8,10 +8,10 @@
 //! and each kind's own checks.
 
 pub mod artifact;
+pub mod check;
 pub mod kubeadm;
 mod node;
 pub mod package;
-pub mod verify;
 
 use std::io::Read;
 use std::time::Duration;
@@ -125,7 +125,7 @@ impl Capabilities {
 
     /// Why this node cannot run a gate, or `None` when it can.
     pub fn unsupported_check(&self, probe: &crate::plan::Probe) -> Option<String> {
-        verify::unsupported(probe)
+        check::unsupported(probe)
     }
 }
 

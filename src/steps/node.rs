@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::{Note, StepError, package};
 use crate::base::packages::{InstalledPackage, ManagerKind};
-use crate::base::units::{UnitFileState, UnitState};
+use crate::base::units::{ObservedUnit, UnitFileState};
 use crate::base::{Existing, FileMeta};
 use crate::host::fs::FsError;
 use crate::host::packages::PackageManager;
@@ -78,7 +78,7 @@ impl Node for HostNode<'_> {
         Ok(services.unit_file_state(unit, &mut call)?)
     }
 
-    fn unit_state(&self, unit: &str) -> Result<UnitState, StepError> {
+    fn unit_state(&self, unit: &str) -> Result<ObservedUnit, StepError> {
         let services = self.host.services().ok_or_else(services_off)?;
         let mut call = ServiceCall::within(STEP_BUS_WINDOW);
         Ok(services.unit_state(unit, &mut call)?)

@@ -598,7 +598,7 @@ fn coverage_message(machine: &Coverage, bootstrap: &Coverage) -> String {
 }
 
 fn bounded(s: &str, max: usize) -> String {
-    crate::rpc::status::bounded(s, max)
+    crate::rpc::replies::bounded(s, max)
 }
 
 /// `CanUpdateMachineSet`: no node to ask, so coverage is what a current agent on a kubeadm

@@ -686,7 +686,7 @@ fn a_held_dpkg_lock_is_shown_in_the_status_and_waited_for() {
     let _ = worker.join();
     assert_eq!(
         done.phase,
-        inplace_agent::engine::status::Phase::Succeeded,
+        inplace_agent::engine::state::Phase::Succeeded,
         "{done:#?}"
     );
     assert_eq!(node.package("kubelet"), Some((NEW.into(), true)));

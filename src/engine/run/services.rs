@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use super::{Abort, Runner, Stop};
-use crate::engine::status::Phase;
+use crate::engine::state::Phase;
 use crate::engine::table::RunState;
 use crate::engine::units::{self, Decision, Effect, UnitPlan, Want};
 use crate::failpoint;
@@ -561,7 +561,7 @@ impl Runner {
             let waiting = inner
                 .table
                 .by_run(run)
-                .map(crate::engine::status::reboot_message)
+                .map(crate::engine::state::reboot_message)
                 .unwrap_or_default();
             inner.table.set_message(
                 run,

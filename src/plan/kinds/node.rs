@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::base::packages::{InstalledPackage, ManagerKind};
-use crate::base::units::{UnitFileState, UnitState as Observed};
+use crate::base::units::{ObservedUnit as Observed, UnitFileState};
 use crate::base::{Existing, FileMeta, StepError};
 use crate::plan::NodePath;
 

@@ -7,7 +7,7 @@ use serde_json::{Map, Value, json};
 use super::{Diff, Mutation, Node, Note, StepCtx};
 use super::{Kind, Written, put_opt};
 use crate::base::StepError;
-use crate::base::units::{ActiveState, UnitFileOp, UnitFileState, UnitState as Observed};
+use crate::base::units::{ActiveState, ObservedUnit as Observed, UnitFileOp, UnitFileState};
 use crate::base::{ErrorKind, Existing, FileMeta};
 use crate::plan::parse::{Cx, check_unit_name, join};
 use crate::plan::{Disruption, NodePath, Owner};

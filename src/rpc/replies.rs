@@ -1,5 +1,5 @@
 //! The engine's answers on the wire and back: [`PlanStatus`] ↔ `pb::PlanStatus` (every
-//! field of the proto), [`CheckReport`] → `pb::CheckPlanResponse`, and the hook response.
+//! field of the proto), [`DryRunReport`] → `pb::CheckPlanResponse`, and the hook response.
 //!
 //! The reverse direction ([`status_from_pb`]) is for the client commands (`submit`,
 //! `status`), so a remote status renders and serializes exactly like a local one. Values a
@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use super::convert::disruption_to_pb;
 use super::pb;
-use crate::engine::check::{CheckReport, CheckResultKind};
-use crate::engine::status::{
+use crate::engine::dry_run::{ChangeVerdict, DryRunReport};
+use crate::engine::state::{
     ChangeState, ChangeStatus, CheckState, CheckStatus, Counts, HookResponse, HookStatus, Phase,
     PlanStatus, Progress, RunEvent,
 };
@@ -349,7 +349,7 @@ pub fn status_from_pb(status: &pb::PlanStatus) -> Result<PlanStatus, String> {
 /// A dry-run report on the wire; `existing` is the status of the same id and digest, when
 /// the agent knows it.
 pub fn check_report_to_pb(
-    report: &CheckReport,
+    report: &DryRunReport,
     existing: Option<&PlanStatus>,
 ) -> pb::CheckPlanResponse {
     let changes: Vec<pb::ChangeCheck> = report
@@ -360,13 +360,13 @@ pub fn check_report_to_pb(
             kind: c.kind.clone(),
             target: c.target.clone(),
             verdict: match c.result {
-                CheckResultKind::WouldChange => pb::ChangeVerdict::WouldChange,
-                CheckResultKind::Unchanged => pb::ChangeVerdict::Unchanged,
-                CheckResultKind::Unsupported => pb::ChangeVerdict::Unsupported,
-                CheckResultKind::Invalid => pb::ChangeVerdict::Invalid,
+                ChangeVerdict::WouldChange => pb::ChangeVerdict::WouldChange,
+                ChangeVerdict::Unchanged => pb::ChangeVerdict::Unchanged,
+                ChangeVerdict::Unsupported => pb::ChangeVerdict::Unsupported,
+                ChangeVerdict::Invalid => pb::ChangeVerdict::Invalid,
             } as i32,
             reason: bounded(&c.detail, MAX_DETAIL),
-            disruption: if c.result == CheckResultKind::WouldChange {
+            disruption: if c.result == ChangeVerdict::WouldChange {
                 disruption_to_pb(c.disruption)
             } else {
                 pb::Disruption::None
@@ -378,7 +378,7 @@ pub fn check_report_to_pb(
         would_change: report
             .changes
             .iter()
-            .any(|c| c.result == CheckResultKind::WouldChange),
+            .any(|c| c.result == ChangeVerdict::WouldChange),
         changes,
         disruption: disruption_to_pb(report.disruption) as i32,
         applicable: report.applicable,

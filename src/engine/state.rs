@@ -4,7 +4,7 @@
 //!
 //! These are the engine's state, not a format: nothing here is serialized. The journal
 //! (`journal::SummaryStatus`, `RunPhase`), the status socket's documents (`status::api`) and
-//! the gRPC messages (`rpc::status`) have their own types, converted from these.
+//! the gRPC messages (`rpc::replies`) have their own types, converted from these.
 
 use crate::base::ErrorInfo;
 use std::fmt;

@@ -14,7 +14,7 @@ use crate::steps;
 /// What one change would do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub enum CheckResultKind {
+pub enum ChangeVerdict {
     /// The node differs from the desired state: applying changes it.
     WouldChange,
     /// The node is already in the desired state.
@@ -28,7 +28,7 @@ pub enum CheckResultKind {
 /// One change in a check report.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ChangeCheck {
+pub struct DryRunChange {
     /// Index in `changes[]`.
     pub index: u32,
     /// Kind.
@@ -36,7 +36,7 @@ pub struct ChangeCheck {
     /// What it is about.
     pub target: String,
     /// Result.
-    pub result: CheckResultKind,
+    pub result: ChangeVerdict,
     /// Disruption if it changes something.
     pub disruption: Disruption,
     /// What would be done, or why not.
@@ -47,7 +47,7 @@ pub struct ChangeCheck {
 /// One gate in a check report.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct GateCheck {
+pub struct DryRunCheck {
     /// Index in `verify[]`.
     pub index: u32,
     /// Kind.
@@ -64,7 +64,7 @@ pub struct GateCheck {
 /// The dry-run report of a plan (`kind: CheckResult`).
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct CheckReport {
+pub struct DryRunReport {
     /// `inplace.agent/v1`.
     pub api_version: &'static str,
     /// `CheckResult`.
@@ -87,14 +87,14 @@ pub struct CheckReport {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<FieldError>,
     /// Per change.
-    pub changes: Vec<ChangeCheck>,
+    pub changes: Vec<DryRunChange>,
     /// Per gate.
-    pub checks: Vec<GateCheck>,
+    pub checks: Vec<DryRunCheck>,
 }
 
 /// Checks a validated plan against the node. Reads only.
-pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckReport {
-    let mut report = CheckReport {
+pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunReport {
+    let mut report = DryRunReport {
         api_version: crate::plan::API_VERSION,
         kind: "CheckResult",
         id: plan.id.clone(),
@@ -129,7 +129,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
         || plan
             .verify
             .iter()
-            .any(|c| steps::verify::unsupported_without_services(&c.probe).is_some());
+            .any(|c| steps::check::unsupported_without_services(&c.probe).is_some());
     let bus_down = match host.services() {
         Some(services) if needs_bus => services.ping().err().map(|e| {
             format!(
@@ -160,26 +160,26 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
                 .flatten()
         });
         let (result, detail) = if let Some(why) = unsupported {
-            (CheckResultKind::Unsupported, why)
+            (ChangeVerdict::Unsupported, why)
         } else if !mine.is_empty() {
-            (CheckResultKind::Invalid, mine.join("; "))
+            (ChangeVerdict::Invalid, mine.join("; "))
         } else if let (true, Some(why)) = (change.spec().needs_services(), &bus_down) {
-            (CheckResultKind::Invalid, why.clone())
+            (ChangeVerdict::Invalid, why.clone())
         } else if let Change::Reboot(_) = change {
             if units::reboot_needed(plan, i, &would_change) {
                 last_reboot = Some(i);
                 (
-                    CheckResultKind::WouldChange,
+                    ChangeVerdict::WouldChange,
                     "reboot the node and resume after it".to_string(),
                 )
             } else {
                 (
-                    CheckResultKind::Unchanged,
+                    ChangeVerdict::Unchanged,
                     "not needed: no change before it would change anything".to_string(),
                 )
             }
         } else if let Some(why) = steps::undecided(host, change) {
-            (CheckResultKind::WouldChange, why)
+            (ChangeVerdict::WouldChange, why)
         } else {
             let mut ctx = prepared.as_ref().map(|p| p.ctx(i)).unwrap_or_default();
             ctx.inputs_changed = crate::plan::kinds::inputs_changed(plan, i, |j| {
@@ -187,7 +187,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
             });
             match steps::diff(host, change, ctx) {
                 Ok(d) if d.mutations.is_empty() => {
-                    (CheckResultKind::Unchanged, d.note.unwrap_or_default())
+                    (ChangeVerdict::Unchanged, d.note.unwrap_or_default())
                 }
                 Ok(d) => {
                     let effect = units::effect_of_mutations(&d.mutations);
@@ -195,22 +195,19 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
                     effects.insert(i, effect);
                     let mut parts: Vec<String> = d.mutations.iter().map(|m| m.describe()).collect();
                     parts.extend(d.note);
-                    (CheckResultKind::WouldChange, parts.join("; "))
+                    (ChangeVerdict::WouldChange, parts.join("; "))
                 }
-                Err(e) => (CheckResultKind::Invalid, e.detail),
+                Err(e) => (ChangeVerdict::Invalid, e.detail),
             }
         };
-        if result == CheckResultKind::WouldChange {
+        if result == ChangeVerdict::WouldChange {
             would_change.insert(i);
             report.disruption = report.disruption.max(disruption);
         }
-        if matches!(
-            result,
-            CheckResultKind::Unsupported | CheckResultKind::Invalid
-        ) {
+        if matches!(result, ChangeVerdict::Unsupported | ChangeVerdict::Invalid) {
             report.applicable = false;
         }
-        report.changes.push(ChangeCheck {
+        report.changes.push(DryRunChange {
             index: i as u32,
             kind: change.kind().to_string(),
             target: change.target(),
@@ -231,13 +228,13 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> CheckRepor
         let why = config.capabilities.unsupported_check(&c.probe).or_else(|| {
             host.services()
                 .is_none()
-                .then(|| steps::verify::unsupported_without_services(&c.probe))
+                .then(|| steps::check::unsupported_without_services(&c.probe))
                 .flatten()
         });
         if why.is_some() {
             report.applicable = false;
         }
-        report.checks.push(GateCheck {
+        report.checks.push(DryRunCheck {
             index: i as u32,
             kind: c.probe.key().to_string(),
             target: c.probe.target(),
