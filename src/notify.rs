@@ -7,7 +7,6 @@
 use std::io;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
-use std::path::Path;
 use std::time::Duration;
 
 /// A connection to the service manager's notification socket.
@@ -30,7 +29,8 @@ impl Notifier {
     }
 
     /// A notifier sending to the datagram socket at `path` (tests).
-    pub fn to_path(path: &Path) -> io::Result<Notifier> {
+    #[cfg(test)]
+    pub fn to_path(path: &std::path::Path) -> io::Result<Notifier> {
         Notifier::connect(SocketAddr::from_pathname(path)?)
     }
 

@@ -5,10 +5,10 @@
 pub mod build;
 mod error;
 mod file_meta;
-pub mod packages;
-pub mod sha256;
+pub(crate) mod packages;
+pub(crate) mod sha256;
 pub mod time;
-pub mod units;
+pub(crate) mod units;
 
 pub use error::{ErrorInfo, ErrorKind, StepError};
 pub use file_meta::{Existing, FileMeta};

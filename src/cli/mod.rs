@@ -20,15 +20,15 @@ macro_rules! errln {
 
 mod apply;
 mod config_cmd;
-pub mod demo;
+pub(crate) mod demo;
 mod demo_grpc;
 mod demo_systemd;
 mod journal;
 mod logging;
 mod pki;
-pub mod remote;
+pub(crate) mod remote;
 mod render;
-pub mod selfcheck;
+pub(crate) mod selfcheck;
 pub mod serve;
 mod status;
 

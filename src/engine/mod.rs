@@ -9,13 +9,13 @@
 //! - a plan (id + digest) that finished is never run again, except by an explicit retry,
 //!   which is a new attempt.
 
-pub mod dry_run;
+pub(crate) mod dry_run;
 mod journaled;
 mod run;
 pub mod state;
 pub mod table;
-pub mod transitions;
-pub mod units;
+pub(crate) mod transitions;
+pub(crate) mod units;
 
 use crate::base::time::now_ms;
 use std::path::PathBuf;

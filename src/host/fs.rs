@@ -996,22 +996,6 @@ fn copy_content(from: &mut dyn Read, to: &mut File) -> Result<u64, (&'static str
     }
 }
 
-/// Opens a directory on the agent's own filesystem for [`write_in_dir`] (the state dir).
-pub fn open_dir(path: &Path) -> io::Result<OwnedFd> {
-    rustix::fs::open(
-        path,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        RMode::empty(),
-    )
-    .map_err(|e| io::Error::new(rio(e).kind(), format!("open {}: {e}", path.display())))
-}
-
-/// fsyncs a directory on the agent's own filesystem.
-pub fn sync_dir(path: &Path) -> io::Result<()> {
-    let fd = open_dir(path)?;
-    rustix::fs::fsync(&fd).map_err(rio)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

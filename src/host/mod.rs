@@ -2,19 +2,19 @@
 //! being updated. Everything here is root-relative (see `fs`).
 
 pub mod apt;
-pub mod command;
+pub(crate) mod command;
 pub mod dnf;
 pub mod download;
-pub mod fs;
-pub mod http;
-pub mod locks;
-pub mod memory;
-pub mod node;
-pub mod package_manager;
+pub(crate) mod fs;
+pub(crate) mod http;
+pub(crate) mod locks;
+pub(crate) mod memory;
+pub(crate) mod node;
+pub(crate) mod package_manager;
 pub mod packages;
-pub mod pkgversion;
+pub(crate) mod pkgversion;
 pub mod systemd;
-pub mod users;
+pub(crate) mod users;
 
 use std::io;
 use std::path::{Path, PathBuf};

@@ -19,8 +19,8 @@
 //! [`FORMAT_VERSION`]; the engine converts its state to and from them. The journal depends on
 //! neither the engine nor the host: it writes only its own state directory.
 
-pub mod backup;
-pub mod bodies;
+pub(crate) mod backup;
+pub(crate) mod bodies;
 mod record;
 
 use std::fs::{File, OpenOptions};

@@ -9,7 +9,7 @@
 
 mod digest;
 mod error;
-pub mod kinds;
+pub(crate) mod kinds;
 pub(crate) mod parse;
 mod path;
 

@@ -38,7 +38,6 @@ pub struct RequestBudget {
     wait: Duration,
     /// Bytes of large requests in flight.
     large_in_flight: AtomicU64,
-    refused: AtomicU64,
 }
 
 impl RequestBudget {
@@ -51,18 +50,7 @@ impl RequestBudget {
             permits: Arc::new(Semaphore::new(bytes as usize)),
             wait,
             large_in_flight: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
         })
-    }
-
-    /// Bytes of the budget.
-    pub fn bytes(&self) -> u32 {
-        self.bytes
-    }
-
-    /// Requests refused because the budget stayed taken.
-    pub fn refused(&self) -> u64 {
-        self.refused.load(Ordering::Relaxed)
     }
 }
 
@@ -163,7 +151,6 @@ where
             {
                 Ok(Ok(permit)) => permit,
                 _ => {
-                    budget.refused.fetch_add(1, Ordering::Relaxed);
                     let status = tonic::Status::resource_exhausted(format!(
                         "the agent is busy with {} bytes of other requests (its limit); retry \
                          in a few seconds",

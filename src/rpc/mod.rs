@@ -39,11 +39,11 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
     tonic::include_file_descriptor_set!("inplace_agent_descriptor");
 
 pub mod authz;
-pub mod budget;
+pub(crate) mod budget;
 pub mod convert;
-pub mod identity;
+pub(crate) mod identity;
 pub mod pki;
-pub mod replies;
+pub(crate) mod replies;
 pub mod server;
-pub mod service;
+pub(crate) mod service;
 pub mod tls;

@@ -14,9 +14,9 @@
 //! **Invariant:** nothing here changes the node or the journal; every read of the engine is
 //! a short critical section on the blocking pool, never on the runtime that serves gRPC.
 
-pub mod api;
+pub(crate) mod api;
 pub mod client;
-pub mod metrics;
-pub mod server;
+pub(crate) mod metrics;
+pub(crate) mod server;
 
 pub use api::{AgentStatus, JournalRecords, PlanStatusDocument};

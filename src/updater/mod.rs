@@ -25,18 +25,18 @@
 //! its own: the plan id is derived from the desired specs, the agent's journal is the truth
 //! about progress, so any replica answers any call and a restarted updater answers as before.
 
-pub mod agent;
+pub(crate) mod agent;
 pub mod cli;
-pub mod cluster;
-pub mod demo;
+pub(crate) mod cluster;
+pub(crate) mod demo;
 pub mod emulate;
-pub mod errors;
+pub(crate) mod errors;
 pub mod handlers;
 pub mod hooks;
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod patch;
-pub mod server;
+pub(crate) mod server;
 pub mod settings;
-pub mod setup;
+pub(crate) mod setup;
 pub mod standin;
 pub mod translate;

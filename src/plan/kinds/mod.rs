@@ -40,26 +40,18 @@ mod unit;
 pub use absent::AbsentChange;
 pub use artifact::ArtifactChange;
 pub use exec::ExecChange;
-pub use file::{FileChange, desired_content, file_mutation};
-pub use kubeadm_upgrade_node::{
-    KubeadmUpgradeNodeChange, REWRITES, arg_value, feeds, parse_kube_version,
-    parse_kubelet_version, upgrade_pending,
-};
-pub use kubelet_config::{
-    KUBELET_CONFIG_PATH, KubeletConfigChange, config_path, merge_patch, patched_config, read_config,
-};
-pub use kubelet_flags::{KUBEADM_FLAGS_PATH, KubeletFlagsChange, edit_flags_env, flags_path};
+pub use file::FileChange;
+pub use kubeadm_upgrade_node::{KubeadmUpgradeNodeChange, REWRITES};
+pub use kubelet_config::{KUBELET_CONFIG_PATH, KubeletConfigChange};
+pub use kubelet_flags::{KUBEADM_FLAGS_PATH, KubeletFlagsChange};
 pub use mutation::{
     Diff, KUBEADM_TARGET, Mutation, Note, PackageMutation, StepCtx, Touched, UpgradeNode,
 };
 pub use node::{Node, Packages};
-pub use package::{PackageChange, decide, highest_match};
+pub use package::PackageChange;
 pub use reboot::RebootChange;
-pub use sysctl::{SysctlChange, conf_content, proc_path, same_value, sysctl_conf_path};
-pub use unit::{
-    DropIn, Observation, UNIT_DIR, UNIT_DIRS, UnitChange, UnitState, drop_in_path, is_running,
-    is_stopped, is_unit_path, services_off, unit_file_path, unit_mutations,
-};
+pub use sysctl::{SysctlChange, sysctl_conf_path};
+pub use unit::{DropIn, UnitChange, UnitState, is_running, is_stopped, is_unit_path, services_off};
 
 /// The kubelet's systemd unit, which the kubelet's configuration, flags and package feed.
 pub const KUBELET_UNIT: &str = "kubelet.service";
