@@ -1,8 +1,9 @@
 //! inplace-agent: the node-side agent for Cluster API in-place updates.
 //!
-//! Data flows one way: `plan` (model, validation, digest) → `engine` (state machine,
-//! scheduling, rollback) → `steps` (one module per change kind) over `host` (the only code
-//! that touches the node), with `journal` beside the engine. See ARCHITECTURE.md.
+//! Data flows one way: `plan` (model, validation, digest, and one file per change kind) →
+//! `engine` (state machine, scheduling, rollback) → `steps` (the executor every kind's
+//! mutations go through) over `host` (the only code that touches the node), with `journal`
+//! beside the engine. `architecture.rs` checks it; see ARCHITECTURE.md.
 // Unsafe code only in `host::memory` (two allocator calls), which says why.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
