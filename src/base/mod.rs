@@ -10,5 +10,5 @@ pub mod sha256;
 pub mod time;
 pub mod units;
 
-pub use error::{ErrorInfo, ErrorKind, StepError};
+pub use error::{ErrorInfo, ErrorKind, StepError, chain};
 pub use file_meta::{Existing, FileMeta};
