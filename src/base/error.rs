@@ -100,3 +100,23 @@ impl StepError {
         }
     }
 }
+
+/// An error and its causes on one line, each said once: `open the journal in /var/lib/x:
+/// journal /var/lib/x/journal: Permission denied (os error 13)`. Many errors here already
+/// show their source in their own message, so a cause whose text is already there is not
+/// repeated (what `{:#}` would do).
+pub fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = String::new();
+    let mut current = Some(error);
+    while let Some(e) = current {
+        let text = e.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        current = e.source();
+    }
+    out
+}

@@ -10,5 +10,5 @@ pub(crate) mod sha256;
 pub mod time;
 pub(crate) mod units;
 
-pub use error::{ErrorInfo, ErrorKind, StepError};
+pub use error::{ErrorInfo, ErrorKind, StepError, chain};
 pub use file_meta::{Existing, FileMeta};

@@ -5,12 +5,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::render::{Renderer, status_json, summary};
-use super::{Exit, NodeArgs, Output};
+use super::{Exit, Invalid, NodeArgs, Output};
 use crate::config::Settings;
 use crate::engine::dry_run::{ChangeVerdict, check_plan};
 use crate::engine::state::{Phase, PlanStatus};
 use crate::engine::{Engine, Submission, SubmitError};
 use crate::host::Host;
+use crate::host::systemd::SystemdError;
 use crate::plan::{InvalidPlan, Plan, parse_plan};
 
 /// Reads and validates a plan file; prints the errors and returns the exit code on failure.
@@ -54,19 +55,15 @@ pub(super) fn print_invalid(invalid: &InvalidPlan, output: Output) {
 }
 
 fn settings(node: &NodeArgs) -> Result<Settings, Exit> {
-    node.input().resolve().map_err(|e| {
-        errln!("error: {e}");
-        Exit::Invalid
-    })
+    node.input()
+        .resolve()
+        .map_err(|e| super::fail(&Invalid::new(e).into()))
 }
 
 fn open_host(settings: &Settings) -> Result<Arc<Host>, Exit> {
     Host::open(settings.host.clone())
         .map(Arc::new)
-        .map_err(|e| {
-            errln!("error: {e}");
-            Exit::Invalid
-        })
+        .map_err(|e| super::fail(&Invalid(e.into()).into()))
 }
 
 /// `inplace-agent check`.
@@ -170,15 +167,11 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
         return Exit::Invalid;
     }
     if let Err(e) = services_ready(&host, &plan) {
-        errln!("error: {e}");
-        return Exit::Failed;
+        return super::fail(&e.into());
     }
     let (engine, report) = match Engine::open(settings.engine.clone(), host) {
         Ok(x) => x,
-        Err(e) => {
-            errln!("error: {e}");
-            return Exit::Failed;
-        }
+        Err(e) => return super::fail(&e.into()),
     };
     if let Some(torn) = report.torn {
         errln!(
@@ -203,7 +196,7 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
 /// Checks that systemd answers when the plan will need it (units, reboots, restarts,
 /// `unitActive` gates), so that `apply` says so at once instead of retrying until the step
 /// timeout. Nothing is journaled before this.
-pub fn services_ready(host: &Host, plan: &Plan) -> Result<(), String> {
+pub fn services_ready(host: &Host, plan: &Plan) -> Result<(), ServicesUnreachable> {
     let Some(services) = host.services() else {
         return Ok(());
     };
@@ -218,14 +211,27 @@ pub fn services_ready(host: &Host, plan: &Plan) -> Result<(), String> {
     if !needs {
         return Ok(());
     }
-    services.ping().map(|_| ()).map_err(|e| {
-        format!(
-            "plan {} needs systemd (restarts, units, reboots or unitActive gates) but it is not \
-             reachable: {e}; to apply it to a plain directory tree without managing units, pass \
-             --services off",
-            plan.id
-        )
-    })
+    services
+        .ping()
+        .map(|_| ())
+        .map_err(|source| ServicesUnreachable {
+            plan: plan.id.clone(),
+            source,
+        })
+}
+
+/// A plan needs systemd and it does not answer (what to do is part of the message).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "plan {plan} needs systemd (restarts, units, reboots or unitActive gates) but it is not \
+     reachable: {source}; to apply it to a plain directory tree without managing units, pass \
+     --services off"
+)]
+pub struct ServicesUnreachable {
+    /// The plan's id.
+    pub plan: String,
+    /// Why systemd did not answer.
+    pub source: SystemdError,
 }
 
 /// Submits a plan to a local engine and runs it on this thread to its end, showing progress
@@ -248,10 +254,9 @@ pub fn run_plan(
             current.attempt
         );
     }
-    let submission = engine.submit(plan, "cli", retry).map_err(|e| {
-        errln!("error: {e}");
-        Exit::of_submit_error(&e)
-    })?;
+    let submission = engine
+        .submit(plan, "cli", retry)
+        .map_err(|e| super::fail(&e.into()))?;
     let status = submission.status().clone();
     if let Submission::Existing(s) = &submission
         && s.phase.is_terminal()

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use anyhow::{Context as _, anyhow, bail};
 use clap::Args;
 
 use super::Exit;
@@ -138,20 +139,14 @@ fn serve_healthz(mut stream: TcpStream, config: &Path) {
 /// Why the tour ended before its last section.
 enum Ended {
     /// Something went wrong.
-    Failed(String),
+    Failed(anyhow::Error),
     /// Nobody reads any more (`demo | head`): stop quietly.
     Unread,
 }
 
-impl From<String> for Ended {
-    fn from(e: String) -> Ended {
+impl From<anyhow::Error> for Ended {
+    fn from(e: anyhow::Error) -> Ended {
         Ended::Failed(e)
-    }
-}
-
-impl From<&str> for Ended {
-    fn from(e: &str) -> Ended {
-        Ended::Failed(e.to_string())
     }
 }
 
@@ -164,9 +159,9 @@ fn section(n: u32, text: &str) -> Result<(), Ended> {
     Ok(())
 }
 
-fn plan_for(text: &str, port: u16) -> Result<Plan, String> {
+fn plan_for(text: &str, port: u16) -> anyhow::Result<Plan> {
     let text = text.replace("127.0.0.1:10248", &format!("127.0.0.1:{port}"));
-    parse_plan(text.as_bytes(), "example", &Limits::default()).map_err(|e| e.to_string())
+    Ok(parse_plan(text.as_bytes(), "example", &Limits::default())?)
 }
 
 /// Runs the demo.
@@ -176,37 +171,34 @@ pub fn run(args: &DemoArgs) -> Exit {
     }
     match tour(args) {
         Ok(code) => code,
-        Err(e) => {
-            errln!("error: demo: {e}");
-            Exit::Failed
-        }
+        Err(e) => super::fail(&e.context("demo")),
     }
 }
 
 /// Makes the sandbox, runs the sections in it and removes it again (unless told to keep
 /// it), however the sections end.
-fn tour(args: &DemoArgs) -> Result<Exit, String> {
+fn tour(args: &DemoArgs) -> anyhow::Result<Exit> {
     let (dir, temp) = match &args.dir {
         Some(d) => {
             if d.exists()
                 && std::fs::read_dir(d)
-                    .map_err(|e| e.to_string())?
+                    .with_context(|| format!("read {}", d.display()))?
                     .next()
                     .is_some()
             {
-                return Err(format!(
+                bail!(
                     "{} is not empty; the demo only builds into an empty directory",
                     d.display()
-                ));
+                );
             }
-            std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+            std::fs::create_dir_all(d).with_context(|| format!("create {}", d.display()))?;
             (d.clone(), None)
         }
         None => {
             let t = tempfile::Builder::new()
                 .prefix("inplace-agent-demo-")
                 .tempdir()
-                .map_err(|e| format!("create a temporary directory: {e}"))?;
+                .context("create a temporary directory")?;
             (t.path().to_path_buf(), Some(t))
         }
     };
@@ -223,7 +215,7 @@ fn tour(args: &DemoArgs) -> Result<Exit, String> {
         }
         if let Some(t) = temp {
             t.close()
-                .map_err(|e| format!("remove the sandbox {}: {e}", dir.display()))?;
+                .with_context(|| format!("remove the sandbox {}", dir.display()))?;
         }
     }
     if ended.is_ok() {
@@ -252,10 +244,8 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
     let dir = dir.to_path_buf();
     outln!("inplace-agent demo: a sandbox node at {}", dir.display());
     outln!("(nothing outside that directory is touched; the kubelet is an in-process stand-in)");
-    crate::sandbox::tree::build_kubeadm_worker(&dir)
-        .map_err(|e| format!("build the sandbox: {e}"))?;
-    let kubelet =
-        DemoKubelet::start(&dir).map_err(|e| format!("start the kubelet stand-in: {e}"))?;
+    crate::sandbox::tree::build_kubeadm_worker(&dir).context("build the sandbox")?;
+    let kubelet = DemoKubelet::start(&dir).context("start the kubelet stand-in")?;
     outln!(
         "kubelet stand-in: http://127.0.0.1:{}/healthz answers 200 while the sandbox's \
          /var/lib/kubelet/config.yaml is valid",
@@ -267,8 +257,12 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         services_off: true,
         ..SettingsInput::default()
     }
-    .resolve()?;
-    let host = Arc::new(Host::open(settings.host.clone()).map_err(|e| e.to_string())?);
+    .resolve()
+    .map_err(anyhow::Error::msg)?;
+    let host = Arc::new(
+        Host::open(settings.host.clone())
+            .with_context(|| format!("open root {}", dir.display()))?,
+    );
     let tuning = plan_for(TUNING, kubelet.port())?;
     let bad = plan_for(BAD, kubelet.port())?;
 
@@ -291,11 +285,15 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         report.restart_units.join(", ")
     );
 
-    let (engine, _) =
-        Engine::open(settings.engine.clone(), host.clone()).map_err(|e| e.to_string())?;
+    let (engine, _) = Engine::open(settings.engine.clone(), host.clone()).with_context(|| {
+        format!(
+            "open the journal in {}",
+            settings.engine.state_dir.display()
+        )
+    })?;
     section(2, "apply it")?;
-    let first =
-        run_plan(&engine, tuning.clone(), false, args.plain, false).map_err(|_| "apply failed")?;
+    let first = run_plan(&engine, tuning.clone(), false, args.plain, false)
+        .map_err(|_| anyhow!("apply failed"))?;
     outln!("{}", summary(&first));
     outln!(
         "  (service management is off in the sandbox: the kubelet restart is recorded, not done)"
@@ -306,7 +304,7 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         "apply the same plan again: CAPI calls UpdateMachine again and again",
     )?;
     let again = run_plan(&engine, tuning.clone(), false, args.plain, false)
-        .map_err(|_| "re-apply failed")?;
+        .map_err(|_| anyhow!("re-apply failed"))?;
     outln!(
         "  hook response: {}",
         serde_json::to_string(&HookResponse::from(&again.hook_response())).unwrap_or_default()
@@ -317,12 +315,14 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         "the same desired state under a new plan id: every change is already in place",
     )?;
     let config = dir.join("var/lib/kubelet/config.yaml");
-    let before = std::fs::metadata(&config).map_err(|e| e.to_string())?;
+    let stat = || std::fs::metadata(&config).with_context(|| format!("stat {}", config.display()));
+    let before = stat()?;
     let mut same = tuning.clone();
     same.id.push_str("-again");
-    let noop = run_plan(&engine, same, false, args.plain, true).map_err(|_| "re-apply failed")?;
+    let noop =
+        run_plan(&engine, same, false, args.plain, true).map_err(|_| anyhow!("re-apply failed"))?;
     outln!("{}", summary(&noop));
-    let after = std::fs::metadata(&config).map_err(|e| e.to_string())?;
+    let after = stat()?;
     use std::os::unix::fs::MetadataExt;
     outln!(
         "  config.yaml inode {} → {}, mtime {} → {}: nothing was rewritten",
@@ -336,15 +336,16 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         5,
         "a bad kubelet configuration: the health gate fails and everything is restored",
     )?;
-    let config_before = std::fs::read(&config).map_err(|e| e.to_string())?;
-    let failed =
-        run_plan(&engine, bad, false, args.plain, false).map_err(|_| "bad plan could not run")?;
+    let read = || std::fs::read(&config).with_context(|| format!("read {}", config.display()));
+    let config_before = read()?;
+    let failed = run_plan(&engine, bad, false, args.plain, false)
+        .map_err(|_| anyhow!("bad plan could not run"))?;
     outln!("{}", summary(&failed));
     outln!(
         "  hook response: {}",
         serde_json::to_string(&HookResponse::from(&failed.hook_response())).unwrap_or_default()
     );
-    let config_after = std::fs::read(&config).map_err(|e| e.to_string())?;
+    let config_after = read()?;
     outln!(
         "  /var/lib/kubelet/config.yaml after rollback: {}",
         if config_before == config_after {

@@ -6,6 +6,8 @@
 use std::path::Path;
 use std::time::Duration;
 
+use anyhow::Context as _;
+
 use super::remote::{TlsArgs, connect_agent, follow, hook_response_json};
 use super::serve::Daemon;
 use crate::config::{DaemonInput, SettingsInput};
@@ -35,20 +37,19 @@ verify:
 "#;
 
 /// Runs the section; true when everything behaved as the demo says.
-pub fn section(n: u32, dir: &Path, kubelet_port: u16, plain: bool) -> Result<bool, String> {
+pub fn section(n: u32, dir: &Path, kubelet_port: u16, plain: bool) -> anyhow::Result<bool> {
     super::render::heading(
         n,
         "the node API: `serve` over mutual TLS, driven by the `submit` client",
     );
     let pki = dir.join("etc/inplace-agent/pki");
-    let files = crate::rpc::pki::init(&PkiInitOptions::new(&pki, NODE))
-        .map_err(|e| format!("pki init: {e}"))?;
+    let files = crate::rpc::pki::init(&PkiInitOptions::new(&pki, NODE)).context("pki init")?;
     outln!(
         "  pki init {}: a throwaway CA, a server certificate for {NODE}, an updater (admin) and \
          a reader client certificate (not for production)",
         pki.display()
     );
-    let pattern = |s: &str| s.parse().map_err(|e| format!("{e}"));
+    let pattern = |s: &str| s.parse().map_err(|e| anyhow::anyhow!("{e}"));
     let settings = DaemonInput {
         settings: SettingsInput {
             root: Some(dir.to_path_buf()),
@@ -65,10 +66,10 @@ pub fn section(n: u32, dir: &Path, kubelet_port: u16, plain: bool) -> Result<boo
         reader: Some(vec![pattern(DEFAULT_READER_IDENTITY)?]),
         ..DaemonInput::default()
     }
-    .resolve()?;
+    .resolve()
+    .map_err(anyhow::Error::msg)?;
     let text = PLAN.replace("127.0.0.1:10248", &format!("127.0.0.1:{kubelet_port}"));
-    let plan =
-        parse_plan(text.as_bytes(), "api-demo", &Limits::default()).map_err(|e| e.to_string())?;
+    let plan = parse_plan(text.as_bytes(), "api-demo", &Limits::default())?;
     let tls = |cert: &Path, key: &Path| TlsArgs {
         ca: Some(files.ca_cert.clone()),
         cert: Some(cert.to_path_buf()),
@@ -81,7 +82,7 @@ pub fn section(n: u32, dir: &Path, kubelet_port: u16, plain: bool) -> Result<boo
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("start the async runtime: {e}"))?;
+        .context("start the async runtime")?;
     runtime.block_on(async {
         let daemon = Daemon::start(settings).await?;
         let addr = daemon.addr().to_string();
@@ -102,12 +103,12 @@ async fn drive(
     updater: &TlsArgs,
     reader: &TlsArgs,
     plain: bool,
-) -> Result<bool, String> {
+) -> anyhow::Result<bool> {
     let mut client = connect_agent(addr, updater).await?;
     let info = client
         .get_node_info(pb::GetNodeInfoRequest {})
         .await
-        .map_err(|e| format!("GetNodeInfo: {e}"))?
+        .context("GetNodeInfo")?
         .into_inner();
     outln!(
         "  GetNodeInfo: node {}, agent {}, kernel {}, supported changes: {}",
@@ -123,7 +124,7 @@ async fn drive(
     let first = client
         .apply_plan(apply())
         .await
-        .map_err(|e| format!("ApplyPlan: {e}"))?
+        .context("ApplyPlan")?
         .into_inner();
     let accepted = first.status.unwrap_or_default();
     outln!(
@@ -139,7 +140,7 @@ async fn drive(
     let again = client
         .apply_plan(apply())
         .await
-        .map_err(|e| format!("ApplyPlan again: {e}"))?
+        .context("ApplyPlan again")?
         .into_inner();
     let again_status = again.status.unwrap_or_default();
     outln!(
@@ -156,7 +157,7 @@ async fn drive(
             id: plan.id.clone(),
         })
         .await
-        .map_err(|e| format!("GetPlanStatus as reader: {e}"))?
+        .context("GetPlanStatus as reader")?
         .into_inner();
     let refused = read_only.apply_plan(apply()).await;
     let refusal = match &refused {

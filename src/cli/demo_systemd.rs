@@ -27,6 +27,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use anyhow::{Context as _, anyhow};
+
 use super::Exit;
 use crate::host::packages::ManagerKind;
 use crate::host::systemd::Systemd;
@@ -94,18 +96,12 @@ pub fn run(plain: bool) -> Exit {
     };
     let first = match tour(&node, plain) {
         Ok(ok) => ok,
-        Err(e) => {
-            errln!("error: demo --systemd: {e}");
-            return Exit::Failed;
-        }
+        Err(e) => return super::fail(&e.context("demo --systemd")),
     };
     drop(node);
     let bump = match version_bump(plain) {
         Ok(ok) => ok,
-        Err(e) => {
-            errln!("error: demo --systemd: the version bump: {e}");
-            return Exit::Failed;
-        }
+        Err(e) => return super::fail(&e.context("demo --systemd: the version bump")),
     };
     let ok = first && bump;
     outln!(
@@ -135,14 +131,14 @@ fn agent(node: &SandboxNode, exe: &Path, args: &[&str], plain: bool) -> Command 
     cmd
 }
 
-fn show(cmd: &mut Command, what: &str) -> Result<i32, String> {
+fn show(cmd: &mut Command, what: &str) -> anyhow::Result<i32> {
     let args: Vec<String> = cmd
         .get_args()
         .skip(3)
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
     outln!("$ inplace-agent {}", args.join(" "));
-    let status = cmd.status().map_err(|e| format!("run {what}: {e}"))?;
+    let status = cmd.status().with_context(|| format!("run {what}"))?;
     Ok(status.code().unwrap_or(-1))
 }
 
@@ -166,8 +162,8 @@ fn starts(node: &SandboxNode) -> Vec<String> {
 
 /// The first node: computed restarts, an idempotent re-apply, a rollback. True when all went
 /// as described.
-fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("find this binary: {e}"))?;
+fn tour(node: &SandboxNode, plain: bool) -> anyhow::Result<bool> {
+    let exe = std::env::current_exe().context("find this binary")?;
     heading(1, "a sandboxed node");
     outln!(
         "  this machine's systemd booted as PID 1 of new namespaces on an overlay of / in {} ms",
@@ -180,7 +176,9 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
         node.bus_address()
     );
     outln!("  Nothing outside the overlay changes; the node is killed at the end.");
-    let systemd = node.install_kubelet(Standin::Agent(&exe))?;
+    let systemd = node
+        .install_kubelet(Standin::Agent(&exe))
+        .map_err(anyhow::Error::msg)?;
     let (id, state) = kubelet_line(&systemd);
     outln!(
         "  kubelet.service runs a DEMO STAND-IN (this binary's hidden kubelet-standin mode: \
@@ -191,12 +189,12 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
     let plans = tempfile::Builder::new()
         .prefix("inplace-agent-demo-plans-")
         .tempdir()
-        .map_err(|e| format!("create a directory for the plans: {e}"))?;
+        .context("create a directory for the plans")?;
     let tuning = plans.path().join("kubelet-tuning.yaml");
     let again = plans.path().join("kubelet-tuning-again.yaml");
     let bad = plans.path().join("bad-kubelet-config.yaml");
     let write = |p: &Path, text: &str| {
-        std::fs::write(p, text).map_err(|e| format!("write {}: {e}", p.display()))
+        std::fs::write(p, text).with_context(|| format!("write {}", p.display()))
     };
     write(&tuning, TUNING)?;
     write(
@@ -256,7 +254,7 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
         "a bad kubelet configuration: the restart fails, the gate fails, all is restored",
     );
     let config_before = std::fs::read(node.path("/var/lib/kubelet/config.yaml"))
-        .map_err(|e| format!("read the node's kubelet config: {e}"))?;
+        .context("read the node's kubelet config")?;
     let before = starts(node).len();
     let third = show(
         &mut agent(node, &exe, &["apply", &bad.display().to_string()], plain),
@@ -265,7 +263,7 @@ fn tour(node: &SandboxNode, plain: bool) -> Result<bool, String> {
     std::thread::sleep(Duration::from_millis(200));
     let (id_back, state) = kubelet_line(&systemd);
     let config_after = std::fs::read(node.path("/var/lib/kubelet/config.yaml"))
-        .map_err(|e| format!("read the node's kubelet config: {e}"))?;
+        .context("read the node's kubelet config")?;
     outln!("  the stand-in's starts since: ");
     for line in &starts(node)[before..] {
         outln!("    {line}");
@@ -317,8 +315,8 @@ fn package_line(node: &SandboxNode) -> String {
 /// The second node: the Kubernetes version bump from packages. True when all went as
 /// described (or it was skipped because the tools to build the packages are missing,
 /// outside CI).
-fn version_bump(plain: bool) -> Result<bool, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("find this binary: {e}"))?;
+fn version_bump(plain: bool) -> anyhow::Result<bool> {
+    let exe = std::env::current_exe().context("find this binary")?;
     heading(
         7,
         "the Kubernetes version bump, 1.30 → 1.31, on a second node installed from packages",
@@ -330,7 +328,7 @@ fn version_bump(plain: bool) -> Result<bool, String> {
         );
         return Ok(!std::env::var("CI").is_ok_and(|v| v == "true"));
     }
-    let node = SandboxNode::try_boot().map_err(|e| format!("boot a second node: {e}"))?;
+    let node = SandboxNode::try_boot().map_err(|e| anyhow!("boot a second node: {e}"))?;
     let (old, new) = packages::versions(ManagerKind::Apt);
     outln!(
         "  A fresh node (booted in {} ms). In it: stand-in kubeadm, kubelet and kubectl .debs at \
@@ -341,7 +339,9 @@ fn version_bump(plain: bool) -> Result<bool, String> {
         node.boot_time().as_millis(),
         packages::APT_REPO
     );
-    let systemd = node.install_kube_packages(ManagerKind::Apt, Standin::Agent(&exe))?;
+    let systemd = node
+        .install_kube_packages(ManagerKind::Apt, Standin::Agent(&exe))
+        .map_err(anyhow::Error::msg)?;
     outln!(
         "  1.30 installed with apt-get and held, as a kubeadm node has it: {}",
         package_line(&node)
@@ -353,12 +353,12 @@ fn version_bump(plain: bool) -> Result<bool, String> {
     let plans = tempfile::Builder::new()
         .prefix("inplace-agent-demo-plans-")
         .tempdir()
-        .map_err(|e| format!("create a directory for the plans: {e}"))?;
+        .context("create a directory for the plans")?;
     let upgrade = plans.path().join("upgrade-1.30-to-1.31.yaml");
     let again = plans.path().join("upgrade-1.30-to-1.31-again.yaml");
-    std::fs::write(&upgrade, UPGRADE).map_err(|e| format!("write {}: {e}", upgrade.display()))?;
+    std::fs::write(&upgrade, UPGRADE).with_context(|| format!("write {}", upgrade.display()))?;
     std::fs::write(&again, UPGRADE.replace("@v1.31.2\n", "@v1.31.2-again\n"))
-        .map_err(|e| format!("write {}: {e}", again.display()))?;
+        .with_context(|| format!("write {}", again.display()))?;
     let upgrade_s = upgrade.display().to_string();
 
     heading(

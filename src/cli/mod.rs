@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::config::SettingsInput;
+use crate::config::{ConfigError, SettingsInput};
 use crate::engine::SubmitError;
 use crate::engine::state::Phase;
 
@@ -86,6 +86,59 @@ impl Exit {
             _ => Exit::Invalid,
         }
     }
+
+    /// For an error that ended a command: invalid input when its chain holds an error that
+    /// says so ([`Invalid`], a configuration file that could not be used, a refused
+    /// submission or call), else failed. The one error→exit mapping of the commands' flows.
+    pub fn of_error(e: &anyhow::Error) -> Exit {
+        for cause in e.chain() {
+            if cause.is::<Invalid>() || cause.is::<ConfigError>() {
+                return Exit::Invalid;
+            }
+            if let Some(refused) = cause.downcast_ref::<SubmitError>() {
+                return Exit::of_submit_error(refused);
+            }
+            if let Some(status) = cause.downcast_ref::<tonic::Status>() {
+                return Exit::of_call(status);
+            }
+        }
+        Exit::Failed
+    }
+
+    /// For a failed call to a remote agent: invalid input when the agent refused it as
+    /// such (invalid, too large, not for this node), else failed.
+    pub fn of_call(status: &tonic::Status) -> Exit {
+        match status.code() {
+            tonic::Code::InvalidArgument
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::FailedPrecondition => Exit::Invalid,
+            _ => Exit::Failed,
+        }
+    }
+}
+
+/// The input was invalid and nothing was changed (exit 2): a flow wraps a settings or node
+/// problem in it, and [`Exit::of_error`] finds it anywhere in the chain. Shows the error it
+/// wraps, and that error's causes.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct Invalid(pub anyhow::Error);
+
+impl Invalid {
+    /// `message` (a validation message, an error) marked as invalid input.
+    pub fn new<M>(message: M) -> Invalid
+    where
+        M: std::fmt::Display + std::fmt::Debug + Send + Sync + 'static,
+    {
+        Invalid(anyhow::Error::msg(message))
+    }
+}
+
+/// Prints the error that ended a command with its causes on one line (`error: open the
+/// journal in /var/lib/…: …: Permission denied (os error 13)`) and says how the command ends.
+pub fn fail(e: &anyhow::Error) -> Exit {
+    errln!("error: {}", crate::base::chain(e.as_ref()));
+    Exit::of_error(e)
 }
 
 #[derive(Debug, Parser)]

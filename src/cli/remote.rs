@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::{Context as _, bail};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tonic::transport::Channel;
@@ -186,22 +187,24 @@ pub struct RetryArgs {
 // === Connecting ===
 
 /// A client for the agent at `addr`.
-pub async fn connect_agent(addr: &str, tls: &TlsArgs) -> Result<NodeAgentClient<Channel>, String> {
+pub async fn connect_agent(addr: &str, tls: &TlsArgs) -> anyhow::Result<NodeAgentClient<Channel>> {
     let need = |v: &Option<PathBuf>, flag: &str| {
         v.clone()
-            .ok_or_else(|| format!("{flag} is required to reach {addr}"))
+            .with_context(|| format!("{flag} is required to reach {addr}"))
     };
     let paths = ClientTlsPaths {
         ca: need(&tls.ca, "--ca")?,
         cert: need(&tls.cert, "--cert")?,
         key: need(&tls.key, "--key")?,
     };
-    let config = client_config(&paths).map_err(|e| format!("client tls: {e}"))?;
+    let config = client_config(&paths).context("client tls")?;
+    // A connection error's message is already its whole cause chain, in the words
+    // `diagnose` chose; the hint follows it.
     let channel = connect(addr, tls.server_name.as_deref(), Arc::new(config))
         .await
         .map_err(|e| match e.problem() {
-            Some(problem) => format!("{e}\n  hint: {}", hint(&problem, addr, tls)),
-            None => e.to_string(),
+            Some(problem) => anyhow::anyhow!("{e}\n  hint: {}", hint(&problem, addr, tls)),
+            None => anyhow::anyhow!("{e}"),
         })?;
     Ok(NodeAgentClient::new(channel))
 }
@@ -302,22 +305,15 @@ fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> Exi
             diagnosis.chain()
         ),
     }
-    match status.code() {
-        tonic::Code::InvalidArgument
-        | tonic::Code::ResourceExhausted
-        | tonic::Code::FailedPrecondition => Exit::Invalid,
-        _ => Exit::Failed,
-    }
+    Exit::of_call(status)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, Exit> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| {
-            errln!("error: start the async runtime: {e}");
-            Exit::Failed
-        })
+        .context("start the async runtime")
+        .map_err(|e| super::fail(&e))
 }
 
 // === Output ===
@@ -577,7 +573,7 @@ pub async fn follow(
     id: &str,
     plain: bool,
     timeout: Duration,
-) -> Result<pb::PlanStatus, String> {
+) -> anyhow::Result<pb::PlanStatus> {
     let deadline = Instant::now() + timeout;
     let mut view = SnapshotView::new(plain);
     let mut backoff = Duration::from_millis(200);
@@ -615,12 +611,10 @@ pub async fn follow(
         };
         let result = tokio::time::timeout_at(deadline.into(), outcome).await;
         match result {
-            Err(_) => {
-                return Err(format!(
-                    "plan {id} did not finish within {}s (it goes on; see inplace-agent status)",
-                    timeout.as_secs()
-                ));
-            }
+            Err(_) => bail!(
+                "plan {id} did not finish within {}s (it goes on; see inplace-agent status)",
+                timeout.as_secs()
+            ),
             Ok(Ok(())) => {
                 if let Some(status) = last.take_if(|s| is_terminal(s)) {
                     return Ok(status);
@@ -643,20 +637,18 @@ pub async fn follow(
                         lost_since = Some(Instant::now());
                     }
                 }
-                _ => {
-                    return Err(format!(
-                        "watch {id}: {}: {}",
-                        code_name(status.code()),
-                        status.message()
-                    ));
-                }
+                _ => bail!(
+                    "watch {id}: {}: {}",
+                    code_name(status.code()),
+                    status.message()
+                ),
             },
         }
         if Instant::now() + backoff >= deadline {
-            return Err(format!(
+            bail!(
                 "plan {id} did not finish within {}s (it goes on; see inplace-agent status)",
                 timeout.as_secs()
-            ));
+            );
         }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -711,10 +703,7 @@ pub fn submit(args: &SubmitArgs) -> Exit {
     runtime.block_on(async {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
-            Err(e) => {
-                errln!("error: {e}");
-                return Exit::Failed;
-            }
+            Err(e) => return super::fail(&e),
         };
         let request = pb::ApplyPlanRequest {
             plan: Some(plan_to_pb(&plan)),
@@ -768,10 +757,7 @@ async fn conclude(
         let id = status.id.clone();
         status = match follow(client, &id, plain, timeout).await {
             Ok(s) => s,
-            Err(e) => {
-                errln!("error: {e}");
-                return Exit::Failed;
-            }
+            Err(e) => return super::fail(&e),
         };
     }
     if let Err(code) = print_status(&status, output, detailed) {
@@ -791,10 +777,7 @@ pub fn status(args: &StatusArgs, addr: &str) -> Exit {
     runtime.block_on(async {
         let mut client = match connect_agent(addr, &args.tls).await {
             Ok(c) => c,
-            Err(e) => {
-                errln!("error: {e}");
-                return Exit::Failed;
-            }
+            Err(e) => return super::fail(&e),
         };
         let request = pb::GetPlanStatusRequest { id: id.clone() };
         let status = match client.get_plan_status(call(request)).await {
@@ -823,10 +806,7 @@ pub fn cancel(args: &CancelArgs) -> Exit {
     runtime.block_on(async {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
-            Err(e) => {
-                errln!("error: {e}");
-                return Exit::Failed;
-            }
+            Err(e) => return super::fail(&e),
         };
         let request = pb::CancelPlanRequest {
             id: args.id.clone(),
@@ -859,10 +839,7 @@ pub fn retry(args: &RetryArgs) -> Exit {
     runtime.block_on(async {
         let mut client = match connect_agent(&args.addr, &args.tls).await {
             Ok(c) => c,
-            Err(e) => {
-                errln!("error: {e}");
-                return Exit::Failed;
-            }
+            Err(e) => return super::fail(&e),
         };
         let request = pb::RetryPlanRequest {
             id: args.id.clone(),

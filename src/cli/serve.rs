@@ -10,11 +10,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::Args;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::Exit;
+use super::{Exit, Invalid};
 use crate::config::{
     DEFAULT_CONFIG_PATH, DaemonInput, DaemonSettings, PlanLimitsInput, SettingsInput, load_config,
 };
@@ -168,13 +169,14 @@ impl ServeArgs {
         }
     }
 
-    /// The configuration file (if any) with the flags over it, validated.
-    pub fn settings(&self) -> Result<DaemonSettings, String> {
+    /// The configuration file (if any) with the flags over it, validated. Every error is
+    /// invalid input ([`ConfigError`](crate::config::ConfigError) or [`Invalid`]).
+    pub fn settings(&self) -> anyhow::Result<DaemonSettings> {
         let file = match self.config_file() {
-            Some(path) => load_config(&path).map_err(|e| e.to_string())?,
+            Some(path) => load_config(&path)?,
             None => DaemonInput::default(),
         };
-        file.overlay(self.input()).resolve()
+        Ok(file.overlay(self.input()).resolve().map_err(Invalid::new)?)
     }
 }
 
@@ -198,7 +200,7 @@ impl std::fmt::Debug for Daemon {
 impl Daemon {
     /// Opens the engine (replaying the journal; an unfinished plan resumes), starts its
     /// worker, binds the listener and starts serving. Must be called within a Tokio runtime.
-    pub async fn start(settings: DaemonSettings) -> Result<Daemon, String> {
+    pub async fn start(settings: DaemonSettings) -> anyhow::Result<Daemon> {
         crate::host::memory::tune();
         let DaemonSettings {
             settings,
@@ -214,14 +216,13 @@ impl Daemon {
         let started_at_ms = crate::base::time::now_ms();
         let host = Host::open(settings.host.clone())
             .map(Arc::new)
-            .map_err(|e| format!("open root {}: {e}", settings.host.root.display()))?;
+            .with_context(|| format!("open root {}", settings.host.root.display()))?;
         let tls_counters = Arc::new(TlsCounters::default());
-        let tls = ReloadingServerConfig::new(tls, tls_counters.clone())
-            .map_err(|e| format!("tls: {e}"))?;
+        let tls = ReloadingServerConfig::new(tls, tls_counters.clone()).context("tls")?;
         tracing::info!(services = %host.services_description(), "service management");
-        let (engine, report) = Engine::open(settings.engine.clone(), host).map_err(|e| {
+        let (engine, report) = Engine::open(settings.engine.clone(), host).with_context(|| {
             format!(
-                "open the journal in {}: {e}",
+                "open the journal in {}",
                 settings.engine.state_dir.display()
             )
         })?;
@@ -237,10 +238,10 @@ impl Daemon {
         }
         let listener = TcpListener::bind(listen)
             .await
-            .map_err(|e| format!("listen on {listen}: {e}"))?;
+            .with_context(|| format!("listen on {listen}"))?;
         let addr = listener
             .local_addr()
-            .map_err(|e| format!("listen on {listen}: {e}"))?;
+            .with_context(|| format!("listen on {listen}"))?;
         let (stop, stopping) = watch::channel(false);
         let service = AgentService::new(engine.clone(), settings.limits.clone(), stopping.clone());
         let counters = service.counters().clone();
@@ -275,12 +276,13 @@ impl Daemon {
             status_state,
             stopping.clone(),
         )
-        .await?;
+        .await
+        .map_err(anyhow::Error::msg)?;
         let worker = match engine.spawn_worker() {
             Ok(w) => w,
             Err(e) => {
                 status.stop();
-                return Err(format!("start the engine worker: {e}"));
+                return Err(e).context("start the engine worker");
             }
         };
         let (health, _) = tonic_health::server::health_reporter();
@@ -340,13 +342,13 @@ impl Daemon {
 
     /// Stops gracefully: the server stops accepting and drains (watch streams end with
     /// UNAVAILABLE; calls in flight get 10 seconds), the engine finishes its current step.
-    pub async fn stop(self) -> Result<(), String> {
+    pub async fn stop(self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
         self.engine.shutdown();
         let mut server = self.server;
         let served = match tokio::time::timeout(DRAIN_TIMEOUT, &mut server).await {
-            Ok(Ok(result)) => result.map_err(|e| e.to_string()),
-            Ok(Err(e)) => Err(format!("grpc server task: {e}")),
+            Ok(Ok(result)) => result.map_err(anyhow::Error::from),
+            Ok(Err(e)) => Err(e).context("grpc server task"),
             Err(_) => {
                 server.abort();
                 tracing::warn!("calls still in flight after {DRAIN_TIMEOUT:?}; closed them");
@@ -360,8 +362,8 @@ impl Daemon {
         let worker = self.worker;
         tokio::task::spawn_blocking(move || worker.join())
             .await
-            .map_err(|e| format!("join the engine worker: {e}"))?
-            .map_err(|_| "the engine worker panicked".to_string())?;
+            .context("join the engine worker")?
+            .map_err(|_| anyhow::anyhow!("the engine worker panicked"))?;
         served
     }
 }
@@ -439,8 +441,7 @@ pub fn run(args: &ServeArgs) -> Exit {
         Err(_) if args.check_configured => return Exit::Ok,
         Err(e) => {
             super::logging::init("info", args.log_format.unwrap_or_default(), true);
-            errln!("error: {e}");
-            return Exit::Invalid;
+            return super::fail(&e);
         }
     };
     let config = args.config_file();
@@ -471,25 +472,17 @@ pub fn run(args: &ServeArgs) -> Exit {
         }
         return Exit::Invalid;
     }
-    let runtime = match tokio::runtime::Builder::new_current_thread()
+    let served = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(BLOCKING_THREADS)
         .thread_keep_alive(BLOCKING_KEEP_ALIVE)
         .thread_name("inplace-blocking")
         .build()
-    {
-        Ok(r) => r,
-        Err(e) => {
-            errln!("error: start the async runtime: {e}");
-            return Exit::Failed;
-        }
-    };
-    match runtime.block_on(serve_until_signalled(settings)) {
+        .context("start the async runtime")
+        .and_then(|runtime| runtime.block_on(serve_until_signalled(settings)));
+    match served {
         Ok(()) => Exit::Ok,
-        Err(e) => {
-            errln!("error: {e}");
-            Exit::Failed
-        }
+        Err(e) => super::fail(&e),
     }
 }
 
@@ -513,10 +506,10 @@ fn configured(settings: &DaemonSettings, config: Option<&std::path::Path>) -> Ex
     Exit::Failed
 }
 
-async fn serve_until_signalled(settings: DaemonSettings) -> Result<(), String> {
+async fn serve_until_signalled(settings: DaemonSettings) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).map_err(|e| format!("handle SIGTERM: {e}"))?;
-    let mut int = signal(SignalKind::interrupt()).map_err(|e| format!("handle SIGINT: {e}"))?;
+    let mut term = signal(SignalKind::terminate()).context("handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("handle SIGINT")?;
     let daemon = Daemon::start(settings).await?;
     let notifier = crate::notify::Notifier::from_env().map(Arc::new);
     if let Some(n) = &notifier {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::Exit;
 use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json};
 use crate::config::{
-    DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
+    ConfigError, DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
 };
 use crate::engine::state::PlanStatus;
 use crate::status::api::{
@@ -39,9 +39,9 @@ pub struct Local {
 
 impl Local {
     /// Flags first, then the agent's configuration file, then the defaults.
-    pub fn resolve(args: &StatusArgs) -> Result<Local, String> {
+    pub fn resolve(args: &StatusArgs) -> Result<Local, ConfigError> {
         let file = match &args.config {
-            Some(path) => Some(load_config(path).map_err(|e| e.to_string())?),
+            Some(path) => Some(load_config(path)?),
             None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
                 match load_config(Path::new(DEFAULT_CONFIG_PATH)) {
                     Ok(input) => Some(input),
@@ -186,10 +186,7 @@ fn percent_encode(id: &str) -> String {
 pub fn local(args: &StatusArgs) -> Exit {
     let local = match Local::resolve(args) {
         Ok(l) => l,
-        Err(e) => {
-            errln!("error: {e}");
-            return super::Exit::Invalid;
-        }
+        Err(e) => return super::fail(&e.into()),
     };
     if args.healthz {
         return healthz(&local);
