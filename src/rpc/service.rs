@@ -572,6 +572,9 @@ impl Watch {
             self.handle(event);
             // Take the rest of a burst now, so it costs one fresh read, not one per event.
             for _ in 0..MAX_BURST {
+                if self.lagged {
+                    break;
+                }
                 match self.events.try_recv() {
                     Ok(event) => self.handle(Ok(event)),
                     Err(TryRecvError::Empty) => break,
@@ -587,7 +590,12 @@ impl Watch {
 
     fn handle(&mut self, event: Result<Event, RecvError>) {
         match event {
-            Ok(Event::Status(status)) if status.run == self.run => self.offer(status),
+            // After a lag, phase snapshots are taken from the engine's history only: one that
+            // arrives before the recovery may be later than phases the lag dropped, and
+            // offering it first would make the recovery skip them as older.
+            Ok(Event::Status(status)) if status.run == self.run && !self.lagged => {
+                self.offer(status)
+            }
             Ok(Event::Progress(progress)) if progress.run == self.run => self.dirty = true,
             Ok(_) => {}
             Err(RecvError::Lagged(_)) => {
@@ -659,5 +667,64 @@ async fn stopping(shutdown: &mut watch::Receiver<bool>) {
         if shutdown.changed().await.is_err() {
             std::future::pending::<()>().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SettingsInput;
+    use crate::host::Host;
+
+    /// A watcher whose broadcast dropped the middle phases of a run, and then received a
+    /// later phase before it could recover, still sends every phase in order.
+    #[tokio::test]
+    async fn a_phase_received_after_a_lag_does_not_hide_the_phases_the_lag_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::sandbox::tree::build_kubeadm_worker(dir.path()).unwrap();
+        let settings = SettingsInput {
+            root: Some(dir.path().to_path_buf()),
+            no_chroot: true,
+            services_off: true,
+            ..SettingsInput::default()
+        }
+        .resolve()
+        .unwrap();
+        let host = Arc::new(Host::open(settings.host.clone()).unwrap());
+        let (engine, _) = Engine::open(settings.engine.clone(), host).unwrap();
+        let plan = crate::plan::parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: lag\nchanges:\n  - file: {path: /etc/kubernetes/lag.conf, content: x}\n",
+            "lag.yaml",
+            &Limits::default(),
+        )
+        .unwrap();
+        let run = engine.submit(plan, "test", false).unwrap().status().run;
+        engine.run_until_idle();
+        let history = engine.phase_history(run);
+        let phases: Vec<Phase> = history.iter().map(|s| s.phase).collect();
+        assert!(
+            phases.len() >= 4,
+            "the run went through its phases: {phases:?}"
+        );
+        assert!(phases.last().unwrap().is_terminal(), "{phases:?}");
+
+        // The watcher saw the first snapshot; its channel (room for two) then lost all but
+        // the last two phases.
+        let (tx, rx) = broadcast::channel(2);
+        for snapshot in &history[1..] {
+            tx.send(Event::Status(snapshot.clone())).unwrap();
+        }
+        let (_stop, stopping) = watch::channel(false);
+        let counters = Arc::new(ServiceCounters::default());
+        let stream = watch_run(
+            engine.clone(),
+            (*history[0]).clone(),
+            rx,
+            stopping,
+            counters.clone(),
+        );
+        let sent: Vec<Phase> = stream.map(|s| s.unwrap().phase).collect::<Vec<_>>().await;
+        assert_eq!(sent, phases, "every phase, in order, once");
+        assert_eq!(counters.watch_lagged(), 1, "the watcher did fall behind");
     }
 }
