@@ -5,12 +5,15 @@
 //!   unreachable → nothing covered (a rollout is safe, a half-known node is not).
 //! - `CanUpdateMachineSet` (no node): coverage from what a current agent can do; the
 //!   `UpdateMachine` of each Machine checks its own node again.
-//! - `UpdateMachine`: the live Machine must be mid in-place update (annotations) and equal
-//!   to the request, its live KubeadmConfig too; the plan is translated from the live
-//!   objects, its status read (`GetPlanStatus`) and, when the agent does not know it yet,
-//!   submitted (`ApplyPlan`); the agent's hook response goes back as it is.
+//! - `UpdateMachine`: answered from memory ([`super::progress`]) when this very request was
+//!   checked before and the agent's word on its plan is fresh. Otherwise the live Machine
+//!   must be mid in-place update (annotations) and equal to the request, its live
+//!   KubeadmConfig too; the plan is translated from the live objects, its status read
+//!   (`GetPlanStatus`) and, when the agent does not know it yet, submitted (`ApplyPlan`);
+//!   the agent's hook response goes back as it is, and is remembered.
 //!
-//! No state is kept between calls: any replica answers any call the same way.
+//! Nothing durable is kept between calls: any replica answers any call the same way (one
+//! that has not seen the request yet takes the slow way).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +29,7 @@ use super::hooks::{
 };
 use super::metrics::Metrics;
 use super::patch::{Coverage, cover_kubeadm, cover_machine, spec_patch};
+use super::progress::{Fingerprint, Follow, Heard, PlanRef, Plans, follow};
 use super::settings::{Defaults, Settings};
 use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate, write_canonical,
@@ -66,7 +70,9 @@ pub struct Updater {
     /// The management cluster.
     pub cluster: Cluster,
     /// The agents.
-    pub agents: Agents,
+    pub agents: Arc<Agents>,
+    /// What the agents last said about each Machine's plan ([`super::progress`]).
+    pub plans: Arc<Plans>,
     /// Counters.
     pub metrics: Arc<Metrics>,
 }
@@ -122,7 +128,7 @@ impl SecretSource for Fetched {
 
 impl Updater {
     /// Answers one hook call; never panics on input, every problem is a Failure body.
-    pub async fn handle(&self, hook: Hook, body: &[u8]) -> Answer {
+    pub async fn handle(self: &Arc<Self>, hook: Hook, body: &[u8]) -> Answer {
         let value: Value = match serde_json::from_slice(body) {
             Ok(v) => v,
             Err(e) => {
@@ -162,7 +168,12 @@ impl Updater {
         let result = match hook {
             Hook::CanUpdateMachine => self.can_update_machine(&request, &settings).await,
             Hook::CanUpdateMachineSet => can_update_machine_set(&request, &settings),
-            Hook::UpdateMachine => self.update_machine(&request, &settings).await,
+            Hook::UpdateMachine => {
+                let fingerprint: Fingerprint =
+                    sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body))
+                        .into();
+                self.update_machine(request, settings, fingerprint).await
+            }
             Hook::Discovery => unreachable_discovery(),
         };
         match result {
@@ -382,11 +393,47 @@ impl Updater {
         ))
     }
 
+    /// `UpdateMachine`: from memory when this very request was checked and the agent's
+    /// word on its plan is fresh ([`super::progress`]); otherwise the slow way
+    /// ([`Updater::update_machine_live`]), whose outcome is remembered.
     async fn update_machine(
-        &self,
+        self: &Arc<Self>,
+        request: HookRequest,
+        settings: Settings,
+        fingerprint: Fingerprint,
+    ) -> Result<Answer, Failure> {
+        let desired = request.object("desired", "machine")?;
+        let key = key_of(&desired);
+        if let Some(known) = self.plans.answer(&key, &fingerprint) {
+            if known.refresh {
+                // Checked against the cluster and the agent again, behind this answer.
+                let this = self.clone();
+                tokio::spawn(async move {
+                    let recorded = matches!(
+                        this.update_machine_live(&request, &settings, &fingerprint)
+                            .await,
+                        Ok((_, true))
+                    );
+                    this.plans.refreshed(&key, &fingerprint, recorded);
+                });
+            }
+            return Ok(hook_answer(&known.heard));
+        }
+        let (answer, _) = self
+            .update_machine_live(&request, &settings, &fingerprint)
+            .await?;
+        Ok(answer)
+    }
+
+    /// The slow way: the live Machine and KubeadmConfig, the translation, the agent's
+    /// `GetPlanStatus` (and `ApplyPlan` when it does not know the plan). True when the
+    /// agent's answer was remembered for `fingerprint`.
+    async fn update_machine_live(
+        self: &Arc<Self>,
         request: &HookRequest,
         settings: &Settings,
-    ) -> Result<Answer, Failure> {
+        fingerprint: &Fingerprint,
+    ) -> Result<(Answer, bool), Failure> {
         let desired = request.object("desired", "machine")?;
         desired.expect("Machine", "cluster.x-k8s.io")?;
         let desired_b = request.optional_object("desired", "bootstrapConfig")?;
@@ -465,7 +512,7 @@ impl Updater {
         let (node, target) = Self::locate(&live, settings, &key)?;
         let facts = match self.agents.facts(&target, &node).await {
             Ok(f) => f,
-            Err(e @ AgentError::Unreachable { .. }) => return Ok(waiting(&e)),
+            Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&e), false)),
             Err(e) => return Err(Failure(e.to_string())),
         };
         let fetched = self.secrets(desired.namespace(), bootstrap.as_ref()).await;
@@ -485,7 +532,7 @@ impl Updater {
         let digest = translation.plan.digest();
         let known = match self.agents.status(&target, &node, &translation.id).await {
             Ok(s) => s.filter(|s| s.digest == digest),
-            Err(e @ AgentError::Unreachable { .. }) => return Ok(waiting(&e)),
+            Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&e), false)),
             Err(e) => return Err(Failure(e.to_string())),
         };
         let status = match known {
@@ -502,38 +549,62 @@ impl Updater {
                     }
                     r.status.unwrap_or_default()
                 }
-                Err(e @ AgentError::Unreachable { .. }) => return Ok(waiting(&e)),
+                Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&e), false)),
                 Err(e) => {
                     return Err(Failure(format!("Machine {key}: {e}")));
                 }
             },
         };
-        let Some(hook) = status.hook_response else {
+        if status.hook_response.is_none() {
             return Err(Failure(format!(
                 "inplace-agent on node {node} sent no hook response for plan {}",
                 translation.id
             )));
+        }
+        let plan = PlanRef {
+            id: translation.id,
+            digest,
+            target,
+            node,
         };
-        let ok = hook.status == pb::HookStatus::Success as i32;
-        let outcome = match (ok, hook.retry_after_seconds) {
-            (true, 0) => "done",
-            (true, _) => "in_progress",
-            (false, _) => "failure",
-        };
-        Ok(Answer::new(
-            &UpdateMachineResponse::new(
-                if ok { Status::Success } else { Status::Failure },
-                hook.message.clone(),
-                if ok {
-                    hook.retry_after_seconds.max(0)
-                } else {
-                    0
-                },
-            ),
-            &hook.message,
-            outcome,
-        ))
+        if let Follow::Start(generation) =
+            self.plans.record(&key, *fingerprint, plan.clone(), &status)
+        {
+            let task = tokio::spawn(follow(
+                self.plans.clone(),
+                self.agents.clone(),
+                key.clone(),
+                plan,
+                generation,
+            ));
+            self.plans.started(&key, generation, task.abort_handle());
+        }
+        Ok((hook_answer(&Heard::of(&status)), true))
     }
+}
+
+/// The answer for what the agent said: its hook response as it is.
+fn hook_answer(heard: &Heard) -> Answer {
+    let hook = &heard.hook;
+    let ok = hook.status == pb::HookStatus::Success as i32;
+    let outcome = match (ok, hook.retry_after_seconds) {
+        (true, 0) => "done",
+        (true, _) => "in_progress",
+        (false, _) => "failure",
+    };
+    Answer::new(
+        &UpdateMachineResponse::new(
+            if ok { Status::Success } else { Status::Failure },
+            hook.message.clone(),
+            if ok {
+                hook.retry_after_seconds.max(0)
+            } else {
+                0
+            },
+        ),
+        &hook.message,
+        outcome,
+    )
 }
 
 fn unreachable_discovery() -> Result<Answer, Failure> {
