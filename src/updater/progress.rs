@@ -116,10 +116,27 @@ struct Entry {
     following: bool,
     follower: Option<tokio::task::AbortHandle>,
     refreshing: bool,
+    submit: Submit,
+}
+
+/// Where the submission of an entry's plan is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Submit {
+    /// The agent answered for the plan (`heard` is its word).
+    Answered,
+    /// Being submitted in the background (`heard` says so).
+    Running,
+    /// The submission failed: calls take the slow way, synchronously, until one succeeds.
+    Failed,
 }
 
 impl Entry {
     fn fresh(&self, now: Instant) -> bool {
+        match self.submit {
+            Submit::Running => return now.duration_since(self.heard_at) < SILENT,
+            Submit::Failed => return false,
+            Submit::Answered => {}
+        }
         terminal(self.heard.phase)
             || (self.streaming && now.duration_since(self.heard_at) < SILENT)
             || now.duration_since(self.heard_at) < GRACE
@@ -141,6 +158,9 @@ pub struct Remembered {
 #[derive(Default)]
 pub struct Plans {
     entries: Mutex<HashMap<String, Entry>>,
+    /// Fingerprint → Machine, for answering before the body is even parsed; checked
+    /// against the entry on every use (a stale line is harmless), pruned by the sweep.
+    by_fingerprint: Mutex<HashMap<Fingerprint, String>>,
     generation: std::sync::atomic::AtomicU64,
     swept: Mutex<Option<Instant>>,
 }
@@ -180,6 +200,24 @@ impl Plans {
         self.len() == 0
     }
 
+    /// The remembered answer for a request by its fingerprint alone (the Machine it is
+    /// about, and the answer), if it may be used now.
+    pub fn answer_by_fingerprint(&self, fingerprint: &Fingerprint) -> Option<(String, Remembered)> {
+        let machine = self.index().get(fingerprint).cloned()?;
+        let known = self.answer(&machine, fingerprint)?;
+        Some((machine, known))
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, HashMap<Fingerprint, String>> {
+        self.by_fingerprint
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn indexed(&self, fingerprint: Fingerprint, machine: &str) {
+        self.index().insert(fingerprint, machine.to_owned());
+    }
+
     /// The remembered answer for this Machine and request, if it may be used now.
     pub fn answer(&self, machine: &str, fingerprint: &Fingerprint) -> Option<Remembered> {
         let now = Instant::now();
@@ -214,6 +252,7 @@ impl Plans {
         self.sweep(now);
         let heard = Heard::of(status);
         let done = terminal(heard.phase);
+        self.indexed(fingerprint, machine);
         let mut entries = self.lock();
         if let Some(e) = entries.get_mut(machine)
             && e.plan == plan
@@ -222,6 +261,7 @@ impl Plans {
             e.verified_at = now;
             e.read_at = now;
             e.refreshing = false;
+            e.submit = Submit::Answered;
             // A call's answer may be older than the stream's last snapshot: an attempt that
             // ended does not go back to running (a retry is a new attempt).
             let older = heard.attempt == e.heard.attempt && terminal(e.heard.phase) && !done;
@@ -252,6 +292,7 @@ impl Plans {
                 following: !done,
                 follower: None,
                 refreshing: false,
+                submit: Submit::Answered,
             },
         ) && let Some(f) = old.follower
         {
@@ -261,6 +302,51 @@ impl Plans {
             Follow::No
         } else {
             Follow::Start(generation)
+        }
+    }
+
+    /// Whether an entry of `machine` is about this very plan (then the slow way asks the
+    /// agent before it answers; otherwise it may answer while the plan is submitted).
+    pub fn knows(&self, machine: &str, plan: &PlanRef) -> bool {
+        self.lock().get(machine).is_some_and(|e| &e.plan == plan)
+    }
+
+    /// A checked request's plan is being submitted in the background: until the agent
+    /// answers, calls with this request are answered with `heard` (in progress).
+    pub fn submitting(&self, machine: &str, fingerprint: Fingerprint, plan: PlanRef, heard: Heard) {
+        let now = Instant::now();
+        self.sweep(now);
+        self.indexed(fingerprint, machine);
+        let generation = self.next_generation();
+        if let Some(old) = self.lock().insert(
+            machine.to_owned(),
+            Entry {
+                fingerprint,
+                plan,
+                heard,
+                heard_at: now,
+                verified_at: now,
+                read_at: now,
+                streaming: false,
+                generation,
+                following: false,
+                follower: None,
+                refreshing: false,
+                submit: Submit::Running,
+            },
+        ) && let Some(f) = old.follower
+        {
+            f.abort();
+        }
+    }
+
+    /// The background submission of `plan` failed: calls take the slow way again.
+    pub fn submit_failed(&self, machine: &str, plan: &PlanRef) {
+        if let Some(e) = self.lock().get_mut(machine)
+            && &e.plan == plan
+            && e.submit == Submit::Running
+        {
+            e.submit = Submit::Failed;
         }
     }
 
@@ -376,12 +462,18 @@ impl Plans {
             }
             *swept = Some(now);
         }
-        self.lock().retain(|_, e| {
+        let mut entries = self.lock();
+        entries.retain(|_, e| {
             let keep = now.duration_since(e.read_at) < IDLE;
             if !keep && let Some(f) = &e.follower {
                 f.abort();
             }
             keep
+        });
+        self.index().retain(|fingerprint, machine| {
+            entries
+                .get(machine)
+                .is_some_and(|e| &e.fingerprint == fingerprint)
         });
     }
 }
@@ -479,6 +571,12 @@ mod tests {
         assert_eq!(got.heard.hook.message, "applying");
         assert!(!got.refresh);
         assert!(plans.answer("ns/m", &b).is_none(), "another request");
+        let (machine, by_fp) = plans.answer_by_fingerprint(&a).unwrap();
+        assert_eq!(
+            (machine.as_str(), by_fp.heard.hook.message.as_str()),
+            ("ns/m", "applying")
+        );
+        assert!(plans.answer_by_fingerprint(&b).is_none());
         assert!(plans.answer("ns/other", &a).is_none());
     }
 
@@ -541,6 +639,10 @@ mod tests {
         assert!(plans.wanted("ns/m", g2));
         assert!(!plans.heard("ns/m", g1, &status(pb::Phase::Succeeded, 0, "old done")));
         assert!(plans.answer("ns/m", &[1; 32]).is_none());
+        assert!(
+            plans.answer_by_fingerprint(&[1; 32]).is_none(),
+            "a stale index line"
+        );
         assert_eq!(
             plans.answer("ns/m", &[2; 32]).unwrap().heard.hook.message,
             "new"
