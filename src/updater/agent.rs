@@ -272,6 +272,28 @@ impl Agents {
         }
     }
 
+    /// `WatchPlan`: the plan's snapshots as the agent sends them; `None` when the agent does
+    /// not know the id. Only opening the stream has a deadline; it stays open until the
+    /// terminal snapshot or until it breaks.
+    pub async fn watch(
+        &self,
+        target: &str,
+        node: &str,
+        id: &str,
+    ) -> Result<Option<tonic::Streaming<pb::PlanStatus>>, AgentError> {
+        let mut client = self.entry(target, node).await?.client;
+        let request = tonic::Request::new(pb::WatchPlanRequest { id: id.to_owned() });
+        match tokio::time::timeout(CALL_TIMEOUT, client.watch_plan(request)).await {
+            Err(_) => {
+                self.forget(target, node);
+                Err(self.unreachable(node, target, "WatchPlan: timed out"))
+            }
+            Ok(Ok(r)) => Ok(Some(r.into_inner())),
+            Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(None),
+            Ok(Err(s)) => Err(self.status_error(target, node, "WatchPlan", s)),
+        }
+    }
+
     /// `ApplyPlan`.
     pub async fn apply(
         &self,

@@ -5,12 +5,15 @@
 //!   unreachable → nothing covered (a rollout is safe, a half-known node is not).
 //! - `CanUpdateMachineSet` (no node): coverage from what a current agent can do; the
 //!   `UpdateMachine` of each Machine checks its own node again.
-//! - `UpdateMachine`: the live Machine must be mid in-place update (annotations) and equal
-//!   to the request, its live KubeadmConfig too; the plan is translated from the live
-//!   objects, its status read (`GetPlanStatus`) and, when the agent does not know it yet,
-//!   submitted (`ApplyPlan`); the agent's hook response goes back as it is.
+//! - `UpdateMachine`: answered from memory ([`super::progress`]) when this very request was
+//!   checked before and the agent's word on its plan is fresh. Otherwise the live Machine
+//!   must be mid in-place update (annotations) and equal to the request, its live
+//!   KubeadmConfig too; the plan is translated from the live objects, its status read
+//!   (`GetPlanStatus`) and, when the agent does not know it yet, submitted (`ApplyPlan`);
+//!   the agent's hook response goes back as it is, and is remembered.
 //!
-//! No state is kept between calls: any replica answers any call the same way.
+//! Nothing durable is kept between calls: any replica answers any call the same way (one
+//! that has not seen the request yet takes the slow way).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +29,7 @@ use super::hooks::{
 };
 use super::metrics::Metrics;
 use super::patch::{Coverage, cover_kubeadm, cover_machine, spec_patch};
+use super::progress::{Fingerprint, Follow, Heard, PlanRef, Plans, follow};
 use super::settings::{Defaults, Settings};
 use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate, write_canonical,
@@ -35,6 +39,13 @@ use crate::rpc::pb;
 
 /// Seconds until CAPI asks again while the agent cannot be reached.
 pub const UNREACHABLE_RETRY_SECONDS: i32 = 15;
+
+/// Seconds until CAPI asks again while a new plan is being submitted.
+pub const SUBMITTING_RETRY_SECONDS: i32 = 5;
+
+/// How long the first call of a new plan waits for the agent's answer before it says the
+/// plan is being submitted (the submission goes on in the background).
+pub const SUBMIT_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
 
 /// A failed hook call: the message CAPI logs.
 #[derive(Debug)]
@@ -66,7 +77,9 @@ pub struct Updater {
     /// The management cluster.
     pub cluster: Cluster,
     /// The agents.
-    pub agents: Agents,
+    pub agents: Arc<Agents>,
+    /// What the agents last said about each Machine's plan ([`super::progress`]).
+    pub plans: Arc<Plans>,
     /// Counters.
     pub metrics: Arc<Metrics>,
 }
@@ -122,7 +135,52 @@ impl SecretSource for Fetched {
 
 impl Updater {
     /// Answers one hook call; never panics on input, every problem is a Failure body.
-    pub async fn handle(&self, hook: Hook, body: &[u8]) -> Answer {
+    pub async fn handle(self: &Arc<Self>, hook: Hook, body: &[u8]) -> Answer {
+        let fingerprint: Fingerprint =
+            sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body)).into();
+        if hook == Hook::UpdateMachine
+            && let Some((machine, known)) = self.plans.answer_by_fingerprint(&fingerprint)
+        {
+            // This very body was checked and its plan's status is fresh: from memory.
+            if known.refresh {
+                // Checked against the cluster and the agent again, behind this answer.
+                let (this, body, key) = (self.clone(), body.to_vec(), machine.clone());
+                tokio::spawn(async move {
+                    let recorded = this.recheck(&body, &fingerprint).await;
+                    this.plans.refreshed(&key, &fingerprint, recorded);
+                });
+            }
+            let mut answer = hook_answer(&known.heard);
+            answer.object = machine;
+            return answer;
+        }
+        self.handle_parsed(hook, body, fingerprint).await
+    }
+
+    /// An UpdateMachine request checked again the slow way; true when the agent's answer
+    /// was remembered.
+    async fn recheck(self: &Arc<Self>, body: &[u8], fingerprint: &Fingerprint) -> bool {
+        let Ok(value) = serde_json::from_slice::<Value>(body) else {
+            return false;
+        };
+        let Ok(request) = HookRequest::parse(Hook::UpdateMachine, &value) else {
+            return false;
+        };
+        let Ok(settings) = Settings::from_request(&request.settings, &self.defaults) else {
+            return false;
+        };
+        matches!(
+            self.update_machine(&request, &settings, fingerprint).await,
+            Ok((_, true))
+        )
+    }
+
+    async fn handle_parsed(
+        self: &Arc<Self>,
+        hook: Hook,
+        body: &[u8],
+        fingerprint: Fingerprint,
+    ) -> Answer {
         let value: Value = match serde_json::from_slice(body) {
             Ok(v) => v,
             Err(e) => {
@@ -162,7 +220,10 @@ impl Updater {
         let result = match hook {
             Hook::CanUpdateMachine => self.can_update_machine(&request, &settings).await,
             Hook::CanUpdateMachineSet => can_update_machine_set(&request, &settings),
-            Hook::UpdateMachine => self.update_machine(&request, &settings).await,
+            Hook::UpdateMachine => self
+                .update_machine(&request, &settings, &fingerprint)
+                .await
+                .map(|(answer, _)| answer),
             Hook::Discovery => unreachable_discovery(),
         };
         match result {
@@ -382,11 +443,16 @@ impl Updater {
         ))
     }
 
+    /// `UpdateMachine` the slow way (what [`Updater::handle`] does not answer from
+    /// memory): the live Machine and KubeadmConfig, the translation, the agent's
+    /// `GetPlanStatus` (and `ApplyPlan` when it does not know the plan). True when the
+    /// agent's answer was remembered for `fingerprint`.
     async fn update_machine(
-        &self,
+        self: &Arc<Self>,
         request: &HookRequest,
         settings: &Settings,
-    ) -> Result<Answer, Failure> {
+        fingerprint: &Fingerprint,
+    ) -> Result<(Answer, bool), Failure> {
         let desired = request.object("desired", "machine")?;
         desired.expect("Machine", "cluster.x-k8s.io")?;
         let desired_b = request.optional_object("desired", "bootstrapConfig")?;
@@ -395,7 +461,20 @@ impl Updater {
 
         // Anyone in the cluster can call: act only for a Machine that CAPI is updating in
         // place right now, exactly as the request says.
-        let live = self.live_machine(&desired).await?;
+        // The KubeadmConfig the request's Machine names is read alongside the Machine (the
+        // request must equal the live Machine, so it names the same one, or is refused).
+        let named = lookup(desired.spec(), &["bootstrap", "configRef"])
+            .filter(|r| r.get("kind").and_then(Value::as_str) == Some("KubeadmConfig"))
+            .and_then(|r| r.get("name"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let (live, mut early_b) = tokio::join!(self.live_machine(&desired), async {
+            match &named {
+                Some(name) => Some(self.cluster.kubeadm_config(desired.namespace(), name).await),
+                None => None,
+            }
+        });
+        let live = live?;
         let annotations = lookup(&live, &["metadata", "annotations"]);
         let annotation = |k: &str| annotations.and_then(|a| a.get(k)).and_then(Value::as_str);
         let pending = annotation(PENDING_HOOKS_ANNOTATION)
@@ -437,17 +516,16 @@ impl Updater {
                         "Machine {key} is bootstrapped by {kind:?}; this updater supports KubeadmConfig only"
                     )));
                 }
-                let live_b = self
-                    .cluster
-                    .kubeadm_config(desired.namespace(), name)
-                    .await
-                    .map_err(|e| Failure(e.to_string()))?
-                    .ok_or_else(|| {
-                        Failure(format!(
-                            "KubeadmConfig {}/{name} of Machine {key} does not exist",
-                            desired.namespace()
-                        ))
-                    })?;
+                let got = match early_b.take() {
+                    Some(got) if named.as_deref() == Some(name) => got,
+                    _ => self.cluster.kubeadm_config(desired.namespace(), name).await,
+                };
+                let live_b = got.map_err(|e| Failure(e.to_string()))?.ok_or_else(|| {
+                    Failure(format!(
+                        "KubeadmConfig {}/{name} of Machine {key} does not exist",
+                        desired.namespace()
+                    ))
+                })?;
                 if let Some(d) = &desired_b {
                     d.expect("KubeadmConfig", "bootstrap.cluster.x-k8s.io")?;
                     let live_spec = live_b.get("spec").cloned().unwrap_or(Value::Null);
@@ -465,7 +543,7 @@ impl Updater {
         let (node, target) = Self::locate(&live, settings, &key)?;
         let facts = match self.agents.facts(&target, &node).await {
             Ok(f) => f,
-            Err(e @ AgentError::Unreachable { .. }) => return Ok(waiting(&e)),
+            Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&e), false)),
             Err(e) => return Err(Failure(e.to_string())),
         };
         let fetched = self.secrets(desired.namespace(), bootstrap.as_ref()).await;
@@ -483,57 +561,139 @@ impl Updater {
             Failure(format!("Machine {key}: cannot update in place: {e}"))
         })?;
         let digest = translation.plan.digest();
-        let known = match self.agents.status(&target, &node, &translation.id).await {
-            Ok(s) => s.filter(|s| s.digest == digest),
-            Err(e @ AgentError::Unreachable { .. }) => return Ok(waiting(&e)),
-            Err(e) => return Err(Failure(e.to_string())),
+        let plan = PlanRef {
+            id: translation.id,
+            digest,
+            target,
+            node,
+        };
+        let wire = plan_to_pb(&translation.plan);
+        if self.plans.knows(&key, &plan) {
+            // Known here already (its stream broke, a check is repeated): ask the agent.
+            return self.clone().submit(key, *fingerprint, plan, wire).await;
+        }
+        // A new plan for this Machine: submitted in the background; the agent's answer is
+        // given when it comes within SUBMIT_WAIT, otherwise "being submitted".
+        let heard = Heard {
+            attempt: 0,
+            phase: pb::Phase::Unspecified as i32,
+            hook: pb::HookResponse {
+                status: pb::HookStatus::Success as i32,
+                retry_after_seconds: SUBMITTING_RETRY_SECONDS,
+                message: format!(
+                    "plan {} is being submitted to inplace-agent on node {}",
+                    plan.id, plan.node
+                ),
+            },
+        };
+        self.plans
+            .submitting(&key, *fingerprint, plan.clone(), heard.clone());
+        let this = self.clone();
+        let fingerprint = *fingerprint;
+        let mut task = tokio::spawn(async move { this.submit(key, fingerprint, plan, wire).await });
+        match tokio::time::timeout(SUBMIT_WAIT, &mut task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(Failure(format!("the submission task ended: {e}"))),
+            Err(_) => Ok((hook_answer(&heard), true)),
+        }
+    }
+
+    /// Asks the agent about `plan` (`GetPlanStatus`), submits it when the agent does not
+    /// know it (`ApplyPlan`), remembers the answer and starts following the plan.
+    async fn submit(
+        self: Arc<Self>,
+        key: String,
+        fingerprint: Fingerprint,
+        plan: PlanRef,
+        wire: pb::Plan,
+    ) -> Result<(Answer, bool), Failure> {
+        let outcome = self.ask_agent(&key, &plan, wire).await;
+        let status = match outcome {
+            Ok(status) => status,
+            Err(e) => {
+                self.plans.submit_failed(&key, &plan);
+                return e;
+            }
+        };
+        if let Follow::Start(generation) =
+            self.plans.record(&key, fingerprint, plan.clone(), &status)
+        {
+            let task = tokio::spawn(follow(
+                self.plans.clone(),
+                self.agents.clone(),
+                key.clone(),
+                plan,
+                generation,
+            ));
+            self.plans.started(&key, generation, task.abort_handle());
+        }
+        Ok((hook_answer(&Heard::of(&status)), true))
+    }
+
+    /// The agent's status of `plan`, after submitting it if it did not know it; `Err` holds
+    /// the answer to give instead (waiting for an unreachable agent, or a Failure).
+    async fn ask_agent(
+        &self,
+        key: &str,
+        plan: &PlanRef,
+        wire: pb::Plan,
+    ) -> Result<pb::PlanStatus, Result<(Answer, bool), Failure>> {
+        let PlanRef {
+            id,
+            digest,
+            target,
+            node,
+        } = plan;
+        let known = match self.agents.status(target, node, id).await {
+            Ok(s) => s.filter(|s| &s.digest == digest),
+            Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(&e), false))),
+            Err(e) => return Err(Err(Failure(e.to_string()))),
         };
         let status = match known {
             Some(s) => s,
-            None => match self
-                .agents
-                .apply(&target, &node, plan_to_pb(&translation.plan))
-                .await
-            {
+            None => match self.agents.apply(target, node, wire).await {
                 Ok(r) => {
                     if r.created {
                         self.metrics.plan_submitted();
-                        tracing::info!(machine = %key, %node, plan = %translation.id, %digest, "plan submitted");
+                        tracing::info!(machine = %key, %node, plan = %id, %digest, "plan submitted");
                     }
                     r.status.unwrap_or_default()
                 }
-                Err(e @ AgentError::Unreachable { .. }) => return Ok(waiting(&e)),
-                Err(e) => {
-                    return Err(Failure(format!("Machine {key}: {e}")));
-                }
+                Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(&e), false))),
+                Err(e) => return Err(Err(Failure(format!("Machine {key}: {e}")))),
             },
         };
-        let Some(hook) = status.hook_response else {
-            return Err(Failure(format!(
-                "inplace-agent on node {node} sent no hook response for plan {}",
-                translation.id
-            )));
-        };
-        let ok = hook.status == pb::HookStatus::Success as i32;
-        let outcome = match (ok, hook.retry_after_seconds) {
-            (true, 0) => "done",
-            (true, _) => "in_progress",
-            (false, _) => "failure",
-        };
-        Ok(Answer::new(
-            &UpdateMachineResponse::new(
-                if ok { Status::Success } else { Status::Failure },
-                hook.message.clone(),
-                if ok {
-                    hook.retry_after_seconds.max(0)
-                } else {
-                    0
-                },
-            ),
-            &hook.message,
-            outcome,
-        ))
+        if status.hook_response.is_none() {
+            return Err(Err(Failure(format!(
+                "inplace-agent on node {node} sent no hook response for plan {id}"
+            ))));
+        }
+        Ok(status)
     }
+}
+
+/// The answer for what the agent said: its hook response as it is.
+fn hook_answer(heard: &Heard) -> Answer {
+    let hook = &heard.hook;
+    let ok = hook.status == pb::HookStatus::Success as i32;
+    let outcome = match (ok, hook.retry_after_seconds) {
+        (true, 0) => "done",
+        (true, _) => "in_progress",
+        (false, _) => "failure",
+    };
+    Answer::new(
+        &UpdateMachineResponse::new(
+            if ok { Status::Success } else { Status::Failure },
+            hook.message.clone(),
+            if ok {
+                hook.retry_after_seconds.max(0)
+            } else {
+                0
+            },
+        ),
+        &hook.message,
+        outcome,
+    )
 }
 
 fn unreachable_discovery() -> Result<Answer, Failure> {

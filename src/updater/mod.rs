@@ -17,13 +17,16 @@
 //! - [`settings`]: the ExtensionConfig's `settings`.
 //! - [`handlers`]: the hooks; [`server`]: HTTPS, routing, limits; [`metrics`].
 //! - [`cluster`]: the management cluster (kube-rs); [`agent`]: the agents (gRPC client pool).
+//! - [`progress`]: what the agents last said about each Machine's plan, kept between calls.
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
 //! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
 //! `rpc::convert`, `rpc::tls`) and of the plan model (`plan`); it never uses `engine`,
-//! `steps`, `host` or `journal` (tests/updater_contract.rs enforces it). It keeps no state of
-//! its own: the plan id is derived from the desired specs, the agent's journal is the truth
-//! about progress, so any replica answers any call and a restarted updater answers as before.
+//! `steps`, `host` or `journal` (tests/it/updater_translate.rs enforces it). It keeps no
+//! durable state: the plan id is derived from the desired specs, the agent's journal is the
+//! truth about progress, so any replica answers any call and a restarted updater answers as
+//! before. What it remembers ([`progress`]: the agents' last word on each Machine's plan,
+//! pushed by their `WatchPlan` streams) only saves round trips.
 
 pub(crate) mod agent;
 pub mod cli;
@@ -35,6 +38,7 @@ pub mod handlers;
 pub mod hooks;
 pub(crate) mod metrics;
 pub mod patch;
+pub(crate) mod progress;
 pub(crate) mod server;
 pub mod settings;
 pub(crate) mod setup;

@@ -257,7 +257,7 @@ fn status_body(message: &str) -> serde_json::Value {
 
 async fn route(
     req: Request<Incoming>,
-    updater: &Updater,
+    updater: &Arc<Updater>,
     ready: &AtomicBool,
 ) -> Response<Full<Bytes>> {
     let path = req.uri().path().to_owned();

@@ -9,6 +9,7 @@ use super::agent::Agents;
 use super::cluster::Cluster;
 use super::handlers::Updater;
 use super::metrics::Metrics;
+use super::progress::Plans;
 use super::server::ServingTls;
 use super::settings::Defaults;
 
@@ -36,7 +37,8 @@ pub async fn build(
         Updater {
             defaults: Defaults { agent_port },
             cluster,
-            agents,
+            agents: Arc::new(agents),
+            plans: Arc::new(Plans::new()),
             metrics,
         }
     });

@@ -32,6 +32,7 @@ mod systemd_packages;
 mod updater_agent_side;
 mod updater_e2e;
 mod updater_http;
+mod updater_memory;
 mod updater_packaging;
 mod updater_translate;
 

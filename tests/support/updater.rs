@@ -116,7 +116,37 @@ impl World {
         env: &[(&str, &str)],
     ) -> usize {
         let ip = format!("127.0.{}.{}", self.subnet, self.agents.len() + 2);
-        let server = self.pki.server(node, &[node, &ip]).unwrap();
+        let proc = self.spawn_agent(node, &ip, root, extra, env);
+        self.agents.push(Agent {
+            node: node.to_owned(),
+            ip,
+            root: root.to_path_buf(),
+            _tree: None,
+            proc,
+        });
+        self.agents.len() - 1
+    }
+
+    /// Kills agent `i` (SIGKILL, as a crash or a power cut would) and starts it again on
+    /// the same address, tree and state directory.
+    pub fn restart_agent(&mut self, i: usize, extra: &[&str], env: &[(&str, &str)]) {
+        self.agents[i].proc.kill9();
+        let (node, ip, root) = {
+            let a = &self.agents[i];
+            (a.node.clone(), a.ip.clone(), a.root.clone())
+        };
+        self.agents[i].proc = self.spawn_agent(&node, &ip, &root, extra, env);
+    }
+
+    fn spawn_agent(
+        &self,
+        node: &str,
+        ip: &str,
+        root: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
+        let server = self.pki.server(node, &[node, ip]).unwrap();
         let state = self.dir.path().join(format!("state-{node}"));
         let mut cmd = serve_command(
             Path::new(AGENT),
@@ -135,15 +165,7 @@ impl World {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let proc = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("agent {node}: {e}"));
-        self.agents.push(Agent {
-            node: node.to_owned(),
-            ip,
-            root: root.to_path_buf(),
-            _tree: None,
-            proc,
-        });
-        self.agents.len() - 1
+        Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("agent {node}: {e}"))
     }
 
     /// Starts the updater binary against the stand-in.
