@@ -151,6 +151,15 @@ where
             {
                 Ok(Ok(permit)) => permit,
                 _ => {
+                    // Said on the agent's side too: the caller's retry hides it otherwise.
+                    tracing::warn!(
+                        method = parts.uri.path(),
+                        declared_bytes = declared,
+                        budget_bytes = budget.bytes,
+                        waited = ?budget.wait,
+                        "request refused (RESOURCE_EXHAUSTED): the shared request budget stayed \
+                         taken by other requests"
+                    );
                     let status = tonic::Status::resource_exhausted(format!(
                         "the agent is busy with {} bytes of other requests (its limit); retry \
                          in a few seconds",
