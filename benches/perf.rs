@@ -381,6 +381,7 @@ fn write_journal(state: &Path, records: u64) -> u64 {
             changes,
             checks,
             bodies: None,
+            staged: Vec::new(),
             prune: None,
         }];
         for phase in [Phase::Preparing, Phase::Applying] {

@@ -206,6 +206,13 @@ pub fn describe(record: &Record) -> String {
             Some(e) => format!("{phase}: {e}"),
             None => phase.to_string(),
         },
+        Record::Staging { run, paths, .. } => format!(
+            "run {run}: staging {} file(s) beside their targets",
+            paths.len()
+        ),
+        Record::BodiesKept { bodies, .. } => {
+            format!("file contents kept for a retry in blob {}", short(bodies))
+        }
         Record::Summary { status, .. } => format!(
             "{} {} attempt {}: {}",
             status.id,

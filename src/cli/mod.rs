@@ -82,7 +82,9 @@ impl Exit {
     /// another process holds it.
     pub fn of_submit_error(e: &SubmitError) -> Exit {
         match e {
-            SubmitError::Journal(_) | SubmitError::Conflict(_) => Exit::Failed,
+            SubmitError::Journal(_) | SubmitError::Staging(_) | SubmitError::Conflict(_) => {
+                Exit::Failed
+            }
             _ => Exit::Invalid,
         }
     }

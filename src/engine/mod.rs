@@ -12,6 +12,7 @@
 pub(crate) mod dry_run;
 mod journaled;
 mod run;
+mod staging;
 pub mod state;
 pub mod table;
 pub(crate) mod transitions;
@@ -24,10 +25,11 @@ use std::thread::JoinHandle;
 
 use tokio::sync::broadcast;
 
+use crate::failpoint;
 use crate::host::Host;
 use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
-use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_value};
+use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_document};
 use crate::steps::{self, Capabilities};
 use state::{Phase, PlanStatus};
 use table::Table;
@@ -103,6 +105,10 @@ pub enum SubmitError {
     /// The journal failed.
     #[error(transparent)]
     Journal(#[from] JournalError),
+    /// The plan's file contents could not be staged beside their targets (nothing on the
+    /// node changed; what was staged is removed again).
+    #[error("could not stage the plan's file contents: {0}")]
+    Staging(String),
 }
 
 /// What `submit` did.
@@ -309,6 +315,20 @@ impl Shared {
             self.backups.put(blob).map_err(|e| self.backup_error(e))?;
             inner.bodies_bytes += blob.len() as u64;
         }
+        // Whatever ends a run removes what it staged and did not rename into place first
+        // (`staging`): once the run is finished nothing refers to those files.
+        if let Record::PlanFinished { run, .. } = &record
+            && let Some(rs) = inner.table.run_state(*run)
+            && !rs.staged.is_empty()
+        {
+            for problem in staging::unstage(&self.host, *run, rs.staged.values()) {
+                tracing::warn!(
+                    run,
+                    problem,
+                    "cannot remove a staged file of a finished run"
+                );
+            }
+        }
         let run = record.run();
         let phase_change = matches!(
             record,
@@ -388,7 +408,13 @@ impl Engine {
         let mut table = Table::new(config.keep_plans);
         let (journal, report) = Journal::open(&config.state_dir, |e| table.apply(e))?;
         let backups = BackupStore::at(&config.state_dir);
-        table.finish_replay(&|sha| backups.get(sha).map_err(|e| e.to_string()));
+        table.finish_replay(&staging::NodeBodies {
+            backups: &backups,
+            host: &host,
+        });
+        for (run, (paths, dirs)) in table.abandoned_staging() {
+            staging::sweep_abandoned(&host, *run, paths, dirs);
+        }
         let (events, _) = broadcast::channel(config.event_capacity.max(16));
         let engine = Engine {
             shared: Arc::new(Shared {
@@ -446,6 +472,16 @@ impl Engine {
     /// Submits a plan. The same id + digest returns the existing status (running or
     /// finished) and never runs again unless `retry` is set and the last attempt failed.
     pub fn submit(&self, plan: Plan, source: &str, retry: bool) -> Result<Submission, SubmitError> {
+        // An id this agent has never seen cannot be a repeat: its digest (a hash over all of
+        // its content) is computed while its contents are staged, not before.
+        let fresh = self.shared.lock().table.latest(&plan.id).is_none();
+        if fresh {
+            let prepared = self.admit(&plan)?;
+            let _submitting = self.submission_lock();
+            if self.shared.lock().table.latest(&plan.id).is_none() {
+                return self.accept(plan, None, 1, source, &prepared);
+            }
+        }
         let digest = plan.digest();
         {
             let inner = self.shared.lock();
@@ -455,7 +491,7 @@ impl Engine {
                 return Ok(Submission::Existing(existing.clone()));
             }
         }
-        self.admit(&plan)?;
+        let prepared = self.admit(&plan)?;
         let _submitting = self.submission_lock();
         let inner = self.shared.lock();
         // Decide again: another caller may have submitted meanwhile.
@@ -467,34 +503,43 @@ impl Engine {
             None => 1,
         };
         drop(inner);
-        self.accept(plan, digest, attempt, source)
+        self.accept(plan, Some(digest), attempt, source, &prepared)
     }
 
+    /// Journals a plan as accepted (the caller holds the submission lock). The contents of
+    /// a large plan's files that must change are staged beside their targets first
+    /// (`staging`); the rest go to one blob in the backup store (`journal::bodies`). Both
+    /// are written and synced here, outside the engine lock, and beside the digest when
+    /// `digest` is not known yet.
     fn accept(
         &self,
         plan: Plan,
-        digest: String,
+        digest: Option<String>,
         attempt: u32,
         source: &str,
+        prepared: &steps::Prepared,
     ) -> Result<Submission, SubmitError> {
         let run = {
             let inner = self.shared.lock();
             inner.table.next_run()
         };
+        let host = &self.shared.host;
+        let picks = staging::candidates(host, &plan, prepared);
+        let (digest, stored) = std::thread::scope(|s| {
+            let hashing = digest.is_none().then(|| s.spawn(|| plan.digest()));
+            let stored = self.store_contents(run, &plan, &picks);
+            let digest = match hashing {
+                Some(h) => h.join().expect("the digest thread does not panic"),
+                None => digest.unwrap_or_default(),
+            };
+            (digest, stored)
+        });
+        let (staged, blob, bodies) = stored?;
         let (changes, checks) = table::summaries(&plan);
-        // Large file contents go to one blob in the backup store (written and synced here,
-        // outside the engine lock), not into the record (`journal::bodies`).
-        let blob = crate::journal::bodies::pack(&plan);
-        let (doc, bodies) = match &blob {
-            Some(b) => {
-                let sha = self
-                    .shared
-                    .backups
-                    .put(b)
-                    .map_err(|e| self.shared.backup_error(e))?;
-                (plan.canonical_json_without_bodies(), Some(sha))
-            }
-            None => (plan.canonical_json(), None),
+        let doc = if staged.is_empty() && bodies.is_none() {
+            plan.canonical_json()
+        } else {
+            plan.canonical_json_without_bodies()
         };
         let record = Record::PlanAccepted {
             run,
@@ -506,11 +551,23 @@ impl Engine {
             changes,
             checks,
             bodies,
+            staged,
             prune: plan.options.prune.clone(),
         };
         drop(doc);
-        self.shared
-            .record_with_plan(record, true, Some(Arc::new(plan)), blob.as_deref())?;
+        let staged: Vec<_> = match &record {
+            Record::PlanAccepted { staged, .. } => staged.clone(),
+            _ => Vec::new(),
+        };
+        if let Err(e) =
+            self.shared
+                .record_with_plan(record, true, Some(Arc::new(plan)), blob.as_deref())
+        {
+            for problem in staging::unstage(host, run, staged.iter()) {
+                tracing::warn!(run, problem, "removing a staged file after a failed submit");
+            }
+            return Err(e.into());
+        }
         self.shared.work.notify_all();
         let inner = self.shared.lock();
         let status = inner
@@ -519,6 +576,46 @@ impl Engine {
             .cloned()
             .ok_or_else(|| SubmitError::Conflict(format!("run {run} vanished")))?;
         Ok(Submission::Accepted(status))
+    }
+
+    /// Stages the contents of `picks` (announced first: `Record::Staging`) and stores the
+    /// other file contents of a large plan as one blob: the staged bodies, the blob and its
+    /// sha256.
+    #[allow(clippy::type_complexity)]
+    fn store_contents(
+        &self,
+        run: u64,
+        plan: &Plan,
+        picks: &[(u32, crate::base::FileMeta)],
+    ) -> Result<
+        (
+            Vec<crate::journal::StagedBody>,
+            Option<Vec<u8>>,
+            Option<String>,
+        ),
+        SubmitError,
+    > {
+        let host = &self.shared.host;
+        let mut staged = Vec::new();
+        if !picks.is_empty() {
+            let (paths, dirs) = staging::intent(host, plan, picks);
+            self.shared
+                .record(Record::Staging { run, paths, dirs }, true)?;
+            staged = staging::stage(host, run, plan, picks).map_err(SubmitError::Staging)?;
+            failpoint::hit("staging.before_accept");
+        }
+        let indices = staged.iter().map(|s| s.index).collect();
+        let blob = crate::journal::bodies::pack(plan, &indices);
+        let bodies = match &blob {
+            Some(b) => Some(self.shared.backups.put(b).map_err(|e| {
+                for problem in staging::unstage(host, run, staged.iter()) {
+                    tracing::warn!(run, problem, "removing a staged file after a failed submit");
+                }
+                self.shared.backup_error(e)
+            })?),
+            None => None,
+        };
+        Ok((staged, blob, bodies))
     }
 
     fn submission_lock(&self) -> MutexGuard<'_, ()> {
@@ -558,15 +655,27 @@ impl Engine {
                 })?;
             (status, plan)
         };
-        let backups = &self.shared.backups;
-        let value = plan
-            .to_value(&|sha| backups.get(sha).map_err(|e| e.to_string()))
-            .map_err(|e| {
-                SubmitError::Conflict(format!("the content of plan {id} cannot be read: {e}"))
-            })?;
-        let plan = validate_value(&value, id, &Limits::replay()).map_err(SubmitError::Invalid)?;
-        self.admit(&plan)?;
-        self.accept(plan, status.digest.clone(), status.attempt + 1, source)
+        let bodies = staging::NodeBodies {
+            backups: &self.shared.backups,
+            host: &self.shared.host,
+        };
+        let (value, gone) = plan.to_value(&bodies).map_err(|e| {
+            SubmitError::Conflict(format!("the content of plan {id} cannot be read: {e}"))
+        })?;
+        if !gone.is_empty() {
+            return Err(SubmitError::Conflict(format!(
+                "the content of plan {id} is no longer kept; submit it again with retry"
+            )));
+        }
+        let plan = validate_document(value, id, &Limits::replay()).map_err(SubmitError::Invalid)?;
+        let prepared = self.admit(&plan)?;
+        self.accept(
+            plan,
+            Some(status.digest.clone()),
+            status.attempt + 1,
+            source,
+            &prepared,
+        )
     }
 
     /// Asks the running attempt of `id` to stop at the next step boundary (rolling back
@@ -801,8 +910,36 @@ mod tests {
         (plan, big)
     }
 
+    fn journal_text(config: &EngineConfig) -> String {
+        std::fs::read_to_string(
+            config
+                .state_dir
+                .join("journal")
+                .join(crate::journal::JOURNAL_FILE),
+        )
+        .unwrap()
+    }
+
+    /// The staged files (`.<name>.inplace-r<run>`) under `dir`, recursively.
+    fn staged_files(dir: &std::path::Path) -> Vec<String> {
+        let mut found = Vec::new();
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+                let path = e.path();
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    todo.push(path);
+                } else if e.file_name().to_string_lossy().contains(".inplace-r") {
+                    found.push(path.display().to_string());
+                }
+            }
+        }
+        found.sort();
+        found
+    }
+
     #[test]
-    fn a_plan_whose_bodies_are_in_a_blob_resumes_from_it() {
+    fn a_plan_whose_contents_are_staged_resumes_from_them() {
         let dir = tempfile::tempdir().unwrap();
         let (config, host) = sandbox(dir.path(), 1 << 20);
         let (plan, big) = big_plan("bodies", "");
@@ -812,18 +949,26 @@ mod tests {
             assert!(matches!(s, Submission::Accepted(_)));
             // Not run: as if the agent stopped right after accepting it.
         }
-        let journal = std::fs::read_to_string(
-            config
-                .state_dir
-                .join("journal")
-                .join(crate::journal::JOURNAL_FILE),
-        )
-        .unwrap();
-        assert!(journal.contains("\"bodies\":\"") && journal.len() < big.len());
+        // Each content was written once, beside its target; the journal only refers to it.
+        let journal = journal_text(&config);
+        assert!(journal.contains("\"staged\":[") && !journal.contains(&big[..64]));
+        assert!(
+            !journal.contains("\"bodies\":\""),
+            "nothing is left for a blob"
+        );
+        let staged = staged_files(dir.path());
+        assert_eq!(staged.len(), 2, "{staged:?}");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/.big.conf.inplace-r1"))
+                .unwrap(),
+            big
+        );
+        assert!(!dir.path().join("etc/kubernetes/big.conf").exists());
         let (engine, _) = Engine::open(config, host).unwrap();
         engine.run_until_idle();
         let status = engine.status("bodies").unwrap();
         assert_eq!(status.phase, Phase::Succeeded, "{status:?}");
+        assert_eq!(staged_files(dir.path()), Vec::<String>::new());
         assert_eq!(status.digest, plan.digest());
         assert_eq!(
             std::fs::read_to_string(dir.path().join("etc/kubernetes/big.conf")).unwrap(),
@@ -833,6 +978,137 @@ mod tests {
             std::fs::read_to_string(dir.path().join("etc/kubernetes/small.conf")).unwrap(),
             "small"
         );
+    }
+
+    #[test]
+    fn staged_content_that_is_gone_fails_its_change_and_the_run_rolls_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        std::fs::write(dir.path().join("etc/kubernetes/small.conf"), "before").unwrap();
+        // small.conf first, so the run has something to roll back when big.conf fails.
+        let big = "x".repeat(crate::journal::bodies::THRESHOLD + 1);
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: gone\nchanges:\n\
+             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"small\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/new/big.conf, content: \"{big}\"}}\n"
+        );
+        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            engine.submit(plan, "test", false).unwrap();
+        }
+        // Removed by hand while the agent was stopped.
+        std::fs::remove_file(dir.path().join("etc/kubernetes/new/.big.conf.inplace-r1")).unwrap();
+        let (engine, _) = Engine::open(config, host).unwrap();
+        engine.run_until_idle();
+        let status = engine.status("gone").unwrap();
+        assert_eq!(status.phase, Phase::RolledBack, "{status:?}");
+        let error = status.error.unwrap();
+        assert_eq!(
+            error.step.as_deref(),
+            Some("changes[1] file /etc/kubernetes/new/big.conf")
+        );
+        assert!(
+            error.detail.contains(".big.conf.inplace-r1"),
+            "{}",
+            error.detail
+        );
+        assert!(
+            error.detail.contains("submit the plan again"),
+            "{}",
+            error.detail
+        );
+        // Nothing was written in its place; the rest is as it was, the staged directory gone.
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/small.conf")).unwrap(),
+            "before"
+        );
+        assert!(!dir.path().join("etc/kubernetes/new").exists());
+        assert_eq!(staged_files(dir.path()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn staging_that_was_never_accepted_is_removed_at_the_next_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        let (plan, _) = big_plan("abandoned", "");
+        // The agent stopped between staging and accepting: the intent is journaled, the
+        // files are there, the plan is not.
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            let prepared = engine.admit(&plan).unwrap();
+            let picks = staging::candidates(&host, &plan, &prepared);
+            assert_eq!(picks.len(), 2);
+            let (paths, dirs) = staging::intent(&host, &plan, &picks);
+            engine
+                .shared
+                .record(
+                    Record::Staging {
+                        run: 1,
+                        paths,
+                        dirs,
+                    },
+                    true,
+                )
+                .unwrap();
+            staging::stage(&host, 1, &plan, &picks).unwrap();
+        }
+        assert_eq!(staged_files(dir.path()).len(), 2);
+        let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+        assert_eq!(staged_files(dir.path()), Vec::<String>::new());
+        assert!(engine.status("abandoned").is_none());
+        // The run number is the next plan's; its acceptance settles the old intent.
+        let s = engine.submit(plan, "test", false).unwrap();
+        assert!(
+            matches!(s, Submission::Accepted(ref st) if st.run == 1),
+            "{s:?}"
+        );
+        engine.run_until_idle();
+        assert_eq!(engine.status("abandoned").unwrap().phase, Phase::Succeeded);
+        drop(engine);
+        let (engine, _) = Engine::open(config, host).unwrap();
+        assert!(engine.shared.lock().table.abandoned_staging().is_empty());
+    }
+
+    #[test]
+    fn a_file_already_in_place_keeps_its_content_in_the_blob() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        let (plan, big) = big_plan("first", "");
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            engine.submit(plan, "test", false).unwrap();
+            engine.run_until_idle();
+        }
+        // The same big file (in place now) and another small one, under a new id.
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: second\nchanges:\n\
+             \x20 - file: {{path: /etc/kubernetes/big.conf, content: \"{big}\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"other\"}}\n"
+        );
+        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            engine.submit(plan, "test", false).unwrap();
+        }
+        let journal = journal_text(&config);
+        let last = journal
+            .lines()
+            .rev()
+            .find(|l| l.contains("planAccepted"))
+            .unwrap();
+        assert!(
+            last.contains("\"bodies\":\"") && last.contains("\"staged\":["),
+            "{last}"
+        );
+        let (engine, _) = Engine::open(config, host).unwrap();
+        engine.run_until_idle();
+        assert_eq!(engine.status("second").unwrap().phase, Phase::Succeeded);
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/small.conf")).unwrap(),
+            "other"
+        );
+        assert_eq!(staged_files(dir.path()), Vec::<String>::new());
     }
 
     #[test]

@@ -31,6 +31,8 @@ struct Work {
     /// What the change said it would do when it was announced before a restart.
     planned: Vec<String>,
     announced: bool,
+    /// Its content was staged beside the target (the write is a rename).
+    staged: Option<crate::journal::StagedBody>,
 }
 
 /// How the run must stop at a step boundary.
@@ -154,6 +156,9 @@ impl Runner {
     }
 
     fn finish(&self, run: u64, phase: Phase, error: Option<ErrorInfo>) -> Result<(), JournalError> {
+        if phase != Phase::Succeeded {
+            self.keep_bodies(run);
+        }
         let kind = error.as_ref().map(|e| e.kind.as_str());
         let record = Record::PlanFinished {
             run,
@@ -180,6 +185,34 @@ impl Runner {
             }
         }
         Ok(())
+    }
+
+    /// A run whose contents were staged and that did not succeed: stores all its file
+    /// contents as one blob and journals that (`BodiesKept`), so a retry from the journal
+    /// still has them once the staged files are removed. Best effort: without it a retry
+    /// asks for the plan again.
+    fn keep_bodies(&self, run: u64) {
+        let Some((_, rs, _)) = self.state(run) else {
+            return;
+        };
+        if rs.staged.is_empty() || !rs.gone.is_empty() {
+            return;
+        }
+        let Some(blob) = crate::journal::bodies::pack(&rs.plan, &BTreeSet::new()) else {
+            return;
+        };
+        match self.shared.backups.put(&blob) {
+            Ok(bodies) => {
+                if let Err(e) = self.record(Record::BodiesKept { run, bodies }, false) {
+                    tracing::warn!(error = %e, "cannot journal the kept file contents");
+                }
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "cannot keep the file contents of a run that did not succeed; a retry will \
+                 need the plan again"
+            ),
+        }
     }
 
     fn drive(&self, run: u64) -> Result<(), JournalError> {
@@ -522,6 +555,10 @@ impl Runner {
                 let changed = self.state(run).map(|s| s.1.preimages).unwrap_or_default();
                 ctx.inputs_changed = feeders.into_iter().find(|j| changed.contains_key(j));
             }
+            if rs.gone.contains(&index) {
+                failed = Some((i, content_gone(&plan.changes[i], run)));
+                break;
+            }
             match self.prepare_one(&plan.changes[i], ctx, in_flight) {
                 Ok((diff, preimages)) => work.push(Work {
                     index,
@@ -530,6 +567,7 @@ impl Runner {
                     resumed: in_flight.is_some(),
                     planned: rs.planned.get(&index).cloned().unwrap_or_default(),
                     announced: false,
+                    staged: rs.staged.get(&index).cloned(),
                 }),
                 Err(e) => {
                     failed = Some((i, e));
@@ -656,8 +694,10 @@ impl Runner {
         let mut output = Vec::new();
         for m in &w.diff.mutations {
             failpoint::hit("step.before_mutation");
-            let said = steps::execute(&self.shared.host, m, &mut |n| self.note(run, &step, n))?;
-            output.extend(said);
+            if !self.install_staged(run, w, m)? {
+                let said = steps::execute(&self.shared.host, m, &mut |n| self.note(run, &step, n))?;
+                output.extend(said);
+            }
             failpoint::hit("step.after_mutation");
         }
         if !output.is_empty() {
@@ -685,6 +725,26 @@ impl Runner {
             false,
         )
         .map_err(journal_err)
+    }
+
+    /// Carries out `m` by renaming the content staged for it into place, when `m` is the
+    /// write its change's content was staged for (same file, same mode and owner: the
+    /// content is the change's by construction); false when it is not, or when nothing is
+    /// staged any more (then `m` is carried out as it is).
+    fn install_staged(&self, run: u64, w: &Work, m: &steps::Mutation) -> Result<bool, StepError> {
+        let Some(body) = &w.staged else {
+            return Ok(false);
+        };
+        match m {
+            steps::Mutation::Write {
+                path,
+                meta,
+                content,
+            } if *path == body.path && *meta == body.meta && content.len() as u64 == body.len => {
+                Ok(self.shared.host.root.install_staged(path, run)?)
+            }
+            _ => Ok(false),
+        }
     }
 
     fn verify(&self, run: u64) -> Result<(), Abort> {
@@ -986,6 +1046,22 @@ impl Runner {
             }
         }
     }
+}
+
+/// Why a staged change cannot be applied: its content was gone when the journal was read
+/// back (nothing else may be written in its place).
+fn content_gone(change: &Change, run: u64) -> StepError {
+    let path = change.target();
+    let name = crate::host::fs::staged_name(path.rsplit('/').next().unwrap_or_default(), run);
+    StepError::new(
+        ErrorKind::Precondition,
+        format!(
+            "the content of this change was staged beside {path} as {name} before the agent \
+             stopped, and neither that file nor {path} holds it any more (removed while the \
+             agent was stopped?); nothing else is written in its place: the run rolls back — \
+             submit the plan again"
+        ),
+    )
 }
 
 fn short(digest: &str) -> &str {

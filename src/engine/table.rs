@@ -11,9 +11,9 @@ use super::transitions::{self, IllegalTransition};
 use crate::base::units::{UnitBefore, UnitJob};
 use crate::base::{ErrorInfo, ErrorKind};
 use crate::journal::{
-    ChangeSummary, CheckSummary, Entry, PlanDoc, Preimage, Record, UnitJobOutcome,
+    ChangeSummary, CheckSummary, Entry, PlanDoc, Preimage, Record, StagedBody, UnitJobOutcome,
 };
-use crate::plan::{Check, Limits, Plan, PlanOptions, validate_value};
+use crate::plan::{Check, Limits, NodePath, Plan, PlanOptions, validate_document, validate_value};
 
 /// How many finished plans keep their per-change results.
 pub const KEEP_FULL: usize = 16;
@@ -61,6 +61,11 @@ pub struct RunState {
     /// The managed-set paths this run removes (`Some` once decided; appended to the plan
     /// as `absent` changes).
     pub pruned: Option<Vec<String>>,
+    /// The contents staged beside their targets, by change index.
+    pub staged: BTreeMap<u32, StagedBody>,
+    /// Staged changes whose content was gone when the journal was read back: they cannot be
+    /// applied (the run fails at the first of them and rolls back).
+    pub gone: BTreeSet<u32>,
 }
 
 /// A reboot a run asked for.
@@ -101,24 +106,68 @@ impl RunState {
 /// file contents when they were kept out of the document (`journal::bodies`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeptPlan {
+    /// The run.
+    pub run: u64,
     /// The canonical plan document (file contents empty when `bodies` is set).
     pub doc: PlanDoc,
     /// sha256 of the bodies blob.
     pub bodies: Option<String>,
+    /// The contents staged beside their targets (not in `bodies`).
+    pub staged: Vec<StagedBody>,
+}
+
+/// Where a kept plan's file contents are read back from.
+pub trait Bodies {
+    /// A bodies blob, by sha256.
+    fn blob(&self, sha: &str) -> Result<Vec<u8>, String>;
+    /// The content `body` staged for `run`, verified against its sha256; `None` when it
+    /// is gone.
+    fn staged(&self, run: u64, body: &StagedBody) -> Option<Vec<u8>>;
+}
+
+/// Blobs read by a function, and no staged content (a reader without the node's files).
+pub struct BlobsOnly<F>(F);
+
+/// Contents read back from bodies blobs only, by `load`; staged contents count as gone.
+pub fn blobs_only<F: Fn(&str) -> Result<Vec<u8>, String>>(load: F) -> BlobsOnly<F> {
+    BlobsOnly(load)
+}
+
+impl<F: Fn(&str) -> Result<Vec<u8>, String>> Bodies for BlobsOnly<F> {
+    fn blob(&self, sha: &str) -> Result<Vec<u8>, String> {
+        (self.0)(sha)
+    }
+
+    fn staged(&self, _run: u64, _body: &StagedBody) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 impl KeptPlan {
-    /// The complete plan document; `load` reads a bodies blob (by sha256) when there is one.
+    /// The complete plan document, and the changes whose staged content is gone (their
+    /// content is empty in the document: they must not be applied).
     pub fn to_value(
         &self,
-        load: &dyn Fn(&str) -> Result<Vec<u8>, String>,
-    ) -> Result<serde_json::Value, String> {
+        bodies: &dyn Bodies,
+    ) -> Result<(serde_json::Value, BTreeSet<u32>), String> {
         let mut value = self.doc.to_value();
+        let staged: BTreeSet<u32> = self.staged.iter().map(|s| s.index).collect();
         if let Some(sha) = &self.bodies {
-            let blob = load(sha).map_err(|e| format!("plan bodies {sha}: {e}"))?;
-            crate::journal::bodies::fill(&mut value, &blob)?;
+            let blob = bodies
+                .blob(sha)
+                .map_err(|e| format!("plan bodies {sha}: {e}"))?;
+            crate::journal::bodies::fill(&mut value, &blob, &staged)?;
         }
-        Ok(value)
+        let mut gone = BTreeSet::new();
+        for body in &self.staged {
+            match bodies.staged(self.run, body) {
+                Some(content) => crate::journal::bodies::put(&mut value, body.index, &content),
+                None => {
+                    gone.insert(body.index);
+                }
+            }
+        }
+        Ok((value, gone))
     }
 }
 
@@ -140,6 +189,8 @@ pub struct Table {
     sets: BTreeMap<String, BTreeSet<String>>,
     /// Illegal phase changes found in the journal (see [`Table::illegal_transitions`]).
     illegal_transitions: u64,
+    /// Staging not followed by its `PlanAccepted` (yet): run → (files, directories).
+    staging: BTreeMap<u64, (Vec<NodePath>, Vec<NodePath>)>,
 }
 
 /// `plan` with a run's resolutions applied: exact package versions, and an `absent` change
@@ -314,8 +365,10 @@ impl Table {
                 changes,
                 checks,
                 bodies,
+                staged,
                 prune,
             } => {
+                self.staging.remove(&run);
                 let status = PlanStatus {
                     id,
                     digest,
@@ -337,12 +390,26 @@ impl Table {
                 };
                 self.accept(
                     status,
-                    KeptPlan { doc, bodies },
+                    KeptPlan {
+                        run,
+                        doc,
+                        bodies,
+                        staged,
+                    },
                     changes,
                     checks,
                     plan,
                     prune,
                 );
+            }
+            Record::Staging { run, paths, dirs } => {
+                self.staging.insert(run, (paths, dirs));
+            }
+            Record::BodiesKept { run, bodies } => {
+                if let Some(kept) = self.docs.get_mut(&run) {
+                    kept.bodies = Some(bodies);
+                    kept.staged.clear();
+                }
             }
             Record::SetMembers { set, paths } => {
                 self.sets.insert(set, paths.into_iter().collect());
@@ -355,7 +422,16 @@ impl Table {
                 let status = journaled::status_of(*status);
                 self.next_run = self.next_run.max(status.run + 1);
                 if let Some(doc) = plan {
-                    self.retained.insert(status.run, KeptPlan { doc, bodies });
+                    let run = status.run;
+                    self.retained.insert(
+                        run,
+                        KeptPlan {
+                            run,
+                            doc,
+                            bodies,
+                            staged: Vec::new(),
+                        },
+                    );
                 }
                 self.plans.push(status);
             }
@@ -575,21 +651,25 @@ impl Table {
     /// Ends the replay: from now on records are live, and unfinished runs get their plan
     /// (read back from its document; `load` reads a bodies blob by sha256) and the progress
     /// message their last record implies.
-    pub fn finish_replay(&mut self, load: &dyn Fn(&str) -> Result<Vec<u8>, String>) {
+    pub fn finish_replay(&mut self, bodies: &dyn Bodies) {
         self.live = true;
         let runs: Vec<u64> = self.runs.keys().copied().collect();
         for run in runs {
             let parsed = match self.docs.get(&run) {
-                Some(kept) => kept
-                    .to_value(load)
-                    .map_err(|e| e.to_string())
-                    .and_then(|v| {
-                        validate_value(&v, "journal", &Limits::replay()).map_err(|e| e.to_string())
-                    }),
+                Some(kept) => kept.to_value(bodies).and_then(|(v, gone)| {
+                    validate_document(v, "journal", &Limits::replay())
+                        .map(|p| (p, gone))
+                        .map_err(|e| e.to_string())
+                }),
                 None => continue,
             };
             let plan = match parsed {
-                Ok(p) => Arc::new(p),
+                Ok((p, gone)) => {
+                    if let Some(rs) = self.runs.get_mut(&run) {
+                        rs.gone = gone;
+                    }
+                    Arc::new(p)
+                }
                 Err(e) => {
                     // Cannot happen for plans this agent wrote; keep the run visible and failed.
                     self.runs.remove(&run);
@@ -644,6 +724,7 @@ impl Table {
         // the replay if it is unfinished.)
         if plan.is_none()
             && kept.bodies.is_none()
+            && kept.staged.is_empty()
             && (self.live || (changes.is_empty() && checks.is_empty()))
         {
             match validate_value(&kept.doc.to_value(), "journal", &Limits::replay()) {
@@ -729,6 +810,8 @@ impl Table {
                 members,
                 versions: BTreeMap::new(),
                 pruned: None,
+                staged: kept.staged.iter().map(|s| (s.index, s.clone())).collect(),
+                gone: BTreeSet::new(),
             },
         );
         self.docs.insert(run, kept);
@@ -833,6 +916,12 @@ impl Table {
         (newest > run).then(|| self.by_run(newest)).flatten()
     }
 
+    /// Staging whose `PlanAccepted` never came (the agent stopped while accepting a plan):
+    /// run → (files, directories) to remove.
+    pub fn abandoned_staging(&self) -> &BTreeMap<u64, (Vec<NodePath>, Vec<NodePath>)> {
+        &self.staging
+    }
+
     /// The canonical plan of a finished, unsuccessful run, kept for retries.
     pub fn retained_plan(&self, run: u64) -> Option<&KeptPlan> {
         self.retained.get(&run)
@@ -858,20 +947,30 @@ impl Table {
             set: set.clone(),
             paths: paths.iter().cloned().collect(),
         });
-        sets.chain(
-            self.plans
-                .iter()
-                .filter(|p| p.phase.is_terminal())
-                .map(|p| {
-                    let kept = self.retained.get(&p.run);
-                    Record::Summary {
-                        status: Box::new(journaled::summary_of(p)),
-                        plan: kept.map(|k| k.doc.clone()),
-                        bodies: kept.and_then(|k| k.bodies.clone()),
-                    }
-                }),
-        )
-        .collect()
+        // Staging whose plan was never accepted: its files are still to be removed.
+        let staging = self
+            .staging
+            .iter()
+            .map(|(run, (paths, dirs))| Record::Staging {
+                run: *run,
+                paths: paths.clone(),
+                dirs: dirs.clone(),
+            });
+        sets.chain(staging)
+            .chain(
+                self.plans
+                    .iter()
+                    .filter(|p| p.phase.is_terminal())
+                    .map(|p| {
+                        let kept = self.retained.get(&p.run);
+                        Record::Summary {
+                            status: Box::new(journaled::summary_of(p)),
+                            plan: kept.map(|k| k.doc.clone()),
+                            bodies: kept.and_then(|k| k.bodies.clone()),
+                        }
+                    }),
+            )
+            .collect()
     }
 
     /// The members of managed set `set` (empty when unknown).
@@ -1264,6 +1363,7 @@ mod tests {
             changes,
             checks,
             bodies: None,
+            staged: Vec::new(),
             prune: plan.options.prune.clone(),
         }
     }
@@ -1376,7 +1476,7 @@ mod tests {
         for (i, r) in records.into_iter().enumerate() {
             replayed.apply(entry(i as u64 + 1, 1000 + i as u64, r));
         }
-        replayed.finish_replay(&|_| Err("no bodies in this test".into()));
+        replayed.finish_replay(&blobs_only(|_| Err("no bodies in this test".into())));
         assert_eq!(
             replayed.by_run(1).unwrap().hook_response().message,
             "plan p: Applying step 2/2: waiting for the node to reboot (changes[1] reboot kernel)"
@@ -1437,7 +1537,7 @@ mod tests {
         )
         .expect("plan");
         let mut table = Table::new(10);
-        table.finish_replay(&|_| Err("no bodies".into()));
+        table.finish_replay(&blobs_only(|_| Err("no bodies".into())));
         let mut seq = 0;
         let mut apply = |table: &mut Table, r: Record| {
             seq += 1;
@@ -1639,7 +1739,7 @@ mod tests {
             table.by_run(1).unwrap().changes[0].target,
             "/etc/kubernetes/a"
         );
-        table.finish_replay(&|_| Err("no bodies in this test".into()));
+        table.finish_replay(&blobs_only(|_| Err("no bodies in this test".into())));
         assert_eq!(*table.run_state(1).unwrap().plan, plan);
     }
 }

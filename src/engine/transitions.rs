@@ -106,6 +106,8 @@ fn target(record: &Record) -> Option<(u64, Phase, Rule)> {
         | Record::ServiceManager { .. }
         | Record::RebootRequested { .. }
         | Record::CheckDone { .. }
+        | Record::Staging { .. }
+        | Record::BodiesKept { .. }
         | Record::CancelRequested { .. } => None,
     }
 }
@@ -196,6 +198,7 @@ mod tests {
             changes,
             checks,
             bodies: None,
+            staged: Vec::new(),
             prune: None,
         }
     }

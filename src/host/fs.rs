@@ -762,6 +762,123 @@ impl Root {
         write_in_dir_from(&dir, p.file_name(), content, meta).map_err(|(op, e)| io_err(op, p)(e))
     }
 
+    /// Stages `content` for `p` as `.<name>.inplace-r<run>` beside it, with `meta`, synced
+    /// (not the directory: [`Root::sync_parent`] once per directory). Creates the missing
+    /// parent directories; returns the ones it created, from the top. A crash can leave a
+    /// partial staged file; it is written again, or removed, by name.
+    pub fn stage(
+        &self,
+        p: &NodePath,
+        run: u64,
+        content: &[u8],
+        meta: FileMeta,
+    ) -> Result<Vec<NodePath>, FsError> {
+        let created = self.missing_dirs(p)?;
+        let dir = self.create_dirs(p)?;
+        let name = staged_name(p.file_name(), run);
+        let flags =
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let open = || rustix::fs::openat(&dir, name.as_str(), flags, RMode::from_raw_mode(0o600));
+        let fd = match open() {
+            Err(rustix::io::Errno::EXIST) => {
+                let _ = rustix::fs::unlinkat(&dir, name.as_str(), AtFlags::empty());
+                open()
+            }
+            other => other,
+        }
+        .map_err(|e| io_err("create staged file for", p)(rio(e)))?;
+        let result = (|| {
+            let mut f = File::from(fd);
+            f.write_all(content)
+                .map_err(|e| ("write staged file for", e))?;
+            let uid = rustix::fs::Uid::from_raw(meta.uid);
+            let gid = rustix::fs::Gid::from_raw(meta.gid);
+            rustix::fs::fchown(&f, Some(uid), Some(gid)).map_err(|e| ("chown", rio(e)))?;
+            rustix::fs::fchmod(&f, RMode::from_raw_mode(meta.mode & 0o7777))
+                .map_err(|e| ("chmod", rio(e)))?;
+            rustix::fs::fsync(&f).map_err(|e| ("sync staged file for", rio(e)))
+        })();
+        if let Err((op, e)) = result {
+            let _ = rustix::fs::unlinkat(&dir, name.as_str(), AtFlags::empty());
+            return Err(io_err(op, p)(e));
+        }
+        Ok(created)
+    }
+
+    /// Makes the entries of `p`'s directory durable (after staging, before the journal
+    /// says they exist).
+    pub fn sync_parent(&self, p: &NodePath) -> Result<(), FsError> {
+        if let Some(dir) = self.parent_for_removal(p)? {
+            rustix::fs::fsync(&dir).map_err(|e| io_err("sync directory of", p)(rio(e)))?;
+        }
+        Ok(())
+    }
+
+    /// Renames the content staged for `p` by `run` into place, durably: the mutation of a
+    /// staged write. False when nothing is staged (the caller writes the content itself).
+    pub fn install_staged(&self, p: &NodePath, run: u64) -> Result<bool, FsError> {
+        let Some(dir) = self.parent_for_removal(p)? else {
+            return Ok(false);
+        };
+        let name = staged_name(p.file_name(), run);
+        failpoint::hit("fs.install.before_rename");
+        match rustix::fs::renameat(&dir, name.as_str(), &dir, p.file_name()) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::NOENT) => return Ok(false),
+            Err(e) => return Err(io_err("rename staged file onto", p)(rio(e))),
+        }
+        rustix::fs::fsync(&dir).map_err(|e| io_err("sync directory of", p)(rio(e)))?;
+        Ok(true)
+    }
+
+    /// The content staged for `p` by `run` with its mode and owner; `None` when there is
+    /// none.
+    pub fn read_staged(
+        &self,
+        p: &NodePath,
+        run: u64,
+    ) -> Result<Option<(Vec<u8>, FileMeta)>, FsError> {
+        let Some(dir) = self.parent_for_removal(p)? else {
+            return Ok(None);
+        };
+        let name = staged_name(p.file_name(), run);
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let fd = match rustix::fs::openat(&dir, name.as_str(), flags, RMode::empty()) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(e) => return Err(io_err("open staged file for", p)(rio(e))),
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| io_err("stat staged file for", p)(rio(e)))?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            return Ok(None);
+        }
+        let meta = FileMeta {
+            mode: st.st_mode & 0o7777,
+            uid: st.st_uid,
+            gid: st.st_gid,
+        };
+        let mut content = Vec::new();
+        File::from(fd)
+            .read_to_end(&mut content)
+            .map_err(io_err("read staged file for", p))?;
+        Ok(Some((content, meta)))
+    }
+
+    /// Removes what `run` staged for `p`, durably; false when nothing was staged.
+    pub fn unstage(&self, p: &NodePath, run: u64) -> Result<bool, FsError> {
+        let Some(dir) = self.parent_for_removal(p)? else {
+            return Ok(false);
+        };
+        let name = staged_name(p.file_name(), run);
+        match rustix::fs::unlinkat(&dir, name.as_str(), AtFlags::empty()) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::NOENT) => return Ok(false),
+            Err(e) => return Err(io_err("remove staged file for", p)(rio(e))),
+        }
+        rustix::fs::fsync(&dir).map_err(|e| io_err("sync directory of", p)(rio(e)))?;
+        Ok(true)
+    }
+
     /// The parent of `p` for a removal: `None` when `p` cannot exist (a directory on the
     /// way is missing, or is not a directory at all).
     fn parent_for_removal(&self, p: &NodePath) -> Result<Option<OwnedFd>, FsError> {
@@ -906,6 +1023,16 @@ pub fn temp_name(name: &str) -> String {
         format!(".{h}.inplace-tmp")
     } else {
         format!(".{name}.inplace-tmp")
+    }
+}
+
+/// The name content for `name` is staged under by run `run` (see [`Root::stage`]).
+pub fn staged_name(name: &str, run: u64) -> String {
+    if name.len() > 200 {
+        let h = hex::encode(&Sha256::digest(name.as_bytes())[..12]);
+        format!(".{h}.inplace-r{run}")
+    } else {
+        format!(".{name}.inplace-r{run}")
     }
 }
 

@@ -10,30 +10,53 @@
 //! state submitted again (a no-op re-apply under a new id) finds the blob already stored
 //! and writes nothing but a small record.
 //!
-//! Blob format: for each `file` change in plan order, its content length as 8 bytes
-//! little-endian, then the content.
+//! Most of a large plan's file contents are not in the blob at all: the engine stages the
+//! content of each file that must change beside its target before accepting the plan
+//! (`engine::staging`), and the record references it. Only the contents of the other
+//! `file` changes (already in place when the plan was accepted) go to the blob.
+//!
+//! Blob format: for each `file` change in plan order that was not staged, its content
+//! length as 8 bytes little-endian, then the content.
+
+use std::collections::BTreeSet;
 
 use base64::Engine as _;
 use serde_json::Value;
 
 use crate::plan::{Change, Plan};
 
-/// Plans with at least this many bytes of file content keep them in a blob.
+/// Plans with at least this many bytes of file content keep them out of the record.
 pub const THRESHOLD: usize = 64 * 1024;
 
-/// The blob of a plan's file bodies, when they are large enough to be kept apart.
-pub fn pack(plan: &Plan) -> Option<Vec<u8>> {
-    let files = || {
-        plan.changes.iter().filter_map(|c| match c {
-            Change::File(f) => Some(&f.content),
-            _ => None,
+/// The bytes of `file` content in `plan`.
+pub fn total(plan: &Plan) -> usize {
+    plan.changes
+        .iter()
+        .map(|c| match c {
+            Change::File(f) => f.content.len(),
+            _ => 0,
         })
+        .sum()
+}
+
+/// The blob of a plan's file bodies except the `staged` changes', when the plan is large
+/// enough to keep them apart and some are left.
+pub fn pack(plan: &Plan, staged: &BTreeSet<u32>) -> Option<Vec<u8>> {
+    let files = || {
+        plan.changes
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !staged.contains(&(*i as u32)))
+            .filter_map(|(_, c)| match c {
+                Change::File(f) => Some(&f.content),
+                _ => None,
+            })
     };
-    let total: usize = files().map(Vec::len).sum();
-    if total < THRESHOLD {
+    if total(plan) < THRESHOLD || files().next().is_none() {
         return None;
     }
-    let mut blob = Vec::with_capacity(total + 8 * files().count());
+    let size: usize = files().map(|c| c.len() + 8).sum();
+    let mut blob = Vec::with_capacity(size);
     for content in files() {
         blob.extend_from_slice(&(content.len() as u64).to_le_bytes());
         blob.extend_from_slice(content);
@@ -41,28 +64,52 @@ pub fn pack(plan: &Plan) -> Option<Vec<u8>> {
     Some(blob)
 }
 
-/// The `file` change objects of a canonical plan document, in order.
-fn file_changes(doc: &mut Value) -> impl Iterator<Item = &mut serde_json::Map<String, Value>> {
+/// The `file` change objects of a canonical plan document with their change index, in
+/// order.
+fn file_changes(
+    doc: &mut Value,
+) -> impl Iterator<Item = (u32, &mut serde_json::Map<String, Value>)> {
     doc.get_mut("changes")
         .and_then(Value::as_array_mut)
         .into_iter()
         .flatten()
-        .filter_map(|c| c.get_mut("file").and_then(Value::as_object_mut))
+        .enumerate()
+        .filter_map(|(i, c)| {
+            c.get_mut("file")
+                .and_then(Value::as_object_mut)
+                .map(|f| (i as u32, f))
+        })
+}
+
+/// Sets the content of `file` change `index` of a canonical plan document.
+pub fn put(doc: &mut Value, index: u32, content: &[u8]) {
+    if let Some((_, f)) = file_changes(doc).find(|(i, _)| *i == index) {
+        set_content(f, content);
+    }
+}
+
+fn set_content(f: &mut serde_json::Map<String, Value>, content: &[u8]) {
+    f.insert(
+        "content".into(),
+        Value::String(base64::engine::general_purpose::STANDARD.encode(content)),
+    );
+    f.insert("encoding".into(), Value::String("base64".into()));
 }
 
 /// Empties the content of every `file` change of a canonical plan document (the blob
 /// carries it); the engine builds that form directly (`Plan::canonical_json_without_bodies`).
 #[cfg(test)]
 fn strip(doc: &mut Value) {
-    for f in file_changes(doc) {
+    for (_, f) in file_changes(doc) {
         f.insert("content".into(), Value::String(String::new()));
     }
 }
 
-/// Puts the contents from `blob` back into a document emptied by [`strip`].
-pub fn fill(doc: &mut Value, blob: &[u8]) -> Result<(), String> {
+/// Puts the contents from `blob` back into a document emptied by [`strip`], all but the
+/// `staged` changes' ([`put`] sets those).
+pub fn fill(doc: &mut Value, blob: &[u8], staged: &BTreeSet<u32>) -> Result<(), String> {
     let mut rest = blob;
-    for f in file_changes(doc) {
+    for (_, f) in file_changes(doc).filter(|(i, _)| !staged.contains(i)) {
         let (len, tail) = rest
             .split_first_chunk::<8>()
             .ok_or("the plan bodies blob ends early")?;
@@ -72,11 +119,7 @@ pub fn fill(doc: &mut Value, blob: &[u8]) -> Result<(), String> {
             return Err("the plan bodies blob ends early".into());
         }
         let (content, tail) = tail.split_at(len);
-        f.insert(
-            "content".into(),
-            Value::String(base64::engine::general_purpose::STANDARD.encode(content)),
-        );
-        f.insert("encoding".into(), Value::String("base64".into()));
+        set_content(f, content);
         rest = tail;
     }
     if !rest.is_empty() {
@@ -101,20 +144,37 @@ mod tests {
              \x20 - file: {{path: /etc/kubernetes/d, content: \"small\\n\", mode: \"0600\"}}\n"
         );
         let plan = parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
-        let blob = pack(&plan).expect("large enough");
+        let blob = pack(&plan, &BTreeSet::new()).expect("large enough");
         let mut doc = plan.canonical_json();
         strip(&mut doc);
         assert_eq!(doc, plan.canonical_json_without_bodies());
         assert!(!doc.to_string().contains(&big[..100]));
-        fill(&mut doc, &blob).unwrap();
+        fill(&mut doc, &blob, &BTreeSet::new()).unwrap();
         let back = validate_value(&doc, "test", &Limits::replay()).unwrap();
         assert_eq!(back.digest(), plan.digest());
         assert_eq!(back.canonical_json(), plan.canonical_json());
 
         let mut doc = plan.canonical_json();
         strip(&mut doc);
-        assert!(fill(&mut doc, &blob[..blob.len() - 1]).is_err());
-        assert!(fill(&mut doc, &[blob.as_slice(), &[0u8; 8]].concat()).is_err());
+        assert!(fill(&mut doc, &blob[..blob.len() - 1], &BTreeSet::new()).is_err());
+        assert!(
+            fill(
+                &mut doc,
+                &[blob.as_slice(), &[0u8; 8]].concat(),
+                &BTreeSet::new()
+            )
+            .is_err()
+        );
+
+        // Change 0 staged: the blob holds the others, and `put` fills it in.
+        let staged = BTreeSet::from([0]);
+        let blob = pack(&plan, &staged).expect("some are left");
+        let mut doc = plan.canonical_json();
+        strip(&mut doc);
+        fill(&mut doc, &blob, &staged).unwrap();
+        put(&mut doc, 0, big.as_bytes());
+        let back = validate_value(&doc, "test", &Limits::replay()).unwrap();
+        assert_eq!(back.digest(), plan.digest());
     }
 
     #[test]
@@ -125,6 +185,6 @@ mod tests {
             &Limits::default(),
         )
         .unwrap();
-        assert!(pack(&plan).is_none());
+        assert!(pack(&plan, &BTreeSet::new()).is_none());
     }
 }

@@ -68,6 +68,28 @@ pub struct CheckSummary {
     pub target: String,
 }
 
+/// A `file` change whose content was staged next to its target before the plan was
+/// accepted (`.<name>.inplace-r<run>`, durable): the step renames it into place, and the
+/// journal keeps a reference instead of the content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StagedBody {
+    /// The change's index in the plan.
+    pub index: u32,
+    /// The file it stages.
+    pub path: NodePath,
+    /// sha256 hex of the staged content.
+    pub sha256: String,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Mode and owner the staged file was given.
+    pub meta: FileMeta,
+    /// Directories staging created for it (removed again, when empty, if the run does
+    /// not keep the file).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub created_dirs: Vec<NodePath>,
+}
+
 /// One journal record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -79,6 +101,19 @@ pub enum Record {
         previous_hash: String,
         /// Sequence number of that record.
         previous_seq: u64,
+    },
+    /// Contents of a plan about to be accepted are being staged next to their targets
+    /// (written before the first staged file, synced): if `PlanAccepted` of `run` never
+    /// follows, the next start removes those files and the directories listed.
+    #[serde(rename_all = "camelCase")]
+    Staging {
+        /// The run number the plan will get.
+        run: u64,
+        /// The files staged (each as `.<name>.inplace-r<run>` beside it).
+        paths: Vec<NodePath>,
+        /// Directories that did not exist and staging may create, from the top.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        dirs: Vec<NodePath>,
     },
     /// A plan attempt was accepted; carries the full canonical plan so it can resume.
     #[serde(rename_all = "camelCase")]
@@ -106,6 +141,10 @@ pub enum Record {
         /// `journal::bodies`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         bodies: Option<String>,
+        /// The `file` contents staged beside their targets instead (their content is empty in
+        /// `plan` and absent from `bodies`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        staged: Vec<StagedBody>,
         /// The managed set of the plan (`options.prune.set`), so the set's members are known
         /// without reading `plan`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -332,6 +371,15 @@ pub enum Record {
         /// Why, when it did not succeed.
         error: Option<ErrorInfo>,
     },
+    /// The file contents of a run that did not succeed were stored as one blob (its staged
+    /// files are removed when it finishes), so it can be retried from the journal.
+    #[serde(rename_all = "camelCase")]
+    BodiesKept {
+        /// Run number.
+        run: u64,
+        /// sha256 of the blob: every `file` content of the plan, as `PlanAccepted.bodies`.
+        bodies: String,
+    },
     /// A finished plan carried over by compaction.
     Summary {
         /// Its final status (per-change results may be trimmed for old plans).
@@ -348,7 +396,8 @@ impl Record {
     /// The run this record belongs to, if any.
     pub fn run(&self) -> Option<u64> {
         match self {
-            Record::Compacted { .. } | Record::SetMembers { .. } => None,
+            // Not a run yet: the plan is still being accepted.
+            Record::Compacted { .. } | Record::SetMembers { .. } | Record::Staging { .. } => None,
             Record::Summary { status, .. } => Some(status.run),
             Record::VersionResolved { run, .. } | Record::PruneResolved { run, .. } => Some(*run),
             Record::PlanAccepted { run, .. }
@@ -369,6 +418,7 @@ impl Record {
             | Record::RebootRequested { run, .. }
             | Record::CheckDone { run, .. }
             | Record::CancelRequested { run, .. }
+            | Record::BodiesKept { run, .. }
             | Record::PlanFinished { run, .. } => Some(*run),
         }
     }
@@ -377,6 +427,7 @@ impl Record {
     pub fn name(&self) -> &'static str {
         match self {
             Record::Compacted { .. } => "compacted",
+            Record::Staging { .. } => "staging",
             Record::PlanAccepted { .. } => "planAccepted",
             Record::VersionResolved { .. } => "versionResolved",
             Record::PruneResolved { .. } => "pruneResolved",
@@ -398,6 +449,7 @@ impl Record {
             Record::RebootRequested { .. } => "rebootRequested",
             Record::CheckDone { .. } => "checkDone",
             Record::CancelRequested { .. } => "cancelRequested",
+            Record::BodiesKept { .. } => "bodiesKept",
             Record::PlanFinished { .. } => "planFinished",
             Record::Summary { .. } => "summary",
         }
@@ -483,6 +535,8 @@ impl Record {
             | Record::ServiceManager { .. }
             | Record::CheckDone { .. }
             | Record::PlanFinished { .. }
+            | Record::Staging { .. }
+            | Record::BodiesKept { .. }
             | Record::Summary { .. } => None,
         }
     }

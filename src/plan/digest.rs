@@ -15,15 +15,39 @@ use super::*;
 const DIGEST_DOMAIN: &[u8] = b"inplace.agent/v1 plan\n";
 
 pub(super) fn digest(plan: &Plan) -> String {
-    let mut doc = canonical_value(plan, true);
-    if let Value::Object(m) = &mut doc {
-        m.remove("id");
-    }
-    // Streamed into the hash: a plan with megabytes of file content is not written out
-    // a second time in memory.
+    let mut doc = canonical_value(plan, false);
+    let Value::Object(top) = &mut doc else {
+        unreachable!("the canonical document is an object");
+    };
+    top.remove("id");
+    // Streamed into the hash one change at a time: a plan with megabytes of file content is
+    // never held a second time (as base64) in memory. The bytes hashed are exactly
+    // `write_canonical` of the whole canonical document without `id`.
     let mut hasher = HashWriter(Sha256::new());
     hasher.0.update(DIGEST_DOMAIN);
-    write_canonical(&doc, &mut hasher);
+    let mut keys: Vec<&String> = top.keys().collect();
+    keys.sort();
+    put(&mut hasher, b"{");
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            put(&mut hasher, b",");
+        }
+        write_scalar(&Value::String((*k).clone()), &mut hasher);
+        put(&mut hasher, b":");
+        if k.as_str() == "changes" {
+            put(&mut hasher, b"[");
+            for (j, c) in plan.changes.iter().enumerate() {
+                if j > 0 {
+                    put(&mut hasher, b",");
+                }
+                write_canonical(&kinds::canonical_change(c, true), &mut hasher);
+            }
+            put(&mut hasher, b"]");
+        } else {
+            write_canonical(&top[k.as_str()], &mut hasher);
+        }
+    }
+    put(&mut hasher, b"}");
     format!("sha256:{}", hex::encode(hasher.0.finalize()))
 }
 
@@ -142,6 +166,26 @@ fn write_scalar(v: &Value, out: &mut impl std::io::Write) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_streamed_digest_is_the_hash_of_the_whole_canonical_document() {
+        let plan = parse::parse_plan(
+            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nnodeName: n1\nchanges:\n\
+              \x20 - file: {path: /etc/kubernetes/a, content: \"a\\n\", mode: \"0600\"}\n\
+              \x20 - sysctl: {key: net.ipv4.ip_forward, value: \"1\"}\n\
+              \x20 - file: {path: /etc/kubernetes/b, content: \"b\"}\n\
+              verify:\n  - unitActive: {name: kubelet.service}\n",
+            "test",
+            &parse::Limits::default(),
+        )
+        .unwrap();
+        let mut doc = canonical_value(&plan, true);
+        doc.as_object_mut().unwrap().remove("id");
+        let mut whole = DIGEST_DOMAIN.to_vec();
+        write_canonical(&doc, &mut whole);
+        let expected = format!("sha256:{}", hex::encode(Sha256::digest(&whole)));
+        assert_eq!(digest(&plan), expected);
+    }
 
     #[test]
     fn canonical_writer_sorts_keys_at_every_level() {

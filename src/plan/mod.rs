@@ -26,7 +26,7 @@ pub use kinds::{
 pub use parse::Cx;
 pub use parse::{
     API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,
-    parse_mode, parse_owner, parse_plan, sysctl_segments, validate_value,
+    parse_mode, parse_owner, parse_plan, sysctl_segments, validate_document, validate_value,
 };
 pub use path::{AllowList, NodePath, PathError};
 

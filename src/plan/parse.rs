@@ -80,7 +80,7 @@ pub fn parse_plan(bytes: &[u8], source: &str, limits: &Limits) -> Result<Plan, I
             serde_yaml_ng::from_str(text).map_err(|e| fail(format!("malformed YAML: {e}")))?;
         yaml_to_json(yaml).map_err(|e| fail(format!("unsupported YAML: {e}")))?
     };
-    validate_value(&value, source, limits)
+    validate_document(value, source, limits)
 }
 
 /// Converts YAML to JSON values: string keys only, finite numbers, no tags.
@@ -126,11 +126,52 @@ fn yaml_to_json(v: serde_yaml_ng::Value) -> Result<Value, String> {
 
 /// Validates a parsed document into a [`Plan`], reporting every error at once.
 pub fn validate_value(v: &Value, source: &str, limits: &Limits) -> Result<Plan, InvalidPlan> {
+    validate_with(v, HashMap::new(), source, limits)
+}
+
+/// [`validate_value`] consuming the document: plain `file` contents move into the plan
+/// instead of being copied, so a plan with megabytes of content is held once, not twice,
+/// while it is validated.
+pub fn validate_document(mut v: Value, source: &str, limits: &Limits) -> Result<Plan, InvalidPlan> {
+    let bodies = take_plain_bodies(&mut v);
+    validate_with(&v, bodies, source, limits)
+}
+
+/// Takes the content string out of every `file` change whose encoding is plain, leaving an
+/// empty string in its place; keyed by change index.
+fn take_plain_bodies(v: &mut Value) -> HashMap<usize, String> {
+    let mut bodies = HashMap::new();
+    let Some(changes) = v.get_mut("changes").and_then(Value::as_array_mut) else {
+        return bodies;
+    };
+    for (i, change) in changes.iter_mut().enumerate() {
+        let Some(file) = change.get_mut("file").and_then(Value::as_object_mut) else {
+            continue;
+        };
+        let plain = match file.get("encoding") {
+            None => true,
+            Some(Value::String(e)) => e == "plain",
+            Some(_) => false,
+        };
+        if plain && let Some(Value::String(content)) = file.get_mut("content") {
+            bodies.insert(i, std::mem::take(content));
+        }
+    }
+    bodies
+}
+
+fn validate_with(
+    v: &Value,
+    bodies: HashMap<usize, String>,
+    source: &str,
+    limits: &Limits,
+) -> Result<Plan, InvalidPlan> {
     let mut cx = Cx {
         errors: Vec::new(),
         limits,
         claims: HashMap::new(),
         paths: BTreeMap::new(),
+        bodies,
     };
     let plan = cx.plan(v);
     cx.nested_paths();
@@ -156,6 +197,17 @@ pub struct Cx<'l> {
     claims: HashMap<String, usize>,
     /// The node paths claimed, with the change and the field that claimed them.
     paths: BTreeMap<String, (usize, String)>,
+    /// Plain `file` contents taken out of the document, by change index
+    /// ([`validate_document`]).
+    bodies: HashMap<usize, String>,
+}
+
+impl Cx<'_> {
+    /// The plain content of change `index` when it was taken out of the document (the
+    /// document then holds an empty string in its place).
+    pub(crate) fn take_body(&mut self, index: usize) -> Option<String> {
+        self.bodies.remove(&index)
+    }
 }
 
 pub(crate) fn type_name(v: &Value) -> &'static str {

@@ -14,7 +14,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use serde_json::{Map, Value, json};
 
 use super::pb;
-use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_value};
+use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_document};
 
 /// Where validation errors of gRPC plans say they came from.
 pub const REQUEST_SOURCE: &str = "request";
@@ -25,14 +25,14 @@ pub fn validate_plan(plan: &pb::Plan, limits: &Limits) -> Result<Plan, InvalidPl
 }
 
 /// [`validate_plan`] consuming the wire plan: its contents move into the document instead
-/// of being copied, so a large request is held at most twice (document, then plan) while it
-/// is validated, never three times.
+/// of being copied, and plain file contents move on into the plan, so a large request is
+/// held once while it is validated.
 pub fn validate_owned(plan: pb::Plan, limits: &Limits) -> Result<Plan, InvalidPlan> {
     let document = plan_document_owned(plan).map_err(|error| InvalidPlan {
         source: REQUEST_SOURCE.to_owned(),
         errors: vec![error],
     })?;
-    validate_value(&document, REQUEST_SOURCE, limits)
+    validate_document(document, REQUEST_SOURCE, limits)
 }
 
 /// The INVALID_ARGUMENT status for a plan that failed validation: every problem as
@@ -78,7 +78,7 @@ pub fn plan_to_pb(plan: &Plan) -> pb::Plan {
             let kind = match c {
                 Change::File(f) => Kind::File(pb::FileChange {
                     path: f.path.as_str().to_owned(),
-                    content: f.content.clone(),
+                    content: f.content.to_vec(),
                     encoding: pb::Encoding::Plain as i32,
                     mode: f.mode.to_string(),
                     owner: f.owner.to_string(),

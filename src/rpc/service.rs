@@ -162,6 +162,7 @@ pub fn submit_error_status(error: &SubmitError) -> Status {
         SubmitError::Journal(_) => {
             Status::internal(format!("could not record the request: {error}"))
         }
+        SubmitError::Staging(_) => Status::internal(error.to_string()),
     }
 }
 
@@ -174,6 +175,7 @@ fn refusal_reason(error: &SubmitError) -> &'static str {
         SubmitError::NotFound(_) => "not_found",
         SubmitError::Conflict(_) => "conflict",
         SubmitError::Journal(_) => "journal",
+        SubmitError::Staging(_) => "staging",
     }
 }
 

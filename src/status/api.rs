@@ -1103,7 +1103,9 @@ pub fn read_journal(
         summary.bytes = reader.valid_len();
     }
     let backups = crate::journal::backup::BackupStore::at(state_dir);
-    table.finish_replay(&|sha| backups.get(sha).map_err(|e| e.to_string()));
+    table.finish_replay(&crate::engine::table::blobs_only(|sha| {
+        backups.get(sha).map_err(|e| e.to_string())
+    }));
     Ok((table, summary))
 }
 

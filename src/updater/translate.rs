@@ -624,7 +624,7 @@ mod tests {
             )
             .unwrap_or_else(|e| panic!("{file}: {e}"));
             match &t.plan.changes[0] {
-                crate::plan::Change::File(f) => assert_eq!(f.content, b"hello\n", "{file}"),
+                crate::plan::Change::File(f) => assert_eq!(&f.content[..], b"hello\n", "{file}"),
                 other => panic!("{other:?}"),
             }
         }

@@ -11,10 +11,14 @@ use std::time::{Duration, Instant};
 use crate::support;
 use crate::support::{Node, header, text};
 
-/// At least ten changes of every implemented kind, on existing and new files.
+/// At least ten changes of every implemented kind, on existing and new files; with more
+/// than 64 KiB of file content, so the contents are staged beside their targets before the
+/// plan is accepted (`engine::staging`), some in directories staging creates.
 fn plan(id: &str, gate: &str) -> String {
+    let big = "0123456789abcdef".repeat(64 * 1024 / 16 + 1);
     format!(
         "{}changes:
+  - file: {{path: /etc/kubernetes/manifests/big.yaml, content: \"{big}\"}}
   - file: {{path: /etc/kubernetes/audit/policy.yaml, content: \"kind: Policy\\n\", mode: \"0640\", owner: \"root:adm\"}}
   - file: {{path: /etc/kubernetes/audit/webhook.yaml, content: \"kind: Config\\n\", mode: \"0600\"}}
   - file: {{path: /etc/kubernetes/kubelet.conf, content: \"replaced\\n\"}}
@@ -59,7 +63,11 @@ fn apply(node: &Node, plan: &std::path::Path, crash_at: Option<u64>) -> std::pro
 fn temp_files(node: &Node) -> Vec<String> {
     support::snapshot(node.root(), &[])
         .into_keys()
-        .filter(|k| k.ends_with(".inplace-tmp") || k.contains("journal.log.compact"))
+        .filter(|k| {
+            k.ends_with(".inplace-tmp")
+                || k.contains(".inplace-r")
+                || k.contains("journal.log.compact")
+        })
         .collect()
 }
 

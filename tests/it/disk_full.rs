@@ -1,5 +1,6 @@
-//! A node whose filesystem fills up mid-plan: the apply fails cleanly, rolls back, and leaves
-//! no partial or temp file. Needs root (it mounts a small tmpfs).
+//! A node whose filesystem fills up: a plan whose staged contents do not fit is refused
+//! before anything changes; a write that does not fit mid-plan fails cleanly and rolls
+//! back. Neither leaves a partial, temp or staged file. Needs root (it mounts a small tmpfs).
 
 use std::process::Command;
 
@@ -40,20 +41,15 @@ impl Drop for Tmpfs {
     }
 }
 
-#[test]
-fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
-    if !support::require_root(
-        "filling_the_disk_rolls_back_and_leaves_no_temp_file",
-        "it mounts a small tmpfs",
-    ) {
-        return;
-    }
+/// Runs an eight-file plan (96 KiB each, `append` as given) on a 512 KiB tmpfs; returns the
+/// output, with the tree before and after.
+fn fill_the_disk(append: bool) -> (std::process::Output, TreeDiff, tempfile::TempDir, Tmpfs) {
     let fs = Tmpfs::mount("512k");
-    let root = fs.dir.path();
-    inplace_agent::sandbox::tree::build_kubeadm_worker(root).unwrap();
+    let root = fs.dir.path().to_path_buf();
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).unwrap();
     // The journal and backups live on the ordinary disk; the node's filesystem fills up.
     let state = tempfile::tempdir().unwrap();
-    let before = support::snapshot(root, &[]);
+    let before = support::snapshot(&root, &[]);
 
     // Each file is 96 KiB: the first few fit, one of them does not.
     let chunk = "x".repeat(96 * 1024);
@@ -62,7 +58,7 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
     );
     for i in 0..8 {
         changes.push_str(&format!(
-            "  - file: {{path: /etc/kubernetes/big/f{i}.bin, content: \"{chunk}\"}}\n"
+            "  - file: {{path: /etc/kubernetes/big/f{i}.bin, content: \"{chunk}\", append: {append}}}\n"
         ));
     }
     let plan_dir = tempfile::tempdir().unwrap();
@@ -75,12 +71,50 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
 
     let out = Command::new(support::bin())
         .args(["apply", "--services", "off", "--output", "json", "--root"])
-        .arg(root)
+        .arg(&root)
         .arg("--state-dir")
         .arg(state.path())
         .arg(&plan)
         .output()
         .unwrap();
+    let after = support::snapshot(&root, &[]);
+    let leftovers = after
+        .keys()
+        .filter(|k| k.contains("inplace-tmp") || k.contains(".inplace-r"))
+        .cloned()
+        .collect();
+    let verify = Command::new(support::bin())
+        .args(["journal", "--verify", "--root"])
+        .arg(&root)
+        .arg("--state-dir")
+        .arg(state.path())
+        .output()
+        .unwrap();
+    assert!(verify.status.success(), "{}", text(&verify));
+    let diff = TreeDiff {
+        changed: support::diff(&before, &after),
+        leftovers,
+    };
+    (out, diff, state, fs)
+}
+
+/// What differs from the tree before the apply, and the temp or staged files left.
+struct TreeDiff {
+    changed: Vec<String>,
+    leftovers: Vec<String>,
+}
+
+/// Written at their steps (`append` is never staged): the step that does not fit fails,
+/// the run rolls back.
+#[test]
+fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
+    if !support::require_root(
+        "filling_the_disk_rolls_back_and_leaves_no_temp_file",
+        "it mounts a small tmpfs",
+    ) {
+        return;
+    }
+    let (out, diff, _state, _fs) = fill_the_disk(true);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status["phase"], "RolledBack", "{status:#}");
@@ -94,22 +128,37 @@ fn filling_the_disk_rolls_back_and_leaves_no_temp_file() {
             .contains("/etc/kubernetes/big/f"),
         "{status:#}"
     );
+    assert_eq!(diff.changed, Vec::<String>::new(), "tree not restored");
+    assert_eq!(diff.leftovers, Vec::<String>::new(), "temp files left");
+}
 
-    let after = support::snapshot(root, &[]);
-    assert_eq!(
-        support::diff(&before, &after),
-        Vec::<String>::new(),
-        "tree not restored"
+/// Staged before the plan is accepted (more than 64 KiB of content): the content that does
+/// not fit refuses the plan, and nothing on the node changed at all.
+#[test]
+fn a_plan_whose_contents_do_not_fit_is_refused_before_anything_changes() {
+    if !support::require_root(
+        "a_plan_whose_contents_do_not_fit_is_refused_before_anything_changes",
+        "it mounts a small tmpfs",
+    ) {
+        return;
+    }
+    let (out, diff, state, _fs) = fill_the_disk(false);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("could not stage the plan's file contents")
+            && stderr.contains("/etc/kubernetes/big/f")
+            && stderr.contains("No space left on device")
+            && stderr.contains("nothing on the node was changed"),
+        "{stderr}"
     );
-    let leftovers: Vec<_> = after.keys().filter(|k| k.contains("inplace-tmp")).collect();
-    assert!(leftovers.is_empty(), "temp files left: {leftovers:?}");
-
-    let verify = Command::new(support::bin())
-        .args(["journal", "--verify", "--root"])
-        .arg(root)
-        .arg("--state-dir")
+    assert_eq!(diff.changed, Vec::<String>::new(), "tree changed");
+    assert_eq!(diff.leftovers, Vec::<String>::new(), "staged files left");
+    // Not accepted: the agent knows no such plan.
+    let status = Command::new(support::bin())
+        .args(["status", "ns/m@enospc", "--state-dir"])
         .arg(state.path())
         .output()
         .unwrap();
-    assert!(verify.status.success(), "{}", text(&verify));
+    assert!(!status.status.success(), "{}", text(&status));
 }

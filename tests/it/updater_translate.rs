@@ -329,7 +329,7 @@ fn the_update_machine_request_translates_to_the_upstream_plan() {
     match &t.plan.changes[0] {
         Change::File(f) => {
             assert_eq!(f.path.as_str(), "/etc/kubernetes/inplace-demo.conf");
-            assert_eq!(f.content, b"mode=v2\n");
+            assert_eq!(&f.content[..], b"mode=v2\n");
             assert_eq!(f.mode.to_string(), "0644");
             assert_eq!(f.owner.to_string(), "root:root");
         }
@@ -471,9 +471,9 @@ fn secrets_and_every_encoding_reach_the_node_as_the_same_bytes() {
     .unwrap();
     match (&t.plan.changes[0], &t.plan.changes[1]) {
         (Change::File(a), Change::File(b)) => {
-            assert_eq!(a.content, b"s3cr3t\n");
+            assert_eq!(&a.content[..], b"s3cr3t\n");
             assert_eq!(a.mode.to_string(), "0600");
-            assert_eq!(b.content, b"hello");
+            assert_eq!(&b.content[..], b"hello");
             assert!(b.append);
         }
         other => panic!("{other:?}"),

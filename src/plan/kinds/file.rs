@@ -16,7 +16,7 @@ pub struct FileChange {
     /// Absolute path on the node.
     pub path: NodePath,
     /// The decoded bytes (the encoding is undone at validation).
-    pub content: Vec<u8>,
+    pub content: bytes::Bytes,
     /// Permission bits (default 0644).
     pub mode: Mode,
     /// Owner (default root:root).
@@ -29,17 +29,18 @@ pub struct FileChange {
 
 /// The desired content of a file given what is there now (pure). With `append`, the content
 /// is added unless the file already contains it, so applying twice appends once.
-pub fn desired_content(existing: Option<&[u8]>, change: &FileChange) -> Vec<u8> {
+pub fn desired_content(existing: Option<&[u8]>, change: &FileChange) -> bytes::Bytes {
     match (existing, change.append) {
         (Some(current), true) => {
             if contains(current, &change.content) {
-                current.to_vec()
+                bytes::Bytes::copy_from_slice(current)
             } else {
                 let mut out = current.to_vec();
                 out.extend_from_slice(&change.content);
-                out
+                out.into()
             }
         }
+        // Shared, not copied: a plan's content is held once however many steps use it.
         _ => change.content.clone(),
     }
 }
@@ -68,7 +69,7 @@ pub fn file_mutation(
     };
     let content = desired_content(current.map(|(c, _)| c), change);
     if let Some((c, m)) = current
-        && c == content.as_slice()
+        && c == &content[..]
         && m == meta
     {
         return Ok(None);
@@ -115,7 +116,13 @@ impl Kind for FileChange {
             }
         };
         let raw = cx.string(path, m, "content", true);
+        let taken = cx.take_body(index);
         let content = match (raw, encoding) {
+            (Some(_), Some(Encoding::Plain)) if taken.is_some() => {
+                let bytes = taken.map(String::into_bytes).unwrap_or_default();
+                cx.content_size(&join(path, "content"), bytes.len())
+                    .then_some(bytes)
+            }
             (Some(raw), Some(enc)) => match decode_content(raw, enc, cx.limits.max_content_bytes) {
                 Ok(bytes) => cx
                     .content_size(&join(path, "content"), bytes.len())
@@ -133,7 +140,7 @@ impl Kind for FileChange {
         let restart_units = cx.restart_units(path, m);
         Some(FileChange {
             path: p?,
-            content: content?,
+            content: content?.into(),
             mode: mode?,
             owner: owner?,
             append,
@@ -265,7 +272,7 @@ mod tests {
     fn change(content: &str, append: bool) -> FileChange {
         FileChange {
             path: NodePath::parse("/etc/kubernetes/x").unwrap(),
-            content: content.as_bytes().to_vec(),
+            content: bytes::Bytes::copy_from_slice(content.as_bytes()),
             mode: Mode(0o640),
             owner: Owner::default(),
             append,
@@ -317,11 +324,14 @@ mod tests {
     #[test]
     fn append_is_idempotent() {
         let c = change("line2\n", true);
-        assert_eq!(desired_content(Some(b"line1\n"), &c), b"line1\nline2\n");
         assert_eq!(
-            desired_content(Some(b"line1\nline2\n"), &c),
+            &desired_content(Some(b"line1\n"), &c)[..],
             b"line1\nline2\n"
         );
-        assert_eq!(desired_content(None, &c), b"line2\n");
+        assert_eq!(
+            &desired_content(Some(b"line1\nline2\n"), &c)[..],
+            b"line1\nline2\n"
+        );
+        assert_eq!(&desired_content(None, &c)[..], b"line2\n");
     }
 }

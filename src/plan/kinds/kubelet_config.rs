@@ -183,7 +183,7 @@ impl Kind for KubeletConfigChange {
             mutations: text
                 .map(|t| Mutation::Write {
                     path: config_path(),
-                    content: t.into_bytes(),
+                    content: t.into_bytes().into(),
                     meta,
                 })
                 .into_iter()

@@ -191,7 +191,7 @@ impl Kind for KubeletFlagsChange {
             mutations: new
                 .map(|t| Mutation::Write {
                     path,
-                    content: t.into_bytes(),
+                    content: t.into_bytes().into(),
                     meta,
                 })
                 .into_iter()

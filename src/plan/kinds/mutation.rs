@@ -21,8 +21,8 @@ pub enum Mutation {
     Write {
         /// Node path.
         path: NodePath,
-        /// New content.
-        content: Vec<u8>,
+        /// New content (shared with the plan, not a copy).
+        content: bytes::Bytes,
         /// New mode and owner.
         meta: FileMeta,
     },

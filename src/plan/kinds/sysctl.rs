@@ -198,7 +198,7 @@ impl Kind for SysctlChange {
         if !current_ok {
             mutations.push(Mutation::Write {
                 path: conf,
-                content,
+                content: content.into(),
                 meta,
             });
         }

@@ -152,7 +152,7 @@ pub fn unit_mutations(
         if !same {
             out.push(Mutation::Write {
                 path,
-                content: content.as_bytes().to_vec(),
+                content: bytes::Bytes::copy_from_slice(content.as_bytes()),
                 meta,
             });
         }
