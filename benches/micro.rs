@@ -39,9 +39,51 @@ fn plans(c: &mut Criterion) {
     g.bench_function("parse-json", |b| {
         b.iter(|| parse_plan(black_box(json.as_bytes()), "bench", &limits).expect("plan"))
     });
+    // The same plan as JSON with plain (not base64) content, as people and tools write it.
+    let plain = serde_json::to_string(
+        &serde_json::from_str::<serde_json::Value>(&{
+            let mut v = plan.canonical_json();
+            for (c, change) in v["changes"]
+                .as_array_mut()
+                .expect("changes")
+                .iter_mut()
+                .zip(&plan.changes)
+            {
+                if let inplace_agent::plan::Change::File(f) = change {
+                    c["file"]["content"] =
+                        String::from_utf8(f.content.to_vec()).expect("text").into();
+                    c["file"]["encoding"] = "plain".into();
+                }
+            }
+            v.to_string()
+        })
+        .expect("json"),
+    )
+    .expect("json");
+    g.throughput(Throughput::Bytes(plain.len() as u64));
+    g.bench_function("parse-json-plain", |b| {
+        b.iter(|| parse_plan(black_box(plain.as_bytes()), "bench", &limits).expect("plan"))
+    });
     g.bench_function("digest", |b| b.iter(|| black_box(&plan).digest()));
     g.bench_function("canonical-json", |b| {
         b.iter(|| black_box(&plan).canonical_json())
+    });
+    g.finish();
+}
+
+/// sha256 of 4 MiB: the sha2 crate (which uses the CPU's SHA extensions when it has them)
+/// against ring's digest.
+fn sha256(c: &mut Criterion) {
+    use sha2::Digest as _;
+    let data = vec![0x5au8; 4 << 20];
+    let mut g = c.benchmark_group("sha256-4MiB");
+    g.sample_size(20);
+    g.throughput(Throughput::Bytes(data.len() as u64));
+    g.bench_function("sha2", |b| {
+        b.iter(|| sha2::Sha256::digest(black_box(&data)))
+    });
+    g.bench_function("ring", |b| {
+        b.iter(|| ring::digest::digest(&ring::digest::SHA256, black_box(&data)))
     });
     g.finish();
 }
@@ -110,5 +152,5 @@ fn journal(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, plans, journal);
+criterion_group!(benches, sha256, plans, journal);
 criterion_main!(benches);

@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! perf all [--json FILE] [--quick]     every measurement below, figures as JSON
-//! perf apply-files [--files N] [--size BYTES] [--runs R]
+//! perf apply-files [--files N] [--size BYTES] [--runs R]   (YAML, JSON and gRPC front ends)
 //! perf noop [--files N] [--runs R]
 //! perf replay [--records N] [--runs R]
 //! perf journal-size [--plans N]
@@ -187,65 +187,124 @@ fn baseline_writes(dir: &Path, n: usize, size: usize) {
     }
 }
 
-/// Apply N files against the baseline, side by side.
+/// The JSON form of the plan file `setup` wrote: the same plan, content plain.
+fn json_plan(work: &Path, files: usize, size: usize, id: &str) -> PathBuf {
+    let changes: Vec<Value> = (0..files)
+        .map(|i| {
+            json!({"file": {"path": format!("/etc/kubernetes/bench/f{i:04}.conf"), "mode": "0644",
+                            "content": file_content(i, size)}})
+        })
+        .collect();
+    let plan =
+        json!({"apiVersion": "inplace.agent/v1", "kind": "Plan", "id": id, "changes": changes});
+    let path = work.join(format!("{}.json", id.replace('/', "_")));
+    std::fs::write(&path, plan.to_string()).expect("plan file");
+    path
+}
+
+/// Peak RSS (KiB) of one `apply` of `plan` on a copy of `template`, by GNU time.
+fn peak_rss(work: &Path, template: &Path, plan: &Path, name: &str) -> Option<u64> {
+    if !Path::new("/usr/bin/time").exists() {
+        return None;
+    }
+    let a = work.join(name);
+    copy_tree(template, &a);
+    let mut c = Command::new("/usr/bin/time");
+    c.arg("-v")
+        .arg(agent_bin())
+        .args(apply_cmd(&a, plan).get_args())
+        .stdout(Stdio::null());
+    let out = c.output().expect("spawn /usr/bin/time");
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("Maximum resident set size (kbytes): ")
+        })
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// Apply N files against the baseline, side by side, through each front end: `apply` of
+/// the YAML plan file and of the JSON one, and `submit --wait` of the JSON one over mutual
+/// TLS to a running `serve` (its start is not timed). Each round times all four, in an
+/// order that rotates, on fresh copies of the same tree.
 fn apply_files(files: usize, size: usize, runs: usize) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let (template, plan) = setup(work.path(), files, size, "bench/apply");
-    let mut agent = Vec::new();
-    let mut base = Vec::new();
+    let plan_json = json_plan(work.path(), files, size, "bench/apply");
+    let pki = NodePki::new("bench-node").expect("pki");
+    let (mut yaml, mut jsn, mut grpc, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let me = std::env::current_exe().expect("current exe");
     for i in 0..runs {
-        let a = work.path().join(format!("a{i}"));
-        let b = work.path().join(format!("b{i}"));
-        copy_tree(&template, &a);
-        copy_tree(&template, &b);
-        // Alternate which goes first, so drift hits both equally.
-        let mut run_agent = || agent.push(time_cmd(&mut apply_cmd(&a, &plan)));
-        let mut run_base = || {
-            base.push(time_cmd(
-                Command::new(&me)
-                    .arg("baseline-writes")
-                    .arg(&b)
-                    .arg(files.to_string())
-                    .arg(size.to_string()),
-            ))
-        };
-        if i % 2 == 0 {
-            run_agent();
-            run_base();
-        } else {
-            run_base();
-            run_agent();
+        let dirs: Vec<PathBuf> = ["y", "j", "g", "b"]
+            .iter()
+            .map(|k| work.path().join(format!("{k}{i}")))
+            .collect();
+        for d in &dirs {
+            copy_tree(&template, d);
         }
-        let _ = std::fs::remove_dir_all(&a);
-        let _ = std::fs::remove_dir_all(&b);
+        let daemon = serve(
+            work.path(),
+            &dirs[2],
+            &dirs[2].join("var/lib/inplace-agent"),
+            &pki,
+        );
+        let mut submit = Command::new(agent_bin());
+        submit
+            .args(["submit", "--wait", "--addr", &daemon.addr])
+            .args(pki.client_flags(support::pki::As::Updater))
+            .arg(&plan_json);
+        let mut order: Vec<Box<dyn FnMut()>> = vec![
+            Box::new(|| yaml.push(time_cmd(&mut apply_cmd(&dirs[0], &plan)))),
+            Box::new(|| jsn.push(time_cmd(&mut apply_cmd(&dirs[1], &plan_json)))),
+            Box::new(|| grpc.push(time_cmd(&mut submit))),
+            Box::new(|| {
+                base.push(time_cmd(
+                    Command::new(&me)
+                        .arg("baseline-writes")
+                        .arg(&dirs[3])
+                        .arg(files.to_string())
+                        .arg(size.to_string()),
+                ))
+            }),
+        ];
+        // Rotate who goes first, so drift hits all equally.
+        order.rotate_left(i % 4);
+        for run in &mut order {
+            run();
+        }
+        drop(order);
+        drop(daemon);
+        for d in &dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
     }
-    // One more apply under GNU time for the agent's peak memory.
-    let peak_kib = Path::new("/usr/bin/time").exists().then(|| {
-        let a = work.path().join("timed");
-        copy_tree(&template, &a);
-        let mut c = Command::new("/usr/bin/time");
-        c.arg("-v")
-            .arg(agent_bin())
-            .args(apply_cmd(&a, &plan).get_args())
-            .stdout(Stdio::null());
-        let out = c.output().expect("spawn /usr/bin/time");
-        String::from_utf8_lossy(&out.stderr)
-            .lines()
-            .find_map(|l| {
-                l.trim()
-                    .strip_prefix("Maximum resident set size (kbytes): ")
-            })
-            .and_then(|v| v.parse::<u64>().ok())
-    });
-    let (sa, sb, r) = (stats(&agent), stats(&base), paired_ratio(&agent, &base));
+    let peak_kib = peak_rss(work.path(), &template, &plan, "timed-yaml");
+    let peak_json_kib = peak_rss(work.path(), &template, &plan_json, "timed-json");
+    let plan_bytes = std::fs::metadata(&plan_json).map(|m| m.len()).unwrap_or(0);
+    let (sa, sb) = (stats(&yaml), stats(&base));
+    let (r, rj, rg) = (
+        paired_ratio(&yaml, &base),
+        paired_ratio(&jsn, &base),
+        paired_ratio(&grpc, &base),
+    );
     eprintln!(
-        "apply {files}×{size}: agent {:.1} ms, baseline {:.1} ms, ratio {:.2}",
-        sa.median, sb.median, r.median
+        "apply {files}×{size}: baseline {:.1} ms; yaml {:.1} ms ({:.2}×), json {:.1} ms ({:.2}×), grpc {:.1} ms ({:.2}×)",
+        sb.median,
+        sa.median,
+        r.median,
+        stats(&jsn).median,
+        rj.median,
+        stats(&grpc).median,
+        rg.median
     );
     json!({"files": files, "size": size, "agent": sa.json(), "baseline": sb.json(),
-           "ratio": r.json(), "agentPeakRssKiB": peak_kib.flatten(), "load": [load_before, load()]})
+           "agentJson": stats(&jsn).json(), "agentGrpc": stats(&grpc).json(),
+           "ratio": r.json(), "ratioJson": rj.json(), "ratioGrpc": rg.json(),
+           "planBytes": plan_bytes,
+           "agentPeakRssKiB": peak_kib, "agentPeakRssJsonKiB": peak_json_kib,
+           "load": [load_before, load()]})
 }
 
 /// Times `commands` with hyperfine (each with its `prepare`), when hyperfine is installed;

@@ -35,6 +35,23 @@ struct Work {
     staged: Option<crate::journal::StagedBody>,
 }
 
+impl Work {
+    /// Its one mutation is the write its content was staged for (a rename).
+    fn is_staged_write(&self) -> bool {
+        matches!((&self.staged, self.diff.mutations.as_slice()),
+            (Some(body), [steps::Mutation::Write { path, .. }]) if *path == body.path)
+    }
+}
+
+/// Renames not yet durable and the records of changes done that must wait for them.
+#[derive(Default)]
+struct Unsynced {
+    /// A path per rename (its directory is synced).
+    dirs: Vec<crate::plan::NodePath>,
+    /// The `StepDone` records, by change index.
+    done: Vec<(u32, Record)>,
+}
+
 /// How the run must stop at a step boundary.
 enum Stop {
     Cancelled,
@@ -594,9 +611,33 @@ impl Runner {
         if announced {
             self.shared.lock().journal.sync()?;
         }
+        // Renames of staged contents are made durable together: each directory is synced once,
+        // then the changes are journaled done (never before their renames are durable).
+        let mut unsynced = Unsynced::default();
         for (k, w) in work.iter().enumerate() {
             let _in_change = tracing::info_span!("change", change = w.index).entered();
-            if let Err(e) = self.execute_one(run, plan, w) {
+            let outcome = if w.is_staged_write() {
+                Ok(())
+            } else {
+                self.settle(&mut unsynced)
+            }
+            .and_then(|()| self.execute_one(run, plan, w, &mut unsynced))
+            .and_then(|()| {
+                if unsynced.dirs.is_empty() {
+                    self.settle(&mut unsynced)
+                } else {
+                    Ok(())
+                }
+            });
+            let outcome = match (outcome, k + 1 == work.len()) {
+                (Ok(()), true) => self.settle(&mut unsynced),
+                (other, _) => other,
+            };
+            if let Err((index, e)) = outcome {
+                // What was renamed before the failure is made durable and journaled done.
+                if let Err((_, settle)) = self.settle(&mut unsynced) {
+                    tracing::warn!(error = %settle.detail, "cannot sync renamed files");
+                }
                 for later in work[k + 1..].iter().filter(|l| l.announced) {
                     self.record(
                         Record::StepAbandoned {
@@ -606,7 +647,7 @@ impl Runner {
                         false,
                     )?;
                 }
-                failed = Some((w.index as usize, e));
+                failed = Some((index as usize, e));
                 break;
             }
         }
@@ -662,8 +703,53 @@ impl Runner {
         Ok((diff, preimages))
     }
 
-    /// Performs one change's mutations and records that it is done.
-    fn execute_one(&self, run: u64, plan: &Plan, w: &Work) -> Result<(), StepError> {
+    /// Syncs the directories of the renames made so far, then journals their changes done.
+    /// When a directory cannot be synced, those changes are not journaled done (the first is
+    /// reported failed; rollback restores them all from their pre-images).
+    fn settle(&self, unsynced: &mut Unsynced) -> Result<(), (u32, StepError)> {
+        let first = unsynced.done.first().map(|d| d.0).unwrap_or_default();
+        let done = std::mem::take(&mut unsynced.done);
+        let mut synced: Vec<String> = Vec::new();
+        for path in std::mem::take(&mut unsynced.dirs) {
+            let dir = path.parent().map(|d| d.to_string()).unwrap_or_default();
+            if !synced.contains(&dir) {
+                self.shared
+                    .host
+                    .root
+                    .sync_parent(&path)
+                    .map_err(|e| (first, StepError::from(e)))?;
+                synced.push(dir);
+            }
+        }
+        for (index, record) in done {
+            self.record(record, false)
+                .map_err(|e| (index, StepError::new(ErrorKind::Io, e.to_string())))?;
+        }
+        Ok(())
+    }
+
+    /// Performs one change's mutations and queues the record that it is done in `unsynced`
+    /// (with the renames whose directories must be synced first).
+    fn execute_one(
+        &self,
+        run: u64,
+        plan: &Plan,
+        w: &Work,
+        unsynced: &mut Unsynced,
+    ) -> Result<(), (u32, StepError)> {
+        self.execute_mutations(run, plan, w, unsynced)
+            .map(|done| unsynced.done.push((w.index, done)))
+            .map_err(|e| (w.index, e))
+    }
+
+    /// Performs one change's mutations; the record that it is done.
+    fn execute_mutations(
+        &self,
+        run: u64,
+        plan: &Plan,
+        w: &Work,
+        unsynced: &mut Unsynced,
+    ) -> Result<Record, StepError> {
         let journal_err = |e: JournalError| StepError::new(ErrorKind::Io, e.to_string());
         if w.diff.mutations.is_empty() {
             let message = if w.resumed {
@@ -674,17 +760,12 @@ impl Runner {
                     .clone()
                     .unwrap_or_else(|| "already in the desired state".into())
             };
-            return self
-                .record(
-                    Record::StepDone {
-                        run,
-                        index: w.index,
-                        changed: w.resumed,
-                        message,
-                    },
-                    false,
-                )
-                .map_err(journal_err);
+            return Ok(Record::StepDone {
+                run,
+                index: w.index,
+                changed: w.resumed,
+                message,
+            });
         }
         let step = plan
             .changes
@@ -694,7 +775,11 @@ impl Runner {
         let mut output = Vec::new();
         for m in &w.diff.mutations {
             failpoint::hit("step.before_mutation");
-            if !self.install_staged(run, w, m)? {
+            if self.install_staged(run, w, m)? {
+                if let steps::Mutation::Write { path, .. } = m {
+                    unsynced.dirs.push(path.clone());
+                }
+            } else {
                 let said = steps::execute(&self.shared.host, m, &mut |n| self.note(run, &step, n))?;
                 output.extend(said);
             }
@@ -715,16 +800,12 @@ impl Runner {
         if let Some(note) = &w.diff.note {
             message.push(note.clone());
         }
-        self.record(
-            Record::StepDone {
-                run,
-                index: w.index,
-                changed: true,
-                message: message.join("; "),
-            },
-            false,
-        )
-        .map_err(journal_err)
+        Ok(Record::StepDone {
+            run,
+            index: w.index,
+            changed: true,
+            message: message.join("; "),
+        })
     }
 
     /// Carries out `m` by renaming the content staged for it into place, when `m` is the

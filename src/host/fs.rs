@@ -814,8 +814,10 @@ impl Root {
         Ok(())
     }
 
-    /// Renames the content staged for `p` by `run` into place, durably: the mutation of a
-    /// staged write. False when nothing is staged (the caller writes the content itself).
+    /// Renames the content staged for `p` by `run` into place: the mutation of a staged
+    /// write. False when nothing is staged (the caller writes the content itself). Durable
+    /// once `p`'s directory is synced ([`Root::sync_parent`]; the engine syncs each
+    /// directory once for a batch of renames, before it journals them done).
     pub fn install_staged(&self, p: &NodePath, run: u64) -> Result<bool, FsError> {
         let Some(dir) = self.parent_for_removal(p)? else {
             return Ok(false);
@@ -827,7 +829,6 @@ impl Root {
             Err(rustix::io::Errno::NOENT) => return Ok(false),
             Err(e) => return Err(io_err("rename staged file onto", p)(rio(e))),
         }
-        rustix::fs::fsync(&dir).map_err(|e| io_err("sync directory of", p)(rio(e)))?;
         Ok(true)
     }
 

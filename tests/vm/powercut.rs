@@ -426,10 +426,12 @@ fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, boo
             verify.stderr
         );
     }
-    // Temp files are made beside the file they replace (and in the state directory).
+    // Temp and staged files are made beside the file they replace (and in the state
+    // directory); once the plan has ended none may be left.
     let temp = sh_ok(
         qga,
-        "find /etc /var/lib -xdev -name '.*.inplace-tmp' 2>/dev/null || true",
+        "find /etc /var/lib -xdev \\( -name '.*.inplace-tmp' -o -name '.*.inplace-r[0-9]*' \\) \
+         2>/dev/null || true",
         Duration::from_secs(120),
     )?;
     if !temp.trim().is_empty() {
