@@ -187,17 +187,25 @@ fn baseline_writes(dir: &Path, n: usize, size: usize) {
     }
 }
 
-/// The JSON form of the plan file `setup` wrote: the same plan, content plain.
-fn json_plan(work: &Path, files: usize, size: usize, id: &str) -> PathBuf {
+/// The JSON form of the plan file `setup` wrote: the same plan, content plain; for `node`
+/// when given (a daemon requires the plan to name it).
+fn json_plan(work: &Path, files: usize, size: usize, id: &str, node: Option<&str>) -> PathBuf {
     let changes: Vec<Value> = (0..files)
         .map(|i| {
             json!({"file": {"path": format!("/etc/kubernetes/bench/f{i:04}.conf"), "mode": "0644",
                             "content": file_content(i, size)}})
         })
         .collect();
-    let plan =
+    let mut plan =
         json!({"apiVersion": "inplace.agent/v1", "kind": "Plan", "id": id, "changes": changes});
-    let path = work.join(format!("{}.json", id.replace('/', "_")));
+    if let Some(node) = node {
+        plan["nodeName"] = node.into();
+    }
+    let path = work.join(format!(
+        "{}-{}.json",
+        id.replace('/', "_"),
+        node.unwrap_or("any")
+    ));
     std::fs::write(&path, plan.to_string()).expect("plan file");
     path
 }
@@ -232,8 +240,9 @@ fn apply_files(files: usize, size: usize, runs: usize) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let (template, plan) = setup(work.path(), files, size, "bench/apply");
-    let plan_json = json_plan(work.path(), files, size, "bench/apply");
+    let plan_json = json_plan(work.path(), files, size, "bench/apply", None);
     let pki = NodePki::new("bench-node").expect("pki");
+    let plan_grpc = json_plan(work.path(), files, size, "bench/apply", Some(&pki.node));
     let (mut yaml, mut jsn, mut grpc, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let me = std::env::current_exe().expect("current exe");
     for i in 0..runs {
@@ -244,17 +253,19 @@ fn apply_files(files: usize, size: usize, runs: usize) -> Value {
         for d in &dirs {
             copy_tree(&template, d);
         }
-        let daemon = serve(
+        // A 50 MiB plan is more than the default largest message (16 MiB).
+        let daemon = serve_with(
             work.path(),
             &dirs[2],
             &dirs[2].join("var/lib/inplace-agent"),
             &pki,
+            &["--max-message-bytes", "134217728"],
         );
         let mut submit = Command::new(agent_bin());
         submit
             .args(["submit", "--wait", "--addr", &daemon.addr])
             .args(pki.client_flags(support::pki::As::Updater))
-            .arg(&plan_json);
+            .arg(&plan_grpc);
         let mut order: Vec<Box<dyn FnMut()>> = vec![
             Box::new(|| yaml.push(time_cmd(&mut apply_cmd(&dirs[0], &plan)))),
             Box::new(|| jsn.push(time_cmd(&mut apply_cmd(&dirs[1], &plan_json)))),
@@ -370,18 +381,30 @@ fn noop(files: usize, runs: usize) -> Value {
         "sed -i \"s|^id: .*|id: bench/noop-$(date +%s%N)|\" {}",
         shell_quote(&again)
     );
-    let (new_ms, same_ms, tool) = match hyperfine(
-        &[(new_id, apply(&again)), ("true".into(), apply(&plan))],
+    // The same desired state as a JSON plan file (plain content), under a new id each run.
+    let again_json = json_plan(work.path(), files, 4096, "bench/noop", None);
+    let new_id_json = format!(
+        "sed -i \"s|\\\"id\\\":\\\"[^\\\"]*\\\"|\\\"id\\\":\\\"bench/noop-json-$(date +%s%N)\\\"|\" {}",
+        shell_quote(&again_json)
+    );
+    let (new_ms, same_ms, json_ms, tool) = match hyperfine(
+        &[
+            (new_id, apply(&again)),
+            ("true".into(), apply(&plan)),
+            (new_id_json, apply(&again_json)),
+        ],
         runs,
     ) {
-        Some(mut v) if v.len() == 2 => {
+        Some(mut v) if v.len() == 3 => {
+            let json = v.pop().unwrap_or_default();
             let same = v.pop().unwrap_or_default();
             let new = v.pop().unwrap_or_default();
-            (new, same, "hyperfine")
+            (new, same, json, "hyperfine")
         }
         _ => {
             let text = std::fs::read_to_string(&plan).expect("plan");
-            let (mut same, mut new) = (Vec::new(), Vec::new());
+            let text_json = std::fs::read_to_string(&again_json).expect("plan");
+            let (mut same, mut new, mut json) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..runs {
                 same.push(time_cmd(&mut apply_cmd(&root, &plan)));
                 std::fs::write(
@@ -390,17 +413,26 @@ fn noop(files: usize, runs: usize) -> Value {
                 )
                 .expect("plan");
                 new.push(time_cmd(&mut apply_cmd(&root, &again)));
+                std::fs::write(
+                    &again_json,
+                    text_json.replace(
+                        "\"id\":\"bench/noop\"",
+                        &format!("\"id\":\"bench/noop-json-{i}\""),
+                    ),
+                )
+                .expect("plan");
+                json.push(time_cmd(&mut apply_cmd(&root, &again_json)));
             }
-            (ms(&new), ms(&same), "std::process + Instant")
+            (ms(&new), ms(&same), ms(&json), "std::process + Instant")
         }
     };
-    let (n, s) = (stats_f(new_ms), stats_f(same_ms));
+    let (n, s, j) = (stats_f(new_ms), stats_f(same_ms), stats_f(json_ms));
     eprintln!(
-        "no-op re-apply: new id {:.1} ms, same plan {:.1} ms ({tool})",
-        n.median, s.median
+        "no-op re-apply: new id {:.1} ms (JSON {:.1} ms), same plan {:.1} ms ({tool})",
+        n.median, j.median, s.median
     );
-    json!({"files": files, "newId": n.json(), "samePlan": s.json(), "tool": tool,
-           "load": [load_before, load()]})
+    json!({"files": files, "newId": n.json(), "newIdJson": j.json(), "samePlan": s.json(),
+           "tool": tool, "load": [load_before, load()]})
 }
 
 /// A plan with 100 file changes whose content names its run, parsed.
@@ -587,6 +619,11 @@ fn journal_size(plans: u64) -> Value {
 /// A running `serve` of the release binary on `root` with its state in `state`, ready when
 /// it said `READY=1` on a notify socket in `home`; stopped with SIGTERM on drop.
 fn serve(home: &Path, root: &Path, state: &Path, pki: &NodePki) -> Daemon {
+    serve_with(home, root, state, pki, &[])
+}
+
+/// [`serve`] with more flags.
+fn serve_with(home: &Path, root: &Path, state: &Path, pki: &NodePki, flags: &[&str]) -> Daemon {
     let f = &pki.files;
     let mut cmd = serve_command(
         &agent_bin(),
@@ -605,6 +642,7 @@ fn serve(home: &Path, root: &Path, state: &Path, pki: &NodePki) -> Daemon {
     ])
     .arg("--state-dir")
     .arg(state)
+    .args(flags)
     .env("INPLACE_AGENT_LOG", "warn");
     Daemon::start(cmd, Ready::Notify(home.join("notify.sock")))
         .unwrap_or_else(|e| panic!("serve: {e}"))

@@ -84,6 +84,9 @@ n = perf.get("noop")
 if n:
     row("no-op re-apply, 500 files, same desired state under a new id (diffs every file, journals the plan)",
         ms(n["newId"]) + f" ({n['tool']})", "≤ 50 ms", "", n["newId"]["median"] <= 50, loads(n))
+    if "newIdJson" in n:
+        row("the same no-op re-apply with the plan as JSON (plain content) instead of YAML",
+            ms(n["newIdJson"]) + f" ({n['tool']})", "≤ 50 ms", "", n["newIdJson"]["median"] <= 50, loads(n))
     row("no-op re-apply, 500 files, the same plan again (already succeeded: parse, digest, journal replay)",
         ms(n["samePlan"]), "≤ 50 ms", "", n["samePlan"]["median"] <= 50, loads(n))
 an = perf.get("ansible")

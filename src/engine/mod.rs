@@ -524,9 +524,11 @@ impl Engine {
             inner.table.next_run()
         };
         let host = &self.shared.host;
-        let picks = staging::candidates(host, &plan, prepared);
         let (digest, stored) = std::thread::scope(|s| {
             let hashing = digest.is_none().then(|| s.spawn(|| plan.digest()));
+            // Which files must change (every target read and compared) is decided beside
+            // the digest too.
+            let picks = staging::candidates(host, &plan, prepared);
             let stored = self.store_contents(run, &plan, &picks);
             let digest = match hashing {
                 Some(h) => h.join().expect("the digest thread does not panic"),
