@@ -28,6 +28,35 @@ def text(name, default=""):
         return default
 
 
+# The previous RESULTS.md: sections other suites write (kept as they are), and the rows of
+# measurements this run skipped (BENCH_SKIP), carried over and marked as such.
+try:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")) as f:
+        old = f.read()
+except OSError:
+    old = ""
+old_date = next((l.split(" on ", 1)[1].split(",")[0] for l in old.splitlines()
+                 if l.startswith("Produced by")), "an earlier run")
+carried = []
+
+
+def carry(prefix):
+    """The previous run's rows starting with `prefix`, marked as carried over."""
+    for l in old.splitlines():
+        if l.startswith("| " + prefix):
+            rows.append(l.rstrip() + " (carried over) |" if not l.rstrip().endswith("|") else
+                        l.rstrip()[:-1].rstrip() + " carried over from " + old_date + " |")
+            carried.append(prefix)
+
+
+def old_section(title):
+    start = old.find("## " + title)
+    if start < 0:
+        return None
+    end = old.find("\n## ", start + 1)
+    return old[start:end if end >= 0 else len(old)].rstrip()
+
+
 perf = load("perf.json") or {}
 rpc = load("rpc.json")
 download = load("download.json")
@@ -98,6 +127,8 @@ if an and "skipped" not in an:
         row(f"Ansible `copy` vs agent, 500 files, {label} ({an['runs']} round)",
             f"Ansible {A['median'] / 1000:.1f} s; agent {G['median']:.1f} ms",
             "agent ≥ 20× faster", f"{r['median']:.0f}× faster", r["median"] >= 20, loads(an))
+elif an and "skipped" in an and "Ansible `copy`" in old:
+    carry("Ansible `copy`")
 elif an:
     row("Ansible comparison", "skipped: " + an["skipped"], "", "", None, "")
 for key, target in (("replay100k", None), ("replay1m", 1500)):
@@ -153,7 +184,9 @@ if status:
         f"{m['afterLoad'] / 1024:.1f} MiB (anon {m['afterLoadAnon'] / 1024:.1f}, file {m['afterLoadFile'] / 1024:.1f}; "
         f"at start {m['start'] / 1024:.1f}; peak {m['peak'] / 1024:.1f})",
         "≤ 8 MiB", "", m["afterLoad"] <= 8192, "")
-if upgrade and "skipped" in upgrade:
+if upgrade is None:
+    carry("version bump")
+elif upgrade and "skipped" in upgrade:
     row("version bump 1.30 → 1.31 on a sandboxed real systemd", f"skipped: {upgrade['skipped']}", "", "", None, "")
 elif upgrade:
     parts = ", ".join(f"{f['name']} {f['medianMs']:.0f} ms" for f in upgrade["figures"][1:] if f["depth"] == 1)
@@ -165,11 +198,15 @@ elif upgrade:
     if noop:
         row("version bump plan applied again under a new id (nothing to do: no package command, no restart)",
             f"{noop['medianMs']:.0f} ms (min {noop['minMs']:.0f}, max {noop['maxMs']:.0f})", "", "", None, "")
+if download is None:
+    carry("artifact download")
 if download:
     row(f"artifact download, {download['mib']} MiB over TLS from 127.0.0.1 ({download['rounds']} rounds)",
         f"{download['oursMiBps']:.0f} MiB/s (curl {download['curlMiBps']:.0f} MiB/s)", "≥ 0.9× curl",
         f"{download['ratio']:.2f}× (rounds {download['ratioMin']:.2f}–{download['ratioMax']:.2f})",
         download["ratio"] >= 0.9, "")
+if fleet is None:
+    carry("fleet:")
 if fleet:
     u = fleet["updater"]
     a = fleet["agentsKiB"]
@@ -243,6 +280,10 @@ print("| measurement | result | target | ratio | | load |")
 print("|---|---|---|---|---|---|")
 for r in rows:
     print(r)
+if carried:
+    print()
+    print(f"Rows whose last column says *carried over* were not measured in this run (skipped with "
+          f"`BENCH_SKIP`): they are the figures of {old_date}, for code before this run's commit.")
 cr = criterion_rows()
 if cr:
     print()
@@ -252,6 +293,9 @@ if cr:
     print("|---|---|---|")
     for r in cr:
         print(r)
+if fleet is None and old_section("Fleet details"):
+    print()
+    print(old_section("Fleet details").replace("## Fleet details", "## Fleet details (carried over from " + old_date + ")", 1))
 if fleet:
     print()
     print("## Fleet details")
@@ -268,15 +312,10 @@ av = text("ansible-version.txt")
 if av:
     print()
     print(f"Ansible: {av}.")
-# The power-cut section is written by `cargo bench --bench powercut` (about an hour under
-# software emulation, so not part of this suite): kept as it is.
-try:
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")) as f:
-        old = f.read()
-    start = old.find("## Power cuts on a VM node")
-    if start >= 0:
-        end = old.find("\n## ", start + 1)
+# Sections other suites write, run on their own (the updater under CAPI's load, memory under
+# abuse, about an hour of power cuts under software emulation): kept as they are.
+for title in ("Updater", "Memory under abuse", "Power cuts on a VM node"):
+    section = old_section(title)
+    if section:
         print()
-        print(old[start:end if end >= 0 else len(old)].rstrip())
-except OSError:
-    pass
+        print(section)
