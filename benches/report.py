@@ -154,6 +154,9 @@ if fp:
     row(f"idle RSS of `serve` (mTLS listener, {fp['journalRecords']:,}-record journal), 15 s after ready",
         f"{m['rss'] / 1024:.1f} MiB (anon {m['anon'] / 1024:.1f}, file {m['file'] / 1024:.1f}; peak {m['peak'] / 1024:.1f})",
         "≤ 8 MiB", "", m["rss"] <= 8192, loads(fp))
+if rpc is None:
+    for prefix in ("idle RSS of `serve` after", "`GetPlanStatus` over mTLS", "new mTLS connections"):
+        carry(prefix)
 if rpc:
     m = rpc["rssKiB"]
     row(f"idle RSS of `serve` after {rpc['plans']['count']:,} plans over gRPC",
@@ -173,6 +176,9 @@ if rpc:
         row("... then RSS back under 16 MiB",
             f"{ab['rssAfterKiB'] / 1024:.1f} MiB (anon {ab['anonAfterKiB'] / 1024:.1f}) after {ab['backUnder16MiBAfterSeconds']:.1f} s",
             "≤ 16 MiB within 60 s", "", ab["rssAfterKiB"] <= 16 * 1024 and ab["backUnder16MiBAfterSeconds"] <= 60, "")
+if status is None:
+    for prefix in ("`GET /v1/status`", "RSS of `serve` with the status socket"):
+        carry(prefix)
 if status:
     l, m, j = status["statusLatency"], status["rssKiB"], status["journal"]
     row(f"`GET /v1/status` over the socket at {l['rate']:,}/s (open loop, {l['requests']:,} requests, {l['failed']} failed)",
