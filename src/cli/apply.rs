@@ -1,6 +1,5 @@
 //! `check` and `apply`.
 
-use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -12,29 +11,30 @@ use crate::engine::state::{Phase, PlanStatus};
 use crate::engine::{Engine, Submission, SubmitError};
 use crate::host::Host;
 use crate::host::systemd::SystemdError;
-use crate::plan::{InvalidPlan, Plan, parse_plan};
+use crate::plan::{InvalidPlan, Limits, Plan, ReadPlanError, read_plan};
 
 /// Reads and validates a plan file; prints the errors and returns the exit code on failure.
 pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Plan, Exit> {
+    read_plan_path(path, &settings.limits, output)
+}
+
+/// Reads and validates the plan at `path` (`-`: standard input) within `limits`; prints what
+/// is wrong with it.
+pub(super) fn read_plan_path(path: &Path, limits: &Limits, output: Output) -> Result<Plan, Exit> {
     let name = path.display().to_string();
-    let bytes = if name == "-" {
-        let mut buf = Vec::new();
-        std::io::stdin()
-            .read_to_end(&mut buf)
-            .map(|_| buf)
-            .map_err(|e| e.to_string())
+    let result = if name == "-" {
+        read_plan(&mut std::io::stdin().lock(), &name, limits)
     } else {
-        std::fs::read(path).map_err(|e| e.to_string())
-    };
-    let bytes = match bytes {
-        Ok(b) => b,
-        Err(e) => {
-            errln!("error: read plan {name}: {e}");
-            return Err(Exit::Invalid);
+        match std::fs::File::open(path) {
+            Ok(mut file) => read_plan(&mut file, &name, limits),
+            Err(e) => Err(ReadPlanError::Read(e)),
         }
     };
-    parse_plan(&bytes, &name, &settings.limits).map_err(|invalid| {
-        print_invalid(&invalid, output);
+    result.map_err(|e| {
+        match e {
+            ReadPlanError::Read(e) => errln!("error: read plan {name}: {e}"),
+            ReadPlanError::Invalid(invalid) => print_invalid(&invalid, output),
+        }
         Exit::Invalid
     })
 }

@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use super::render::{status_json, summary};
 use super::{Exit, Output};
 use crate::engine::state::{ChangeState, CheckState, Phase, PlanStatus};
-use crate::plan::{AllowList, Limits, Plan, parse_plan};
+use crate::plan::{AllowList, Limits, Plan};
 use crate::rpc::convert::plan_to_pb;
 use crate::rpc::pb;
 use crate::rpc::pb::node_agent_client::NodeAgentClient;
@@ -668,26 +668,12 @@ fn client_limits() -> Limits {
 }
 
 fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, Exit> {
-    let name = path.display().to_string();
-    let bytes = if name == "-" {
-        let mut buf = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).map(|_| buf)
+    let out = if output == RemoteOutput::Json {
+        Output::Json
     } else {
-        std::fs::read(path)
+        Output::Text
     };
-    let bytes = bytes.map_err(|e| {
-        errln!("error: read plan {name}: {e}");
-        Exit::Invalid
-    })?;
-    parse_plan(&bytes, &name, &client_limits()).map_err(|invalid| {
-        let out = if output == RemoteOutput::Json {
-            Output::Json
-        } else {
-            Output::Text
-        };
-        super::apply::print_invalid(&invalid, out);
-        Exit::Invalid
-    })
+    super::apply::read_plan_path(path, &client_limits(), out)
 }
 
 /// `inplace-agent submit`.

@@ -128,46 +128,29 @@ pub(super) fn stage(
     picks: &[(u32, FileMeta)],
 ) -> Result<Vec<StagedBody>, String> {
     let mut staged: Vec<StagedBody> = Vec::with_capacity(picks.len());
-    let result = (|| {
-        for (i, meta) in picks {
-            let Some(Change::File(f)) = plan.changes.get(*i as usize) else {
-                continue;
-            };
-            let missing = host.root.missing_dirs(&f.path).unwrap_or_default();
-            let created_dirs = host
-                .root
-                .stage(&f.path, run, &f.content, *meta)
-                .map_err(|e| {
-                    // What this file's staging created before it failed.
-                    for dir in missing.iter().rev() {
-                        let _ = host.root.remove_empty_dir(dir);
-                    }
-                    problem(*i, &f.path, &e)
-                })?;
-            staged.push(StagedBody {
-                index: *i,
-                path: f.path.clone(),
-                sha256: hex::encode(Sha256::digest(&f.content)),
-                len: f.content.len() as u64,
-                meta: *meta,
-                created_dirs,
-            });
-        }
-        let mut synced: BTreeSet<String> = BTreeSet::new();
-        for body in &staged {
-            let dir = body
-                .path
-                .parent()
-                .map(|d| d.to_string())
-                .unwrap_or_default();
-            if synced.insert(dir) {
-                host.root
-                    .sync_parent(&body.path)
-                    .map_err(|e| problem(body.index, &body.path, &e))?;
-            }
-        }
-        Ok(())
-    })();
+    let contents: Vec<&[u8]> = picks
+        .iter()
+        .filter_map(|(i, _)| match plan.changes.get(*i as usize) {
+            Some(Change::File(f)) => Some(&f.content[..]),
+            _ => None,
+        })
+        .collect();
+    // The sha256 of each content is computed beside the writes (which mostly wait for the
+    // disk), not between them.
+    let (result, sums) = std::thread::scope(|s| {
+        let hashing = s.spawn(|| {
+            contents
+                .iter()
+                .map(|c| hex::encode(Sha256::digest(c)))
+                .collect::<Vec<String>>()
+        });
+        let result = write_staged(host, run, plan, picks, &mut staged);
+        let sums = hashing.join().expect("hashing does not panic");
+        (result, sums)
+    });
+    for (body, sum) in staged.iter_mut().zip(sums) {
+        body.sha256 = sum;
+    }
     match result {
         Ok(()) => Ok(staged),
         Err(e) => {
@@ -181,6 +164,55 @@ pub(super) fn stage(
             Err(e)
         }
     }
+}
+
+/// Writes the staged files of `picks` (into `staged`, without their sha256), then syncs
+/// their directories.
+fn write_staged(
+    host: &Host,
+    run: u64,
+    plan: &Plan,
+    picks: &[(u32, FileMeta)],
+    staged: &mut Vec<StagedBody>,
+) -> Result<(), String> {
+    for (i, meta) in picks {
+        let Some(Change::File(f)) = plan.changes.get(*i as usize) else {
+            continue;
+        };
+        let missing = host.root.missing_dirs(&f.path).unwrap_or_default();
+        let created_dirs = host
+            .root
+            .stage(&f.path, run, &f.content, *meta)
+            .map_err(|e| {
+                // What this file's staging created before it failed.
+                for dir in missing.iter().rev() {
+                    let _ = host.root.remove_empty_dir(dir);
+                }
+                problem(*i, &f.path, &e)
+            })?;
+        staged.push(StagedBody {
+            index: *i,
+            path: f.path.clone(),
+            sha256: String::new(),
+            len: f.content.len() as u64,
+            meta: *meta,
+            created_dirs,
+        });
+    }
+    let mut synced: BTreeSet<String> = BTreeSet::new();
+    for body in staged.iter() {
+        let dir = body
+            .path
+            .parent()
+            .map(|d| d.to_string())
+            .unwrap_or_default();
+        if synced.insert(dir) {
+            host.root
+                .sync_parent(&body.path)
+                .map_err(|e| problem(body.index, &body.path, &e))?;
+        }
+    }
+    Ok(())
 }
 
 /// What went wrong staging change `index`, and that nothing changed; what to do when the

@@ -867,14 +867,20 @@ impl Root {
 
     /// Removes what `run` staged for `p`, durably; false when nothing was staged.
     pub fn unstage(&self, p: &NodePath, run: u64) -> Result<bool, FsError> {
+        let name = staged_name(p.file_name(), run);
+        self.unlink_beside(p, &name, "remove staged file for")
+    }
+
+    /// Removes the entry `name` of `p`'s directory and syncs the directory; false when
+    /// there is no such entry. `op` names the operation in an error.
+    fn unlink_beside(&self, p: &NodePath, name: &str, op: &'static str) -> Result<bool, FsError> {
         let Some(dir) = self.parent_for_removal(p)? else {
             return Ok(false);
         };
-        let name = staged_name(p.file_name(), run);
-        match rustix::fs::unlinkat(&dir, name.as_str(), AtFlags::empty()) {
+        match rustix::fs::unlinkat(&dir, name, AtFlags::empty()) {
             Ok(()) => {}
             Err(rustix::io::Errno::NOENT) => return Ok(false),
-            Err(e) => return Err(io_err("remove staged file for", p)(rio(e))),
+            Err(e) => return Err(io_err(op, p)(rio(e))),
         }
         rustix::fs::fsync(&dir).map_err(|e| io_err("sync directory of", p)(rio(e)))?;
         Ok(true)
@@ -892,16 +898,7 @@ impl Root {
 
     /// Removes the file at `p`; false when it was already absent. Durable when it returns.
     pub fn remove(&self, p: &NodePath) -> Result<bool, FsError> {
-        let Some(dir) = self.parent_for_removal(p)? else {
-            return Ok(false);
-        };
-        match rustix::fs::unlinkat(&dir, p.file_name(), AtFlags::empty()) {
-            Ok(()) => {}
-            Err(rustix::io::Errno::NOENT) => return Ok(false),
-            Err(e) => return Err(io_err("remove", p)(rio(e))),
-        }
-        rustix::fs::fsync(&dir).map_err(|e| io_err("sync directory of", p)(rio(e)))?;
-        Ok(true)
+        self.unlink_beside(p, p.file_name(), "remove")
     }
 
     /// Removes the directory `p` if it exists and is empty; true when removed. Below an

@@ -40,7 +40,10 @@ pub(super) fn digest(plan: &Plan) -> String {
                 if j > 0 {
                     put(&mut hasher, b",");
                 }
-                write_canonical(&kinds::canonical_change(c, true), &mut hasher);
+                match c {
+                    Change::File(f) => write_file_change(c, &f.content, &mut hasher),
+                    _ => write_canonical(&kinds::canonical_change(c, true), &mut hasher),
+                }
             }
             put(&mut hasher, b"]");
         } else {
@@ -49,6 +52,30 @@ pub(super) fn digest(plan: &Plan) -> String {
     }
     put(&mut hasher, b"}");
     format!("sha256:{}", hex::encode(hasher.0.finalize()))
+}
+
+/// The canonical form of the `file` change `c` with content `content`, without building
+/// its base64 text: the form with an empty content is written, and the base64 is streamed
+/// into its place. The keys are sorted, so the content is the first `"content":""` of the
+/// form (`append` alone comes before it, and quotes inside strings are escaped).
+fn write_file_change(c: &Change, content: &[u8], out: &mut impl std::io::Write) {
+    const HOLE: &[u8] = b"\"content\":\"\"";
+    let mut form = Vec::with_capacity(256);
+    write_canonical(&kinds::canonical_change(c, false), &mut form);
+    let Some(at) = form.windows(HOLE.len()).position(|w| w == HOLE) else {
+        unreachable!("the canonical file change has a content");
+    };
+    let split = at + HOLE.len() - 1;
+    put(out, &form[..split]);
+    // Whole groups of three bytes encode without padding, so the chunks join up exactly.
+    let mut encoded = vec![0u8; 64 * 1024];
+    for chunk in content.chunks(48 * 1024) {
+        let n = base64::engine::general_purpose::STANDARD
+            .encode_slice(chunk, &mut encoded)
+            .expect("the buffer holds a chunk's base64");
+        put(out, &encoded[..n]);
+    }
+    put(out, &form[split..]);
 }
 
 /// `io::Write` into a running sha256.
@@ -169,16 +196,23 @@ mod tests {
 
     #[test]
     fn the_streamed_digest_is_the_hash_of_the_whole_canonical_document() {
-        let plan = parse::parse_plan(
-            b"apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nnodeName: n1\nchanges:\n\
-              \x20 - file: {path: /etc/kubernetes/a, content: \"a\\n\", mode: \"0600\"}\n\
-              \x20 - sysctl: {key: net.ipv4.ip_forward, value: \"1\"}\n\
-              \x20 - file: {path: /etc/kubernetes/b, content: \"b\"}\n\
-              verify:\n  - unitActive: {name: kubelet.service}\n",
-            "test",
-            &parse::Limits::default(),
-        )
-        .unwrap();
+        // Contents of 0, 1 and 2 bytes past whole base64 chunks, and empty, and tiny.
+        let sized = |n: usize| "c".repeat(n);
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nnodeName: n1\nchanges:\n\
+             \x20 - file: {{path: /etc/kubernetes/a, content: \"a\\n\", mode: \"0600\"}}\n\
+             \x20 - sysctl: {{key: net.ipv4.ip_forward, value: \"1\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/b, content: \"b\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/c0, content: \"{}\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/c1, content: \"{}\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/c2, content: \"{}\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/e, content: \"\", append: true}}\n\
+             verify:\n  - unitActive: {{name: kubelet.service}}\n",
+            sized(3 * 48 * 1024),
+            sized(2 * 48 * 1024 + 1),
+            sized(48 * 1024 + 2),
+        );
+        let plan = parse::parse_plan(text.as_bytes(), "test", &parse::Limits::default()).unwrap();
         let mut doc = canonical_value(&plan, true);
         doc.as_object_mut().unwrap().remove("id");
         let mut whole = DIGEST_DOMAIN.to_vec();

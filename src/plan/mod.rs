@@ -9,6 +9,7 @@
 
 mod digest;
 mod error;
+mod json;
 pub(crate) mod kinds;
 pub(crate) mod parse;
 mod path;
@@ -23,11 +24,12 @@ pub use kinds::{
     KubeletConfigChange, KubeletFlagsChange, PackageChange, RebootChange, SysctlChange, UnitChange,
     UnitState, sysctl_conf_path,
 };
-pub use parse::Cx;
 pub use parse::{
     API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,
-    parse_mode, parse_owner, parse_plan, sysctl_segments, validate_document, validate_value,
+    parse_mode, parse_owner, parse_plan, read_plan, sysctl_segments, validate_document,
+    validate_value,
 };
+pub use parse::{Cx, ReadPlanError};
 pub use path::{AllowList, NodePath, PathError};
 
 /// One validated plan.

@@ -60,6 +60,18 @@ pub const API_VERSION: &str = "inplace.agent/v1";
 
 /// Parses and validates a plan document (YAML or JSON).
 pub fn parse_plan(bytes: &[u8], source: &str, limits: &Limits) -> Result<Plan, InvalidPlan> {
+    read_plan(&mut &bytes[..], source, limits).map_err(|e| match e {
+        ReadPlanError::Invalid(invalid) => invalid,
+        ReadPlanError::Read(e) => InvalidPlan {
+            source: source.to_string(),
+            errors: vec![FieldError::new("", format!("cannot read the plan: {e}"))],
+        },
+    })
+}
+
+/// Parses and validates a plan document held whole (YAML, or JSON that does not start with
+/// `{`, which serde_json then refuses).
+fn parse_whole(bytes: &[u8], source: &str, limits: &Limits) -> Result<Plan, InvalidPlan> {
     let fail = |message: String| InvalidPlan {
         source: source.to_string(),
         errors: vec![FieldError::new("", message)],
@@ -81,6 +93,75 @@ pub fn parse_plan(bytes: &[u8], source: &str, limits: &Limits) -> Result<Plan, I
         yaml_to_json(yaml).map_err(|e| fail(format!("unsupported YAML: {e}")))?
     };
     validate_document(value, source, limits)
+}
+
+/// Why a plan could not be read from its input.
+#[derive(Debug)]
+pub enum ReadPlanError {
+    /// Reading the input failed.
+    Read(std::io::Error),
+    /// The plan is not valid.
+    Invalid(InvalidPlan),
+}
+
+/// [`parse_plan`] reading the plan from `input`. A JSON plan (the first character a `{`) is
+/// read in chunks and its long strings decoded as they arrive (`plan::json`): its text is
+/// never held whole, so a plan of large files costs about its content in memory, once.
+pub fn read_plan(
+    input: &mut dyn Read,
+    source: &str,
+    limits: &Limits,
+) -> Result<Plan, ReadPlanError> {
+    let fail = |message: String| {
+        ReadPlanError::Invalid(InvalidPlan {
+            source: source.to_string(),
+            errors: vec![FieldError::new("", message)],
+        })
+    };
+    let max = limits.max_plan_bytes;
+    let too_large = |max: usize| fail(format!("plan is more than the limit of {max} bytes"));
+    // Enough to see the first character that is not white space.
+    let mut head = Vec::new();
+    let first = loop {
+        let mut chunk = [0u8; 4096];
+        let n = match input.read(&mut chunk) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(ReadPlanError::Read(e)),
+        };
+        let start = head.len();
+        head.extend_from_slice(&chunk[..n]);
+        if let Some(c) = head[start..].iter().find(|c| !c.is_ascii_whitespace()) {
+            break Some(*c);
+        }
+        if n == 0 {
+            break None;
+        }
+    };
+    if head.len() > max {
+        return Err(too_large(max));
+    }
+    if first == Some(b'{') {
+        let value = super::json::split(head, input, max)
+            .map_err(|e| match e {
+                super::json::SplitError::Read(e) => ReadPlanError::Read(e),
+                super::json::SplitError::TooLarge(max) => too_large(max),
+                super::json::SplitError::Syntax(e) => fail(format!("malformed JSON: {e}")),
+            })?
+            .into_value()
+            .map_err(|e| fail(format!("malformed JSON: {e}")))?;
+        return validate_document(value, source, limits).map_err(ReadPlanError::Invalid);
+    }
+    // YAML (or white space only): parsed from the whole text.
+    let mut bytes = head;
+    let room = (max + 1).saturating_sub(bytes.len()) as u64;
+    if let Err(e) = input.take(room).read_to_end(&mut bytes) {
+        return Err(ReadPlanError::Read(e));
+    }
+    if bytes.len() > max {
+        return Err(too_large(max));
+    }
+    parse_whole(&bytes, source, limits).map_err(ReadPlanError::Invalid)
 }
 
 /// Converts YAML to JSON values: string keys only, finite numbers, no tags.
