@@ -154,7 +154,7 @@ pub fn read_plan(
     }
     // YAML (or white space only): parsed from the whole text.
     let mut bytes = head;
-    let room = (max + 1).saturating_sub(bytes.len()) as u64;
+    let room = max.saturating_add(1).saturating_sub(bytes.len()) as u64;
     if let Err(e) = input.take(room).read_to_end(&mut bytes) {
         return Err(ReadPlanError::Read(e));
     }
@@ -1231,6 +1231,36 @@ mod tests {
     }
 
     const HEAD: &str = "apiVersion: inplace.agent/v1\nkind: Plan\nid: ns/m@1\n";
+
+    #[test]
+    fn a_plan_read_from_its_input_is_the_plan_parsed_whole_within_any_limit() {
+        let yaml =
+            format!("{HEAD}changes:\n  - file: {{path: /etc/kubernetes/a, content: \"a\\n\"}}\n");
+        let json = format!(
+            r#"  {{"apiVersion": "inplace.agent/v1", "kind": "Plan", "id": "ns/m@1", "changes": [{{"file": {{"path": "/etc/kubernetes/a", "content": "{}"}}}}]}}"#,
+            "b\\n".repeat(5000)
+        );
+        for text in [yaml, json] {
+            let whole = parse_whole(text.as_bytes(), "t", &Limits::default()).unwrap();
+            for limits in [Limits::default(), Limits::replay()] {
+                let read = read_plan(&mut text.as_bytes(), "t", &limits).unwrap();
+                assert_eq!(read, whole);
+                assert_eq!(read.digest(), whole.digest());
+            }
+            let small = Limits {
+                max_plan_bytes: 100,
+                ..Limits::default()
+            };
+            let Err(ReadPlanError::Invalid(e)) = read_plan(&mut text.as_bytes(), "t", &small)
+            else {
+                panic!("a plan over the limit is refused");
+            };
+            assert_eq!(
+                e.errors[0].message,
+                "plan is more than the limit of 100 bytes"
+            );
+        }
+    }
 
     #[test]
     fn parses_the_design_example() {
