@@ -68,7 +68,7 @@ fn write_file_change(c: &Change, content: &[u8], out: &mut impl std::io::Write) 
     let split = at + HOLE.len() - 1;
     put(out, &form[..split]);
     // Whole groups of three bytes encode without padding, so the chunks join up exactly.
-    let mut encoded = vec![0u8; 64 * 1024];
+    let mut encoded = vec![0u8; (content.len().div_ceil(3) * 4).min(64 * 1024)];
     for chunk in content.chunks(48 * 1024) {
         let n = base64::engine::general_purpose::STANDARD
             .encode_slice(chunk, &mut encoded)

@@ -55,25 +55,7 @@ pub(super) enum SplitError {
 /// Reads the JSON plan whose first `head` bytes were already read from `input`; at most
 /// `max` bytes in all.
 pub(super) fn split(head: Vec<u8>, input: &mut dyn Read, max: usize) -> Result<Split, SplitError> {
-    let end = head.len();
-    let mut buf = head;
-    buf.resize(end.max(CHUNK), 0);
-    let mut s = Scanner {
-        buf,
-        pos: 0,
-        end,
-        input,
-        eof: false,
-        consumed: 0,
-        max,
-        line: 1,
-        line_start: 0,
-        out: Split {
-            skeleton: Vec::new(),
-            long: Vec::new(),
-            removed: Vec::new(),
-        },
-    };
+    let mut s = Scanner::new(head, input, max);
     s.run()?;
     Ok(s.out)
 }
@@ -187,6 +169,31 @@ struct Str {
     raw: Option<Vec<u8>>,
     decoded: Vec<u8>,
     written: usize,
+}
+
+impl<'a> Scanner<'a> {
+    /// A scanner of `input` whose first `head` bytes were already read.
+    fn new(head: Vec<u8>, input: &'a mut dyn Read, max: usize) -> Scanner<'a> {
+        let end = head.len();
+        let mut buf = head;
+        buf.resize(end.max(CHUNK), 0);
+        Scanner {
+            buf,
+            pos: 0,
+            end,
+            input,
+            eof: false,
+            consumed: 0,
+            max,
+            line: 1,
+            line_start: 0,
+            out: Split {
+                skeleton: Vec::new(),
+                long: Vec::new(),
+                removed: Vec::new(),
+            },
+        }
+    }
 }
 
 impl Scanner<'_> {
@@ -559,35 +566,9 @@ mod tests {
         assert_eq!(read(text.as_bytes(), 5), serde(text.as_bytes()));
     }
 
-    #[test]
-    fn syntax_errors_after_a_long_string_point_where_serde_json_points() {
-        let long = "z".repeat(LONG * 3);
-        for text in [
-            format!(r#"{{"a": "{long}", "b": }}"#),
-            format!("{{\"a\": \"{long}\",\n \"b\": \"{long}\" \"c\": 1}}"),
-            format!(r#"{{"a": "{long}""#),
-            format!(r#"{{"a": "{long}"}} x"#),
-        ] {
-            assert_eq!(
-                read(text.as_bytes(), 1 << 20).unwrap_err(),
-                serde(text.as_bytes()).unwrap_err(),
-                "{}",
-                &text[text.len() - 20..]
-            );
-        }
-    }
-
-    #[test]
-    fn errors_inside_a_long_string_point_where_serde_json_points() {
-        let long = "z".repeat(LONG * 3);
-        for text in [
-            format!("{{\n\"a\": \"{long}\\q\"}}"),
-            format!("{{\"a\": \"{long}"),
-            format!("{{\"a\": \"{long}\\"),
-            format!("{{\"a\": \"{long}\\u12"),
-            format!("{{\"a\": 1,\n \"b\": \"{long}\tz\"}}"),
-            format!("{{\"a\": \"{long}\\u12g4\"}}"),
-        ] {
+    /// Each text fails with serde_json's message, line and column.
+    fn assert_errors_as_serde_json(texts: &[String]) {
+        for text in texts {
             assert_eq!(
                 read(text.as_bytes(), 1 << 20).unwrap_err(),
                 serde(text.as_bytes()).unwrap_err(),
@@ -595,6 +576,30 @@ mod tests {
                 &text[text.len() - 8..]
             );
         }
+    }
+
+    #[test]
+    fn syntax_errors_after_a_long_string_point_where_serde_json_points() {
+        let long = "z".repeat(LONG * 3);
+        assert_errors_as_serde_json(&[
+            format!(r#"{{"a": "{long}", "b": }}"#),
+            format!("{{\"a\": \"{long}\",\n \"b\": \"{long}\" \"c\": 1}}"),
+            format!(r#"{{"a": "{long}""#),
+            format!(r#"{{"a": "{long}"}} x"#),
+        ]);
+    }
+
+    #[test]
+    fn errors_inside_a_long_string_point_where_serde_json_points() {
+        let long = "z".repeat(LONG * 3);
+        assert_errors_as_serde_json(&[
+            format!("{{\n\"a\": \"{long}\\q\"}}"),
+            format!("{{\"a\": \"{long}"),
+            format!("{{\"a\": \"{long}\\"),
+            format!("{{\"a\": \"{long}\\u12"),
+            format!("{{\"a\": 1,\n \"b\": \"{long}\tz\"}}"),
+            format!("{{\"a\": \"{long}\\u12g4\"}}"),
+        ]);
     }
 
     #[test]
@@ -606,22 +611,7 @@ mod tests {
             data: text.as_bytes(),
             step: 1 << 20,
         };
-        let mut s = Scanner {
-            buf: vec![0; CHUNK],
-            pos: 0,
-            end: 0,
-            input: &mut input,
-            eof: false,
-            consumed: 0,
-            max: usize::MAX,
-            line: 1,
-            line_start: 0,
-            out: Split {
-                skeleton: Vec::new(),
-                long: Vec::new(),
-                removed: Vec::new(),
-            },
-        };
+        let mut s = Scanner::new(Vec::new(), &mut input, usize::MAX);
         s.run().unwrap();
         assert_eq!(s.buf.capacity(), CHUNK);
         assert!(s.out.skeleton.len() < 64, "{}", s.out.skeleton.len());
