@@ -301,9 +301,9 @@ impl Scanner<'_> {
             if let Some(raw) = &mut s.raw {
                 raw.extend_from_slice(seg);
             }
+            s.shorten_if_long();
             self.pos += special;
             if self.pos == self.end {
-                s.shorten_if_long();
                 continue;
             }
             match self.buf[self.pos] {
@@ -380,7 +380,9 @@ impl Scanner<'_> {
     /// looks like a placeholder) is kept and replaced by a placeholder.
     fn finish(&mut self, s: Str) -> Result<(), SplitError> {
         match s.raw {
-            Some(raw) if !s.decoded.starts_with(MARK.as_bytes()) => {
+            // By length, not by whether `raw` was dropped: that happens only when a string
+            // crosses a read boundary, and a long string read whole must leave too.
+            Some(raw) if raw.len() < LONG && !s.decoded.starts_with(MARK.as_bytes()) => {
                 self.out.skeleton.push(b'"');
                 self.out.skeleton.extend_from_slice(&raw);
                 self.out.skeleton.push(b'"');
@@ -600,6 +602,34 @@ mod tests {
             format!("{{\"a\": 1,\n \"b\": \"{long}\tz\"}}"),
             format!("{{\"a\": \"{long}\\u12g4\"}}"),
         ]);
+    }
+
+    #[test]
+    fn every_long_string_leaves_the_skeleton_wherever_the_reads_end() {
+        // Strings that fit inside one read as well as strings that cross reads, at every
+        // phase against the read boundaries (a plan of 1 MiB files read 1 MiB at a time
+        // once kept every string in the skeleton).
+        for len in [LONG, LONG + 1, 3 * LONG, CHUNK - 100, CHUNK + 100] {
+            for step in [4096, 5000, 1 << 20] {
+                let strings = 12;
+                let items: Vec<String> = (0..strings)
+                    .map(|i| format!(r#"{{"i": {i}, "s": "{}"}}"#, "q".repeat(len)))
+                    .collect();
+                let text = format!(r#"{{"changes": [{}]}}"#, items.join(", "));
+                let mut input = Trickle {
+                    data: text.as_bytes(),
+                    step,
+                };
+                let mut s = Scanner::new(Vec::new(), &mut input, usize::MAX);
+                s.run().unwrap();
+                assert_eq!(s.out.long.len(), strings, "{len} bytes, reads of {step}");
+                assert!(
+                    s.out.skeleton.len() < 64 * strings,
+                    "{len} bytes, reads of {step}: skeleton of {} bytes",
+                    s.out.skeleton.len()
+                );
+            }
+        }
     }
 
     #[test]
