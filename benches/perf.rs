@@ -687,17 +687,18 @@ fn footprint(runs: usize) -> Value {
         anon,
         file,
         hwm,
+        pss,
         ..
     } = serve.memory();
     drop(serve);
     let (c, w) = (stats(&cold), stats(&warm));
     eprintln!(
-        "footprint: binary {size} bytes; ready in {:.1} ms (empty), {:.1} ms ({records} records); idle RSS {rss} KiB (anon {anon}, file {file})",
+        "footprint: binary {size} bytes; ready in {:.1} ms (empty), {:.1} ms ({records} records); idle RSS {rss} KiB (anon {anon}, file {file}, Pss {pss})",
         c.median, w.median
     );
     json!({"binaryBytes": size, "strippedBytes": stripped,
            "startupEmpty": c.json(), "startupJournal": w.json(), "journalRecords": records,
-           "idleRssKiB": {"rss": rss, "anon": anon, "file": file, "peak": hwm},
+           "idleRssKiB": {"rss": rss, "anon": anon, "file": file, "pss": pss, "peak": hwm},
            "load": [load_before, load()]})
 }
 
