@@ -319,9 +319,11 @@ av = text("ansible-version.txt")
 if av:
     print()
     print(f"Ansible: {av}.")
-# Sections other suites write, run on their own (the updater under CAPI's load, memory under
-# abuse, about an hour of power cuts under software emulation): kept as they are.
-for title in ("Updater", "Memory under abuse", "Power cuts on a VM node"):
+# Sections written by hand (what the targets' figures mean) or by suites run on their own (the
+# updater under CAPI's load, memory under abuse, about an hour of power cuts under software
+# emulation): kept as they are.
+for title in ("Where the write-once and footprint targets stand", "Updater", "Memory under abuse",
+              "Power cuts on a VM node"):
     section = old_section(title)
     if section:
         print()
