@@ -152,8 +152,7 @@ if fp:
         "≤ 50 ms", "", fp["startupJournal"]["median"] <= 50, loads(fp))
     m = fp["idleRssKiB"]
     row(f"idle RSS of `serve` (mTLS listener, {fp['journalRecords']:,}-record journal), 15 s after ready",
-        f"{m['rss'] / 1024:.1f} MiB (anon {m['anon'] / 1024:.1f}, file {m['file'] / 1024:.1f}"
-        + (f", Pss {m['pss'] / 1024:.1f}" if "pss" in m else "") + f"; peak {m['peak'] / 1024:.1f})",
+        f"{m['rss'] / 1024:.1f} MiB (anon {m['anon'] / 1024:.1f}, file {m['file'] / 1024:.1f}, Pss {m['pss'] / 1024:.1f}; peak {m['peak'] / 1024:.1f})",
         "≤ 8 MiB", "", m["rss"] <= 8192, loads(fp))
 if rpc is None:
     for prefix in ("idle RSS of `serve` after", "`GetPlanStatus` over mTLS", "new mTLS connections"):

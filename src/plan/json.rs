@@ -301,6 +301,8 @@ impl Scanner<'_> {
             if let Some(raw) = &mut s.raw {
                 raw.extend_from_slice(seg);
             }
+            // At every growth, not only at a read boundary: a long string read whole
+            // inside one read must leave the skeleton too.
             s.shorten_if_long();
             self.pos += special;
             if self.pos == self.end {
@@ -380,9 +382,7 @@ impl Scanner<'_> {
     /// looks like a placeholder) is kept and replaced by a placeholder.
     fn finish(&mut self, s: Str) -> Result<(), SplitError> {
         match s.raw {
-            // By length, not by whether `raw` was dropped: that happens only when a string
-            // crosses a read boundary, and a long string read whole must leave too.
-            Some(raw) if raw.len() < LONG && !s.decoded.starts_with(MARK.as_bytes()) => {
+            Some(raw) if !s.decoded.starts_with(MARK.as_bytes()) => {
                 self.out.skeleton.push(b'"');
                 self.out.skeleton.extend_from_slice(&raw);
                 self.out.skeleton.push(b'"');
