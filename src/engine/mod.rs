@@ -45,7 +45,8 @@ pub struct EngineConfig {
     pub node_name: Option<String>,
     /// Refuse plans without `nodeName` (the daemon does; the local CLI does not).
     pub require_node_name: bool,
-    /// Compact the journal once it is larger than this many bytes.
+    /// Compact the journal once it is larger than this many bytes and has grown by as
+    /// many (or by what the last compaction left, when that is less) since then.
     pub compact_bytes: u64,
     /// How many finished plans to remember.
     pub keep_plans: usize,
@@ -1111,6 +1112,67 @@ mod tests {
             "other"
         );
         assert_eq!(staged_files(dir.path()), Vec::<String>::new());
+    }
+
+    /// The journal's head when its file starts with a compaction: that compaction's
+    /// `previousSeq`, or `None`.
+    fn last_compaction(state_dir: &std::path::Path) -> Option<u64> {
+        let text = std::fs::read_to_string(crate::journal::file_path(state_dir)).ok()?;
+        let (_, json) = text.lines().next()?.split_once(' ')?;
+        let v: serde_json::Value = serde_json::from_str(json).ok()?;
+        v["rec"]["compacted"]["previousSeq"].as_u64()
+    }
+
+    #[test]
+    fn a_journal_whose_summaries_outgrow_the_limit_is_not_compacted_after_every_plan() {
+        let dir = tempfile::tempdir().unwrap();
+        // Far less than what the remembered plans' summaries take.
+        let limit = 4096;
+        let (config, host) = sandbox(dir.path(), limit);
+        let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+        let (mut compactions, mut last, mut peak) = (0, None, 0);
+        let mut head = 0;
+        for i in 0..60 {
+            let before = std::fs::metadata(crate::journal::file_path(&config.state_dir))
+                .map(|m| m.len())
+                .unwrap_or(0);
+            engine
+                .submit(
+                    plan(&format!("p{i}"), &format!("c{}", i % 3)),
+                    "test",
+                    false,
+                )
+                .unwrap();
+            engine.run_until_idle();
+            let size = std::fs::metadata(crate::journal::file_path(&config.state_dir))
+                .unwrap()
+                .len();
+            peak = peak.max(before.max(size));
+            let now = last_compaction(&config.state_dir);
+            if now != last {
+                compactions += 1;
+                last = now;
+                head = size;
+            }
+        }
+        assert!(
+            head > limit,
+            "the summaries ({head} bytes) outgrew the limit"
+        );
+        assert!(
+            (3..30).contains(&compactions),
+            "{compactions} compactions in 60 plans"
+        );
+        // Bounded: at most what a compaction leaves, the limit's worth of growth, and a plan.
+        assert!(peak < 2 * head + limit, "peak {peak}, head {head}");
+        // The head (the compaction and its summaries) is found again when the journal is
+        // opened anew.
+        let written = engine.shared.lock().journal.compacted_len();
+        assert!(written > limit);
+        drop(engine);
+        let (engine, _) = Engine::open(config, host).unwrap();
+        assert_eq!(engine.shared.lock().journal.compacted_len(), written);
+        assert_eq!(engine.status("p59").unwrap().phase, Phase::Succeeded);
     }
 
     #[test]

@@ -1098,9 +1098,16 @@ impl Runner {
 
     fn maybe_compact(&self) {
         let mut inner = self.shared.lock();
+        // Due once the journal is over `compact_bytes` and has grown since the last
+        // compaction by what that compaction left, or by `compact_bytes` when that is less.
+        // What a compaction keeps (the remembered plans' summaries) can itself be over
+        // `compact_bytes`: without the second condition every run would rewrite and sync
+        // all of it again.
+        let (size, head) = (inner.journal.size(), inner.journal.compacted_len());
+        let limit = self.shared.config.compact_bytes;
+        let due = size >= limit && size.saturating_sub(head) >= head.min(limit);
         if inner.table.unfinished().next().is_some()
-            || (inner.journal.size() < self.shared.config.compact_bytes
-                && inner.bodies_bytes < super::COMPACT_BODIES_BYTES)
+            || (!due && inner.bodies_bytes < super::COMPACT_BODIES_BYTES)
         {
             return;
         }

@@ -25,7 +25,6 @@
 //! replaced by anything else.
 
 use std::collections::BTreeSet;
-use std::io::Read as _;
 
 use sha2::{Digest, Sha256};
 
@@ -59,12 +58,11 @@ impl Bodies for NodeBodies<'_> {
             return Some(content);
         }
         // Renamed into place before the agent stopped: the target holds it.
-        let (mut file, _, size) = self.host.root.open_file(&body.path).ok()??;
+        let (file, _, size) = self.host.root.open_file(&body.path).ok()??;
         if size != body.len {
             return None;
         }
-        let mut content = Vec::with_capacity(size as usize);
-        file.read_to_end(&mut content).ok()?;
+        let content = crate::host::fs::read_sized(&file, size).ok()?;
         matches(&content, body).then_some(content)
     }
 }

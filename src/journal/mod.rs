@@ -386,6 +386,9 @@ pub struct Journal {
     next_seq: u64,
     last_hash: [u8; 32],
     size: u64,
+    /// Bytes the last compaction left at the head of the file (its `Compacted` record and
+    /// the summaries after it); 0 for a journal never compacted.
+    compacted_len: u64,
     records: u64,
     line: Vec<u8>,
 }
@@ -451,11 +454,23 @@ impl Journal {
         let path = dir.join(JOURNAL_FILE);
         let existed = path.exists();
         let mut report = OpenReport::default();
+        let mut compacted_len = 0;
         let (next_seq, last_hash, valid_len) = match Reader::open(&path)? {
             None => (1, [0; 32], 0),
             Some(mut reader) => {
-                for entry in reader.by_ref() {
-                    replay(entry?);
+                // The head a compaction wrote: a `Compacted` record first, then summaries.
+                let mut in_head = true;
+                while let Some(entry) = reader.next() {
+                    let entry = entry?;
+                    in_head &= match entry.record {
+                        Record::Compacted { .. } => report.records == 0,
+                        Record::Summary { .. } => report.records > 0,
+                        _ => false,
+                    };
+                    if in_head {
+                        compacted_len = reader.valid_len();
+                    }
+                    replay(entry);
                     report.records += 1;
                 }
                 report.torn = reader.torn.clone();
@@ -487,6 +502,7 @@ impl Journal {
                 next_seq,
                 last_hash,
                 size: valid_len,
+                compacted_len,
                 records: report.records,
                 line: Vec::with_capacity(1024),
             },
@@ -546,6 +562,12 @@ impl Journal {
     /// Bytes in the journal file.
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// Bytes the last compaction left at the head of the file: what compacting again would
+    /// write at least (0 for a journal never compacted).
+    pub fn compacted_len(&self) -> u64 {
+        self.compacted_len
     }
 
     /// Records in the journal file.
@@ -616,6 +638,7 @@ impl Journal {
         };
         self.file = file;
         self.size = out.len() as u64;
+        self.compacted_len = self.size;
         self.records = count;
         self.next_seq = seq;
         self.last_hash = prev;
@@ -818,6 +841,31 @@ mod tests {
             "{msg}"
         );
         assert!(verify(t.path()).is_err());
+    }
+
+    #[test]
+    fn the_compacted_head_is_measured_when_written_and_found_again_when_opened() {
+        let t = tempfile::tempdir().unwrap();
+        let head = {
+            let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+            for i in 0..10 {
+                j.append(0, rec(i), false).unwrap();
+            }
+            assert_eq!(j.compacted_len(), 0, "never compacted");
+            j.compact(5, vec![rec(42)]).unwrap();
+            let head = j.compacted_len();
+            assert_eq!(head, j.size());
+            j.append(6, rec(43), true).unwrap();
+            assert_eq!(j.compacted_len(), head);
+            assert!(j.size() > head);
+            head
+        };
+        // `rec` is no summary: the head is the `Compacted` record alone.
+        let (j, _) = Journal::open(t.path(), |_| {}).unwrap();
+        let first_line = std::fs::read(file_path(t.path())).unwrap();
+        let first = first_line.iter().position(|&b| b == b'\n').unwrap() as u64 + 1;
+        assert_eq!(j.compacted_len(), first);
+        assert!(first < head);
     }
 
     #[test]
