@@ -234,6 +234,11 @@ pub struct ServicesUnreachable {
     pub source: SystemdError,
 }
 
+/// How long the progress thread lets events gather after one arrives. At the fastest step
+/// rate measured (500 unchanged files in about 10 ms, two events each) that is a quarter of
+/// the 4,096 events the broadcast holds for a slow receiver.
+const RENDER_GATHER: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Submits a plan to a local engine and runs it on this thread to its end, showing progress
 /// from a second thread.
 pub fn run_plan(
@@ -284,6 +289,7 @@ pub fn run_plan(
     let mut renderer =
         Renderer::new(run, status.progress.total, plain).quiet_unchanged(quiet_unchanged);
     let shown = std::thread::spawn(move || {
+        use tokio::sync::broadcast::error::{RecvError, TryRecvError};
         loop {
             match events.blocking_recv() {
                 Ok(event) => {
@@ -291,12 +297,29 @@ pub fn run_plan(
                         return;
                     }
                 }
-                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                Err(RecvError::Lagged(_)) => continue,
+                Err(RecvError::Closed) => return,
+            }
+            // Let the next moment's events gather and show them together: a plan of 500
+            // quick steps then wakes this thread a few times, not once a step (each wake-up
+            // is a futex call on the engine's thread). The engine's end wakes it at once.
+            std::thread::park_timeout(RENDER_GATHER);
+            loop {
+                match events.try_recv() {
+                    Ok(event) => {
+                        if renderer.event(&event).is_some() {
+                            return;
+                        }
+                    }
+                    Err(TryRecvError::Lagged(_)) => continue,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Closed) => return,
+                }
             }
         }
     });
     engine.run_until_idle();
+    shown.thread().unpark();
     let finished = engine.status_of_run(run).unwrap_or(status);
     if !finished.phase.is_terminal() {
         errln!(
