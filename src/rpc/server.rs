@@ -85,9 +85,6 @@ pub struct Security {
 /// Serving failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    /// The reflection service could not be built from the descriptor sets.
-    #[error("build reflection service: {0}")]
-    Reflection(#[from] tonic_reflection::server::Error),
     /// The HTTP/2 server failed.
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -108,14 +105,11 @@ where
     S: NodeAgent,
     F: Future<Output = ()>,
 {
-    let reflection = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
-    // v1 for current clients, v1alpha for older grpcurl and grpc-go tools.
-    let reflection_v1 = reflection().build_v1()?;
-    let reflection_v1alpha = reflection().build_v1alpha()?;
+    // v1 for current clients, v1alpha for older grpcurl and grpc-go tools. Each decodes the
+    // descriptor sets (comments and all) into 400 KiB of heap, so each is built at its first
+    // request: an agent nobody inspects with grpcurl does not hold them.
+    let reflection_v1 = Lazy::new(|| reflection().build_v1());
+    let reflection_v1alpha = Lazy::new(|| reflection().build_v1alpha());
     let health = HealthServer::new(HealthService::from_health_reporter(health));
     let node_agent = NodeAgentServer::new(node_agent)
         .max_decoding_message_size(options.max_message_bytes)
@@ -148,6 +142,82 @@ where
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     Ok(())
+}
+
+// === Server reflection, built at its first request ===
+
+/// The reflection service's builder: this agent's API and `grpc.health.v1`.
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+}
+
+type Body = tonic::body::Body;
+type BoxedResponse = Pin<Box<dyn Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+use std::convert::Infallible;
+
+/// A gRPC service made by `make` when its first request arrives, then kept (for services
+/// that cost memory and are seldom called). A service `make` cannot build answers
+/// `INTERNAL` with why.
+struct Lazy<F, S> {
+    make: Arc<F>,
+    built: Arc<std::sync::OnceLock<Result<S, String>>>,
+}
+
+impl<F, S> Lazy<F, S> {
+    fn new(make: F) -> Self {
+        Lazy {
+            make: Arc::new(make),
+            built: Arc::new(std::sync::OnceLock::new()),
+        }
+    }
+}
+
+impl<F, S> Clone for Lazy<F, S> {
+    fn clone(&self) -> Self {
+        Lazy {
+            make: self.make.clone(),
+            built: self.built.clone(),
+        }
+    }
+}
+
+impl<F, S: tonic::server::NamedService> tonic::server::NamedService for Lazy<F, S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<F, S, E> tower::Service<http::Request<Body>> for Lazy<F, S>
+where
+    F: Fn() -> Result<S, E> + Send + Sync + 'static,
+    E: std::fmt::Display,
+    S: tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = BoxedResponse;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        match self
+            .built
+            .get_or_init(|| (self.make)().map_err(|e| e.to_string()))
+        {
+            Ok(service) => Box::pin(tower::ServiceExt::oneshot(service.clone(), request)),
+            Err(e) => {
+                let answer = tonic::Status::internal(format!("this service cannot start: {e}"));
+                Box::pin(std::future::ready(Ok(answer.into_http())))
+            }
+        }
+    }
 }
 
 // === Oversize requests ===
@@ -222,6 +292,14 @@ fn rewrite_oversize_status(headers: &mut http::HeaderMap, limit: usize) {
 
 #[cfg(test)]
 mod tests {
+    /// Server reflection is built at its first request; that it can be built at all (from
+    /// the descriptor sets compiled in) is checked here instead of at every start.
+    #[test]
+    fn both_reflection_services_build_from_the_compiled_in_descriptors() {
+        super::reflection().build_v1().unwrap();
+        super::reflection().build_v1alpha().unwrap();
+    }
+
     use super::*;
 
     #[test]

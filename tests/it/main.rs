@@ -19,6 +19,7 @@ mod download;
 mod hints;
 mod journal_compat;
 mod kubelet_standin;
+mod layout;
 mod mtls;
 mod observability;
 mod operator;

@@ -712,6 +712,37 @@ async fn reflection_lists_the_node_agent_service() {
         .unwrap();
     assert_eq!(file.name(), "inplace/agent/v1/agent.proto");
     assert_eq!(file.service[0].method.len(), 7);
+
+    // The v1alpha service older grpcurl and grpc-go use, built at its own first request.
+    {
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse;
+        let channel = self::channel(&server, &s.client("reader", READER))
+            .await
+            .unwrap();
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut responses = ServerReflectionClient::new(channel)
+            .server_reflection_info(tokio_stream::iter(vec![request]))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) =
+            responses.next().await.unwrap().unwrap().message_response
+        else {
+            panic!("expected a list of services from v1alpha");
+        };
+        assert!(
+            list.service
+                .iter()
+                .any(|s| s.name == "inplace.agent.v1.NodeAgent"),
+            "{list:?}"
+        );
+    }
     server.shutdown().await;
 }
 
