@@ -77,7 +77,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={proto}");
     }
     println!("cargo:rerun-if-changed=build.rs");
-    // The release linker lays the binary out by this list (packaging/layout/link): a new
+    // The release linker lays the binary out by this list (packaging/layout/link-gcc): a new
     // list must relink, so it counts as an input.
     println!("cargo:rerun-if-changed=packaging/layout/hot-functions.txt");
     record_commit();

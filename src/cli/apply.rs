@@ -8,7 +8,7 @@ use super::{Exit, Invalid, NodeArgs, Output};
 use crate::config::Settings;
 use crate::engine::dry_run::{ChangeVerdict, check_plan};
 use crate::engine::state::{Phase, PlanStatus};
-use crate::engine::{Engine, Submission, SubmitError};
+use crate::engine::{Engine, Event, Submission, SubmitError};
 use crate::host::Host;
 use crate::host::systemd::SystemdError;
 use crate::plan::{InvalidPlan, Limits, Plan, ReadPlanError, read_plan};
@@ -290,14 +290,12 @@ pub fn run_plan(
         Renderer::new(run, status.progress.total, plain).quiet_unchanged(quiet_unchanged);
     let shown = std::thread::spawn(move || {
         use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+        // Shows one event; false once the run has ended.
+        let mut show = |event: &Event| renderer.event(event).is_none();
         loop {
             match events.blocking_recv() {
-                Ok(event) => {
-                    if renderer.event(&event).is_some() {
-                        return;
-                    }
-                }
-                Err(RecvError::Lagged(_)) => continue,
+                Ok(event) if !show(&event) => return,
+                Ok(_) | Err(RecvError::Lagged(_)) => {}
                 Err(RecvError::Closed) => return,
             }
             // Let the next moment's events gather and show them together: a plan of 500
@@ -306,12 +304,8 @@ pub fn run_plan(
             std::thread::park_timeout(RENDER_GATHER);
             loop {
                 match events.try_recv() {
-                    Ok(event) => {
-                        if renderer.event(&event).is_some() {
-                            return;
-                        }
-                    }
-                    Err(TryRecvError::Lagged(_)) => continue,
+                    Ok(event) if !show(&event) => return,
+                    Ok(_) | Err(TryRecvError::Lagged(_)) => {}
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Closed) => return,
                 }

@@ -1114,8 +1114,8 @@ mod tests {
         assert_eq!(staged_files(dir.path()), Vec::<String>::new());
     }
 
-    /// The journal's head when its file starts with a compaction: that compaction's
-    /// `previousSeq`, or `None`.
+    /// The `previousSeq` of the compaction the journal file starts with; `None` when it
+    /// does not start with one.
     fn last_compaction(state_dir: &std::path::Path) -> Option<u64> {
         let text = std::fs::read_to_string(crate::journal::file_path(state_dir)).ok()?;
         let (_, json) = text.lines().next()?.split_once(' ')?;

@@ -989,7 +989,6 @@ impl Root {
     }
 }
 
-/// `dir` relative to `entry` (which it starts with): "" for the entry itself.
 /// Reads an open file to its end, `size` (from the caller's `fstat`) being what it is
 /// expected to hold. `Read::read_to_end` would ask the kernel for the size again (`statx`,
 /// `lseek`) before reading: two system calls a file that a pass over 500 files pays 1,000
@@ -1010,6 +1009,7 @@ pub fn read_sized(file: &impl AsFd, size: u64) -> io::Result<Vec<u8>> {
     }
 }
 
+/// `dir` relative to `entry` (which it starts with): "" for the entry itself.
 fn relative_to<'a>(dir: &'a NodePath, entry: &NodePath) -> &'a str {
     dir.as_str()[entry.as_str().len()..].trim_start_matches('/')
 }

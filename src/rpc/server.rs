@@ -3,6 +3,7 @@
 //! limits of DESIGN §4 (message size, concurrent streams, request deadline, open
 //! connections, handshakes in flight).
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -155,11 +156,10 @@ fn reflection() -> tonic_reflection::server::Builder<'static> {
 
 type Body = tonic::body::Body;
 type BoxedResponse = Pin<Box<dyn Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
-use std::convert::Infallible;
 
 /// A gRPC service made by `make` when its first request arrives, then kept (for services
-/// that cost memory and are seldom called). A service `make` cannot build answers
-/// `INTERNAL` with why.
+/// that cost memory and are seldom called). A service `make` cannot build is logged once
+/// and answers `INTERNAL` with why.
 struct Lazy<F, S> {
     make: Arc<F>,
     built: Arc<std::sync::OnceLock<Result<S, String>>>,
@@ -192,6 +192,7 @@ where
     F: Fn() -> Result<S, E> + Send + Sync + 'static,
     E: std::fmt::Display,
     S: tower::Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
+        + tonic::server::NamedService
         + Clone
         + Send
         + Sync
@@ -207,13 +208,16 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        match self
-            .built
-            .get_or_init(|| (self.make)().map_err(|e| e.to_string()))
-        {
+        let built = self.built.get_or_init(|| {
+            (self.make)().map_err(|e| {
+                tracing::error!(service = S::NAME, error = %e, "cannot build the service");
+                e.to_string()
+            })
+        });
+        match built {
             Ok(service) => Box::pin(tower::ServiceExt::oneshot(service.clone(), request)),
             Err(e) => {
-                let answer = tonic::Status::internal(format!("this service cannot start: {e}"));
+                let answer = tonic::Status::internal(format!("{} cannot be built: {e}", S::NAME));
                 Box::pin(std::future::ready(Ok(answer.into_http())))
             }
         }
