@@ -96,6 +96,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // rerun-if-changed is printed above for exactly the files we compile.
         .emit_rerun_if_changed(false)
+        // File contents are `bytes::Bytes`: decoded as slices of the received message
+        // and sent from the plan's own content, never copied (a plan may carry megabytes).
+        .bytes(".inplace.agent.v1.FileChange.content")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -322,7 +322,7 @@ async fn abuse(root: &Path, pki: &NodePki) -> Result<Abuse, String> {
     let serve = serve(root, pki)?;
     let config = Arc::new(client_config(&pki.client_paths(As::Reader)).map_err(|e| e.to_string())?);
     // Four files of just under the 4 MiB content limit: a valid plan of 16 MiB.
-    let content = vec![b'x'; (4 << 20) - 4096];
+    let content = bytes::Bytes::from(vec![b'x'; (4 << 20) - 4096]);
     let plan = pb::Plan {
         id: "default/bench@big".into(),
         node_name: NODE.into(),

@@ -27,7 +27,7 @@ pub use kinds::{
 pub use parse::{
     API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,
     parse_mode, parse_owner, parse_plan, read_plan, sysctl_segments, validate_document,
-    validate_value,
+    validate_document_with_bodies, validate_value,
 };
 pub use parse::{Cx, ReadPlanError};
 pub use path::{AllowList, NodePath, PathError};

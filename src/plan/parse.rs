@@ -6,6 +6,7 @@ use std::io::Read;
 use std::time::Duration;
 
 use base64::Engine as _;
+use bytes::Bytes;
 use serde_json::{Map, Value};
 
 use super::*;
@@ -218,9 +219,26 @@ pub fn validate_document(mut v: Value, source: &str, limits: &Limits) -> Result<
     validate_with(&v, bodies, source, limits)
 }
 
+/// [`validate_document`] for a document whose plain `file` contents were kept apart by its
+/// maker (the gRPC front end, which receives them as slices of the request): `bodies` holds
+/// the content of each such change by index, and the document an empty `content` string
+/// with `encoding: plain` in its place. A body may be any bytes, UTF-8 or not.
+pub fn validate_document_with_bodies(
+    mut v: Value,
+    mut bodies: HashMap<usize, Bytes>,
+    source: &str,
+    limits: &Limits,
+) -> Result<Plan, InvalidPlan> {
+    // The empty strings standing in for `bodies` are taken too; the bodies win.
+    for (index, body) in take_plain_bodies(&mut v) {
+        bodies.entry(index).or_insert(body);
+    }
+    validate_with(&v, bodies, source, limits)
+}
+
 /// Takes the content string out of every `file` change whose encoding is plain, leaving an
 /// empty string in its place; keyed by change index.
-fn take_plain_bodies(v: &mut Value) -> HashMap<usize, String> {
+fn take_plain_bodies(v: &mut Value) -> HashMap<usize, Bytes> {
     let mut bodies = HashMap::new();
     let Some(changes) = v.get_mut("changes").and_then(Value::as_array_mut) else {
         return bodies;
@@ -235,7 +253,7 @@ fn take_plain_bodies(v: &mut Value) -> HashMap<usize, String> {
             Some(_) => false,
         };
         if plain && let Some(Value::String(content)) = file.get_mut("content") {
-            bodies.insert(i, std::mem::take(content));
+            bodies.insert(i, Bytes::from(std::mem::take(content).into_bytes()));
         }
     }
     bodies
@@ -243,7 +261,7 @@ fn take_plain_bodies(v: &mut Value) -> HashMap<usize, String> {
 
 fn validate_with(
     v: &Value,
-    bodies: HashMap<usize, String>,
+    bodies: HashMap<usize, Bytes>,
     source: &str,
     limits: &Limits,
 ) -> Result<Plan, InvalidPlan> {
@@ -280,13 +298,13 @@ pub struct Cx<'l> {
     paths: BTreeMap<String, (usize, String)>,
     /// Plain `file` contents taken out of the document, by change index
     /// ([`validate_document`]).
-    bodies: HashMap<usize, String>,
+    bodies: HashMap<usize, Bytes>,
 }
 
 impl Cx<'_> {
     /// The plain content of change `index` when it was taken out of the document (the
     /// document then holds an empty string in its place).
-    pub(crate) fn take_body(&mut self, index: usize) -> Option<String> {
+    pub(crate) fn take_body(&mut self, index: usize) -> Option<Bytes> {
         self.bodies.remove(&index)
     }
 }

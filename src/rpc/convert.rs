@@ -6,15 +6,21 @@
 //!
 //! The mapping is field for field; only two things need care: zero values mean "not set"
 //! (proto3 has no presence for scalars, and the proto documents 0 / "" as the default), and
-//! `FileChange.content` is bytes, which a JSON document can only hold as text, so binary
-//! content travels as base64.
+//! `FileChange.content` is bytes, which a JSON document can only hold as text. Plain
+//! contents (any bytes) therefore stay out of the document: the validator takes them as
+//! bodies beside it ([`validate_document_with_bodies`]), as the slices of the request they
+//! were decoded as, so a plan of megabytes is never copied on its way in. Gzip bytes travel
+//! in the document as base64.
+
+use std::collections::HashMap;
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
 use serde_json::{Map, Value, json};
 
 use super::pb;
-use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_document};
+use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_document_with_bodies};
 
 /// Where validation errors of gRPC plans say they came from.
 pub const REQUEST_SOURCE: &str = "request";
@@ -24,15 +30,15 @@ pub fn validate_plan(plan: &pb::Plan, limits: &Limits) -> Result<Plan, InvalidPl
     validate_owned(plan.clone(), limits)
 }
 
-/// [`validate_plan`] consuming the wire plan: its contents move into the document instead
-/// of being copied, and plain file contents move on into the plan, so a large request is
-/// held once while it is validated.
+/// [`validate_plan`] consuming the wire plan: plain file contents move into the plan as the
+/// slices of the request they are, so a large request is held once while it is validated.
 pub fn validate_owned(plan: pb::Plan, limits: &Limits) -> Result<Plan, InvalidPlan> {
-    let document = plan_document_owned(plan).map_err(|error| InvalidPlan {
+    let mut bodies = HashMap::new();
+    let document = plan_document_owned(plan, &mut bodies).map_err(|error| InvalidPlan {
         source: REQUEST_SOURCE.to_owned(),
         errors: vec![error],
     })?;
-    validate_document(document, REQUEST_SOURCE, limits)
+    validate_document_with_bodies(document, bodies, REQUEST_SOURCE, limits)
 }
 
 /// The INVALID_ARGUMENT status for a plan that failed validation: every problem as
@@ -78,7 +84,7 @@ pub fn plan_to_pb(plan: &Plan) -> pb::Plan {
             let kind = match c {
                 Change::File(f) => Kind::File(pb::FileChange {
                     path: f.path.as_str().to_owned(),
-                    content: f.content.to_vec(),
+                    content: f.content.clone(),
                     encoding: pb::Encoding::Plain as i32,
                     mode: f.mode.to_string(),
                     owner: f.owner.to_string(),
@@ -210,14 +216,14 @@ pub fn disruption_to_pb(d: crate::plan::Disruption) -> pb::Disruption {
     }
 }
 
-/// The plan-file document of a wire plan. Fails only where the wire form cannot be
-/// expressed as a document (a merge patch that is not JSON, base64 content that is not
-/// text); everything else is left to the validator.
-pub fn plan_document(plan: &pb::Plan) -> Result<Value, FieldError> {
-    plan_document_owned(plan.clone())
-}
-
-fn plan_document_owned(plan: pb::Plan) -> Result<Value, FieldError> {
+/// The plan-file document of a wire plan; plain file contents go to `bodies` by change
+/// index instead (the document says `encoding: plain` and an empty `content`). Fails only
+/// where the wire form cannot be expressed as a document (a merge patch that is not JSON,
+/// base64 content that is not text); everything else is left to the validator.
+fn plan_document_owned(
+    plan: pb::Plan,
+    bodies: &mut HashMap<usize, Bytes>,
+) -> Result<Value, FieldError> {
     let mut doc = Map::new();
     doc.insert("apiVersion".into(), json!(crate::plan::API_VERSION));
     doc.insert("kind".into(), json!("Plan"));
@@ -239,7 +245,7 @@ fn plan_document_owned(plan: pb::Plan) -> Result<Value, FieldError> {
         .changes
         .into_iter()
         .enumerate()
-        .map(|(i, c)| change(i, c))
+        .map(|(i, c)| change(i, c, bodies))
         .collect::<Result<Vec<_>, _>>()?;
     doc.insert("changes".into(), Value::Array(changes));
     let verify = plan.verify.iter().map(check).collect();
@@ -331,7 +337,11 @@ fn disruption_name(d: pb::Disruption) -> Option<&'static str> {
     }
 }
 
-fn change(index: usize, change: pb::Change) -> Result<Value, FieldError> {
+fn change(
+    index: usize,
+    change: pb::Change,
+    bodies: &mut HashMap<usize, Bytes>,
+) -> Result<Value, FieldError> {
     use pb::change::Kind;
     let Some(kind) = change.kind else {
         // The validator names the problem: no change kind.
@@ -348,7 +358,13 @@ fn change(index: usize, change: pb::Change) -> Result<Value, FieldError> {
             }
             put_list(&mut m, "restartUnits", &f.restart_units);
             f.restart_units = Vec::new();
-            let (encoding, content) = file_content(index, f)?;
+            let (encoding, content) = match file_content(index, f)? {
+                Content::Plain(bytes) => {
+                    bodies.insert(index, bytes);
+                    ("plain", String::new())
+                }
+                Content::Text(encoding, text) => (encoding, text),
+            };
             m.insert("encoding".into(), json!(encoding));
             m.insert("content".into(), Value::String(content));
             "file"
@@ -447,12 +463,20 @@ fn change(index: usize, change: pb::Change) -> Result<Value, FieldError> {
     Ok(keyed(key, m))
 }
 
-/// The plan-file `encoding` and `content` string for a file's bytes.
-fn file_content(index: usize, f: pb::FileChange) -> Result<(&'static str, String), FieldError> {
+/// A file's content as the document carries it.
+enum Content {
+    /// The file's bytes, kept beside the document.
+    Plain(Bytes),
+    /// A plan-file `encoding` and its `content` text.
+    Text(&'static str, String),
+}
+
+/// How the document carries a file's content.
+fn file_content(index: usize, f: pb::FileChange) -> Result<Content, FieldError> {
     let encoding = known(f.encoding, || format!("changes[{index}].file.encoding"))?;
     let content = f.content;
-    let as_text = |what: &str, content: Vec<u8>| {
-        String::from_utf8(content).map_err(|_| {
+    let as_text = |what: &str, content: Bytes| {
+        String::from_utf8(content.into()).map_err(|_| {
             FieldError::new(
                 format!("changes[{index}].file.content"),
                 format!("is not {what} text"),
@@ -460,15 +484,11 @@ fn file_content(index: usize, f: pb::FileChange) -> Result<(&'static str, String
         })
     };
     Ok(match encoding {
-        pb::Encoding::Unspecified | pb::Encoding::Plain => match String::from_utf8(content) {
-            Ok(text) => ("plain", text),
-            // Binary content: carried as base64, decoded by the validator to the same bytes.
-            Err(e) => ("base64", BASE64.encode(e.as_bytes())),
-        },
-        pb::Encoding::Base64 => ("base64", as_text("base64", content)?),
-        pb::Encoding::GzipBase64 => ("gzip+base64", as_text("base64", content)?),
+        pb::Encoding::Unspecified | pb::Encoding::Plain => Content::Plain(content),
+        pb::Encoding::Base64 => Content::Text("base64", as_text("base64", content)?),
+        pb::Encoding::GzipBase64 => Content::Text("gzip+base64", as_text("base64", content)?),
         // Raw gzip bytes cannot be a JSON string; base64 them.
-        pb::Encoding::Gzip => ("gzip+base64", BASE64.encode(&content)),
+        pb::Encoding::Gzip => Content::Text("gzip+base64", BASE64.encode(&content)),
     })
 }
 
@@ -568,7 +588,7 @@ verify:
             changes: vec![
                 change(Kind::File(pb::FileChange {
                     path: "/etc/kubernetes/audit.yaml".into(),
-                    content: b"rules: []\n".to_vec(),
+                    content: bytes::Bytes::from_static(b"rules: []\n"),
                     encoding: pb::Encoding::Plain as i32,
                     mode: "0640".into(),
                     owner: "root:root".into(),
@@ -577,7 +597,7 @@ verify:
                 })),
                 change(Kind::File(pb::FileChange {
                     path: "/etc/kubernetes/b64.conf".into(),
-                    content: b"aGVsbG8=".to_vec(),
+                    content: bytes::Bytes::from_static(b"aGVsbG8="),
                     encoding: pb::Encoding::Base64 as i32,
                     ..Default::default()
                 })),
@@ -703,7 +723,8 @@ verify:
                     restart_units: strings(&["kubelet.service"]),
                     content:
                         b"apiVersion: audit.k8s.io/v1\nkind: Policy\nrules:\n  - level: Metadata\n"
-                            .to_vec(),
+                            .to_vec()
+                            .into(),
                     ..Default::default()
                 })),
                 change(Kind::Sysctl(pb::SysctlChange {
@@ -751,7 +772,7 @@ verify:
                 id: "p".into(),
                 changes: vec![change(Kind::File(pb::FileChange {
                     path: "/etc/kubernetes/blob".into(),
-                    content,
+                    content: content.into(),
                     encoding: encoding as i32,
                     ..Default::default()
                 }))],
@@ -850,7 +871,7 @@ verify:
         let file = |content: &[u8], encoding: pb::Encoding| {
             change(Kind::File(pb::FileChange {
                 path: "/etc/kubernetes/x".into(),
-                content: content.to_vec(),
+                content: bytes::Bytes::copy_from_slice(content),
                 encoding: encoding as i32,
                 ..Default::default()
             }))
@@ -923,7 +944,7 @@ verify:
             id: "p".into(),
             changes: vec![change(Kind::File(pb::FileChange {
                 path: "/etc/kubernetes/x".into(),
-                content: vec![0xff, 0xfe],
+                content: bytes::Bytes::from_static(&[0xff, 0xfe]),
                 encoding: pb::Encoding::Base64 as i32,
                 ..Default::default()
             }))],
@@ -986,7 +1007,7 @@ verify:
                 "FileChange.encoding",
                 change(Kind::File(pb::FileChange {
                     path: "/etc/kubernetes/a.conf".into(),
-                    content: b"x".to_vec(),
+                    content: bytes::Bytes::from_static(b"x"),
                     encoding: 99,
                     ..Default::default()
                 })),

@@ -43,6 +43,7 @@ pub(crate) mod budget;
 pub mod convert;
 pub(crate) mod identity;
 pub mod pki;
+pub(crate) mod readahead;
 pub(crate) mod replies;
 pub mod server;
 pub(crate) mod service;

@@ -311,22 +311,23 @@ impl NodeAgent for AgentService {
                 tracing::info!(caller = %who, id = %wire_id, problems = e.errors.len(), "ApplyPlan refused: invalid plan");
                 plan_error_status(&e)
             })?;
-            let digest = plan.digest();
+            // The digest is the engine's to compute (for a new id, beside staging the
+            // contents): the status carries it.
             let id = plan.id.clone();
             match engine.submit(plan, GRPC_SOURCE, retry) {
                 Ok(Submission::Accepted(status)) => {
                     counters.accepted.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(caller = %who, %id, %digest, attempt = status.attempt, run = status.run, "plan accepted");
+                    tracing::info!(caller = %who, %id, digest = %status.digest, attempt = status.attempt, run = status.run, "plan accepted");
                     Ok((status, true))
                 }
                 Ok(Submission::Existing(status)) => {
                     counters.existing.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(caller = %who, %id, %digest, phase = %status.phase, "plan already known");
+                    tracing::debug!(caller = %who, %id, digest = %status.digest, phase = %status.phase, "plan already known");
                     Ok((status, false))
                 }
                 Err(error) => {
                     counters.refused.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(caller = %who, %id, %digest, reason = refusal_reason(&error), "ApplyPlan refused");
+                    tracing::info!(caller = %who, %id, reason = refusal_reason(&error), "ApplyPlan refused");
                     Err(submit_error_status(&error))
                 }
             }

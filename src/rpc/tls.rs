@@ -49,6 +49,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
 use super::identity::{Identity, identity_from_certificate};
+use super::readahead::ReadAhead;
 
 /// Upper bound for TCP connect plus TLS handshake of a client connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -588,7 +589,7 @@ pub struct TlsConnectInfo {
 
 /// An accepted, authenticated TLS connection, as yielded by [`tls_incoming`].
 pub struct TlsConnection {
-    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    stream: tokio_rustls::server::TlsStream<ReadAhead<TcpStream>>,
     info: TlsConnectInfo,
     /// Held for the life of the connection; bounds the number of open connections.
     _permit: tokio::sync::OwnedSemaphorePermit,
@@ -741,14 +742,14 @@ async fn accept_loop(
                 Err(_) => return timed_out(),
             }
             let acceptor = tokio_rustls::TlsAcceptor::from(config);
-            let accept = acceptor.accept(tcp).into_fallible();
+            let accept = acceptor.accept(ReadAhead::new(tcp)).into_fallible();
             let stream = match tokio::time::timeout_at(deadline, accept).await {
                 Ok(Ok(stream)) => stream,
                 Ok(Err((error, tcp))) => {
                     let reason = HandshakeFailure::classify(&error);
                     counters.record_failure(reason);
                     tracing::warn!(peer = %remote_addr, %reason, %error, "tls handshake failed");
-                    linger(tcp).await;
+                    linger(tcp.into_inner()).await;
                     return;
                 }
                 Err(_) => return timed_out(),

@@ -647,7 +647,7 @@ async fn oversize_request_is_resource_exhausted() {
     big.changes.push(pb::Change {
         kind: Some(pb::change::Kind::File(pb::FileChange {
             path: "/etc/kubernetes/big".into(),
-            content: vec![b'x'; 100 * 1024],
+            content: vec![b'x'; 100 * 1024].into(),
             ..Default::default()
         })),
     });

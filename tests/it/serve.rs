@@ -1258,7 +1258,7 @@ async fn large_concurrent_requests_are_held_to_a_memory_bound() {
         .map(|i| pb::Change {
             kind: Some(pb::change::Kind::File(pb::FileChange {
                 path: format!("/etc/kubernetes/big-{i}.conf"),
-                content: content.clone().into_bytes(),
+                content: content.clone().into_bytes().into(),
                 ..Default::default()
             })),
         })

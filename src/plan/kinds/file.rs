@@ -119,14 +119,14 @@ impl Kind for FileChange {
         let taken = cx.take_body(index);
         let content = match (raw, encoding) {
             (Some(_), Some(Encoding::Plain)) if taken.is_some() => {
-                let bytes = taken.map(String::into_bytes).unwrap_or_default();
+                let bytes = taken.unwrap_or_default();
                 cx.content_size(&join(path, "content"), bytes.len())
                     .then_some(bytes)
             }
             (Some(raw), Some(enc)) => match decode_content(raw, enc, cx.limits.max_content_bytes) {
                 Ok(bytes) => cx
                     .content_size(&join(path, "content"), bytes.len())
-                    .then_some(bytes),
+                    .then(|| bytes.into()),
                 Err(e) => {
                     cx.err(join(path, "content"), e);
                     None
@@ -140,7 +140,7 @@ impl Kind for FileChange {
         let restart_units = cx.restart_units(path, m);
         Some(FileChange {
             path: p?,
-            content: content?.into(),
+            content: content?,
             mode: mode?,
             owner: owner?,
             append,
