@@ -560,6 +560,8 @@ impl Runner {
     ) -> Result<(), Abort> {
         let mut work: Vec<Work> = Vec::with_capacity(batch.len());
         let mut failed: Option<(usize, StepError)> = None;
+        // Every change of the batch is diffed before the first one changes the node: one pass.
+        let node = steps::HostNode::for_pass(&self.shared.host);
         for &i in batch {
             let index = i as u32;
             let _in_change = tracing::info_span!("change", change = index).entered();
@@ -576,7 +578,7 @@ impl Runner {
                 failed = Some((i, content_gone(&plan.changes[i], run)));
                 break;
             }
-            match self.prepare_one(&plan.changes[i], ctx, in_flight) {
+            match self.prepare_one(&node, &plan.changes[i], ctx, in_flight) {
                 Ok((diff, preimages)) => work.push(Work {
                     index,
                     diff,
@@ -682,12 +684,13 @@ impl Runner {
     /// then are captured now.
     fn prepare_one(
         &self,
+        node: &steps::HostNode<'_>,
         change: &Change,
         ctx: steps::StepCtx,
         in_flight: Option<&Vec<crate::journal::Preimage>>,
     ) -> Result<(steps::Diff, Vec<crate::journal::Preimage>), StepError> {
         let host = &self.shared.host;
-        let diff = steps::diff(host, change, ctx)?;
+        let diff = steps::diff_on(node, change, ctx)?;
         let known: BTreeSet<String> = in_flight
             .into_iter()
             .flatten()

@@ -80,12 +80,14 @@ pub(super) fn candidates(
         return Vec::new();
     }
     let mut picks = Vec::new();
+    // Nothing changes the node during this pass: each directory is resolved once.
+    let node = steps::HostNode::for_pass(host);
     for (i, change) in plan.changes.iter().enumerate() {
         let Change::File(f) = change else { continue };
         if f.append {
             continue;
         }
-        if let Ok(diff) = steps::diff(host, change, prepared.ctx(i))
+        if let Ok(diff) = steps::diff_on(&node, change, prepared.ctx(i))
             && let [Mutation::Write { path, meta, .. }] = diff.mutations.as_slice()
             && *path == f.path
         {

@@ -28,11 +28,26 @@ use sha2::{Digest, Sha256};
 use crate::failpoint;
 use crate::plan::{AllowList, NodePath};
 
-/// Parent directories resolved by [`Root::check_path_in`], by node path (`None`: it
-/// does not exist yet).
+/// Parent directories resolved by [`Root::check_path_in`] or [`Root::read_in`], by node
+/// path (`None`: it does not exist yet). It holds at most [`DirCache::MOST`] open
+/// directories: a plan of files in thousands of directories does not run out of file
+/// descriptors.
 #[derive(Debug, Default)]
 pub struct DirCache {
     dirs: std::collections::HashMap<String, Option<OwnedFd>>,
+}
+
+impl DirCache {
+    /// Directories held open at most; the cache starts over when it is full.
+    const MOST: usize = 64;
+
+    /// Keeps `fd` as directory `key`.
+    fn keep(&mut self, key: &str, fd: Option<OwnedFd>) {
+        if self.dirs.len() >= Self::MOST && !self.dirs.contains_key(key) {
+            self.dirs.clear();
+        }
+        self.dirs.insert(key.to_owned(), fd);
+    }
 }
 
 pub use crate::base::Existing;
@@ -492,7 +507,7 @@ impl Root {
         let key = p.parent().map_or_else(String::new, |d| d.to_string());
         if !cache.dirs.contains_key(&key) {
             let fd = self.parent_of(p, true)?;
-            cache.dirs.insert(key.clone(), fd);
+            cache.keep(&key, fd);
         }
         // The parent exists: look at the final component without following it.
         let Some(fd) = &cache.dirs[&key] else {
@@ -520,7 +535,19 @@ impl Root {
 
     /// Reads what is at `p` without following a final symlink.
     pub fn read(&self, p: &NodePath) -> Result<Existing, FsError> {
-        match self.open_existing(p)? {
+        self.read_from(p, None)
+    }
+
+    /// [`Root::read`] for a pass of reads with no change to the node in between (the diffs
+    /// of a batch): a parent directory is resolved once per `cache`, as at the pass's first
+    /// read of it, and not for every file in it. A directory that did not exist is resolved
+    /// again.
+    pub fn read_in(&self, p: &NodePath, cache: &mut DirCache) -> Result<Existing, FsError> {
+        self.read_from(p, Some(cache))
+    }
+
+    fn read_from(&self, p: &NodePath, cache: Option<&mut DirCache>) -> Result<Existing, FsError> {
+        match self.open_existing(p, cache)? {
             Opened::Absent => Ok(Existing::Absent),
             Opened::Other(kind) => Ok(Existing::Other { kind }),
             Opened::File(file, meta, size) => {
@@ -534,7 +561,7 @@ impl Root {
     /// with its mode, owner and size; `None` when nothing is there. A symlink or anything
     /// other than a regular file is an error.
     pub fn open_file(&self, p: &NodePath) -> Result<Option<(File, FileMeta, u64)>, FsError> {
-        match self.open_existing(p)? {
+        match self.open_existing(p, None)? {
             Opened::Absent => Ok(None),
             Opened::Other(kind) => Err(FsError::NotAFile {
                 path: p.to_string(),
@@ -544,12 +571,28 @@ impl Root {
         }
     }
 
-    /// What is at `p`, opened when it is a regular file; a final symlink is an error.
-    fn open_existing(&self, p: &NodePath) -> Result<Opened, FsError> {
-        let Some(dir) = self.parent_of(p, false)? else {
+    /// What is at `p`, opened when it is a regular file; a final symlink is an error. The
+    /// parent directory comes from `cache` when given (resolved into it when missing).
+    fn open_existing(&self, p: &NodePath, cache: Option<&mut DirCache>) -> Result<Opened, FsError> {
+        let resolved;
+        let dir = match cache {
+            Some(cache) => {
+                let key = p.parent().map_or_else(String::new, |d| d.to_string());
+                if !matches!(cache.dirs.get(&key), Some(Some(_))) {
+                    let fd = self.parent_of(p, false)?;
+                    cache.keep(&key, fd);
+                }
+                cache.dirs[&key].as_ref()
+            }
+            None => {
+                resolved = self.parent_of(p, false)?;
+                resolved.as_ref()
+            }
+        };
+        let Some(dir) = dir else {
             return Ok(Opened::Absent);
         };
-        let st = match rustix::fs::statat(&dir, p.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
+        let st = match rustix::fs::statat(dir, p.file_name(), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
             Err(rustix::io::Errno::NOENT) => return Ok(Opened::Absent),
             Err(e) => return Err(io_err("stat", p)(rio(e))),
@@ -558,7 +601,7 @@ impl Root {
         match T::from_raw_mode(st.st_mode) {
             T::RegularFile => {}
             T::Symlink => {
-                let target = rustix::fs::readlinkat(&dir, p.file_name(), Vec::new())
+                let target = rustix::fs::readlinkat(dir, p.file_name(), Vec::new())
                     .map(|t| t.to_string_lossy().into_owned())
                     .unwrap_or_else(|_| "?".into());
                 return Err(FsError::Symlink {
@@ -569,7 +612,7 @@ impl Root {
             other => return Ok(Opened::Other(type_name(other))),
         }
         let fd = rustix::fs::openat(
-            &dir,
+            dir,
             p.file_name(),
             OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NONBLOCK,
             RMode::empty(),
@@ -1170,6 +1213,51 @@ mod tests {
                     "{len} told {told}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn reads_through_a_pass_cache_see_what_plain_reads_see_and_hold_few_directories() {
+        let t = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
+        let mut cache = DirCache::default();
+        let p = np("/etc/kubernetes/pki/x.conf");
+        // A directory that does not exist yet is not remembered as missing.
+        assert_eq!(root.read_in(&p, &mut cache).unwrap(), Existing::Absent);
+        root.write_atomic(&p, b"hello", me()).unwrap();
+        for _ in 0..2 {
+            assert_eq!(
+                root.read_in(&p, &mut cache).unwrap(),
+                root.read(&p).unwrap()
+            );
+        }
+        let absent = np("/etc/kubernetes/pki/none.conf");
+        assert_eq!(root.read_in(&absent, &mut cache).unwrap(), Existing::Absent);
+        // A final symlink and a symlinked directory are refused as by a plain read.
+        std::os::unix::fs::symlink("/etc/shadow", t.path().join("etc/kubernetes/pki/l")).unwrap();
+        let link = np("/etc/kubernetes/pki/l");
+        assert!(matches!(
+            root.read_in(&link, &mut cache),
+            Err(FsError::Symlink { .. })
+        ));
+        std::os::unix::fs::symlink(outside.path(), t.path().join("etc/kubernetes/evil")).unwrap();
+        let below = np("/etc/kubernetes/evil/x");
+        let (cached, plain) = (root.read_in(&below, &mut cache), root.read(&below));
+        assert!(cached.is_err() && plain.is_err(), "{cached:?} {plain:?}");
+        assert_eq!(
+            cached.unwrap_err().to_string(),
+            plain.unwrap_err().to_string()
+        );
+        // Files in many directories: the cache never holds more than its bound.
+        for d in 0..(DirCache::MOST * 2) {
+            let f = np(&format!("/etc/kubernetes/many/d{d}/f"));
+            root.write_atomic(&f, b"x", me()).unwrap();
+            assert!(matches!(
+                root.read_in(&f, &mut cache).unwrap(),
+                Existing::File { .. }
+            ));
+            assert!(cache.dirs.len() <= DirCache::MOST);
         }
     }
 

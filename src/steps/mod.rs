@@ -305,7 +305,12 @@ fn missing_units(host: &Host, plan: &Plan) -> Vec<FieldError> {
 
 /// What `change` needs on this node now (the kind's diff over the node).
 pub fn diff(host: &Host, change: &Change, ctx: StepCtx) -> Result<Diff, StepError> {
-    change.spec().diff(&HostNode::new(host), ctx)
+    diff_on(&HostNode::new(host), change, ctx)
+}
+
+/// [`diff`] over a given node (one [`HostNode::for_pass`] for a pass of diffs).
+pub fn diff_on(node: &HostNode<'_>, change: &Change, ctx: StepCtx) -> Result<Diff, StepError> {
+    change.spec().diff(node, ctx)
 }
 
 /// Why a dry run cannot tell whether `change` would change the node without doing work it

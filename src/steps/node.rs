@@ -3,6 +3,7 @@
 //! through the node's package manager, artifacts through the download cache, queries as
 //! commands in the root.
 
+use std::cell::RefCell;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -10,28 +11,44 @@ use super::{Note, StepError, package};
 use crate::base::packages::{InstalledPackage, ManagerKind};
 use crate::base::units::{ObservedUnit, UnitFileState};
 use crate::base::{Existing, FileMeta};
-use crate::host::fs::FsError;
+use crate::host::fs::{DirCache, FsError};
 use crate::host::packages::PackageManager;
 use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
 use crate::plan::NodePath;
 use crate::plan::kinds::{Node, Packages, services_off};
 
 /// [`Node`] over the agent's [`Host`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct HostNode<'a> {
     host: &'a Host,
+    /// Parent directories resolved by this node's reads, for a pass with no change to the
+    /// node in between ([`HostNode::for_pass`]).
+    dirs: Option<RefCell<DirCache>>,
 }
 
 impl<'a> HostNode<'a> {
     /// The node of `host`.
     pub fn new(host: &'a Host) -> HostNode<'a> {
-        HostNode { host }
+        HostNode { host, dirs: None }
+    }
+
+    /// The node of `host` for a pass of diffs that changes nothing in between (a batch's
+    /// diffs before its first mutation, the staging decision): each directory is resolved
+    /// once for the pass, not again for every file read in it (`Root::read_in`).
+    pub fn for_pass(host: &'a Host) -> HostNode<'a> {
+        HostNode {
+            host,
+            dirs: Some(RefCell::new(DirCache::default())),
+        }
     }
 }
 
 impl Node for HostNode<'_> {
     fn read(&self, p: &NodePath) -> Result<Existing, StepError> {
-        Ok(self.host.root.read(p)?)
+        Ok(match &self.dirs {
+            Some(dirs) => self.host.root.read_in(p, &mut dirs.borrow_mut())?,
+            None => self.host.root.read(p)?,
+        })
     }
 
     fn file_meta(&self, p: &NodePath) -> Result<Option<(FileMeta, u64)>, StepError> {
