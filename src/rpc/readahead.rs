@@ -75,12 +75,12 @@ impl AsyncRead for ReadAhead<TcpStream> {
         // its next request allocates nothing each time it is polled.
         loop {
             std::task::ready!(this.inner.poll_read_ready(cx))?;
-            let mut buf = vec![0u8; CHUNK];
-            match this.inner.try_read(&mut buf) {
+            // Read into the spare capacity: the 64 KiB are not zeroed first.
+            let mut buf = Vec::with_capacity(CHUNK);
+            match this.inner.try_read_buf(&mut buf) {
                 // The end of the stream: nothing kept, nothing handed out.
                 Ok(0) => return Poll::Ready(Ok(())),
-                Ok(n) => {
-                    buf.truncate(n);
+                Ok(_) => {
                     this.buf = buf;
                     this.at = 0;
                     this.hand_out(out);
