@@ -44,8 +44,13 @@ def carry(prefix):
     """The previous run's rows starting with `prefix`, marked as carried over."""
     for l in old.splitlines():
         if l.startswith("| " + prefix):
-            rows.append(l.rstrip() + " (carried over) |" if not l.rstrip().endswith("|") else
-                        l.rstrip()[:-1].rstrip() + " carried over from " + old_date + " |")
+            if "carried over from " in l:
+                # Carried over already: it keeps the date of the run that measured it.
+                rows.append(l.rstrip())
+            elif l.rstrip().endswith("|"):
+                rows.append(l.rstrip()[:-1].rstrip() + " carried over from " + old_date + " |")
+            else:
+                rows.append(l.rstrip() + " (carried over) |")
             carried.append(prefix)
 
 
@@ -289,7 +294,7 @@ for r in rows:
 if carried:
     print()
     print(f"Rows whose last column says *carried over* were not measured in this run (skipped with "
-          f"`BENCH_SKIP`): they are the figures of {old_date}, for code before this run's commit.")
+          f"`BENCH_SKIP`): they are the figures of the run they name, for code before this run's commit.")
 cr = criterion_rows()
 if cr:
     print()
