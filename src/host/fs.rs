@@ -41,12 +41,28 @@ impl DirCache {
     /// Directories held open at most; the cache starts over when it is full.
     const MOST: usize = 64;
 
-    /// Keeps `fd` as directory `key`.
-    fn keep(&mut self, key: &str, fd: Option<OwnedFd>) {
-        if self.dirs.len() >= Self::MOST && !self.dirs.contains_key(key) {
-            self.dirs.clear();
+    /// The parent directory of `p` as `resolve` opens it, resolved once and kept; a
+    /// directory found missing is resolved again when `missing_again` is set.
+    fn parent(
+        &mut self,
+        p: &NodePath,
+        missing_again: bool,
+        resolve: impl FnOnce() -> Result<Option<OwnedFd>, FsError>,
+    ) -> Result<Option<&OwnedFd>, FsError> {
+        let key = p.parent().map_or_else(String::new, |d| d.to_string());
+        let known = match self.dirs.get(&key) {
+            Some(Some(_)) => true,
+            Some(None) => !missing_again,
+            None => false,
+        };
+        if !known {
+            let fd = resolve()?;
+            if self.dirs.len() >= Self::MOST && !self.dirs.contains_key(&key) {
+                self.dirs.clear();
+            }
+            self.dirs.insert(key.clone(), fd);
         }
-        self.dirs.insert(key.to_owned(), fd);
+        Ok(self.dirs[&key].as_ref())
     }
 }
 
@@ -504,13 +520,8 @@ impl Root {
                 allow: self.allow.to_string(),
             });
         }
-        let key = p.parent().map_or_else(String::new, |d| d.to_string());
-        if !cache.dirs.contains_key(&key) {
-            let fd = self.parent_of(p, true)?;
-            cache.keep(&key, fd);
-        }
         // The parent exists: look at the final component without following it.
-        let Some(fd) = &cache.dirs[&key] else {
+        let Some(fd) = cache.parent(p, false, || self.parent_of(p, true))? else {
             return Ok(None);
         };
         use rustix::fs::FileType as T;
@@ -576,14 +587,7 @@ impl Root {
     fn open_existing(&self, p: &NodePath, cache: Option<&mut DirCache>) -> Result<Opened, FsError> {
         let resolved;
         let dir = match cache {
-            Some(cache) => {
-                let key = p.parent().map_or_else(String::new, |d| d.to_string());
-                if !matches!(cache.dirs.get(&key), Some(Some(_))) {
-                    let fd = self.parent_of(p, false)?;
-                    cache.keep(&key, fd);
-                }
-                cache.dirs[&key].as_ref()
-            }
+            Some(cache) => cache.parent(p, true, || self.parent_of(p, false))?,
             None => {
                 resolved = self.parent_of(p, false)?;
                 resolved.as_ref()
