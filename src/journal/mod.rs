@@ -24,7 +24,7 @@ pub(crate) mod bodies;
 mod record;
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, BufRead, BufReader, Seek, SeekFrom, Write};
+use std::io::{self, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -220,14 +220,180 @@ pub struct TornTail {
     pub bytes: u64,
 }
 
-/// Streams and verifies the records of a journal file.
+/// How much of the file the read-ahead thread reads at a time (a line longer than this is
+/// read whole). Small under test, so lines cross the pieces' edges everywhere.
+#[cfg(not(test))]
+const READ_AHEAD: usize = 256 * 1024;
+#[cfg(test)]
+const READ_AHEAD: usize = 97;
+
+/// Whole lines of a journal file, each checked for its form and against the hash chain by
+/// the read-ahead thread while the reader decodes the ones before.
+struct Batch {
+    bytes: Vec<u8>,
+    /// The end (in `bytes`, after its newline) and the hash of each line that chains, in
+    /// order from the start of `bytes`.
+    lines: Vec<(usize, [u8; 32])>,
+    /// What follows the lines.
+    after: After,
+}
+
+/// What follows the lines of a batch.
+enum After {
+    /// The next batch.
+    More,
+    /// The end of the file.
+    End,
+    /// A line that does not chain: why, its length, and whether nothing follows it.
+    Damaged {
+        reason: String,
+        len: u64,
+        at_end: bool,
+    },
+    /// Reading the file failed.
+    Failed(io::Error),
+}
+
+/// Checks one line (without its newline) for the form `<hash> <json>` and against the chain
+/// after `prev`: its hash and where its JSON starts.
+fn chained(prev: &[u8; 32], body: &[u8]) -> Result<[u8; 32], String> {
+    if body.len() < 66 || body[64] != b' ' {
+        return Err("record is not '<hash> <json>'".to_string());
+    }
+    let hash = decode_hash(&body[..64]).ok_or_else(|| "bad hash".to_string())?;
+    let mut h = Sha256::new();
+    h.update(prev);
+    h.update(&body[65..]);
+    if h.finalize().as_slice() != hash {
+        return Err("hash does not match the chain".to_string());
+    }
+    Ok(hash)
+}
+
+/// Appends up to `n` bytes of `file` to `buf`; false when the file ended first.
+fn read_more(file: &mut File, buf: &mut Vec<u8>, n: usize) -> io::Result<bool> {
+    buf.reserve(n);
+    let got = io::Read::read_to_end(&mut io::Read::take(&mut *file, n as u64), buf)?;
+    Ok(got == n)
+}
+
+/// The read-ahead thread: reads `file` piece by piece, checks each whole line against the
+/// chain and sends the lines on in batches, reusing the batches handed back through
+/// `spare`. Stops at the end, at the first line that does not chain, or when the reader is
+/// gone.
+fn read_ahead(
+    mut file: File,
+    batches: std::sync::mpsc::SyncSender<Batch>,
+    spare: std::sync::mpsc::Receiver<Batch>,
+) {
+    let mut prev = [0u8; 32];
+    let mut carry: Vec<u8> = Vec::new();
+    loop {
+        let mut batch = spare.try_recv().unwrap_or(Batch {
+            bytes: Vec::new(),
+            lines: Vec::new(),
+            after: After::More,
+        });
+        batch.bytes.clear();
+        batch.lines.clear();
+        batch.bytes.extend_from_slice(&carry);
+        carry.clear();
+        // A piece, and more pieces until a line has ended in them or the file has.
+        let mut scanned = 0;
+        let mut more = true;
+        let filled = loop {
+            // Up to a piece's length, or a whole piece more for a line longer than that.
+            let want = match READ_AHEAD.checked_sub(batch.bytes.len()) {
+                Some(rest) if rest > 0 => rest,
+                _ => READ_AHEAD,
+            };
+            match read_more(&mut file, &mut batch.bytes, want) {
+                Ok(m) => more = m,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => break Err(e),
+            }
+            if !more || memchr::memchr(b'\n', &batch.bytes[scanned..]).is_some() {
+                break Ok(());
+            }
+            scanned = batch.bytes.len();
+        };
+        batch.after = match filled {
+            Err(e) => After::Failed(e),
+            Ok(()) => check_lines(&mut file, &mut batch, &mut prev, more, &mut carry),
+        };
+        let last = !matches!(batch.after, After::More);
+        if batches.send(batch).is_err() || last {
+            return;
+        }
+    }
+}
+
+/// Checks the whole lines of `batch` against the chain after `prev`, keeping the bytes
+/// after the last whole line in `carry` (`more`: the file may go on); says what follows.
+fn check_lines(
+    file: &mut File,
+    batch: &mut Batch,
+    prev: &mut [u8; 32],
+    more: bool,
+    carry: &mut Vec<u8>,
+) -> After {
+    let mut start = 0;
+    while let Some(at) = memchr::memchr(b'\n', &batch.bytes[start..]) {
+        let end = start + at + 1;
+        match chained(prev, &batch.bytes[start..end - 1]) {
+            Ok(hash) => {
+                batch.lines.push((end, hash));
+                *prev = hash;
+                start = end;
+            }
+            Err(reason) => {
+                let at_end = if end < batch.bytes.len() {
+                    false
+                } else if !more {
+                    true
+                } else {
+                    match read_more(file, &mut batch.bytes, 1) {
+                        Ok(more) => !more,
+                        Err(e) => return After::Failed(e),
+                    }
+                };
+                return After::Damaged {
+                    reason,
+                    len: (end - start) as u64,
+                    at_end,
+                };
+            }
+        }
+    }
+    if start == batch.bytes.len() && !more {
+        return After::End;
+    }
+    if !more {
+        return After::Damaged {
+            reason: "record is incomplete (no end of line)".to_string(),
+            len: (batch.bytes.len() - start) as u64,
+            at_end: true,
+        };
+    }
+    carry.extend_from_slice(&batch.bytes[start..]);
+    batch.bytes.truncate(start);
+    After::More
+}
+
+/// Streams and verifies the records of a journal file. A thread of its own reads ahead and
+/// checks the hash chain; the reader decodes each record (sequence number, format version)
+/// in order, so what it yields, and where it stops, is the same as reading line by line.
 pub struct Reader {
     path: PathBuf,
-    buf: BufReader<File>,
+    batches: std::sync::mpsc::Receiver<Batch>,
+    spare: std::sync::mpsc::SyncSender<Batch>,
+    /// The batch being read, the index of its next line and where that line starts.
+    current: Option<Batch>,
+    next_line: usize,
+    line_start: usize,
     offset: u64,
     prev: [u8; 32],
     next_seq: Option<u64>,
-    line: Vec<u8>,
     /// Set when reading stopped at a torn tail.
     pub torn: Option<TornTail>,
     done: bool,
@@ -241,13 +407,23 @@ impl Reader {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_at(path)(e)),
         };
+        // Two batches in flight at most: the thread reads a little ahead, not the file.
+        let (send, batches) = std::sync::mpsc::sync_channel(1);
+        let (spare, spares) = std::sync::mpsc::sync_channel(2);
+        std::thread::Builder::new()
+            .name("inplace-journal".into())
+            .spawn(move || read_ahead(file, send, spares))
+            .map_err(io_at(path))?;
         Ok(Some(Reader {
             path: path.to_path_buf(),
-            buf: BufReader::with_capacity(256 * 1024, file),
+            batches,
+            spare,
+            current: None,
+            next_line: 0,
+            line_start: 0,
             offset: 0,
             prev: [0; 32],
             next_seq: None,
-            line: Vec::with_capacity(512),
             torn: None,
             done: false,
         }))
@@ -268,22 +444,8 @@ impl Reader {
         self.offset
     }
 
-    fn decode(&self, line: &[u8]) -> Result<(EnvelopeIn, [u8; 32]), Bad> {
-        let damaged = |why: &str| Bad::Damaged(why.to_string());
-        let body = line
-            .strip_suffix(b"\n")
-            .ok_or_else(|| damaged("record is incomplete (no end of line)"))?;
-        if body.len() < 66 || body[64] != b' ' {
-            return Err(damaged("record is not '<hash> <json>'"));
-        }
-        let hash = decode_hash(&body[..64]).ok_or_else(|| damaged("bad hash"))?;
-        let json = &body[65..];
-        let mut h = Sha256::new();
-        h.update(self.prev);
-        h.update(json);
-        if h.finalize().as_slice() != hash {
-            return Err(damaged("hash does not match the chain"));
-        }
+    /// Decodes a line's JSON (its hash already checked).
+    fn decode(&self, json: &[u8]) -> Result<EnvelopeIn, Bad> {
         let env: EnvelopeIn = serde_json::from_slice(json).map_err(|e| {
             Bad::Unreadable(match serde_json::from_slice::<EnvelopeHead>(json) {
                 Ok(head) if head.v > FORMAT_VERSION => {
@@ -303,76 +465,140 @@ impl Reader {
                 env.seq
             )));
         }
-        Ok((env, hash))
+        Ok(env)
     }
+
+    /// Whether nothing follows the line just read.
+    fn at_end(&mut self) -> Result<bool, io::Error> {
+        let Some(batch) = &self.current else {
+            return Ok(false);
+        };
+        if self.next_line < batch.lines.len() {
+            return Ok(false);
+        }
+        match &batch.after {
+            After::End => Ok(true),
+            After::Damaged { .. } => Ok(false),
+            After::Failed(e) => Err(io::Error::new(e.kind(), e.to_string())),
+            After::More => match self.batches.recv() {
+                Ok(next) => Ok(next.lines.is_empty() && matches!(next.after, After::End)),
+                Err(_) => Err(gone()),
+            },
+        }
+    }
+
+    /// What a line that does not read means: a torn tail when nothing follows it, else
+    /// corruption.
+    fn damaged(
+        &mut self,
+        reason: String,
+        len: u64,
+        at_end: bool,
+    ) -> Option<Result<Entry, JournalError>> {
+        self.done = true;
+        if at_end {
+            self.torn = Some(TornTail {
+                offset: self.offset,
+                bytes: len,
+            });
+            None
+        } else {
+            Some(Err(JournalError::Corrupt {
+                path: self.path.clone(),
+                seq: self.next_seq(),
+                offset: self.offset,
+                reason,
+            }))
+        }
+    }
+}
+
+/// The read-ahead thread ended without saying why (it panicked).
+fn gone() -> io::Error {
+    io::Error::other("the journal's read-ahead thread stopped")
 }
 
 impl Iterator for Reader {
     type Item = Result<Entry, JournalError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.done {
-            return None;
-        }
-        self.line.clear();
-        let n = match self.buf.read_until(b'\n', &mut self.line) {
-            Ok(n) => n,
-            Err(e) => {
-                self.done = true;
-                return Some(Err(io_at(&self.path)(e)));
+        loop {
+            if self.done {
+                return None;
             }
-        };
-        if n == 0 {
-            self.done = true;
-            return None;
-        }
-        let line = std::mem::take(&mut self.line);
-        let result = self.decode(&line);
-        self.line = line;
-        match result {
-            Ok((env, hash)) => {
-                let entry = Entry {
-                    seq: env.seq,
-                    ts: env.ts,
-                    record: env.rec,
-                    offset: self.offset,
-                    hash,
-                };
-                self.offset += n as u64;
-                self.prev = hash;
-                self.next_seq = Some(env.seq + 1);
-                Some(Ok(entry))
-            }
-            Err(Bad::Unreadable(reason)) => {
-                self.done = true;
-                Some(Err(JournalError::Unreadable {
-                    path: self.path.clone(),
-                    seq: self.next_seq(),
-                    offset: self.offset,
-                    reason,
-                }))
-            }
-            Err(Bad::Damaged(reason)) => {
-                self.done = true;
-                let at_end = match self.buf.fill_buf() {
-                    Ok(rest) => rest.is_empty(),
-                    Err(e) => return Some(Err(io_at(&self.path)(e))),
-                };
-                if at_end {
-                    self.torn = Some(TornTail {
+            let Some(batch) = &self.current else {
+                match self.batches.recv() {
+                    Ok(b) => {
+                        self.current = Some(b);
+                        self.next_line = 0;
+                        self.line_start = 0;
+                        continue;
+                    }
+                    Err(_) => {
+                        self.done = true;
+                        return Some(Err(io_at(&self.path)(gone())));
+                    }
+                }
+            };
+            let Some(&(end, hash)) = batch.lines.get(self.next_line) else {
+                let batch = self.current.take().expect("a current batch");
+                match batch.after {
+                    After::More => {
+                        let _ = self.spare.try_send(batch);
+                        continue;
+                    }
+                    After::End => {
+                        self.done = true;
+                        return None;
+                    }
+                    After::Damaged {
+                        reason,
+                        len,
+                        at_end,
+                    } => return self.damaged(reason, len, at_end),
+                    After::Failed(e) => {
+                        self.done = true;
+                        return Some(Err(io_at(&self.path)(e)));
+                    }
+                }
+            };
+            let start = self.line_start;
+            let n = (end - start) as u64;
+            // The line without its hash, the space and the newline.
+            let result = self.decode(&batch.bytes[start + 65..end - 1]);
+            self.next_line += 1;
+            self.line_start = end;
+            return match result {
+                Ok(env) => {
+                    let entry = Entry {
+                        seq: env.seq,
+                        ts: env.ts,
+                        record: env.rec,
                         offset: self.offset,
-                        bytes: n as u64,
-                    });
-                    None
-                } else {
-                    Some(Err(JournalError::Corrupt {
+                        hash,
+                    };
+                    self.offset += n;
+                    self.prev = hash;
+                    self.next_seq = Some(env.seq + 1);
+                    Some(Ok(entry))
+                }
+                Err(Bad::Unreadable(reason)) => {
+                    self.done = true;
+                    Some(Err(JournalError::Unreadable {
                         path: self.path.clone(),
                         seq: self.next_seq(),
                         offset: self.offset,
                         reason,
                     }))
                 }
-            }
+                Err(Bad::Damaged(reason)) => match self.at_end() {
+                    Ok(at_end) => self.damaged(reason, n, at_end),
+                    Err(e) => {
+                        self.done = true;
+                        Some(Err(io_at(&self.path)(e)))
+                    }
+                },
+            };
         }
     }
 }
@@ -950,6 +1176,97 @@ mod format_tests {
         let line = format!("{} {json}\n", hex::encode(h.finalize()));
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
         f.write_all(line.as_bytes()).unwrap();
+    }
+
+    /// The reader reads ahead in pieces (97 bytes under test) on a thread of its own. Whatever
+    /// the lines' lengths against the pieces' edges, a bad line (its hash does not chain, or
+    /// it chains with the wrong sequence number) is a torn tail when it is the file's last,
+    /// and corruption when more follows it; the records before it are all read.
+    #[test]
+    fn a_bad_last_line_is_told_from_a_bad_middle_line_wherever_the_pieces_end() {
+        for pad in 0..2 * READ_AHEAD {
+            for (seq, broken_hash) in [(9, false), (2, true)] {
+                for followed in [false, true] {
+                    let case = format!("pad {pad}, seq {seq}, followed {followed}");
+                    let t = tempfile::tempdir().unwrap();
+                    {
+                        let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+                        let set = Record::SetMembers {
+                            set: "x".into(),
+                            paths: Vec::new(),
+                        };
+                        j.append(1, set, true).unwrap();
+                    }
+                    let path = file_path(t.path());
+                    let good_len = std::fs::metadata(&path).unwrap().len();
+                    // White space inside the JSON moves the line's end across the pieces'
+                    // edges.
+                    let json = format!(
+                        r#"{{"seq":{seq},"ts":5,{}"rec":{{"phase":{{"run":1,"phase":"Applying"}}}}}}"#,
+                        " ".repeat(pad)
+                    );
+                    append_raw(t.path(), &json);
+                    if broken_hash {
+                        let mut bytes = std::fs::read(&path).unwrap();
+                        let at = bytes.len() - 4;
+                        bytes[at] ^= 1;
+                        std::fs::write(&path, bytes).unwrap();
+                    }
+                    if followed {
+                        append_raw(
+                            t.path(),
+                            r#"{"seq":3,"ts":5,"rec":{"phase":{"run":1,"phase":"Applying"}}}"#,
+                        );
+                    }
+                    let mut seen = 0;
+                    let opened = Journal::open(t.path(), |_| seen += 1);
+                    assert_eq!(seen, 1, "{case}");
+                    match opened {
+                        Ok((_, report)) => {
+                            assert!(!followed, "{case}: a bad line in the middle was cut off");
+                            assert_eq!(report.torn.unwrap().offset, good_len, "{case}");
+                            assert_eq!(std::fs::metadata(&path).unwrap().len(), good_len);
+                        }
+                        Err(e) => {
+                            assert!(followed, "{case}: a torn tail was refused: {e}");
+                            assert!(
+                                matches!(&e, JournalError::Corrupt { seq: 2, offset, .. } if *offset == good_len),
+                                "{case}: {e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Lines much longer than a piece, and many of them, read back whole and in order; a
+    /// reader dropped halfway stops its thread without reading the rest.
+    #[test]
+    fn long_lines_and_many_batches_read_back_in_order() {
+        let t = tempfile::tempdir().unwrap();
+        let records: Vec<Record> = (0..200)
+            .map(|i| Record::SetMembers {
+                set: format!("s{i}-{}", "y".repeat((i * 37) % (READ_AHEAD * 40))),
+                paths: Vec::new(),
+            })
+            .collect();
+        {
+            let (mut j, _) = Journal::open(t.path(), |_| {}).unwrap();
+            for r in &records {
+                j.append(7, r.clone(), false).unwrap();
+            }
+        }
+        let path = file_path(t.path());
+        let mut reader = Reader::open(&path).unwrap().unwrap();
+        let read: Vec<Record> = reader.by_ref().map(|e| e.unwrap().record).collect();
+        assert_eq!(read, records);
+        assert!(reader.torn.is_none());
+        assert_eq!(reader.valid_len(), std::fs::metadata(&path).unwrap().len());
+        assert_eq!(reader.next_seq(), 201);
+        let mut partial = Reader::open(&path).unwrap().unwrap();
+        assert_eq!(partial.next().unwrap().unwrap().seq, 1);
+        drop(partial);
     }
 
     /// A record written whole by a newer agent (its hash checks out) is refused wherever it
