@@ -255,7 +255,7 @@ enum After {
 }
 
 /// Checks one line (without its newline) for the form `<hash> <json>` and against the chain
-/// after `prev`: its hash and where its JSON starts.
+/// after `prev`; returns its hash.
 fn chained(prev: &[u8; 32], body: &[u8]) -> Result<[u8; 32], String> {
     if body.len() < 66 || body[64] != b' ' {
         return Err("record is not '<hash> <json>'".to_string());
@@ -270,7 +270,8 @@ fn chained(prev: &[u8; 32], body: &[u8]) -> Result<[u8; 32], String> {
     Ok(hash)
 }
 
-/// Appends up to `n` bytes of `file` to `buf`; false when the file ended first.
+/// Appends up to `n` bytes of `file` to `buf` (retrying interrupted reads); false when the
+/// file ended first.
 fn read_more(file: &mut File, buf: &mut Vec<u8>, n: usize) -> io::Result<bool> {
     buf.reserve(n);
     let got = io::Read::read_to_end(&mut io::Read::take(&mut *file, n as u64), buf)?;
@@ -309,7 +310,6 @@ fn read_ahead(
             };
             match read_more(&mut file, &mut batch.bytes, want) {
                 Ok(m) => more = m,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => break Err(e),
             }
             if !more || memchr::memchr(b'\n', &batch.bytes[scanned..]).is_some() {
@@ -407,7 +407,8 @@ impl Reader {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io_at(path)(e)),
         };
-        // Two batches in flight at most: the thread reads a little ahead, not the file.
+        // Three batches at most: one the reader holds, one waiting in the channel, one being
+        // read. The thread reads a little ahead, not the whole file.
         let (send, batches) = std::sync::mpsc::sync_channel(1);
         let (spare, spares) = std::sync::mpsc::sync_channel(2);
         std::thread::Builder::new()
@@ -1241,7 +1242,7 @@ mod format_tests {
     }
 
     /// Lines much longer than a piece, and many of them, read back whole and in order; a
-    /// reader dropped halfway stops its thread without reading the rest.
+    /// reader can be dropped halfway.
     #[test]
     fn long_lines_and_many_batches_read_back_in_order() {
         let t = tempfile::tempdir().unwrap();
