@@ -6,6 +6,7 @@
 //!   its files change; the accept loop that feeds tonic; the client config and `connect`.
 //! - [`authz`]: identity from the client certificate, identity → role rules, the per-method
 //!   decision and the tower layer enforcing it.
+//! - [`codec`]: prost's codec, encoding each message into a buffer reserved for its length.
 //! - [`convert`]: a wire plan through the plan-file validator, and the INVALID_ARGUMENT
 //!   status for its errors.
 //! - [`server`]: `serve()`, wiring NodeAgent, health and reflection behind the two above,
@@ -40,6 +41,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
 
 pub mod authz;
 pub(crate) mod budget;
+pub(crate) mod codec;
 pub mod convert;
 pub(crate) mod identity;
 pub mod pki;
