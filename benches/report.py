@@ -7,6 +7,7 @@ usage: report.py RESULTS_DIR CRITERION_DIR > benches/RESULTS.md
 import datetime
 import json
 import os
+import re
 import sys
 
 res, crit = sys.argv[1], sys.argv[2]
@@ -305,8 +306,15 @@ if cr:
     for r in cr:
         print(r)
 if fleet is None and old_section("Fleet details"):
+    # The fleet's own lines, under the date of the run that measured them (a section carried
+    # over before keeps its first date); the per-run lines after them are printed anew below.
+    head, _, body = old_section("Fleet details").partition("\n")
+    dates = re.findall(r"\(carried over from ([^)]*)\)", head)
+    kept = [l for l in body.split("\n")
+            if not l.startswith(("Peak RSS of one `apply`", "Ansible: "))]
     print()
-    print(old_section("Fleet details").replace("## Fleet details", "## Fleet details (carried over from " + old_date + ")", 1))
+    print("## Fleet details (carried over from " + (dates[-1] if dates else old_date) + ")")
+    print("\n".join(kept).rstrip())
 if fleet:
     print()
     print("## Fleet details")
