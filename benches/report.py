@@ -310,11 +310,11 @@ if fleet is None and old_section("Fleet details"):
     # over before keeps its first date); the per-run lines after them are printed anew below.
     head, _, body = old_section("Fleet details").partition("\n")
     dates = re.findall(r"\(carried over from ([^)]*)\)", head)
-    kept = [l for l in body.split("\n")
-            if not l.startswith(("Peak RSS of one `apply`", "Ansible: "))]
+    again = ("Peak RSS of one `apply`",) + (("Ansible: ",) if text("ansible-version.txt") else ())
+    kept = [l for l in body.split("\n") if not l.startswith(again)]
     print()
     print("## Fleet details (carried over from " + (dates[-1] if dates else old_date) + ")")
-    print("\n".join(kept).rstrip())
+    print(re.sub(r"\n{3,}", "\n\n", "\n".join(kept)).rstrip())
 if fleet:
     print()
     print("## Fleet details")
