@@ -9,6 +9,8 @@ pub(crate) mod packages;
 pub(crate) mod sha256;
 pub mod time;
 pub(crate) mod units;
+mod writeback;
 
 pub use error::{ErrorInfo, ErrorKind, StepError, chain};
 pub use file_meta::{Existing, FileMeta};
+pub use writeback::start_writeback;

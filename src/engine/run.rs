@@ -15,6 +15,7 @@ use super::Shared;
 use super::state::Phase;
 use super::table::{RunState, check_name};
 use crate::failpoint;
+use crate::journal::backup::BlobBatch;
 use crate::journal::{JournalError, Record};
 use crate::plan::{Change, Plan};
 use crate::steps::{self, StepError};
@@ -562,6 +563,9 @@ impl Runner {
         let mut failed: Option<(usize, StepError)> = None;
         // Every change of the batch is diffed before the first one changes the node: one pass.
         let node = steps::HostNode::for_pass(&self.shared.host);
+        // The batch's backups are written as they are captured and made durable together,
+        // before the first `StepStarted` names one (see journal/backup.rs).
+        let mut blobs = BlobBatch::new(&self.shared.backups);
         for &i in batch {
             let index = i as u32;
             let _in_change = tracing::info_span!("change", change = index).entered();
@@ -578,7 +582,7 @@ impl Runner {
                 failed = Some((i, content_gone(&plan.changes[i], run)));
                 break;
             }
-            match self.prepare_one(&node, &plan.changes[i], ctx, in_flight) {
+            match self.prepare_one(&node, &mut blobs, &plan.changes[i], ctx, in_flight) {
                 Ok((diff, preimages)) => work.push(Work {
                     index,
                     diff,
@@ -594,6 +598,15 @@ impl Runner {
                 }
             }
         }
+        if let Err(e) = blobs.sync() {
+            // No backup of the batch is known durable: nothing from the first change that
+            // needs one on is announced or performed.
+            if let Some(k) = work.iter().position(|w| !w.preimages.is_empty()) {
+                failed = Some((work[k].index as usize, StepError::from(e)));
+                work.truncate(k);
+            }
+        }
+        drop(blobs);
         let mut announced = false;
         for w in work.iter_mut().filter(|w| !w.preimages.is_empty()) {
             failpoint::hit("step.before_started");
@@ -685,6 +698,7 @@ impl Runner {
     fn prepare_one(
         &self,
         node: &steps::HostNode<'_>,
+        blobs: &mut BlobBatch<'_>,
         change: &Change,
         ctx: steps::StepCtx,
         in_flight: Option<&Vec<crate::journal::Preimage>>,
@@ -700,7 +714,7 @@ impl Runner {
         for m in &diff.mutations {
             let target = mutation_target(m);
             if !known.contains(&target) && !preimages.iter().any(|p| preimage_target(p) == target) {
-                preimages.push(steps::capture(host, &self.shared.backups, m)?);
+                preimages.push(steps::capture(host, blobs, m)?);
             }
         }
         Ok((diff, preimages))

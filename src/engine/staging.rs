@@ -7,7 +7,8 @@
 //! 1. `Staging { run, paths, dirs }` is journaled and synced: the files about to be staged
 //!    and the directories that do not exist yet.
 //! 2. Each content is written as `.<name>.inplace-r<run>` beside its target with its final
-//!    mode and owner and synced; then each directory once.
+//!    mode and owner, its writeback started at once; then each file is synced, then each
+//!    directory once.
 //! 3. `PlanAccepted` references each staged file (`staged`: index, sha256, length, mode,
 //!    directories created); the other contents go to the bodies blob as before. Synced.
 //! 4. The step announces its pre-images (`StepStarted`, synced) and renames the staged file
@@ -167,7 +168,7 @@ pub(super) fn stage(
 }
 
 /// Writes the staged files of `picks` (into `staged`, without their sha256), then syncs
-/// their directories.
+/// them and their directories.
 fn write_staged(
     host: &Host,
     run: u64,
@@ -198,6 +199,12 @@ fn write_staged(
             meta: *meta,
             created_dirs,
         });
+    }
+    // Each file's writeback started as it was written; now wait for them all.
+    for body in staged.iter() {
+        host.root
+            .sync_staged(&body.path, run)
+            .map_err(|e| problem(body.index, &body.path, &e))?;
     }
     let mut synced: BTreeSet<String> = BTreeSet::new();
     for body in staged.iter() {

@@ -808,8 +808,10 @@ impl Root {
         write_in_dir_from(&dir, p.file_name(), content, meta).map_err(|(op, e)| io_err(op, p)(e))
     }
 
-    /// Stages `content` for `p` as `.<name>.inplace-r<run>` beside it, with `meta`, synced
-    /// (not the directory: [`Root::sync_parent`] once per directory). Creates the missing
+    /// Stages `content` for `p` as `.<name>.inplace-r<run>` beside it, with `meta`, and
+    /// starts its writeback; durable once [`Root::sync_staged`] (the file) and
+    /// [`Root::sync_parent`] (its directory, once per directory) have returned, so a batch
+    /// of files is written while the disk works on the earlier ones. Creates the missing
     /// parent directories; returns the ones it created, from the top. A crash can leave a
     /// partial staged file; it is written again, or removed, by name.
     pub fn stage(
@@ -842,13 +844,28 @@ impl Root {
             rustix::fs::fchown(&f, Some(uid), Some(gid)).map_err(|e| ("chown", rio(e)))?;
             rustix::fs::fchmod(&f, RMode::from_raw_mode(meta.mode & 0o7777))
                 .map_err(|e| ("chmod", rio(e)))?;
-            rustix::fs::fsync(&f).map_err(|e| ("sync staged file for", rio(e)))
+            crate::base::start_writeback(&f);
+            Ok(())
         })();
         if let Err((op, e)) = result {
             let _ = rustix::fs::unlinkat(&dir, name.as_str(), AtFlags::empty());
             return Err(io_err(op, p)(e));
         }
         Ok(created)
+    }
+
+    /// Makes the content staged for `p` by `run` durable (its writeback was started by
+    /// [`Root::stage`]).
+    pub fn sync_staged(&self, p: &NodePath, run: u64) -> Result<(), FsError> {
+        let err = io_err("sync staged file for", p);
+        let Some(dir) = self.parent_for_removal(p)? else {
+            return Err(err(io::ErrorKind::NotFound.into()));
+        };
+        let name = staged_name(p.file_name(), run);
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        rustix::fs::openat(&dir, name.as_str(), flags, RMode::empty())
+            .and_then(|f| rustix::fs::fsync(&f))
+            .map_err(|e| err(rio(e)))
     }
 
     /// Makes the entries of `p`'s directory durable (after staging, before the journal

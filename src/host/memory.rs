@@ -1,6 +1,7 @@
 //! The agent's own heap: returned to the kernel after a burst of large requests.
 //!
-//! **This is the one module of the crate with `unsafe` code**: two calls into glibc's
+//! **One of the two places of the crate with `unsafe` code** (the other is
+//! `base::start_writeback`, one `sync_file_range` call): two calls into glibc's
 //! allocator, which have no safe wrapper. glibc serves large allocations with `mmap` and
 //! gives them back on `free` — until the first large free raises its mmap threshold
 //! (dynamically, up to 32 MiB), after which 16 MiB request buffers come from the heap

@@ -3,6 +3,15 @@
 //! A blob is written atomically and durably before the journal record that references it,
 //! so a `StepStarted` record never points at a missing backup. Identical content is stored
 //! once. Blobs no unfinished plan references are removed by [`BackupStore::retain`].
+//!
+//! [`BackupStore::put`] makes one blob durable on its own (two syncs). The engine backs up
+//! the files of a whole batch of changes through a [`BlobBatch`] instead: each blob is
+//! written under its temporary name and its writeback started at once (the disk works
+//! while the next file is read and hashed), and [`BlobBatch::sync`] waits for them all,
+//! renames them into place and syncs the directory once, before the batch's `StepStarted`
+//! records are written. Until then no record names them, and a blob under its final name
+//! is always durable, so a crash in between leaves only temporary files (removed when the
+//! same content is written again, and by [`BackupStore::retain`]).
 
 use std::collections::HashSet;
 use std::io::{self, Read, Write};
@@ -79,7 +88,7 @@ impl BackupStore {
         super::create_private_dir(&self.dir).map_err(io("create", &self.dir))?;
         // Written next to its place under a name of its own (a crash may have left it: only
         // one agent writes the store), synced, renamed into place, and the rename synced.
-        let tmp = self.dir.join(format!(".{sha}.partial"));
+        let tmp = self.partial(&sha);
         let _ = std::fs::remove_file(&tmp);
         let write = || -> Result<(), (&'static str, io::Error)> {
             use std::os::unix::fs::OpenOptionsExt;
@@ -100,6 +109,51 @@ impl BackupStore {
             return Err(io(op, &path)(e));
         }
         Ok(sha)
+    }
+
+    /// Writes `content` under the temporary name of its blob and starts its writeback;
+    /// durable (and under its final name) once `batch` is synced. Returns its sha256 hex.
+    fn put_unsynced(&self, content: &[u8], batch: &mut BlobBatch) -> Result<String, BackupError> {
+        let sha = hex::encode(Sha256::digest(content));
+        if batch.pending.contains(&sha) {
+            return Ok(sha);
+        }
+        let path = self.blob(&sha);
+        if let Ok(meta) = std::fs::metadata(&path)
+            && meta.len() == content.len() as u64
+        {
+            return Ok(sha);
+        }
+        super::create_private_dir(&self.dir).map_err(|source| BackupError::Io {
+            path: self.dir.clone(),
+            op: "create",
+            source,
+        })?;
+        let tmp = self.partial(&sha);
+        let _ = std::fs::remove_file(&tmp);
+        let write = || -> Result<(), (&'static str, io::Error)> {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(|e| ("create temp file for", e))?;
+            f.write_all(content).map_err(|e| ("write", e))?;
+            crate::base::start_writeback(&f);
+            Ok(())
+        };
+        if let Err((op, source)) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(BackupError::Io { path, op, source });
+        }
+        batch.pending.push(sha.clone());
+        Ok(sha)
+    }
+
+    /// The temporary name a blob is written under before it is durable.
+    fn partial(&self, sha: &str) -> PathBuf {
+        self.dir.join(format!(".{sha}.partial"))
     }
 
     /// Stores what `content` yields durably, streaming (large files are never held in
@@ -206,6 +260,86 @@ impl BackupStore {
     }
 }
 
+/// Blobs of one batch of captures, made durable together by [`BlobBatch::sync`] (see the
+/// module's documentation). Blobs not synced are removed when the batch is dropped.
+#[derive(Debug)]
+pub struct BlobBatch<'a> {
+    store: &'a BackupStore,
+    /// The sha256 of each blob written under its temporary name and not yet synced.
+    pending: Vec<String>,
+}
+
+impl<'a> BlobBatch<'a> {
+    /// An empty batch of `store`.
+    pub fn new(store: &'a BackupStore) -> BlobBatch<'a> {
+        BlobBatch {
+            store,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Stores `content`; durable once the batch is synced. Returns its sha256 hex.
+    pub fn put(&mut self, content: &[u8]) -> Result<String, BackupError> {
+        let store = self.store;
+        store.put_unsynced(content, self)
+    }
+
+    /// Stores what `content` yields, streaming, durably at once (large files are rare; they
+    /// are not worth holding back). Returns its sha256 hex.
+    pub fn put_reader(&mut self, content: &mut dyn Read) -> Result<String, BackupError> {
+        self.store.put_reader(content)
+    }
+
+    /// Makes every blob put since the last sync durable under its final name: each file
+    /// synced (its writeback started when it was written), renamed into place, then the
+    /// directory synced once. Only then may a journal record name them.
+    pub fn sync(&mut self) -> Result<(), BackupError> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let store = self.store;
+        for sha in &self.pending {
+            let tmp = store.partial(sha);
+            let io = |op: &'static str| {
+                let path = tmp.clone();
+                move |source| BackupError::Io { path, op, source }
+            };
+            std::fs::File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .map_err(io("sync"))?;
+        }
+        failpoint::hit("backup.before_rename");
+        // Renamed in order; on a failure the rest stay pending (removed on drop).
+        let mut renamed = 0;
+        let result = self.pending.iter().try_for_each(|sha| {
+            std::fs::rename(store.partial(sha), store.blob(sha)).map_err(|source| {
+                BackupError::Io {
+                    path: store.blob(sha),
+                    op: "rename",
+                    source,
+                }
+            })?;
+            renamed += 1;
+            Ok(())
+        });
+        self.pending.drain(..renamed);
+        result?;
+        super::sync_dir(&store.dir).map_err(|source| BackupError::Io {
+            path: store.dir.clone(),
+            op: "sync directory of",
+            source,
+        })
+    }
+}
+
+impl Drop for BlobBatch<'_> {
+    fn drop(&mut self) {
+        for sha in &self.pending {
+            let _ = std::fs::remove_file(self.store.partial(sha));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,5 +385,55 @@ mod tests {
         assert_eq!(store.retain(&keep).unwrap(), 1);
         assert!(store.check(&a));
         assert!(!store.check(&b));
+    }
+
+    fn names(t: &tempfile::TempDir) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(t.path().join("backups"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_batch_names_its_blobs_only_once_synced_and_leaves_nothing_when_dropped() {
+        let t = tempfile::tempdir().unwrap();
+        let store = BackupStore::at(t.path());
+        let kept = store.put(b"kept").unwrap();
+        let (a, b) = {
+            let mut batch = BlobBatch::new(&store);
+            let a = batch.put(b"alpha").unwrap();
+            assert_eq!(batch.put(b"alpha").unwrap(), a, "deduplicated in the batch");
+            let b = batch.put(b"beta").unwrap();
+            assert_eq!(
+                batch.put(b"kept").unwrap(),
+                kept,
+                "deduplicated against the store"
+            );
+            // Nothing under a final name before the sync: no record may name them yet.
+            assert!(!store.check(&a) && !store.check(&b));
+            let mut want = vec![
+                format!(".{a}.partial"),
+                format!(".{b}.partial"),
+                kept.clone(),
+            ];
+            want.sort();
+            assert_eq!(names(&t), want);
+            batch.sync().unwrap();
+            (a, b)
+        };
+        assert_eq!(store.get(&a).unwrap(), b"alpha");
+        assert_eq!(store.get(&b).unwrap(), b"beta");
+        let mut want = vec![a.clone(), b.clone(), kept.clone()];
+        want.sort();
+        assert_eq!(names(&t), want, "no temp files left after a sync");
+
+        // A batch dropped before its sync (a capture failed) leaves no temp file behind.
+        let mut batch = BlobBatch::new(&store);
+        let c = batch.put(b"gamma").unwrap();
+        drop(batch);
+        assert!(!store.check(&c));
+        assert_eq!(names(&t), want);
     }
 }

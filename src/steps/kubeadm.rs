@@ -26,7 +26,7 @@ use super::{Note, StepError};
 use crate::base::ErrorKind;
 use crate::host::Host;
 use crate::host::command;
-use crate::journal::backup::BackupStore;
+use crate::journal::backup::{BackupStore, BlobBatch};
 use crate::journal::{FileBefore, Preimage};
 use crate::plan::NodePath;
 use crate::plan::kinds::{KUBEADM_TARGET, REWRITES, UpgradeNode};
@@ -52,7 +52,7 @@ struct UpgradeNodeBefore {
 }
 
 /// Backs up the files `kubeadm upgrade node` may rewrite.
-pub fn capture(host: &Host, backups: &BackupStore) -> Result<Preimage, StepError> {
+pub fn capture(host: &Host, backups: &mut BlobBatch<'_>) -> Result<Preimage, StepError> {
     let mut files = Vec::new();
     for p in REWRITES {
         let path = NodePath::parse(p)

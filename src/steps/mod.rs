@@ -21,7 +21,7 @@ use crate::host::fs::FsError;
 use crate::host::systemd::{SystemdError, UnitBefore, UnitFileOp};
 use crate::host::users::Accounts;
 use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
-use crate::journal::backup::{BackupError, BackupStore};
+use crate::journal::backup::{BackupError, BackupStore, BlobBatch};
 use crate::journal::{FileBefore, Preimage};
 use crate::plan::kinds::is_unit_path;
 use crate::plan::{Change, ChangeKind, FieldError, NodePath, Plan};
@@ -354,8 +354,13 @@ fn run(
     }
 }
 
-/// Records what `m`'s target looks like now, storing file content in the backup store.
-pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preimage, StepError> {
+/// Records what `m`'s target looks like now, storing file content in the backup store
+/// through `backups` (durable once the batch is synced, before the pre-image is journaled).
+pub fn capture(
+    host: &Host,
+    backups: &mut BlobBatch<'_>,
+    m: &Mutation,
+) -> Result<Preimage, StepError> {
     match m {
         Mutation::Write { path, .. }
         | Mutation::WriteFrom { path, .. }
@@ -416,10 +421,11 @@ pub fn capture(host: &Host, backups: &BackupStore, m: &Mutation) -> Result<Preim
 /// Files up to this size are backed up from memory; larger ones (binaries) are streamed.
 const STREAM_ABOVE: u64 = 1 << 20;
 
-/// The state of the file at `path`, its content stored in the backup store.
+/// The state of the file at `path`, its content stored in the backup store (durable once
+/// `backups` is synced).
 pub(crate) fn capture_file(
     host: &Host,
-    backups: &BackupStore,
+    backups: &mut BlobBatch<'_>,
     path: &NodePath,
 ) -> Result<FileBefore, StepError> {
     let Some((mut file, meta, size)) = host.root.open_file(path)? else {
