@@ -12,5 +12,5 @@ pub(crate) mod units;
 mod writeback;
 
 pub use error::{ErrorInfo, ErrorKind, StepError, chain};
-pub use file_meta::{Existing, FileMeta};
+pub use file_meta::{Compared, Existing, FileMeta};
 pub use writeback::start_writeback;

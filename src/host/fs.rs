@@ -16,7 +16,7 @@
 //! file; a crash can leave one, named `.<name>.inplace-tmp`, which [`Root::sweep_temp`]
 //! removes on resume.
 
-use crate::base::FileMeta;
+use crate::base::{Compared, FileMeta};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
@@ -568,6 +568,26 @@ impl Root {
         }
     }
 
+    /// What is at `p` compared with `expected` ([`Compared`]): a file of another size is
+    /// not read, one of the same size is read in pieces up to its first difference. The
+    /// parent directory comes from `cache` when given, as for [`Root::read_in`].
+    pub fn compare(
+        &self,
+        p: &NodePath,
+        expected: &[u8],
+        cache: Option<&mut DirCache>,
+    ) -> Result<Compared, FsError> {
+        match self.open_existing(p, cache)? {
+            Opened::Absent => Ok(Compared::Absent),
+            Opened::Other(kind) => Ok(Compared::Other { kind }),
+            Opened::File(file, meta, size) => {
+                let same = size == expected.len() as u64
+                    && holds(&file, expected).map_err(io_err("read", p))?;
+                Ok(Compared::File { meta, same })
+            }
+        }
+    }
+
     /// Opens the regular file at `p` for reading (streaming large files such as binaries),
     /// with its mode, owner and size; `None` when nothing is there. A symlink or anything
     /// other than a regular file is an error.
@@ -1053,6 +1073,28 @@ impl Root {
     }
 }
 
+/// Whether what `file` yields from where it is read next is exactly `expected`: read in
+/// pieces of at most 64 KiB, stopping at the first piece that differs.
+fn holds(mut file: &File, expected: &[u8]) -> io::Result<bool> {
+    // One byte more than expected is asked for, so a file that grew is seen.
+    let mut buf = vec![0u8; expected.len().min(64 * 1024) + 1];
+    let mut at = 0;
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if n == 0 {
+            return Ok(at == expected.len());
+        }
+        if expected.len() - at < n || buf[..n] != expected[at..at + n] {
+            return Ok(false);
+        }
+        at += n;
+    }
+}
+
 /// Reads an open file to its end, `size` (from the caller's `fstat`) being what it is
 /// expected to hold. `Read::read_to_end` would ask the kernel for the size again (`statx`,
 /// `lseek`) before reading: two system calls a file that a pass over 500 files pays 1,000
@@ -1235,6 +1277,70 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_comparison_says_what_a_full_read_compared_would_say() {
+        let t = tempfile::tempdir().unwrap();
+        let root = Root::open(t.path(), AllowList::default()).unwrap();
+        let p = np("/etc/kubernetes/c.conf");
+        let big: Vec<u8> = (0..200_000).map(|i| (i % 251) as u8).collect();
+        let mut late = big.clone();
+        late[150_000] ^= 1;
+        let mut last = big.clone();
+        *last.last_mut().unwrap() ^= 1;
+        let cases: [(&[u8], &[u8]); 9] = [
+            (b"", b""),
+            (b"a\n", b"a\n"),
+            (b"a\n", b"b\n"),
+            (b"a\n", b"a\nb\n"),
+            (b"a\nb\n", b"a\n"),
+            (&big, &big),
+            (&big, &late),
+            (&big, &last),
+            (&big, &big[..big.len() - 1]),
+        ];
+        for (on_disk, expected) in cases {
+            root.write_atomic(&p, on_disk, me()).unwrap();
+            let want = Compared::of(&root.read(&p).unwrap(), expected);
+            assert_eq!(root.compare(&p, expected, None).unwrap(), want);
+            let mut cache = DirCache::default();
+            assert_eq!(root.compare(&p, expected, Some(&mut cache)).unwrap(), want);
+            assert_eq!(
+                want,
+                Compared::File {
+                    meta: me(),
+                    same: on_disk == expected
+                }
+            );
+        }
+        assert_eq!(
+            root.compare(&np("/etc/kubernetes/none"), b"x", None)
+                .unwrap(),
+            Compared::Absent
+        );
+        assert!(matches!(
+            root.compare(&np("/etc/kubernetes"), b"x", None).unwrap(),
+            Compared::Other { .. }
+        ));
+    }
+
+    #[test]
+    fn a_file_is_held_only_up_to_its_end_whatever_pieces_it_is_read_in() {
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("f");
+        let content: Vec<u8> = (0..300_000).map(|i| (i % 253) as u8).collect();
+        std::fs::write(&path, &content).unwrap();
+        let file = File::open(&path).unwrap();
+        assert!(holds(&file, &content).unwrap());
+        for cut in [0, 1, 65_536, 65_537, 299_999] {
+            let file = File::open(&path).unwrap();
+            assert!(!holds(&file, &content[..cut]).unwrap(), "shorter by {cut}");
+        }
+        let mut longer = content.clone();
+        longer.push(0);
+        let file = File::open(&path).unwrap();
+        assert!(!holds(&file, &longer).unwrap());
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! is always durable, so a crash in between leaves only temporary files (removed when the
 //! same content is written again, and by [`BackupStore::retain`]).
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -75,38 +75,23 @@ impl BackupStore {
     /// Stores `content` durably and returns its sha256 hex.
     pub fn put(&self, content: &[u8]) -> Result<String, BackupError> {
         let sha = hex::encode(Sha256::digest(content));
-        let path = self.blob(&sha);
-        if let Ok(meta) = std::fs::metadata(&path)
-            && meta.len() == content.len() as u64
-        {
+        if self.stored(&sha, content.len()) {
             return Ok(sha);
         }
-        let io = |op: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| BackupError::Io { path, op, source }
-        };
-        super::create_private_dir(&self.dir).map_err(io("create", &self.dir))?;
         // Written next to its place under a name of its own (a crash may have left it: only
         // one agent writes the store), synced, renamed into place, and the rename synced.
+        let f = self.write_partial(&sha, content)?;
         let tmp = self.partial(&sha);
-        let _ = std::fs::remove_file(&tmp);
-        let write = || -> Result<(), (&'static str, io::Error)> {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(|e| ("create temp file for", e))?;
-            f.write_all(content).map_err(|e| ("write", e))?;
+        let path = self.blob(&sha);
+        let finish = || -> Result<(), (&'static str, io::Error)> {
             f.sync_all().map_err(|e| ("sync", e))?;
             failpoint::hit("backup.before_rename");
             std::fs::rename(&tmp, &path).map_err(|e| ("rename", e))?;
             super::sync_dir(&self.dir).map_err(|e| ("sync directory of", e))
         };
-        if let Err((op, e)) = write() {
+        if let Err((op, source)) = finish() {
             let _ = std::fs::remove_file(&tmp);
-            return Err(io(op, &path)(e));
+            return Err(BackupError::Io { path, op, source });
         }
         Ok(sha)
     }
@@ -115,24 +100,32 @@ impl BackupStore {
     /// durable (and under its final name) once `batch` is synced. Returns its sha256 hex.
     fn put_unsynced(&self, content: &[u8], batch: &mut BlobBatch) -> Result<String, BackupError> {
         let sha = hex::encode(Sha256::digest(content));
-        if batch.pending.contains(&sha) {
+        if batch.pending.contains(&sha) || self.stored(&sha, content.len()) {
             return Ok(sha);
         }
-        let path = self.blob(&sha);
-        if let Ok(meta) = std::fs::metadata(&path)
-            && meta.len() == content.len() as u64
-        {
-            return Ok(sha);
-        }
+        let f = self.write_partial(&sha, content)?;
+        crate::base::start_writeback(&f);
+        batch.pending.insert(sha.clone());
+        Ok(sha)
+    }
+
+    /// The blob `sha` is in the store (with the length its content has).
+    fn stored(&self, sha: &str, len: usize) -> bool {
+        std::fs::metadata(self.blob(sha)).is_ok_and(|m| m.len() == len as u64)
+    }
+
+    /// Writes `content` as the temporary file of the blob `sha` (replacing one a crash
+    /// left), not synced; on failure nothing is left.
+    fn write_partial(&self, sha: &str, content: &[u8]) -> Result<std::fs::File, BackupError> {
+        use std::os::unix::fs::OpenOptionsExt;
         super::create_private_dir(&self.dir).map_err(|source| BackupError::Io {
             path: self.dir.clone(),
             op: "create",
             source,
         })?;
-        let tmp = self.partial(&sha);
+        let tmp = self.partial(sha);
         let _ = std::fs::remove_file(&tmp);
-        let write = || -> Result<(), (&'static str, io::Error)> {
-            use std::os::unix::fs::OpenOptionsExt;
+        let write = || -> Result<std::fs::File, (&'static str, io::Error)> {
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
@@ -140,15 +133,16 @@ impl BackupStore {
                 .open(&tmp)
                 .map_err(|e| ("create temp file for", e))?;
             f.write_all(content).map_err(|e| ("write", e))?;
-            crate::base::start_writeback(&f);
-            Ok(())
+            Ok(f)
         };
-        if let Err((op, source)) = write() {
+        write().map_err(|(op, source)| {
             let _ = std::fs::remove_file(&tmp);
-            return Err(BackupError::Io { path, op, source });
-        }
-        batch.pending.push(sha.clone());
-        Ok(sha)
+            BackupError::Io {
+                path: self.blob(sha),
+                op,
+                source,
+            }
+        })
     }
 
     /// The temporary name a blob is written under before it is durable.
@@ -266,7 +260,7 @@ impl BackupStore {
 pub struct BlobBatch<'a> {
     store: &'a BackupStore,
     /// The sha256 of each blob written under its temporary name and not yet synced.
-    pending: Vec<String>,
+    pending: BTreeSet<String>,
 }
 
 impl<'a> BlobBatch<'a> {
@@ -274,7 +268,7 @@ impl<'a> BlobBatch<'a> {
     pub fn new(store: &'a BackupStore) -> BlobBatch<'a> {
         BlobBatch {
             store,
-            pending: Vec::new(),
+            pending: BTreeSet::new(),
         }
     }
 
@@ -309,9 +303,8 @@ impl<'a> BlobBatch<'a> {
                 .map_err(io("sync"))?;
         }
         failpoint::hit("backup.before_rename");
-        // Renamed in order; on a failure the rest stay pending (removed on drop).
-        let mut renamed = 0;
-        let result = self.pending.iter().try_for_each(|sha| {
+        // On a failure the blobs not renamed yet stay pending (removed on drop).
+        while let Some(sha) = self.pending.first() {
             std::fs::rename(store.partial(sha), store.blob(sha)).map_err(|source| {
                 BackupError::Io {
                     path: store.blob(sha),
@@ -319,11 +312,8 @@ impl<'a> BlobBatch<'a> {
                     source,
                 }
             })?;
-            renamed += 1;
-            Ok(())
-        });
-        self.pending.drain(..renamed);
-        result?;
+            self.pending.pop_first();
+        }
         super::sync_dir(&store.dir).map_err(|source| BackupError::Io {
             path: store.dir.clone(),
             op: "sync directory of",

@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::{Note, StepError, package};
 use crate::base::packages::{InstalledPackage, ManagerKind};
 use crate::base::units::{ObservedUnit, UnitFileState};
-use crate::base::{Existing, FileMeta};
+use crate::base::{Compared, Existing, FileMeta};
 use crate::host::fs::{DirCache, FsError};
 use crate::host::packages::PackageManager;
 use crate::host::{Host, STEP_BUS_WINDOW, ServiceCall};
@@ -48,6 +48,16 @@ impl Node for HostNode<'_> {
         Ok(match &self.dirs {
             Some(dirs) => self.host.root.read_in(p, &mut dirs.borrow_mut())?,
             None => self.host.root.read(p)?,
+        })
+    }
+
+    fn compare(&self, p: &NodePath, expected: &[u8]) -> Result<Compared, StepError> {
+        Ok(match &self.dirs {
+            Some(dirs) => self
+                .host
+                .root
+                .compare(p, expected, Some(&mut dirs.borrow_mut()))?,
+            None => self.host.root.compare(p, expected, None)?,
         })
     }
 

@@ -6,7 +6,7 @@ use super::Mutation;
 use super::{Diff, Node, Note, StepCtx};
 use super::{Kind, Written, file_disruption};
 use crate::base::StepError;
-use crate::base::{ErrorKind, Existing, FileMeta};
+use crate::base::{Compared, ErrorKind, Existing, FileMeta};
 use crate::plan::parse::{Cx, join};
 use crate::plan::{Disruption, Encoding, Mode, NodePath, Owner, decode_content};
 
@@ -49,17 +49,22 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     needle.is_empty() || hay.windows(needle.len()).any(|w| w == needle)
 }
 
+/// The mode and owner `change` writes, its owner resolved to `ids`.
+fn written_meta(change: &FileChange, ids: (u32, u32)) -> FileMeta {
+    FileMeta {
+        mode: change.mode.0,
+        uid: ids.0,
+        gid: ids.1,
+    }
+}
+
 /// The mutation a `file` change needs given what is at its path (pure).
 pub fn file_mutation(
     existing: &Existing,
     change: &FileChange,
     ids: (u32, u32),
 ) -> Result<Option<Mutation>, String> {
-    let meta = FileMeta {
-        mode: change.mode.0,
-        uid: ids.0,
-        gid: ids.1,
-    };
+    let meta = written_meta(change, ids);
     let current = match existing {
         Existing::Absent => None,
         Existing::File { content, meta: m } => Some((content.as_slice(), *m)),
@@ -79,6 +84,29 @@ pub fn file_mutation(
         content,
         meta,
     }))
+}
+
+/// The mutation a `file` change that replaces the whole content (not `append`) needs given
+/// what is at its path, compared with its content (pure): [`file_mutation`] without the
+/// file's bytes.
+pub fn replace_mutation(
+    compared: &Compared,
+    change: &FileChange,
+    ids: (u32, u32),
+) -> Result<Option<Mutation>, String> {
+    let meta = written_meta(change, ids);
+    match compared {
+        Compared::Other { kind } => Err(format!("{} is a {kind}, not a regular file", change.path)),
+        Compared::File {
+            meta: m,
+            same: true,
+        } if *m == meta => Ok(None),
+        Compared::Absent | Compared::File { .. } => Ok(Some(Mutation::Write {
+            path: change.path.clone(),
+            content: change.content.clone(),
+            meta,
+        })),
+    }
 }
 
 impl Kind for FileChange {
@@ -235,9 +263,15 @@ impl Kind for FileChange {
     }
 
     fn diff(&self, node: &dyn Node, ctx: StepCtx) -> Result<Diff, StepError> {
-        let existing = node.read(&self.path)?;
+        let ids = ctx.ids.unwrap_or(ctx.root_ids);
+        // Replacing the whole content only needs to know whether the file holds it already.
+        let mutation = if self.append {
+            file_mutation(&node.read(&self.path)?, self, ids)
+        } else {
+            replace_mutation(&node.compare(&self.path, &self.content)?, self, ids)
+        };
         Ok(Diff {
-            mutations: file_mutation(&existing, self, ctx.ids.unwrap_or(ctx.root_ids))
+            mutations: mutation
                 .map_err(|e| StepError::new(ErrorKind::Precondition, e))?
                 .into_iter()
                 .collect(),
@@ -319,6 +353,27 @@ mod tests {
                 .is_some()
         );
         assert!(file_mutation(&Existing::Other { kind: "directory" }, &c, (0, 0)).is_err());
+    }
+
+    #[test]
+    fn a_replacement_is_decided_from_the_comparison_as_from_the_content() {
+        let c = change("a\n", false);
+        for existing in [
+            file("a\n", 0o640),
+            file("a\n", 0o644),
+            file("b\n", 0o640),
+            file("", 0o640),
+            Existing::Absent,
+            Existing::Other { kind: "directory" },
+        ] {
+            for ids in [(0, 0), (0, 5)] {
+                assert_eq!(
+                    replace_mutation(&Compared::of(&existing, &c.content), &c, ids),
+                    file_mutation(&existing, &c, ids),
+                    "{existing:?} {ids:?}"
+                );
+            }
+        }
     }
 
     #[test]

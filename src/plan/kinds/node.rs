@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::base::packages::{InstalledPackage, ManagerKind};
 use crate::base::units::{ObservedUnit as Observed, UnitFileState};
-use crate::base::{Existing, FileMeta, StepError};
+use crate::base::{Compared, Existing, FileMeta, StepError};
 use crate::plan::NodePath;
 
 use super::Note;
@@ -17,6 +17,13 @@ use super::Note;
 pub trait Node {
     /// What is at `p` (a final symlink is an error; a path below a symlink too).
     fn read(&self, p: &NodePath) -> Result<Existing, StepError>;
+
+    /// What is at `p` compared with `expected`: [`Node::read`] without holding the content
+    /// (a file of another size is not read; one of the same size is read in pieces, up to
+    /// its first difference).
+    fn compare(&self, p: &NodePath, expected: &[u8]) -> Result<Compared, StepError> {
+        Ok(Compared::of(&self.read(p)?, expected))
+    }
 
     /// Mode, owner and size of the regular file at `p`, without reading it.
     fn file_meta(&self, p: &NodePath) -> Result<Option<(FileMeta, u64)>, StepError>;
