@@ -566,6 +566,8 @@ impl Runner {
         // The batch's backups are written as they are captured and made durable together,
         // before the first `StepStarted` names one (see journal/backup.rs).
         let mut blobs = BlobBatch::new(&self.shared.backups);
+        // Each change's pre-images, parallel to `work`: files' are captured after the loop.
+        let mut captures: Vec<Vec<Capture>> = Vec::with_capacity(batch.len());
         for &i in batch {
             let index = i as u32;
             let _in_change = tracing::info_span!("change", change = index).entered();
@@ -582,21 +584,32 @@ impl Runner {
                 failed = Some((i, content_gone(&plan.changes[i], run)));
                 break;
             }
-            match self.prepare_one(&node, &mut blobs, &plan.changes[i], ctx, in_flight) {
-                Ok((diff, preimages)) => work.push(Work {
-                    index,
-                    diff,
-                    preimages,
-                    resumed: in_flight.is_some(),
-                    planned: rs.planned.get(&index).cloned().unwrap_or_default(),
-                    announced: false,
-                    staged: rs.staged.get(&index).cloned(),
-                }),
+            match self.prepare_one(&node, &blobs, &plan.changes[i], ctx, in_flight) {
+                Ok((diff, pending)) => {
+                    captures.push(pending);
+                    work.push(Work {
+                        index,
+                        diff,
+                        preimages: Vec::new(),
+                        resumed: in_flight.is_some(),
+                        planned: rs.planned.get(&index).cloned().unwrap_or_default(),
+                        announced: false,
+                        staged: rs.staged.get(&index).cloned(),
+                    })
+                }
                 Err(e) => {
                     failed = Some((i, e));
                     break;
                 }
             }
+        }
+        if let Some((k, e)) = capture_files(&self.shared.host, &blobs, &work, &mut captures) {
+            // Changes before it keep their pre-images; it fails; none after it is performed.
+            failed = Some((work[k].index as usize, e));
+            work.truncate(k);
+        }
+        for (w, pending) in work.iter_mut().zip(captures) {
+            w.preimages = pending.into_iter().filter_map(Capture::done).collect();
         }
         if let Err(e) = blobs.sync() {
             // No backup of the batch is known durable: nothing from the first change that
@@ -692,32 +705,37 @@ impl Runner {
         Ok(())
     }
 
-    /// Diffs one change and captures the pre-images its mutations need. On resume the
-    /// journaled pre-images describe the node before the change; only targets not captured
-    /// then are captured now.
+    /// Diffs one change and captures the pre-images its mutations need, except files'
+    /// (`Capture::File`: [`capture_files`] captures them with the batch's other files). On
+    /// resume the journaled pre-images describe the node before the change; only targets
+    /// not captured then are captured now.
     fn prepare_one(
         &self,
         node: &steps::HostNode<'_>,
-        blobs: &mut BlobBatch<'_>,
+        blobs: &BlobBatch<'_>,
         change: &Change,
         ctx: steps::StepCtx,
         in_flight: Option<&Vec<crate::journal::Preimage>>,
-    ) -> Result<(steps::Diff, Vec<crate::journal::Preimage>), StepError> {
+    ) -> Result<(steps::Diff, Vec<Capture>), StepError> {
         let host = &self.shared.host;
         let diff = steps::diff_on(node, change, ctx)?;
-        let known: BTreeSet<String> = in_flight
+        let mut targets: BTreeSet<String> = in_flight
             .into_iter()
             .flatten()
             .map(preimage_target)
             .collect();
-        let mut preimages = Vec::new();
-        for m in &diff.mutations {
-            let target = mutation_target(m);
-            if !known.contains(&target) && !preimages.iter().any(|p| preimage_target(p) == target) {
-                preimages.push(steps::capture(host, blobs, m)?);
+        let mut captures = Vec::new();
+        for (k, m) in diff.mutations.iter().enumerate() {
+            if !targets.insert(mutation_target(m)) {
+                continue;
             }
+            captures.push(if steps::captures_a_file(m) {
+                Capture::File(k)
+            } else {
+                Capture::Done(steps::capture(host, blobs, m)?)
+            });
         }
-        Ok((diff, preimages))
+        Ok((diff, captures))
     }
 
     /// Syncs the directories of the renames made so far, then journals their changes done.
@@ -1182,6 +1200,75 @@ fn completed_after_restart(planned: &[String]) -> String {
     } else {
         format!("{} (completed after a restart)", planned.join("; "))
     }
+}
+
+/// A pre-image of a change being prepared.
+enum Capture {
+    /// Captured.
+    Done(crate::journal::Preimage),
+    /// The pre-image of the file the change's mutation at this index writes or removes,
+    /// captured with the batch's other files ([`capture_files`]).
+    File(usize),
+}
+
+impl Capture {
+    fn done(self) -> Option<crate::journal::Preimage> {
+        match self {
+            Capture::Done(p) => Some(p),
+            Capture::File(_) => None,
+        }
+    }
+}
+
+/// Captures the file pre-images of a batch (`Capture::File` in `captures`, parallel to
+/// `work`) into `blobs`, two at a time on a machine with two cores or more: reading and
+/// hashing the files being replaced is most of a large batch's time before its first write,
+/// and nothing changes the node before the batch's first mutation, so the order of the
+/// captures does not matter. On failure returns the position in `work` of the first change
+/// (in change order) whose capture failed, and why.
+fn capture_files(
+    host: &crate::host::Host,
+    blobs: &BlobBatch<'_>,
+    work: &[Work],
+    captures: &mut [Vec<Capture>],
+) -> Option<(usize, StepError)> {
+    let jobs: Vec<(usize, usize, &steps::Mutation)> = captures
+        .iter()
+        .enumerate()
+        .flat_map(|(w, pending)| {
+            pending
+                .iter()
+                .enumerate()
+                .filter_map(move |(slot, c)| match c {
+                    Capture::File(m) => Some((w, slot, &work[w].diff.mutations[*m])),
+                    Capture::Done(_) => None,
+                })
+        })
+        .collect();
+    let capture = |job: &(usize, usize, &steps::Mutation)| steps::capture(host, blobs, job.2);
+    let two = std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
+    let results: Vec<Result<crate::journal::Preimage, StepError>> = if jobs.len() < 2 || !two {
+        jobs.iter().map(capture).collect()
+    } else {
+        std::thread::scope(|s| {
+            let odd = s.spawn(|| jobs.iter().skip(1).step_by(2).map(capture).collect());
+            let even: Vec<_> = jobs.iter().step_by(2).map(capture).collect();
+            let odd: Vec<_> = odd.join().expect("capturing does not panic");
+            let mut odd = odd.into_iter();
+            even.into_iter()
+                .flat_map(|e| std::iter::once(e).chain(odd.next()))
+                .collect()
+        })
+    };
+    let mut first: Option<(usize, StepError)> = None;
+    for (&(w, slot, _), result) in jobs.iter().zip(results) {
+        match result {
+            Ok(p) => captures[w][slot] = Capture::Done(p),
+            Err(e) if first.as_ref().is_none_or(|(f, _)| w < *f) => first = Some((w, e)),
+            Err(_) => {}
+        }
+    }
+    first
 }
 
 fn mutation_target(m: &steps::Mutation) -> String {

@@ -5,17 +5,18 @@
 //! once. Blobs no unfinished plan references are removed by [`BackupStore::retain`].
 //!
 //! [`BackupStore::put`] makes one blob durable on its own (two syncs). The engine backs up
-//! the files of a whole batch of changes through a [`BlobBatch`] instead: each blob is
-//! written under its temporary name and its writeback started at once (the disk works
-//! while the next file is read and hashed), and [`BlobBatch::sync`] waits for them all,
-//! renames them into place and syncs the directory once, before the batch's `StepStarted`
-//! records are written. Until then no record names them, and a blob under its final name
-//! is always durable, so a crash in between leaves only temporary files (removed when the
-//! same content is written again, and by [`BackupStore::retain`]).
+//! the files of a whole batch of changes through a [`BlobBatch`] instead, from two threads:
+//! each blob is written under a temporary name of its own and its writeback started at once
+//! (the disk works while the next file is read and hashed), and [`BlobBatch::sync`] waits
+//! for them all, renames them into place and syncs the directory once, before the batch's
+//! `StepStarted` records are written. Until then no record names them, and a blob under its
+//! final name is always durable, so a crash in between leaves only temporary files (removed
+//! by [`BackupStore::retain`] when the next plan finishes).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::HashSet;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 
@@ -80,8 +81,8 @@ impl BackupStore {
         }
         // Written next to its place under a name of its own (a crash may have left it: only
         // one agent writes the store), synced, renamed into place, and the rename synced.
-        let f = self.write_partial(&sha, content)?;
-        let tmp = self.partial(&sha);
+        let tmp = self.partial(&sha, None);
+        let f = self.write_partial(&sha, &tmp, content)?;
         let path = self.blob(&sha);
         let finish = || -> Result<(), (&'static str, io::Error)> {
             f.sync_all().map_err(|e| ("sync", e))?;
@@ -98,14 +99,18 @@ impl BackupStore {
 
     /// Writes `content` under the temporary name of its blob and starts its writeback;
     /// durable (and under its final name) once `batch` is synced. Returns its sha256 hex.
-    fn put_unsynced(&self, content: &[u8], batch: &mut BlobBatch) -> Result<String, BackupError> {
+    fn put_unsynced(&self, content: &[u8], batch: &BlobBatch) -> Result<String, BackupError> {
         let sha = hex::encode(Sha256::digest(content));
-        if batch.pending.contains(&sha) || self.stored(&sha, content.len()) {
+        if self.stored(&sha, content.len()) {
             return Ok(sha);
         }
-        let f = self.write_partial(&sha, content)?;
+        // A temporary name of its own: two threads of a batch may write the same content
+        // (both are renamed onto the one blob), and a write that fails leaves nothing
+        // another change's pre-image could be counting on.
+        let tmp = self.partial(&sha, Some(batch.next.fetch_add(1, Ordering::Relaxed)));
+        let f = self.write_partial(&sha, &tmp, content)?;
         crate::base::start_writeback(&f);
-        batch.pending.insert(sha.clone());
+        batch.pending().push((tmp, sha.clone()));
         Ok(sha)
     }
 
@@ -114,29 +119,33 @@ impl BackupStore {
         std::fs::metadata(self.blob(sha)).is_ok_and(|m| m.len() == len as u64)
     }
 
-    /// Writes `content` as the temporary file of the blob `sha` (replacing one a crash
+    /// Writes `content` as `tmp`, a temporary file of the blob `sha` (replacing one a crash
     /// left), not synced; on failure nothing is left.
-    fn write_partial(&self, sha: &str, content: &[u8]) -> Result<std::fs::File, BackupError> {
+    fn write_partial(
+        &self,
+        sha: &str,
+        tmp: &Path,
+        content: &[u8],
+    ) -> Result<std::fs::File, BackupError> {
         use std::os::unix::fs::OpenOptionsExt;
         super::create_private_dir(&self.dir).map_err(|source| BackupError::Io {
             path: self.dir.clone(),
             op: "create",
             source,
         })?;
-        let tmp = self.partial(sha);
-        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(tmp);
         let write = || -> Result<std::fs::File, (&'static str, io::Error)> {
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
-                .open(&tmp)
+                .open(tmp)
                 .map_err(|e| ("create temp file for", e))?;
             f.write_all(content).map_err(|e| ("write", e))?;
             Ok(f)
         };
         write().map_err(|(op, source)| {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = std::fs::remove_file(tmp);
             BackupError::Io {
                 path: self.blob(sha),
                 op,
@@ -145,9 +154,13 @@ impl BackupStore {
         })
     }
 
-    /// The temporary name a blob is written under before it is durable.
-    fn partial(&self, sha: &str) -> PathBuf {
-        self.dir.join(format!(".{sha}.partial"))
+    /// A temporary name the blob `sha` is written under before it is durable (`n`: the
+    /// number of a batch's write).
+    fn partial(&self, sha: &str, n: Option<u64>) -> PathBuf {
+        match n {
+            None => self.dir.join(format!(".{sha}.partial")),
+            Some(n) => self.dir.join(format!(".{sha}.{n}.partial")),
+        }
     }
 
     /// Stores what `content` yields durably, streaming (large files are never held in
@@ -255,12 +268,15 @@ impl BackupStore {
 }
 
 /// Blobs of one batch of captures, made durable together by [`BlobBatch::sync`] (see the
-/// module's documentation). Blobs not synced are removed when the batch is dropped.
+/// module's documentation); several threads may put into one batch. Blobs not synced are
+/// removed when the batch is dropped.
 #[derive(Debug)]
 pub struct BlobBatch<'a> {
     store: &'a BackupStore,
-    /// The sha256 of each blob written under its temporary name and not yet synced.
-    pending: BTreeSet<String>,
+    /// Each blob written under a temporary name and not yet synced: that name, its sha256.
+    pending: std::sync::Mutex<Vec<(PathBuf, String)>>,
+    /// The number of the batch's next write (its temporary name).
+    next: AtomicU64,
 }
 
 impl<'a> BlobBatch<'a> {
@@ -268,19 +284,25 @@ impl<'a> BlobBatch<'a> {
     pub fn new(store: &'a BackupStore) -> BlobBatch<'a> {
         BlobBatch {
             store,
-            pending: BTreeSet::new(),
+            pending: std::sync::Mutex::new(Vec::new()),
+            next: AtomicU64::new(0),
         }
     }
 
     /// Stores `content`; durable once the batch is synced. Returns its sha256 hex.
-    pub fn put(&mut self, content: &[u8]) -> Result<String, BackupError> {
-        let store = self.store;
-        store.put_unsynced(content, self)
+    pub fn put(&self, content: &[u8]) -> Result<String, BackupError> {
+        self.store.put_unsynced(content, self)
+    }
+
+    /// The pending writes (a panic while they were held poisons nothing: the list is only
+    /// ever pushed to and drained).
+    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<(PathBuf, String)>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Stores what `content` yields, streaming, durably at once (large files are rare; they
     /// are not worth holding back). Returns its sha256 hex.
-    pub fn put_reader(&mut self, content: &mut dyn Read) -> Result<String, BackupError> {
+    pub fn put_reader(&self, content: &mut dyn Read) -> Result<String, BackupError> {
         self.store.put_reader(content)
     }
 
@@ -288,32 +310,34 @@ impl<'a> BlobBatch<'a> {
     /// synced (its writeback started when it was written), renamed into place, then the
     /// directory synced once. Only then may a journal record name them.
     pub fn sync(&mut self) -> Result<(), BackupError> {
-        if self.pending.is_empty() {
+        let store = self.store;
+        let pending = self.pending.get_mut().unwrap_or_else(|e| e.into_inner());
+        if pending.is_empty() {
             return Ok(());
         }
-        let store = self.store;
-        for sha in &self.pending {
-            let tmp = store.partial(sha);
-            let io = |op: &'static str| {
-                let path = tmp.clone();
-                move |source| BackupError::Io { path, op, source }
-            };
-            std::fs::File::open(&tmp)
+        for (tmp, _) in pending.iter() {
+            std::fs::File::open(tmp)
                 .and_then(|f| f.sync_all())
-                .map_err(io("sync"))?;
+                .map_err(|source| BackupError::Io {
+                    path: tmp.clone(),
+                    op: "sync",
+                    source,
+                })?;
         }
         failpoint::hit("backup.before_rename");
         // On a failure the blobs not renamed yet stay pending (removed on drop).
-        while let Some(sha) = self.pending.first() {
-            std::fs::rename(store.partial(sha), store.blob(sha)).map_err(|source| {
-                BackupError::Io {
-                    path: store.blob(sha),
-                    op: "rename",
-                    source,
-                }
+        let mut renamed = 0;
+        let result = pending.iter().try_for_each(|(tmp, sha)| {
+            std::fs::rename(tmp, store.blob(sha)).map_err(|source| BackupError::Io {
+                path: store.blob(sha),
+                op: "rename",
+                source,
             })?;
-            self.pending.pop_first();
-        }
+            renamed += 1;
+            Ok(())
+        });
+        pending.drain(..renamed);
+        result?;
         super::sync_dir(&store.dir).map_err(|source| BackupError::Io {
             path: store.dir.clone(),
             op: "sync directory of",
@@ -324,8 +348,8 @@ impl<'a> BlobBatch<'a> {
 
 impl Drop for BlobBatch<'_> {
     fn drop(&mut self) {
-        for sha in &self.pending {
-            let _ = std::fs::remove_file(self.store.partial(sha));
+        for (tmp, _) in self.pending().iter() {
+            let _ = std::fs::remove_file(tmp);
         }
     }
 }
@@ -394,7 +418,7 @@ mod tests {
         let (a, b) = {
             let mut batch = BlobBatch::new(&store);
             let a = batch.put(b"alpha").unwrap();
-            assert_eq!(batch.put(b"alpha").unwrap(), a, "deduplicated in the batch");
+            assert_eq!(batch.put(b"alpha").unwrap(), a, "one name for one content");
             let b = batch.put(b"beta").unwrap();
             assert_eq!(
                 batch.put(b"kept").unwrap(),
@@ -404,8 +428,9 @@ mod tests {
             // Nothing under a final name before the sync: no record may name them yet.
             assert!(!store.check(&a) && !store.check(&b));
             let mut want = vec![
-                format!(".{a}.partial"),
-                format!(".{b}.partial"),
+                format!(".{a}.0.partial"),
+                format!(".{a}.1.partial"),
+                format!(".{b}.2.partial"),
                 kept.clone(),
             ];
             want.sort();
@@ -420,7 +445,7 @@ mod tests {
         assert_eq!(names(&t), want, "no temp files left after a sync");
 
         // A batch dropped before its sync (a capture failed) leaves no temp file behind.
-        let mut batch = BlobBatch::new(&store);
+        let batch = BlobBatch::new(&store);
         let c = batch.put(b"gamma").unwrap();
         drop(batch);
         assert!(!store.check(&c));

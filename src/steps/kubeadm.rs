@@ -52,7 +52,7 @@ struct UpgradeNodeBefore {
 }
 
 /// Backs up the files `kubeadm upgrade node` may rewrite.
-pub fn capture(host: &Host, backups: &mut BlobBatch<'_>) -> Result<Preimage, StepError> {
+pub fn capture(host: &Host, backups: &BlobBatch<'_>) -> Result<Preimage, StepError> {
     let mut files = Vec::new();
     for p in REWRITES {
         let path = NodePath::parse(p)

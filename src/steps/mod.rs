@@ -356,11 +356,7 @@ fn run(
 
 /// Records what `m`'s target looks like now, storing file content in the backup store
 /// through `backups` (durable once the batch is synced, before the pre-image is journaled).
-pub fn capture(
-    host: &Host,
-    backups: &mut BlobBatch<'_>,
-    m: &Mutation,
-) -> Result<Preimage, StepError> {
+pub fn capture(host: &Host, backups: &BlobBatch<'_>, m: &Mutation) -> Result<Preimage, StepError> {
     match m {
         Mutation::Write { path, .. }
         | Mutation::WriteFrom { path, .. }
@@ -418,6 +414,15 @@ pub fn capture(
     }
 }
 
+/// Whether `m`'s pre-image is a file's ([`capture_file`]: read, hashed and stored, with
+/// nothing else asked of the node), so it may be captured beside other files'.
+pub fn captures_a_file(m: &Mutation) -> bool {
+    matches!(
+        m,
+        Mutation::Write { .. } | Mutation::WriteFrom { .. } | Mutation::Remove { .. }
+    )
+}
+
 /// Files up to this size are backed up from memory; larger ones (binaries) are streamed.
 const STREAM_ABOVE: u64 = 1 << 20;
 
@@ -425,7 +430,7 @@ const STREAM_ABOVE: u64 = 1 << 20;
 /// `backups` is synced).
 pub(crate) fn capture_file(
     host: &Host,
-    backups: &mut BlobBatch<'_>,
+    backups: &BlobBatch<'_>,
     path: &NodePath,
 ) -> Result<FileBefore, StepError> {
     let Some((mut file, meta, size)) = host.root.open_file(path)? else {

@@ -1,6 +1,8 @@
 //! A node whose filesystem fills up: a plan whose staged contents do not fit is refused
 //! before anything changes; a write that does not fit mid-plan fails cleanly and rolls
-//! back. Neither leaves a partial, temp or staged file. Needs root (it mounts a small tmpfs).
+//! back. Neither leaves a partial, temp or staged file. A backup store that fills up fails
+//! the plan at the first change whose backup does not fit. Needs root (it mounts a small
+//! tmpfs).
 
 use std::process::Command;
 
@@ -161,4 +163,93 @@ fn a_plan_whose_contents_do_not_fit_is_refused_before_anything_changes() {
         .output()
         .unwrap();
     assert!(!status.status.success(), "{}", text(&status));
+}
+
+/// The backup store fills up while a batch's pre-images are captured (two at a time): the
+/// first change in order whose backup does not fit fails the plan, the changes before it
+/// are rolled back from their backups, and no temporary blob is left behind.
+#[test]
+fn backups_that_do_not_fit_fail_the_plan_at_the_first_change_and_roll_back() {
+    if !support::require_root(
+        "backups_that_do_not_fit_fail_the_plan_at_the_first_change_and_roll_back",
+        "it mounts a small tmpfs",
+    ) {
+        return;
+    }
+    // The node is on the ordinary disk; the journal and backups on a 640 KiB tmpfs, which
+    // holds six of the eight 96 KiB files being replaced.
+    let state = Tmpfs::mount("640k");
+    let node = tempfile::tempdir().unwrap();
+    let root = node.path();
+    inplace_agent::sandbox::tree::build_kubeadm_worker(root).unwrap();
+    let big = root.join("etc/kubernetes/big");
+    std::fs::create_dir_all(&big).unwrap();
+    let mut changes = String::new();
+    for i in 0..8 {
+        let old: String = format!("old {i} ").repeat(96 * 1024 / 6);
+        std::fs::write(big.join(format!("f{i}.bin")), &old[..96 * 1024]).unwrap();
+        changes.push_str(&format!(
+            "  - file: {{path: /etc/kubernetes/big/f{i}.bin, content: \"{}\"}}\n",
+            "x".repeat(96 * 1024)
+        ));
+    }
+    let before = support::snapshot(root, &[]);
+    let plan_dir = tempfile::tempdir().unwrap();
+    let plan = plan_dir.path().join("p.yaml");
+    std::fs::write(
+        &plan,
+        format!("{}changes:\n{changes}", header("ns/m@backups-full")),
+    )
+    .unwrap();
+
+    let out = Command::new(support::bin())
+        .args(["apply", "--services", "off", "--output", "json", "--root"])
+        .arg(root)
+        .arg("--state-dir")
+        .arg(state.dir.path())
+        .arg(&plan)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["phase"], "RolledBack", "{status:#}");
+    assert_eq!(status["error"]["kind"], "disk_full", "{status:#}");
+    let step = status["error"]["step"].as_str().unwrap();
+    assert!(step.contains("/etc/kubernetes/big/f"), "{status:#}");
+    // The failure reported is the first change in order that failed: every change before
+    // it was applied (and then rolled back), none after it.
+    let failed: usize = step
+        .strip_prefix("changes[")
+        .and_then(|s| s.split(']').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("step {step:?}"));
+    let steps = status["changes"].as_array().unwrap();
+    for (i, s) in steps.iter().enumerate() {
+        let want = match i.cmp(&failed) {
+            std::cmp::Ordering::Less => "RolledBack",
+            std::cmp::Ordering::Equal => "Failed",
+            std::cmp::Ordering::Greater => "Skipped",
+        };
+        assert_eq!(s["state"], want, "change {i}: {status:#}");
+    }
+
+    let after = support::snapshot(root, &[]);
+    assert_eq!(
+        support::diff(&before, &after),
+        Vec::<String>::new(),
+        "tree not restored"
+    );
+    let leftovers: Vec<String> = support::snapshot(state.dir.path(), &[])
+        .into_keys()
+        .filter(|k| k.contains("partial"))
+        .collect();
+    assert_eq!(leftovers, Vec::<String>::new(), "temporary blobs left");
+    let verify = Command::new(support::bin())
+        .args(["journal", "--verify", "--root"])
+        .arg(root)
+        .arg("--state-dir")
+        .arg(state.dir.path())
+        .output()
+        .unwrap();
+    assert!(verify.status.success(), "{}", text(&verify));
 }
