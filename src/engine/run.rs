@@ -615,7 +615,12 @@ impl Runner {
             // No backup of the batch is known durable: nothing from the first change that
             // needs one on is announced or performed.
             if let Some(k) = work.iter().position(|w| !w.preimages.is_empty()) {
-                failed = Some((work[k].index as usize, StepError::from(e)));
+                let e = StepError::from(e);
+                let detail = format!(
+                    "making the backups of changes[{}..] durable: {}",
+                    work[k].index, e.detail
+                );
+                failed = Some((work[k].index as usize, StepError::new(e.kind, detail)));
                 work.truncate(k);
             }
         }

@@ -97,23 +97,6 @@ impl BackupStore {
         Ok(sha)
     }
 
-    /// Writes `content` under the temporary name of its blob and starts its writeback;
-    /// durable (and under its final name) once `batch` is synced. Returns its sha256 hex.
-    fn put_unsynced(&self, content: &[u8], batch: &BlobBatch) -> Result<String, BackupError> {
-        let sha = hex::encode(Sha256::digest(content));
-        if self.stored(&sha, content.len()) {
-            return Ok(sha);
-        }
-        // A temporary name of its own: two threads of a batch may write the same content
-        // (both are renamed onto the one blob), and a write that fails leaves nothing
-        // another change's pre-image could be counting on.
-        let tmp = self.partial(&sha, Some(batch.next.fetch_add(1, Ordering::Relaxed)));
-        let f = self.write_partial(&sha, &tmp, content)?;
-        crate::base::start_writeback(&f);
-        batch.pending().push((tmp, sha.clone()));
-        Ok(sha)
-    }
-
     /// The blob `sha` is in the store (with the length its content has).
     fn stored(&self, sha: &str, len: usize) -> bool {
         std::fs::metadata(self.blob(sha)).is_ok_and(|m| m.len() == len as u64)
@@ -289,9 +272,22 @@ impl<'a> BlobBatch<'a> {
         }
     }
 
-    /// Stores `content`; durable once the batch is synced. Returns its sha256 hex.
+    /// Writes `content` under a temporary name of its blob and starts its writeback;
+    /// durable (and under its final name) once the batch is synced. Returns its sha256 hex.
     pub fn put(&self, content: &[u8]) -> Result<String, BackupError> {
-        self.store.put_unsynced(content, self)
+        let sha = hex::encode(Sha256::digest(content));
+        if self.store.stored(&sha, content.len()) {
+            return Ok(sha);
+        }
+        // A temporary name of its own: two threads of a batch may write the same content
+        // (both are renamed onto the one blob), and a write that fails leaves nothing
+        // another change's pre-image could be counting on.
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.store.partial(&sha, Some(n));
+        let f = self.store.write_partial(&sha, &tmp, content)?;
+        crate::base::start_writeback(&f);
+        self.pending().push((tmp, sha.clone()));
+        Ok(sha)
     }
 
     /// The pending writes (a panic while they were held poisons nothing: the list is only

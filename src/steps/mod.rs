@@ -13,7 +13,6 @@ pub mod kubeadm;
 mod node;
 pub mod package;
 
-use std::io::Read;
 use std::time::Duration;
 
 use crate::base::ErrorKind;
@@ -436,18 +435,21 @@ pub(crate) fn capture_file(
     let Some((mut file, meta, size)) = host.root.open_file(path)? else {
         return Ok(FileBefore::Absent);
     };
-    let sha256 = if size <= STREAM_ABOVE {
-        let mut content = Vec::with_capacity(size as usize);
-        file.read_to_end(&mut content)
-            .map_err(|source| FsError::Io {
-                op: "read",
-                path: path.to_string(),
-                source,
-            })?;
-        backups.put(&content)?
+    let stored = if size <= STREAM_ABOVE {
+        let content = crate::host::fs::read_sized(&file, size).map_err(|source| FsError::Io {
+            op: "read",
+            path: path.to_string(),
+            source,
+        })?;
+        backups.put(&content)
     } else {
-        backups.put_reader(&mut file)?
+        backups.put_reader(&mut file)
     };
+    // The step names the change; the detail says which file was being backed up.
+    let sha256 = stored.map_err(|e| {
+        let e = StepError::from(e);
+        StepError::new(e.kind, format!("backing up {path}: {}", e.detail))
+    })?;
     Ok(FileBefore::Present { sha256, meta })
 }
 

@@ -216,6 +216,12 @@ fn backups_that_do_not_fit_fail_the_plan_at_the_first_change_and_roll_back() {
     assert_eq!(status["error"]["kind"], "disk_full", "{status:#}");
     let step = status["error"]["step"].as_str().unwrap();
     assert!(step.contains("/etc/kubernetes/big/f"), "{status:#}");
+    let detail = status["error"]["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("backing up /etc/kubernetes/big/f")
+            && detail.contains("No space left on device"),
+        "{detail}"
+    );
     // The failure reported is the first change in order that failed: every change before
     // it was applied (and then rolled back), none after it.
     let failed: usize = step

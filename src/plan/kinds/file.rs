@@ -49,41 +49,18 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     needle.is_empty() || hay.windows(needle.len()).any(|w| w == needle)
 }
 
-/// The mode and owner `change` writes, its owner resolved to `ids`.
-fn written_meta(change: &FileChange, ids: (u32, u32)) -> FileMeta {
-    FileMeta {
-        mode: change.mode.0,
-        uid: ids.0,
-        gid: ids.1,
-    }
-}
-
 /// The mutation a `file` change needs given what is at its path (pure).
 pub fn file_mutation(
     existing: &Existing,
     change: &FileChange,
     ids: (u32, u32),
 ) -> Result<Option<Mutation>, String> {
-    let meta = written_meta(change, ids);
     let current = match existing {
-        Existing::Absent => None,
-        Existing::File { content, meta: m } => Some((content.as_slice(), *m)),
-        Existing::Other { kind } => {
-            return Err(format!("{} is a {kind}, not a regular file", change.path));
-        }
+        Existing::File { content, .. } => Some(content.as_slice()),
+        Existing::Absent | Existing::Other { .. } => None,
     };
-    let content = desired_content(current.map(|(c, _)| c), change);
-    if let Some((c, m)) = current
-        && c == &content[..]
-        && m == meta
-    {
-        return Ok(None);
-    }
-    Ok(Some(Mutation::Write {
-        path: change.path.clone(),
-        content,
-        meta,
-    }))
+    let content = desired_content(current, change);
+    write_unless_held(&Compared::of(existing, &content), change, content, ids)
 }
 
 /// The mutation a `file` change that replaces the whole content (not `append`) needs given
@@ -94,7 +71,22 @@ pub fn replace_mutation(
     change: &FileChange,
     ids: (u32, u32),
 ) -> Result<Option<Mutation>, String> {
-    let meta = written_meta(change, ids);
+    write_unless_held(compared, change, change.content.clone(), ids)
+}
+
+/// Writing `content` with the mode and owner `change` sets (its owner resolved to `ids`),
+/// unless what is at its path (`compared` with `content`) already holds exactly that.
+fn write_unless_held(
+    compared: &Compared,
+    change: &FileChange,
+    content: bytes::Bytes,
+    ids: (u32, u32),
+) -> Result<Option<Mutation>, String> {
+    let meta = FileMeta {
+        mode: change.mode.0,
+        uid: ids.0,
+        gid: ids.1,
+    };
     match compared {
         Compared::Other { kind } => Err(format!("{} is a {kind}, not a regular file", change.path)),
         Compared::File {
@@ -103,7 +95,7 @@ pub fn replace_mutation(
         } if *m == meta => Ok(None),
         Compared::Absent | Compared::File { .. } => Ok(Some(Mutation::Write {
             path: change.path.clone(),
-            content: change.content.clone(),
+            content,
             meta,
         })),
     }
