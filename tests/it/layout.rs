@@ -92,8 +92,13 @@ fn the_release_agent_gets_the_listed_functions_first_in_the_list_order() {
     let dir = tempfile::tempdir().unwrap();
     let objects = objects(dir.path());
     let list = dir.path().join("hot.txt");
-    // c before b, a not listed; the hashes are not part of the names.
-    std::fs::write(&list, "# comment\n_ZN3hot1c\n_ZN3hot1b\n_ZN7missing1x\n").unwrap();
+    // c before b, a not listed; the hashes are not part of the names; comment lines (the
+    // markers between the list's parts) are skipped wherever they are.
+    std::fs::write(
+        &list,
+        "# comment\n_ZN3hot1c\n# monitoring: a part\n_ZN3hot1b\n# warm: a part\n_ZN7missing1x\n",
+    )
+    .unwrap();
     let out = dir.path().join("target/release/deps/inplace_agent-0123");
     let found = link(&objects, &out, &list);
     assert_eq!(names(&found), ["_ZN3hot1c", "_ZN3hot1b", "_ZN4cold1"]);
