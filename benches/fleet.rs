@@ -39,9 +39,7 @@ use support::memory::Memory;
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 fn agent_bin() -> PathBuf {
-    std::env::var_os("INPLACE_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_inplace-agent")))
+    support::daemon::agent_under_test()
 }
 
 // === The agents ===

@@ -37,9 +37,7 @@ use support::memory::Memory;
 use support::pki::NodePki;
 
 fn agent_bin() -> PathBuf {
-    std::env::var_os("INPLACE_AGENT_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("target/release/inplace-agent"))
+    support::daemon::agent_under_test()
 }
 
 fn arg(args: &[String], name: &str, default: u64) -> u64 {

@@ -85,12 +85,12 @@ impl Options {
     }
 }
 
-/// The daemon under test (the bench build), its log at warnings and its start-up line;
-/// stopped with SIGTERM.
+/// The daemon under test (`INPLACE_AGENT_BIN`, else the bench's build), its log at warnings
+/// and its start-up line; stopped with SIGTERM.
 fn serve(root: &Path, pki: &NodePki) -> Result<Daemon, String> {
     let f = &pki.files;
     let mut cmd = serve_command(
-        Path::new(env!("CARGO_BIN_EXE_inplace-agent")),
+        &support::daemon::agent_under_test(),
         root,
         NODE,
         &f.server_cert,

@@ -105,12 +105,12 @@ fn fill_journal(root: &Path, records: u64) -> Result<u64, String> {
     Ok(engine.journal_info().records)
 }
 
-/// The daemon under test (the bench build) with the metrics on a TCP listener too, service
-/// management off; stopped with SIGTERM.
+/// The daemon under test (`INPLACE_AGENT_BIN`, else the bench's build) with the metrics on
+/// a TCP listener too, service management off; stopped with SIGTERM.
 fn serve(root: &Path, pki: &NodePki) -> Result<Daemon, String> {
     let f = &pki.files;
     let mut cmd = serve_command(
-        Path::new(env!("CARGO_BIN_EXE_inplace-agent")),
+        &support::daemon::agent_under_test(),
         root,
         NODE,
         &f.server_cert,

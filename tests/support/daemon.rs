@@ -18,6 +18,14 @@ use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
 use super::memory::Memory;
 use super::patience::{deadline, patience};
 
+/// The agent binary a bench measures: `INPLACE_AGENT_BIN` when set (two builds compared
+/// side by side), else the one cargo built for the bench.
+pub fn agent_under_test() -> PathBuf {
+    std::env::var_os("INPLACE_AGENT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_inplace-agent")))
+}
+
 /// `inplace-agent serve` (the program `bin`) for `node` on `root`: no configuration file,
 /// the server certificate `cert`/`key`, client certificates checked against `client_ca`, the
 /// updater's identity as admin; none of the agent's or systemd's variables of this process
