@@ -99,6 +99,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // File contents are `bytes::Bytes`: decoded as slices of the received message
         // and sent from the plan's own content, never copied (a plan may carry megabytes).
         .bytes(".inplace.agent.v1.FileChange.content")
+        // The pieces of a plan document are handed to the parsing thread as they are.
+        .bytes(".inplace.agent.v1.PlanDocumentPiece.data")
         // prost's codec, encoding into a buffer reserved for the whole message (src/rpc/codec.rs).
         .codec_path("crate::rpc::codec::Codec")
         .compile_fds(fds)?;

@@ -676,11 +676,16 @@ fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, Exit> {
     super::apply::read_plan_path(path, &client_limits(), out)
 }
 
-/// `inplace-agent submit`.
+/// `inplace-agent submit`: the plan file goes to the agent as it is written, in pieces as
+/// it is read (`SubmitPlanDocument`), and the agent validates it; an agent older than that
+/// call gets it parsed and validated here first, through `ApplyPlan`.
 pub fn submit(args: &SubmitArgs) -> Exit {
-    let plan = match read_plan(&args.plan, args.output) {
-        Ok(p) => p,
-        Err(code) => return code,
+    let document = match Document::open(&args.plan) {
+        Ok(d) => d,
+        Err(e) => {
+            errln!("error: read plan {}: {e}", args.plan.display());
+            return Exit::Invalid;
+        }
     };
     let runtime = match runtime() {
         Ok(r) => r,
@@ -691,13 +696,28 @@ pub fn submit(args: &SubmitArgs) -> Exit {
             Ok(c) => c,
             Err(e) => return super::fail(&e),
         };
-        let request = pb::ApplyPlanRequest {
-            plan: Some(plan_to_pb(&plan)),
-            retry: args.retry,
-        };
-        let response = match client.apply_plan(call(request)).await {
-            Ok(r) => r.into_inner(),
-            Err(status) => return refused(&format!("apply plan {}", plan.id), &args.addr, &args.tls, &status),
+        let name = args.plan.display().to_string();
+        let response = match send_document(&mut client, document, &name, args.retry).await {
+            Ok(r) => r,
+            Err(status) if predates_documents(&status) => {
+                let plan = match read_plan(&args.plan, args.output) {
+                    Ok(p) => p,
+                    Err(code) => return code,
+                };
+                let request = pb::ApplyPlanRequest {
+                    plan: Some(plan_to_pb(&plan)),
+                    retry: args.retry,
+                };
+                match client.apply_plan(call(request)).await {
+                    Ok(r) => r.into_inner(),
+                    Err(status) => {
+                        return refused(&format!("apply plan {}", plan.id), &args.addr, &args.tls, &status);
+                    }
+                }
+            }
+            Err(status) => {
+                return refused(&format!("submit plan {name}"), &args.addr, &args.tls, &status);
+            }
         };
         let Some(status) = response.status else {
             errln!("error: the agent at {} answered without a status", args.addr);
@@ -725,6 +745,122 @@ pub fn submit(args: &SubmitArgs) -> Exit {
         let wait = args.wait.then(|| Duration::from_secs(args.wait_timeout));
         conclude(&mut client, status, wait, args.no_progress, args.output, false).await
     })
+}
+
+/// True when the agent answered `SubmitPlanDocument` as an agent that does not have it:
+/// UNIMPLEMENTED, or (agents before it, whose authorization knows no such method)
+/// PERMISSION_DENIED because the method is not callable.
+fn predates_documents(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::Unimplemented => true,
+        tonic::Code::PermissionDenied => status.message().ends_with("method is not callable"),
+        _ => false,
+    }
+}
+
+/// A plan file to send: a regular file is read as it is sent; standard input (`-`, or
+/// anything whose length is not known beforehand) is read whole first.
+enum Document {
+    File(std::fs::File, u64),
+    Memory(bytes::Bytes),
+}
+
+impl Document {
+    fn open(path: &Path) -> std::io::Result<Document> {
+        use std::io::Read;
+        let mut input: Box<dyn Read> = if path.as_os_str() == "-" {
+            Box::new(std::io::stdin().lock())
+        } else {
+            let file = std::fs::File::open(path)?;
+            let meta = file.metadata()?;
+            if meta.is_file() {
+                return Ok(Document::File(file, meta.len()));
+            }
+            Box::new(file)
+        };
+        let mut all = Vec::new();
+        input.read_to_end(&mut all)?;
+        Ok(Document::Memory(all.into()))
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Document::File(_, len) => *len,
+            Document::Memory(b) => b.len() as u64,
+        }
+    }
+}
+
+/// Sends `document` through `SubmitPlanDocument`: its length first (in the metadata),
+/// then its pieces as they are read, on a thread of their own.
+async fn send_document(
+    client: &mut NodeAgentClient<Channel>,
+    document: Document,
+    name: &str,
+    retry: bool,
+) -> Result<pb::ApplyPlanResponse, tonic::Status> {
+    use crate::rpc::document::{DOCUMENT_BYTES, PIECE_BYTES};
+    let len = document.len();
+    let (tx, rx) = tokio::sync::mpsc::channel::<pb::PlanDocumentPiece>(2);
+    let first = pb::PlanDocumentPiece {
+        data: bytes::Bytes::new(),
+        retry,
+        name: name.to_owned(),
+    };
+    let _ = tx.try_send(first);
+    let shown = name.to_owned();
+    // The reader stops when the call ends early (the channel closes): nothing waits on it.
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let piece = |data: bytes::Bytes| pb::PlanDocumentPiece {
+            data,
+            ..Default::default()
+        };
+        match document {
+            Document::Memory(all) => {
+                let mut at = 0;
+                while at < all.len() {
+                    let end = (at + PIECE_BYTES).min(all.len());
+                    if tx.blocking_send(piece(all.slice(at..end))).is_err() {
+                        return;
+                    }
+                    at = end;
+                }
+            }
+            Document::File(file, len) => {
+                // What the file holds beyond the length declared is not sent; a file that
+                // shrank is sent short, and the agent refuses it for its length.
+                let mut file = file.take(len);
+                loop {
+                    let mut buf = bytes::BytesMut::zeroed(PIECE_BYTES);
+                    let n = match file.read(&mut buf) {
+                        Ok(0) => return,
+                        Ok(n) => n,
+                        Err(e) => {
+                            // The agent refuses the document for its length; this says why.
+                            errln!("error: read plan {shown}: {e}");
+                            return;
+                        }
+                    };
+                    buf.truncate(n);
+                    if tx.blocking_send(piece(buf.freeze())).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.set_timeout(CALL_TIMEOUT);
+    let value = len
+        .to_string()
+        .parse()
+        .map_err(|_| tonic::Status::internal("a length that is not a header value"))?;
+    request.metadata_mut().insert(DOCUMENT_BYTES, value);
+    client
+        .submit_plan_document(request)
+        .await
+        .map(|r| r.into_inner())
 }
 
 /// The end of `submit`, `status` and `retry`: follows the plan to its end when `wait` says
@@ -879,6 +1015,20 @@ mod tests {
         assert!(hook_response_json(&in_progress).ends_with(
             r#""status":"Success","message":"plan x: Applying","retryAfterSeconds":10}"#
         ));
+    }
+
+    #[test]
+    fn agents_without_plan_documents_are_recognised_by_their_answer() {
+        assert!(predates_documents(&tonic::Status::unimplemented("")));
+        assert!(predates_documents(&tonic::Status::permission_denied(
+            "spiffe://inplace-agent/updater: method is not callable"
+        )));
+        assert!(!predates_documents(&tonic::Status::permission_denied(
+            "spiffe://x: role reader may not call this method, it requires admin"
+        )));
+        assert!(!predates_documents(&tonic::Status::invalid_argument(
+            "changes[0].file.mode: is not an octal mode"
+        )));
     }
 
     #[test]

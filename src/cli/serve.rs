@@ -243,7 +243,8 @@ impl Daemon {
             .local_addr()
             .with_context(|| format!("listen on {listen}"))?;
         let (stop, stopping) = watch::channel(false);
-        let service = AgentService::new(engine.clone(), settings.limits.clone(), stopping.clone());
+        let service = AgentService::new(engine.clone(), settings.limits.clone(), stopping.clone())
+            .with_max_document_bytes(options.max_message_bytes);
         let counters = service.counters().clone();
         let authz_counters = Arc::new(AuthzCounters::default());
         // The metrics count from the first record the worker journals (a resumed run too).

@@ -34,7 +34,7 @@ pub use super::identity::{Identity, IdentityError, IdentitySource, identity_from
 pub enum Role {
     /// Read-only methods.
     Reader,
-    /// Every method, including ApplyPlan, CancelPlan and RetryPlan.
+    /// Every method, including ApplyPlan, SubmitPlanDocument, CancelPlan and RetryPlan.
     Admin,
 }
 
@@ -157,7 +157,9 @@ pub const NODE_AGENT_SERVICE: &str = "inplace.agent.v1.NodeAgent";
 pub fn required_role(path: &str) -> Option<Role> {
     let (service, method) = path.strip_prefix('/')?.split_once('/')?;
     match (service, method) {
-        (NODE_AGENT_SERVICE, "ApplyPlan" | "CancelPlan" | "RetryPlan") => Some(Role::Admin),
+        (NODE_AGENT_SERVICE, "ApplyPlan" | "SubmitPlanDocument" | "CancelPlan" | "RetryPlan") => {
+            Some(Role::Admin)
+        }
         (NODE_AGENT_SERVICE, "GetNodeInfo" | "CheckPlan" | "GetPlanStatus" | "WatchPlan") => {
             Some(Role::Reader)
         }
@@ -527,7 +529,7 @@ mod tests {
             .flat_map(|f| f.service.iter())
             .find(|s| s.name() == "NodeAgent")
             .expect("NodeAgent service in the descriptor set");
-        assert_eq!(service.method.len(), 7);
+        assert_eq!(service.method.len(), 8);
         for method in &service.method {
             let path = format!("/{NODE_AGENT_SERVICE}/{}", method.name());
             assert!(

@@ -11,6 +11,9 @@
 //! other. The bytes go back when the response is produced; after a burst of large requests
 //! the freed memory is returned to the kernel ([`crate::host::memory::give_back`]).
 //!
+//! A `SubmitPlanDocument` call sends its plan in pieces and declares the whole length in its
+//! metadata (`document.rs`): that length is what it takes.
+//!
 //! A waiting request costs only what HTTP/2 flow control lets its client send before the
 //! body is read: the server's windows are kept small for that (see `server.rs`).
 
@@ -112,29 +115,35 @@ where
         let budget = self.budget.clone();
         Box::pin(async move {
             let (parts, mut body) = request.into_parts();
-            // The first bytes of the body: the message's compression flag and length.
             let mut head = BytesMut::new();
             let mut rest_done = false;
-            while head.len() < 5 {
-                match body.frame().await {
-                    Some(Ok(frame)) => match frame.into_data() {
-                        Ok(data) => head.extend_from_slice(&data),
-                        Err(_trailers) => {
+            let declared = if parts.uri.path() == super::document::PATH {
+                // A plan document comes in pieces; its whole length is declared before the
+                // first (the service refuses a call without it, or with a wrong one).
+                super::document::declared_in(&parts.headers).unwrap_or(0)
+            } else {
+                // The first bytes of the body: the message's compression flag and length.
+                while head.len() < 5 {
+                    match body.frame().await {
+                        Some(Ok(frame)) => match frame.into_data() {
+                            Ok(data) => head.extend_from_slice(&data),
+                            Err(_trailers) => {
+                                rest_done = true;
+                                break;
+                            }
+                        },
+                        // A reset stream or an empty body: the service reports it as usual.
+                        Some(Err(_)) | None => {
                             rest_done = true;
                             break;
                         }
-                    },
-                    // A reset stream or an empty body: the service reports it as usual.
-                    Some(Err(_)) | None => {
-                        rest_done = true;
-                        break;
                     }
                 }
-            }
-            let declared = if head.len() >= 5 {
-                u64::from(u32::from_be_bytes([head[1], head[2], head[3], head[4]]))
-            } else {
-                0
+                if head.len() >= 5 {
+                    u64::from(u32::from_be_bytes([head[1], head[2], head[3], head[4]]))
+                } else {
+                    0
+                }
             };
             // A message over the budget is over the message limit too: the service refuses
             // it from the prefix without reading it, so it needs no share.

@@ -9,6 +9,8 @@
 //! - [`codec`]: prost's codec, encoding each message into a buffer reserved for its length.
 //! - [`convert`]: a wire plan through the plan-file validator, and the INVALID_ARGUMENT
 //!   status for its errors.
+//! - [`document`]: `SubmitPlanDocument`'s side of the wire: a plan file's pieces read as
+//!   they arrive, and its declared length.
 //! - [`server`]: `serve()`, wiring NodeAgent, health and reflection behind the two above,
 //!   with the transport limits.
 //! - [`pki`]: `pki init`, a throwaway CA for trying the agent out.
@@ -43,6 +45,7 @@ pub mod authz;
 pub(crate) mod budget;
 pub(crate) mod codec;
 pub mod convert;
+pub mod document;
 pub(crate) mod identity;
 pub mod pki;
 pub(crate) mod readahead;

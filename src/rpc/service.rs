@@ -35,7 +35,9 @@ use super::replies::{check_report_to_pb, status_to_pb};
 use crate::engine::dry_run::check_plan;
 use crate::engine::state::{Phase, PlanStatus};
 use crate::engine::{Engine, Event, Submission, SubmitError};
-use crate::plan::{ChangeKind, FieldError, Limits};
+use crate::plan::{ChangeKind, FieldError, Limits, ReadPlanError, read_plan};
+
+use super::document;
 
 /// `source` of plans submitted over gRPC, as the journal and `PlanStatus.source` show it.
 pub const GRPC_SOURCE: &str = "grpc";
@@ -91,6 +93,8 @@ pub struct AgentService {
     limits: Arc<Limits>,
     shutdown: watch::Receiver<bool>,
     counters: Arc<ServiceCounters>,
+    /// Longest document `SubmitPlanDocument` takes.
+    max_document_bytes: usize,
 }
 
 impl AgentService {
@@ -100,10 +104,18 @@ impl AgentService {
     pub fn new(engine: Engine, limits: Limits, shutdown: watch::Receiver<bool>) -> Self {
         Self {
             engine,
+            max_document_bytes: limits.max_plan_bytes,
             limits: Arc::new(limits),
             shutdown,
             counters: Arc::default(),
         }
+    }
+
+    /// Takes plan documents of at most `bytes` over `SubmitPlanDocument` (the server's
+    /// largest message; the plan-file limit applies as well).
+    pub fn with_max_document_bytes(mut self, bytes: usize) -> Self {
+        self.max_document_bytes = bytes.min(self.limits.max_plan_bytes);
+        self
     }
 
     /// The service's counters.
@@ -176,6 +188,38 @@ fn refusal_reason(error: &SubmitError) -> &'static str {
         SubmitError::Conflict(_) => "conflict",
         SubmitError::Journal(_) => "journal",
         SubmitError::Staging(_) => "staging",
+    }
+}
+
+/// Submits a validated plan from `who` to the engine: its status and whether this call
+/// started a new attempt (`ApplyPlan`, `SubmitPlanDocument`).
+fn submit_valid(
+    method: &'static str,
+    engine: &Engine,
+    counters: &ServiceCounters,
+    who: &str,
+    plan: crate::plan::Plan,
+    retry: bool,
+) -> Result<(PlanStatus, bool), Status> {
+    // The digest is the engine's to compute (for a new id, beside staging the contents):
+    // the status carries it.
+    let id = plan.id.clone();
+    match engine.submit(plan, GRPC_SOURCE, retry) {
+        Ok(Submission::Accepted(status)) => {
+            counters.accepted.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(caller = %who, %id, digest = %status.digest, attempt = status.attempt, run = status.run, "plan accepted");
+            Ok((status, true))
+        }
+        Ok(Submission::Existing(status)) => {
+            counters.existing.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(caller = %who, %id, digest = %status.digest, phase = %status.phase, "plan already known");
+            Ok((status, false))
+        }
+        Err(error) => {
+            counters.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(caller = %who, method, %id, reason = refusal_reason(&error), "plan refused");
+            Err(submit_error_status(&error))
+        }
     }
 }
 
@@ -311,28 +355,57 @@ impl NodeAgent for AgentService {
                 tracing::info!(caller = %who, id = %wire_id, problems = e.errors.len(), "ApplyPlan refused: invalid plan");
                 plan_error_status(&e)
             })?;
-            // The digest is the engine's to compute (for a new id, beside staging the
-            // contents): the status carries it.
-            let id = plan.id.clone();
-            match engine.submit(plan, GRPC_SOURCE, retry) {
-                Ok(Submission::Accepted(status)) => {
-                    counters.accepted.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(caller = %who, %id, digest = %status.digest, attempt = status.attempt, run = status.run, "plan accepted");
-                    Ok((status, true))
-                }
-                Ok(Submission::Existing(status)) => {
-                    counters.existing.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(caller = %who, %id, digest = %status.digest, phase = %status.phase, "plan already known");
-                    Ok((status, false))
-                }
-                Err(error) => {
-                    counters.refused.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(caller = %who, %id, reason = refusal_reason(&error), "ApplyPlan refused");
-                    Err(submit_error_status(&error))
-                }
-            }
+            submit_valid("ApplyPlan", &engine, &counters, &who, plan, retry)
         })
         .await??;
+        Ok(Response::new(pb::ApplyPlanResponse {
+            status: Some(status_to_pb(&status)),
+            created,
+        }))
+    }
+
+    async fn submit_plan_document(
+        &self,
+        request: Request<tonic::Streaming<pb::PlanDocumentPiece>>,
+    ) -> Result<Response<pb::ApplyPlanResponse>, Status> {
+        self.refuse_if_stopping()?;
+        let who = caller(&request);
+        let declared = document::declared_bytes(request.metadata(), self.max_document_bytes)?;
+        let mut pieces = request.into_inner();
+        let first = pieces.message().await?.ok_or_else(|| {
+            Status::invalid_argument("the plan document is empty: the call sent no piece")
+        })?;
+        let name = document::name(&first.name);
+        let retry = first.retry;
+        let (tx, rx) = tokio::sync::mpsc::channel(document::PIECES_IN_FLIGHT);
+        let (engine, limits, counters) = (
+            self.engine.clone(),
+            self.limits.clone(),
+            self.counters.clone(),
+        );
+        // Parsed on the blocking pool as the pieces arrive; accepted only once the last one
+        // was read, so a stream that breaks leaves nothing behind.
+        let parsing = tokio::task::spawn_blocking(move || {
+            let read = read_plan(&mut document::Pieces::new(rx), &name, &limits);
+            let plan = read.map_err(|e| {
+                counters.refused.fetch_add(1, Ordering::Relaxed);
+                match e {
+                    ReadPlanError::Invalid(invalid) => {
+                        tracing::info!(caller = %who, problems = invalid.errors.len(), "SubmitPlanDocument refused: invalid plan");
+                        plan_error_status(&invalid)
+                    }
+                    ReadPlanError::Read(e) => {
+                        tracing::info!(caller = %who, error = %e, "SubmitPlanDocument refused: the document did not arrive whole");
+                        document::read_status(&e)
+                    }
+                }
+            })?;
+            submit_valid("SubmitPlanDocument", &engine, &counters, &who, plan, retry)
+        });
+        document::forward(first.data, &mut pieces, declared, tx).await;
+        let (status, created) = parsing
+            .await
+            .map_err(|e| Status::internal(format!("request handler failed: {e}")))??;
         Ok(Response::new(pb::ApplyPlanResponse {
             status: Some(status_to_pb(&status)),
             created,

@@ -280,6 +280,17 @@ impl NodeAgent for FakeAgent {
         let id = request.into_inner().id;
         Ok(Response::new(status(&id, Phase::Pending, 2, by)))
     }
+
+    /// As an agent from before `SubmitPlanDocument` (the `submit` command then falls back
+    /// to `ApplyPlan`).
+    async fn submit_plan_document(
+        &self,
+        _request: Request<tonic::Streaming<pb::PlanDocumentPiece>>,
+    ) -> Result<Response<pb::ApplyPlanResponse>, Status> {
+        Err(Status::unimplemented(
+            "this stand-in has no SubmitPlanDocument",
+        ))
+    }
 }
 
 // === Server and clients ===
@@ -589,6 +600,44 @@ async fn admin_may_mutate_and_reader_may_only_read() {
 
     assert_eq!(server.authz_counters.denied("unknown_identity"), 0);
     assert!(server.authz_counters.allowed() >= 9);
+    server.shutdown().await;
+}
+
+/// `submit` against an agent without `SubmitPlanDocument` parses the plan itself and sends
+/// it through `ApplyPlan`.
+#[tokio::test]
+async fn submit_falls_back_to_apply_plan_on_an_agent_without_plan_documents() {
+    let s = setup();
+    let server = start(s.server_paths.clone(), ServeOptions::default()).await;
+    let admin = s.client("admin", ADMIN);
+    let plan = s.dir.path().join("plan.yaml");
+    std::fs::write(
+        &plan,
+        "apiVersion: inplace.agent/v1\nkind: Plan\nid: older\nchanges:\n  - file: {path: /etc/x, content: \"x\"}\n",
+    )
+    .unwrap();
+    let addr = server.addr.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(crate::support::bin())
+            .arg("submit")
+            .arg(&plan)
+            .args(["--addr", &addr, "-o", "json"])
+            .arg("--ca")
+            .arg(&admin.ca)
+            .arg("--cert")
+            .arg(&admin.cert)
+            .arg("--key")
+            .arg(&admin.key)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let all = crate::support::text(&out);
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["id"], "older", "{all}");
+    assert_eq!(json["phase"], "Pending", "{all}");
     server.shutdown().await;
 }
 

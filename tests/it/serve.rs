@@ -325,6 +325,163 @@ async fn oversize_requests_and_plans_are_resource_exhausted() {
     assert!(after == before, "{}", diff(&before, &after).join("\n"));
 }
 
+// === Plan documents ===
+
+/// Sends `doc` through `SubmitPlanDocument` in pieces of `piece` bytes, declaring
+/// `declared` bytes (none: no declaration).
+async fn submit_document(
+    client: &mut NodeAgentClient<Channel>,
+    doc: &[u8],
+    declared: Option<usize>,
+    piece: usize,
+) -> Result<pb::ApplyPlanResponse, tonic::Status> {
+    let mut pieces = vec![pb::PlanDocumentPiece {
+        name: "doc.yaml".into(),
+        ..Default::default()
+    }];
+    pieces.extend(doc.chunks(piece).map(|c| pb::PlanDocumentPiece {
+        data: bytes::Bytes::copy_from_slice(c),
+        ..Default::default()
+    }));
+    let mut request = tonic::Request::new(tokio_stream::iter(pieces));
+    if let Some(n) = declared {
+        request
+            .metadata_mut()
+            .insert("inplace-document-bytes", n.to_string().parse().unwrap());
+    }
+    client
+        .submit_plan_document(request)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// A plan file sent in pieces is the plan `ApplyPlan` takes (same digest: one plan, not
+/// two); a document that does not arrive whole (a length other than the one declared, a
+/// call that breaks), that declares no length or more than the limit, or is invalid, is
+/// refused with why, and leaves the node and the journal as they were.
+#[tokio::test]
+async fn plan_documents_are_read_in_pieces_and_accepted_only_whole() {
+    let node = Node::new();
+    let pki = pki();
+    let agent = Agent::start(&node, &pki, &["--max-message-bytes", "1048576"]);
+    let mut client = pki.client(&agent.addr, As::Updater).await;
+    let before = node.snapshot();
+    let content = "line of the document\n".repeat(20_000);
+    let yaml = plan_yaml(
+        "doc",
+        &format!("changes:\n  - file: {{path: /etc/kubernetes/doc.conf, content: {content:?}}}\n"),
+    );
+    let doc = yaml.as_bytes();
+    assert!(doc.len() > 400_000, "several pieces and HTTP/2 windows");
+
+    // Refused before the plan is read: no length, more than the limit, the wrong role.
+    let err = submit_document(&mut client, doc, None, 65536)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message()
+            .contains("inplace-document-bytes: is required"),
+        "{err:?}"
+    );
+    let err = submit_document(&mut client, doc, Some(2 << 20), 65536)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message()
+            .contains("more than the limit of 1048576 bytes"),
+        "{err:?}"
+    );
+    let mut reader = pki.client(&agent.addr, As::Reader).await;
+    let err = submit_document(&mut reader, doc, Some(doc.len()), 65536)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+
+    // Refused once it turns out not whole: shorter or longer than declared.
+    let err = submit_document(&mut client, doc, Some(doc.len() + 1), 65536)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message()
+            .contains(&format!("ended after {} bytes", doc.len())),
+        "{err:?}"
+    );
+    assert!(err.message().contains("nothing was accepted"), "{err:?}");
+    let err = submit_document(&mut client, doc, Some(doc.len() - 1), 65536)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("longer than"), "{err:?}");
+
+    // A call that breaks in the middle: half the document, then the client goes away.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "inplace-document-bytes",
+        doc.len().to_string().parse().unwrap(),
+    );
+    tx.send(pb::PlanDocumentPiece {
+        data: bytes::Bytes::copy_from_slice(&doc[..doc.len() / 2]),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut breaking = pki.client(&agent.addr, As::Updater).await;
+    let call = tokio::spawn(async move { breaking.submit_plan_document(request).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    call.abort();
+    drop(tx);
+
+    // Invalid: the validator's field path, and the document's name.
+    let invalid = plan_yaml(
+        "bad",
+        "changes:\n  - file: {path: /etc/kubernetes/x, content: \"\", mode: \"0999\"}\n",
+    );
+    let err = submit_document(&mut client, invalid.as_bytes(), Some(invalid.len()), 7)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("changes[0].file.mode"), "{err:?}");
+
+    let after = node.snapshot();
+    assert!(after == before, "{}", diff(&before, &after).join("\n"));
+    for id in ["doc", "bad"] {
+        let err = client
+            .get_plan_status(pb::GetPlanStatusRequest { id: id.into() })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound, "{id}: {err:?}");
+    }
+
+    // Whole: accepted, in pieces of every size; the same plan through ApplyPlan is known.
+    let accepted = submit_document(&mut client, doc, Some(doc.len()), 65536)
+        .await
+        .unwrap();
+    assert!(accepted.created);
+    let status = accepted.status.unwrap();
+    assert_eq!(status.id, "doc");
+    let again = apply(&mut client, &wire(&yaml)).await.unwrap();
+    assert!(
+        !again.created,
+        "the same plan through ApplyPlan: already known"
+    );
+    assert_eq!(again.status.unwrap().digest, status.digest);
+    let once_more = submit_document(&mut client, doc, Some(doc.len()), 4093).await;
+    let once_more = once_more.unwrap();
+    assert!(!once_more.created);
+    assert_eq!(
+        phase(&finished(&mut client, "doc").await),
+        pb::Phase::Succeeded
+    );
+    assert_eq!(
+        std::fs::read_to_string(node.root().join("etc/kubernetes/doc.conf")).unwrap(),
+        content
+    );
+}
+
 // === Concurrency ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,253 @@
+//! `SubmitPlanDocument`: a plan file sent as it is written, in pieces, and parsed by the
+//! agent as they arrive.
+//!
+//! `ApplyPlan` carries a plan as one message: the client parses the whole file and encodes
+//! it before the first byte leaves, and the agent decodes the whole message before it
+//! starts. For a plan with 50 MiB of file content those are three passes one after the
+//! other. Here the client sends the file's bytes as it reads them, and the agent feeds
+//! them, on a blocking thread, to the plan-file reader `inplace-agent apply` uses (which
+//! decodes long strings as they are read) while more arrive.
+//!
+//! The document's length is declared in the call's metadata ([`DOCUMENT_BYTES`]) before
+//! any piece: the request budget (`budget.rs`) holds that many bytes for the call (what
+//! the parsed plan holds) and the agent refuses a document that turns out longer or
+//! shorter. The plan is accepted only after its last byte was read and its length checked,
+//! so a stream that breaks, or a length that was not true, leaves nothing behind.
+
+use std::io::{self, Read};
+
+use bytes::{Buf, Bytes};
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::pb;
+
+/// The metadata key carrying the document's length in bytes (decimal).
+pub const DOCUMENT_BYTES: &str = "inplace-document-bytes";
+
+/// The HTTP/2 path of `SubmitPlanDocument`.
+pub const PATH: &str = "/inplace.agent.v1.NodeAgent/SubmitPlanDocument";
+
+/// Bytes a client puts into one piece.
+pub const PIECE_BYTES: usize = 1 << 20;
+
+/// Pieces received and not parsed yet, at most: beyond that the receiving side waits for
+/// the parser (and HTTP/2 flow control makes the client wait in turn).
+pub(crate) const PIECES_IN_FLIGHT: usize = 4;
+
+/// Longest document name used in messages, in bytes.
+const MAX_NAME: usize = 256;
+
+/// The length the headers of a `SubmitPlanDocument` call declare, when they declare one.
+pub(crate) fn declared_in(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(DOCUMENT_BYTES)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The declared length of the call's document, or why the call is refused before a piece
+/// is read: no length, or more than `max`.
+pub(crate) fn declared_bytes(
+    metadata: &tonic::metadata::MetadataMap,
+    max: usize,
+) -> Result<usize, Status> {
+    if metadata.get(DOCUMENT_BYTES).is_none() {
+        return Err(Status::invalid_argument(format!(
+            "metadata {DOCUMENT_BYTES}: is required (the plan document's length in bytes)"
+        )));
+    }
+    let declared = declared_in(metadata.as_ref()).ok_or_else(|| {
+        Status::invalid_argument(format!(
+            "metadata {DOCUMENT_BYTES}: is not a number of bytes"
+        ))
+    })?;
+    match usize::try_from(declared) {
+        Ok(bytes) if bytes <= max => Ok(bytes),
+        _ => Err(Status::resource_exhausted(format!(
+            "the plan document of {declared} bytes is more than the limit of {max} bytes of \
+             this agent (grpc.max_message_bytes)"
+        ))),
+    }
+}
+
+/// The name the document goes by in messages: the client's, cut to [`MAX_NAME`] bytes;
+/// "plan" when it gave none.
+pub(crate) fn name(given: &str) -> String {
+    if given.is_empty() {
+        return "plan".to_owned();
+    }
+    let mut end = given.len().min(MAX_NAME);
+    while !given.is_char_boundary(end) {
+        end -= 1;
+    }
+    given[..end].chars().filter(|c| !c.is_control()).collect()
+}
+
+/// The pieces received so far as one `Read`: ends when the call's stream ended with the
+/// declared length, fails when it broke or the length was not the declared one.
+pub(crate) struct Pieces {
+    rx: mpsc::Receiver<io::Result<Bytes>>,
+    current: Bytes,
+}
+
+impl Pieces {
+    pub(crate) fn new(rx: mpsc::Receiver<io::Result<Bytes>>) -> Pieces {
+        Pieces {
+            rx,
+            current: Bytes::new(),
+        }
+    }
+}
+
+impl Read for Pieces {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        while self.current.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(piece)) => self.current = piece,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.current.len());
+        out[..n].copy_from_slice(&self.current[..n]);
+        self.current.advance(n);
+        Ok(n)
+    }
+}
+
+/// Hands the call's pieces, `first` first, to the parser behind `tx`, checking them
+/// against the `declared` length; stops early when the parser has stopped reading (it has
+/// its answer). A broken stream or a wrong length reaches the parser as a read error, in
+/// place of the end of the document.
+pub(crate) async fn forward(
+    first: Bytes,
+    pieces: &mut tonic::Streaming<pb::PlanDocumentPiece>,
+    declared: usize,
+    tx: mpsc::Sender<io::Result<Bytes>>,
+) {
+    let mut total = 0usize;
+    let mut next = Some(first);
+    loop {
+        let data = match next.take() {
+            Some(data) => data,
+            None => match pieces.message().await {
+                Ok(Some(piece)) => piece.data,
+                Ok(None) if total == declared => return,
+                Ok(None) => {
+                    let _ = tx
+                        .send(Err(wrong_length(format!(
+                            "the plan document ended after {total} bytes, but its metadata \
+                             {DOCUMENT_BYTES} declared {declared}"
+                        ))))
+                        .await;
+                    return;
+                }
+                Err(status) => {
+                    let _ = tx
+                        .send(Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            format!(
+                                "the call broke after {total} bytes of the plan document: {}",
+                                status.message()
+                            ),
+                        )))
+                        .await;
+                    return;
+                }
+            },
+        };
+        total = total.saturating_add(data.len());
+        if total > declared {
+            let _ = tx
+                .send(Err(wrong_length(format!(
+                    "the plan document is longer than the {declared} bytes its metadata \
+                     {DOCUMENT_BYTES} declared"
+                ))))
+                .await;
+            return;
+        }
+        if !data.is_empty() && tx.send(Ok(data)).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn wrong_length(message: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, message)
+}
+
+/// The status of a document that did not arrive whole: a wrong length is the caller's
+/// error; a broken call is reported as cancelled (the caller is usually gone).
+pub(crate) fn read_status(e: &io::Error) -> Status {
+    let message = format!("{e}; nothing was accepted");
+    match e.kind() {
+        io::ErrorKind::InvalidData => Status::invalid_argument(message),
+        _ => Status::cancelled(message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata(value: Option<&str>) -> tonic::metadata::MetadataMap {
+        let mut m = tonic::metadata::MetadataMap::new();
+        if let Some(v) = value {
+            m.insert(DOCUMENT_BYTES, v.parse().unwrap());
+        }
+        m
+    }
+
+    #[test]
+    fn the_declared_length_is_required_a_number_and_within_the_limit() {
+        assert_eq!(declared_bytes(&metadata(Some("1000")), 1000).unwrap(), 1000);
+        let missing = declared_bytes(&metadata(None), 1000).unwrap_err();
+        assert_eq!(missing.code(), tonic::Code::InvalidArgument);
+        assert!(missing.message().contains("is required"), "{missing}");
+        let garbage = declared_bytes(&metadata(Some("ten")), 1000).unwrap_err();
+        assert_eq!(garbage.code(), tonic::Code::InvalidArgument);
+        let over = declared_bytes(&metadata(Some("1001")), 1000).unwrap_err();
+        assert_eq!(over.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            over.message().contains("more than the limit of 1000 bytes"),
+            "{over}"
+        );
+    }
+
+    #[test]
+    fn names_are_cut_at_a_character_and_lose_control_characters() {
+        assert_eq!(name(""), "plan");
+        assert_eq!(name("a\nb.yaml"), "ab.yaml");
+        let long = "é".repeat(200);
+        let cut = name(&long);
+        assert!(
+            cut.len() <= MAX_NAME && cut.len() >= MAX_NAME - 1,
+            "{}",
+            cut.len()
+        );
+    }
+
+    #[test]
+    fn pieces_read_in_order_and_end_or_fail_as_the_sender_says() {
+        let (tx, rx) = mpsc::channel(8);
+        tx.try_send(Ok(Bytes::from_static(b"hello "))).unwrap();
+        tx.try_send(Ok(Bytes::from_static(b"world"))).unwrap();
+        drop(tx);
+        let mut all = String::new();
+        Pieces::new(rx).read_to_string(&mut all).unwrap();
+        assert_eq!(all, "hello world");
+
+        let (tx, rx) = mpsc::channel(8);
+        tx.try_send(Ok(Bytes::from_static(b"hel"))).unwrap();
+        tx.try_send(Err(wrong_length("too short".into()))).unwrap();
+        let mut all = Vec::new();
+        let e = Pieces::new(rx).read_to_end(&mut all).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(read_status(&e).code(), tonic::Code::InvalidArgument);
+        assert_eq!(all, b"hel");
+    }
+}
