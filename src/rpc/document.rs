@@ -87,18 +87,32 @@ pub(crate) fn name(given: &str) -> String {
     given[..end].chars().filter(|c| !c.is_control()).collect()
 }
 
-/// The pieces received so far as one `Read`: ends when the call's stream ended with the
-/// declared length, fails when it broke or the length was not the declared one.
+/// What the receiving side hands the parser.
+pub(crate) enum Next {
+    /// The next bytes of the document.
+    Data(Bytes),
+    /// The document ended with the length it declared.
+    End,
+    /// It did not arrive whole: why.
+    Failed(io::Error),
+}
+
+/// The pieces received so far as one `Read`. It ends only when the receiving side says the
+/// document ended whole ([`Next::End`]): a receiving side that went away without saying so
+/// (its call dropped at a deadline or a shutdown) is a read error, never the end of the
+/// document, or a plan cut short at a line boundary would be accepted.
 pub(crate) struct Pieces {
-    rx: mpsc::Receiver<io::Result<Bytes>>,
+    rx: mpsc::Receiver<Next>,
     current: Bytes,
+    ended: bool,
 }
 
 impl Pieces {
-    pub(crate) fn new(rx: mpsc::Receiver<io::Result<Bytes>>) -> Pieces {
+    pub(crate) fn new(rx: mpsc::Receiver<Next>) -> Pieces {
         Pieces {
             rx,
             current: Bytes::new(),
+            ended: false,
         }
     }
 }
@@ -106,10 +120,19 @@ impl Pieces {
 impl Read for Pieces {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
         while self.current.is_empty() {
+            if self.ended {
+                return Ok(0);
+            }
             match self.rx.blocking_recv() {
-                Some(Ok(piece)) => self.current = piece,
-                Some(Err(e)) => return Err(e),
-                None => return Ok(0),
+                Some(Next::Data(piece)) => self.current = piece,
+                Some(Next::End) => self.ended = true,
+                Some(Next::Failed(e)) => return Err(e),
+                None => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "the call ended before its plan document did",
+                    ));
+                }
             }
         }
         let n = out.len().min(self.current.len());
@@ -120,14 +143,14 @@ impl Read for Pieces {
 }
 
 /// Hands the call's pieces, `first` first, to the parser behind `tx`, checking them
-/// against the `declared` length; stops early when the parser has stopped reading (it has
-/// its answer). A broken stream or a wrong length reaches the parser as a read error, in
-/// place of the end of the document.
+/// against the `declared` length, and then the end; stops early when the parser has
+/// stopped reading (it has its answer). A broken stream or a wrong length reaches the
+/// parser as a read error, in place of the end.
 pub(crate) async fn forward(
     first: Bytes,
     pieces: &mut tonic::Streaming<pb::PlanDocumentPiece>,
     declared: usize,
-    tx: mpsc::Sender<io::Result<Bytes>>,
+    tx: mpsc::Sender<Next>,
 ) {
     let mut total = 0usize;
     let mut next = Some(first);
@@ -136,10 +159,13 @@ pub(crate) async fn forward(
             Some(data) => data,
             None => match pieces.message().await {
                 Ok(Some(piece)) => piece.data,
-                Ok(None) if total == declared => return,
+                Ok(None) if total == declared => {
+                    let _ = tx.send(Next::End).await;
+                    return;
+                }
                 Ok(None) => {
                     let _ = tx
-                        .send(Err(wrong_length(format!(
+                        .send(Next::Failed(wrong_length(format!(
                             "the plan document ended after {total} bytes, but its metadata \
                              {DOCUMENT_BYTES} declared {declared}"
                         ))))
@@ -148,7 +174,7 @@ pub(crate) async fn forward(
                 }
                 Err(status) => {
                     let _ = tx
-                        .send(Err(io::Error::new(
+                        .send(Next::Failed(io::Error::new(
                             io::ErrorKind::ConnectionAborted,
                             format!(
                                 "the call broke after {total} bytes of the plan document: {}",
@@ -163,14 +189,14 @@ pub(crate) async fn forward(
         total = total.saturating_add(data.len());
         if total > declared {
             let _ = tx
-                .send(Err(wrong_length(format!(
+                .send(Next::Failed(wrong_length(format!(
                     "the plan document is longer than the {declared} bytes its metadata \
                      {DOCUMENT_BYTES} declared"
                 ))))
                 .await;
             return;
         }
-        if !data.is_empty() && tx.send(Ok(data)).await.is_err() {
+        if !data.is_empty() && tx.send(Next::Data(data)).await.is_err() {
             return;
         }
     }
@@ -232,22 +258,38 @@ mod tests {
     }
 
     #[test]
-    fn pieces_read_in_order_and_end_or_fail_as_the_sender_says() {
-        let (tx, rx) = mpsc::channel(8);
-        tx.try_send(Ok(Bytes::from_static(b"hello "))).unwrap();
-        tx.try_send(Ok(Bytes::from_static(b"world"))).unwrap();
-        drop(tx);
-        let mut all = String::new();
-        Pieces::new(rx).read_to_string(&mut all).unwrap();
+    fn pieces_read_in_order_and_end_or_fail_as_the_receiving_side_says() {
+        let read = |sent: Vec<Next>| {
+            let (tx, rx) = mpsc::channel(8);
+            for next in sent {
+                assert!(tx.try_send(next).is_ok());
+            }
+            drop(tx);
+            let mut all = Vec::new();
+            let result = Pieces::new(rx).read_to_end(&mut all);
+            (result, String::from_utf8(all).unwrap())
+        };
+        let data = |s: &'static str| Next::Data(Bytes::from_static(s.as_bytes()));
+
+        let (result, all) = read(vec![data("hello "), data("world"), Next::End]);
+        assert_eq!(result.unwrap(), 11);
         assert_eq!(all, "hello world");
 
-        let (tx, rx) = mpsc::channel(8);
-        tx.try_send(Ok(Bytes::from_static(b"hel"))).unwrap();
-        tx.try_send(Err(wrong_length("too short".into()))).unwrap();
-        let mut all = Vec::new();
-        let e = Pieces::new(rx).read_to_end(&mut all).unwrap_err();
+        let (result, all) = read(vec![
+            data("hel"),
+            Next::Failed(wrong_length("short".into())),
+        ]);
+        let e = result.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         assert_eq!(read_status(&e).code(), tonic::Code::InvalidArgument);
-        assert_eq!(all, b"hel");
+        assert_eq!(all, "hel");
+
+        // The receiving side dropped without saying the document ended (its call was
+        // dropped): an error, not the end, though what came is a whole plan by itself.
+        let (result, all) = read(vec![data("apiVersion: inplace.agent/v1\n")]);
+        let e = result.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionAborted);
+        assert_eq!(read_status(&e).code(), tonic::Code::Cancelled);
+        assert_eq!(all, "apiVersion: inplace.agent/v1\n");
     }
 }

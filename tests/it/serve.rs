@@ -482,6 +482,62 @@ async fn plan_documents_are_read_in_pieces_and_accepted_only_whole() {
     );
 }
 
+/// A document whose call the agent drops at its deadline, part-way, is not accepted, though
+/// the part that came is a whole plan by itself.
+#[tokio::test]
+async fn a_plan_document_cut_short_by_the_deadline_is_not_accepted() {
+    let node = Node::new();
+    let pki = pki();
+    let f = &pki.files;
+    let config = node.root().with_extension("toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:0\"\nrequest_timeout_seconds = 1\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\n",
+            node.root().display(),
+            f.server_cert.display(),
+            f.server_key.display(),
+            f.ca_cert.display()
+        ),
+    )
+    .unwrap();
+    let agent = Agent::start_with_config(&config);
+    let mut client = pki.client(&agent.addr, As::Updater).await;
+    let before = node.snapshot();
+    let head = plan_yaml(
+        "cut",
+        "changes:\n  - file: {path: /etc/kubernetes/cut-1.conf, content: \"1\"}\n",
+    );
+    let tail = "  - file: {path: /etc/kubernetes/cut-2.conf, content: \"2\"}\n";
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(pb::PlanDocumentPiece {
+        data: bytes::Bytes::from(head.clone()),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "inplace-document-bytes",
+        (head.len() + tail.len()).to_string().parse().unwrap(),
+    );
+    // The rest never comes: the agent's 1 s deadline ends the call.
+    let err = client.submit_plan_document(request).await.unwrap_err();
+    drop(tx);
+    assert!(
+        matches!(err.code(), Code::Cancelled | Code::DeadlineExceeded),
+        "{err:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let err = client
+        .get_plan_status(pb::GetPlanStatusRequest { id: "cut".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    let after = node.snapshot();
+    assert!(after == before, "{}", diff(&before, &after).join("\n"));
+}
+
 // === Concurrency ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
