@@ -232,8 +232,9 @@ fn peak_rss(work: &Path, template: &Path, plan: &Path, name: &str) -> Option<u64
 
 /// Apply N files against the baseline, side by side, through each front end: `apply` of
 /// the YAML plan file and of the JSON one, and `submit --wait` of the JSON one over mutual
-/// TLS to a running `serve` (its start is not timed). Each round times all four, in an
-/// order that rotates, on fresh copies of the same tree.
+/// TLS to a running `serve` (its start is not timed; the file is streamed to the agent as
+/// it is read, `SubmitPlanDocument`). Each round times all four, in an order that rotates,
+/// on fresh copies of the same tree.
 fn apply_files(files: usize, size: usize, runs: usize) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");

@@ -96,7 +96,7 @@ for key, label in (("apply4k", "500 files of 4 KiB"), ("apply1m", "50 files of 1
             return f"{r['median']:.2f}× (rounds {r['min']:.2f}–{r['max']:.2f})"
         if "ratioJson" in a:
             for front, k, rk in (("`apply` of a JSON plan", "agentJson", "ratioJson"),
-                                 ("`submit --wait` over gRPC (mTLS, running `serve`)", "agentGrpc", "ratioGrpc")):
+                                 ("`submit --wait` over gRPC (mTLS, running `serve`; the file streamed: `SubmitPlanDocument`)", "agentGrpc", "ratioGrpc")):
                 row(f"apply {label} vs raw atomic writes: {front}",
                     f"agent {ms(a[k])}; baseline {ms(a['baseline'])}",
                     "≤ 1.25× baseline", ratio(a[rk]), a[rk]["median"] <= 1.25, loads(a))
