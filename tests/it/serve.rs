@@ -46,6 +46,25 @@ fn plan_yaml(id: &str, body: &str) -> String {
     format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nnodeName: {NODE}\n{body}")
 }
 
+/// A configuration file for an agent on `node` with `pki` (the updater admin, every
+/// `spiffe://inplace-agent/` identity reader) and `grpc` as its `[grpc]` section.
+fn config_file(node: &Node, pki: &NodePki, grpc: &str) -> PathBuf {
+    let f = &pki.files;
+    let config = node.root().with_extension("toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\n{grpc}\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"spiffe://inplace-agent/*\"]\n",
+            node.root().display(),
+            f.server_cert.display(),
+            f.server_key.display(),
+            f.ca_cert.display()
+        ),
+    )
+    .unwrap();
+    config
+}
+
 fn phase(status: &pb::PlanStatus) -> pb::Phase {
     pb::Phase::try_from(status.phase).unwrap()
 }
@@ -374,47 +393,35 @@ async fn plan_documents_are_read_in_pieces_and_accepted_only_whole() {
     let doc = yaml.as_bytes();
     assert!(doc.len() > 400_000, "several pieces and HTTP/2 windows");
 
-    // Refused before the plan is read: no length, more than the limit, the wrong role.
-    let err = submit_document(&mut client, doc, None, 65536)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(
-        err.message()
-            .contains("inplace-document-bytes: is required"),
-        "{err:?}"
+    // Each refusal: its code and what its message must say.
+    let refused = |result: Result<pb::ApplyPlanResponse, tonic::Status>, code: Code, says: &str| {
+        let err = result.unwrap_err();
+        assert_eq!(err.code(), code, "{err:?}");
+        assert!(err.message().contains(says), "{says:?} in {err:?}");
+    };
+    // Before the plan is read: no length, more than the limit, the wrong role.
+    let result = submit_document(&mut client, doc, None, 65536).await;
+    refused(
+        result,
+        Code::InvalidArgument,
+        "inplace-document-bytes: is required",
     );
-    let err = submit_document(&mut client, doc, Some(2 << 20), 65536)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
-    assert!(
-        err.message()
-            .contains("more than the limit of 1048576 bytes"),
-        "{err:?}"
+    let result = submit_document(&mut client, doc, Some(2 << 20), 65536).await;
+    refused(
+        result,
+        Code::ResourceExhausted,
+        "more than the limit of 1048576 bytes",
     );
     let mut reader = pki.client(&agent.addr, As::Reader).await;
-    let err = submit_document(&mut reader, doc, Some(doc.len()), 65536)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let result = submit_document(&mut reader, doc, Some(doc.len()), 65536).await;
+    refused(result, Code::PermissionDenied, "requires admin");
 
-    // Refused once it turns out not whole: shorter or longer than declared.
-    let err = submit_document(&mut client, doc, Some(doc.len() + 1), 65536)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(
-        err.message()
-            .contains(&format!("ended after {} bytes", doc.len())),
-        "{err:?}"
-    );
-    assert!(err.message().contains("nothing was accepted"), "{err:?}");
-    let err = submit_document(&mut client, doc, Some(doc.len() - 1), 65536)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("longer than"), "{err:?}");
+    // Once it turns out not whole: shorter or longer than declared.
+    let result = submit_document(&mut client, doc, Some(doc.len() + 1), 65536).await;
+    let whole = format!("ended after {} bytes", doc.len());
+    refused(result, Code::InvalidArgument, &whole);
+    let result = submit_document(&mut client, doc, Some(doc.len() - 1), 65536).await;
+    refused(result, Code::InvalidArgument, "longer than");
 
     // A call that breaks in the middle: half the document, then the client goes away.
     let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -435,16 +442,13 @@ async fn plan_documents_are_read_in_pieces_and_accepted_only_whole() {
     call.abort();
     drop(tx);
 
-    // Invalid: the validator's field path, and the document's name.
+    // Invalid, in pieces of 7 bytes: the validator's field path.
     let invalid = plan_yaml(
         "bad",
         "changes:\n  - file: {path: /etc/kubernetes/x, content: \"\", mode: \"0999\"}\n",
     );
-    let err = submit_document(&mut client, invalid.as_bytes(), Some(invalid.len()), 7)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("changes[0].file.mode"), "{err:?}");
+    let result = submit_document(&mut client, invalid.as_bytes(), Some(invalid.len()), 7).await;
+    refused(result, Code::InvalidArgument, "changes[0].file.mode");
 
     let after = node.snapshot();
     assert!(after == before, "{}", diff(&before, &after).join("\n"));
@@ -488,19 +492,11 @@ async fn plan_documents_are_read_in_pieces_and_accepted_only_whole() {
 async fn a_plan_document_cut_short_by_the_deadline_is_not_accepted() {
     let node = Node::new();
     let pki = pki();
-    let f = &pki.files;
-    let config = node.root().with_extension("toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:0\"\nrequest_timeout_seconds = 1\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\n",
-            node.root().display(),
-            f.server_cert.display(),
-            f.server_key.display(),
-            f.ca_cert.display()
-        ),
-    )
-    .unwrap();
+    let config = config_file(
+        &node,
+        &pki,
+        "listen = \"127.0.0.1:0\"\nrequest_timeout_seconds = 1\n",
+    );
     let agent = Agent::start_with_config(&config);
     let mut client = pki.client(&agent.addr, As::Updater).await;
     let before = node.snapshot();
@@ -732,20 +728,8 @@ async fn a_watcher_that_falls_behind_still_sees_every_phase() {
 async fn kill_9_mid_plan_then_the_plan_resumes_and_is_reported() {
     let node = Node::new();
     let pki = pki();
-    let f = &pki.files;
     // This agent is configured by file only.
-    let config = node.root().with_extension("toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:0\"\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"spiffe://inplace-agent/*\"]\n",
-            node.root().display(),
-            f.server_cert.display(),
-            f.server_key.display(),
-            f.ca_cert.display()
-        ),
-    )
-    .unwrap();
+    let config = config_file(&node, &pki, "listen = \"127.0.0.1:0\"\n");
     let mut agent = Agent::start_with_config(&config);
     let mut client = pki.client(&agent.addr, As::Updater).await;
     let id = "default/md-0@resume";
@@ -799,23 +783,11 @@ async fn kill_9_mid_plan_then_the_plan_resumes_and_is_reported() {
 async fn a_remote_watch_survives_a_restart_of_the_agent() {
     let node = Node::new();
     let pki = pki();
-    let f = &pki.files;
     let port = {
         let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         free.local_addr().unwrap().port()
     };
-    let config = node.root().with_extension("toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:{port}\"\n\n[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n[authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n",
-            node.root().display(),
-            f.server_cert.display(),
-            f.server_key.display(),
-            f.ca_cert.display()
-        ),
-    )
-    .unwrap();
+    let config = config_file(&node, &pki, &format!("listen = \"127.0.0.1:{port}\"\n"));
     let mut agent = Agent::start_with_config(&config);
     let mut client = pki.client(&agent.addr, As::Updater).await;
     let id = "default/md-0@watched";
