@@ -30,6 +30,26 @@ pub(super) fn read_plan_path(path: &Path, limits: &Limits, output: Output) -> Re
             Err(e) => Err(ReadPlanError::Read(e)),
         }
     };
+    report_read(result, &name, output)
+}
+
+/// Reads and validates the plan named `name` from `input` within `limits`; prints what is
+/// wrong with it.
+pub(super) fn read_plan_from(
+    input: &mut dyn std::io::Read,
+    name: &str,
+    limits: &Limits,
+    output: Output,
+) -> Result<Plan, Exit> {
+    report_read(read_plan(input, name, limits), name, output)
+}
+
+/// The plan read, or the exit code after printing why it could not be.
+fn report_read(
+    result: Result<Plan, ReadPlanError>,
+    name: &str,
+    output: Output,
+) -> Result<Plan, Exit> {
     result.map_err(|e| {
         match e {
             ReadPlanError::Read(e) => errln!("error: read plan {name}: {e}"),

@@ -668,12 +668,16 @@ fn client_limits() -> Limits {
 }
 
 fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, Exit> {
-    let out = if output == RemoteOutput::Json {
+    super::apply::read_plan_path(path, &client_limits(), output_of(output))
+}
+
+/// How a plan that cannot be read is printed for `output`.
+fn output_of(output: RemoteOutput) -> Output {
+    if output == RemoteOutput::Json {
         Output::Json
     } else {
         Output::Text
-    };
-    super::apply::read_plan_path(path, &client_limits(), out)
+    }
 }
 
 /// `inplace-agent submit`: the plan file goes to the agent as it is written, in pieces as
@@ -697,10 +701,25 @@ pub fn submit(args: &SubmitArgs) -> Exit {
             Err(e) => return super::fail(&e),
         };
         let name = args.plan.display().to_string();
+        // What an older agent gets parsed here: standard input (or a pipe) cannot be read
+        // twice, so its bytes, already read, are kept.
+        let kept = match &document {
+            Document::Memory(all) => Some(all.clone()),
+            Document::File(..) => None,
+        };
         let response = match send_document(&mut client, document, &name, args.retry).await {
             Ok(r) => r,
             Err(status) if predates_documents(&status) => {
-                let plan = match read_plan(&args.plan, args.output) {
+                let plan = match &kept {
+                    Some(all) => super::apply::read_plan_from(
+                        &mut &all[..],
+                        &name,
+                        &client_limits(),
+                        output_of(args.output),
+                    ),
+                    None => read_plan(&args.plan, args.output),
+                };
+                let plan = match plan {
                     Ok(p) => p,
                     Err(code) => return code,
                 };

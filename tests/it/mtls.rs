@@ -604,40 +604,56 @@ async fn admin_may_mutate_and_reader_may_only_read() {
 }
 
 /// `submit` against an agent without `SubmitPlanDocument` parses the plan itself and sends
-/// it through `ApplyPlan`.
+/// it through `ApplyPlan`: a plan file, and one on standard input (read once, for both).
 #[tokio::test]
 async fn submit_falls_back_to_apply_plan_on_an_agent_without_plan_documents() {
     let s = setup();
     let server = start(s.server_paths.clone(), ServeOptions::default()).await;
     let admin = s.client("admin", ADMIN);
-    let plan = s.dir.path().join("plan.yaml");
-    std::fs::write(
-        &plan,
-        "apiVersion: inplace.agent/v1\nkind: Plan\nid: older\nchanges:\n  - file: {path: /etc/x, content: \"x\"}\n",
-    )
-    .unwrap();
-    let addr = server.addr.to_string();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(crate::support::bin())
-            .arg("submit")
-            .arg(&plan)
-            .args(["--addr", &addr, "-o", "json"])
-            .arg("--ca")
-            .arg(&admin.ca)
-            .arg("--cert")
-            .arg(&admin.cert)
-            .arg("--key")
-            .arg(&admin.key)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    let all = crate::support::text(&out);
-    assert_eq!(out.status.code(), Some(0), "{all}");
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(json["id"], "older", "{all}");
-    assert_eq!(json["phase"], "Pending", "{all}");
+    let plan = |id: &str| {
+        format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n  - file: {{path: /etc/x, content: \"x\"}}\n"
+        )
+    };
+    let file = s.dir.path().join("plan.yaml");
+    std::fs::write(&file, plan("older-file")).unwrap();
+    for (id, arg, stdin) in [
+        ("older-file", file.clone(), None),
+        ("older-stdin", PathBuf::from("-"), Some(plan("older-stdin"))),
+    ] {
+        let (addr, admin) = (server.addr.to_string(), admin.clone());
+        let out = tokio::task::spawn_blocking(move || {
+            use std::io::Write;
+            let mut child = std::process::Command::new(crate::support::bin())
+                .arg("submit")
+                .arg(&arg)
+                .args(["--addr", &addr, "-o", "json"])
+                .arg("--ca")
+                .arg(&admin.ca)
+                .arg("--cert")
+                .arg(&admin.cert)
+                .arg("--key")
+                .arg(&admin.key)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut input = child.stdin.take().unwrap();
+            if let Some(text) = stdin {
+                input.write_all(text.as_bytes()).unwrap();
+            }
+            drop(input);
+            child.wait_with_output().unwrap()
+        })
+        .await
+        .unwrap();
+        let all = crate::support::text(&out);
+        assert_eq!(out.status.code(), Some(0), "{id}: {all}");
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["id"], id, "{all}");
+        assert_eq!(json["phase"], "Pending", "{all}");
+    }
     server.shutdown().await;
 }
 

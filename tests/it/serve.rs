@@ -1136,6 +1136,29 @@ async fn submit_and_status_against_serve() {
         "{stdout}"
     );
 
+    // From standard input: read whole first, then sent in pieces like a file.
+    let piped = plan_yaml(
+        "default/md-0@stdin",
+        &format!(
+            "changes:\n  - file: {{path: /etc/kubernetes/stdin.conf, content: {:?}}}\n",
+            "from stdin\n".repeat(150_000)
+        ),
+    );
+    let mut child = Command::new(bin())
+        .args(["submit", "-", "--wait", "-o", "json", "--addr", &agent.addr])
+        .args(pki.client_flags(As::Updater))
+        .env("INPLACE_AGENT_LOG", "error")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), piped.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["phase"], "Succeeded", "{}", text(&out));
+
     let (code, _, all) = run(&["submit", &path(&invalid)], As::Updater);
     assert_eq!(code, Some(2), "{all}");
     assert!(all.contains("changes[0].file.mode"), "{all}");
