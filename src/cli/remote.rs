@@ -90,6 +90,11 @@ pub struct SubmitArgs {
     /// Output format
     #[arg(long, short = 'o', value_enum, default_value_t = RemoteOutput::Text)]
     pub output: RemoteOutput,
+    /// Parse and validate the plan here and send it whole, as one ApplyPlan message (as the
+    /// updater does), instead of streaming the file for the agent to parse as it arrives; an
+    /// invalid plan is then reported before connecting (-o json: an InvalidPlan document)
+    #[arg(long)]
+    pub parse_locally: bool,
 }
 
 /// Arguments of `status`.
@@ -691,6 +696,31 @@ pub fn submit(args: &SubmitArgs) -> Exit {
             return Exit::Invalid;
         }
     };
+    let name = args.plan.display().to_string();
+    // What is parsed here (when asked, or for an older agent): standard input (or a pipe)
+    // cannot be read twice, so its bytes, already read, are kept.
+    let kept = match &document {
+        Document::Memory(all) => Some(all.clone()),
+        Document::File(..) => None,
+    };
+    let parse_here = || match &kept {
+        Some(all) => super::apply::read_plan_from(
+            &mut &all[..],
+            &name,
+            &client_limits(),
+            output_of(args.output),
+        ),
+        None => read_plan(&args.plan, args.output),
+    };
+    // Asked to parse here: before connecting, so an invalid plan is said without an agent.
+    let parsed = if args.parse_locally {
+        match parse_here() {
+            Ok(plan) => Some(plan),
+            Err(code) => return code,
+        }
+    } else {
+        None
+    };
     let runtime = match runtime() {
         Ok(r) => r,
         Err(code) => return code,
@@ -700,70 +730,79 @@ pub fn submit(args: &SubmitArgs) -> Exit {
             Ok(c) => c,
             Err(e) => return super::fail(&e),
         };
-        let name = args.plan.display().to_string();
-        // What an older agent gets parsed here: standard input (or a pipe) cannot be read
-        // twice, so its bytes, already read, are kept.
-        let kept = match &document {
-            Document::Memory(all) => Some(all.clone()),
-            Document::File(..) => None,
-        };
-        let response = match send_document(&mut client, document, &name, args.retry).await {
-            Ok(r) => r,
-            Err(status) if predates_documents(&status) => {
-                let plan = match &kept {
-                    Some(all) => super::apply::read_plan_from(
-                        &mut &all[..],
-                        &name,
-                        &client_limits(),
-                        output_of(args.output),
-                    ),
-                    None => read_plan(&args.plan, args.output),
-                };
-                let plan = match plan {
-                    Ok(p) => p,
+        let plan = match parsed {
+            Some(plan) => plan,
+            None => match send_document(&mut client, document, &name, args.retry).await {
+                Ok(response) => return submitted(&mut client, response, args).await,
+                Err(status) if predates_documents(&status) => match parse_here() {
+                    Ok(plan) => plan,
                     Err(code) => return code,
-                };
-                let request = pb::ApplyPlanRequest {
-                    plan: Some(plan_to_pb(&plan)),
-                    retry: args.retry,
-                };
-                match client.apply_plan(call(request)).await {
-                    Ok(r) => r.into_inner(),
-                    Err(status) => {
-                        return refused(&format!("apply plan {}", plan.id), &args.addr, &args.tls, &status);
-                    }
+                },
+                Err(status) => {
+                    return refused(
+                        &format!("submit plan {name}"),
+                        &args.addr,
+                        &args.tls,
+                        &status,
+                    );
                 }
-            }
-            Err(status) => {
-                return refused(&format!("submit plan {name}"), &args.addr, &args.tls, &status);
-            }
+            },
         };
-        let Some(status) = response.status else {
-            errln!("error: the agent at {} answered without a status", args.addr);
-            return Exit::Failed;
+        let request = pb::ApplyPlanRequest {
+            plan: Some(plan_to_pb(&plan)),
+            retry: args.retry,
         };
-        if !response.created {
-            let phase = phase_from_pb(status.phase).map_or("?".to_owned(), |p| p.to_string());
-            errln!(
-                "plan {} ({}) is already known to the agent: attempt {}, {phase}; nothing new starts{}",
-                status.id,
-                status.digest,
-                status.attempt,
-                if is_terminal(&status) && exit_for(&status) != Exit::Ok {
-                    " (use --retry to run it again)"
-                } else {
-                    ""
-                }
-            );
-        } else if args.output == RemoteOutput::Text {
-            errln!(
-                "plan {} ({}) accepted by {}: attempt {}, run {}",
-                status.id, status.digest, args.addr, status.attempt, status.run
-            );
+        match client.apply_plan(call(request)).await {
+            Ok(response) => submitted(&mut client, response.into_inner(), args).await,
+            Err(status) => refused(
+                &format!("apply plan {}", plan.id),
+                &args.addr,
+                &args.tls,
+                &status,
+            ),
         }
-        let wait = args.wait.then(|| Duration::from_secs(args.wait_timeout));
-        conclude(&mut client, status, wait, args.no_progress, args.output, false).await
     })
+}
+
+/// The rest of `submit` once the agent answered: says whether the plan is new, follows it
+/// with `--wait`, prints it and returns the exit code.
+async fn submitted(
+    client: &mut NodeAgentClient<Channel>,
+    response: pb::ApplyPlanResponse,
+    args: &SubmitArgs,
+) -> Exit {
+    let Some(status) = response.status else {
+        errln!(
+            "error: the agent at {} answered without a status",
+            args.addr
+        );
+        return Exit::Failed;
+    };
+    if !response.created {
+        let phase = phase_from_pb(status.phase).map_or("?".to_owned(), |p| p.to_string());
+        errln!(
+            "plan {} ({}) is already known to the agent: attempt {}, {phase}; nothing new starts{}",
+            status.id,
+            status.digest,
+            status.attempt,
+            if is_terminal(&status) && exit_for(&status) != Exit::Ok {
+                " (use --retry to run it again)"
+            } else {
+                ""
+            }
+        );
+    } else if args.output == RemoteOutput::Text {
+        errln!(
+            "plan {} ({}) accepted by {}: attempt {}, run {}",
+            status.id,
+            status.digest,
+            args.addr,
+            status.attempt,
+            status.run
+        );
+    }
+    let wait = args.wait.then(|| Duration::from_secs(args.wait_timeout));
+    conclude(client, status, wait, args.no_progress, args.output, false).await
 }
 
 /// True when the agent answered `SubmitPlanDocument` as an agent that does not have it:

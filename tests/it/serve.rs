@@ -1159,6 +1159,25 @@ async fn submit_and_status_against_serve() {
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["phase"], "Succeeded", "{}", text(&out));
 
+    // Parsed here and sent whole (ApplyPlan): the same plan, and invalid ones said here.
+    let (code, _, all) = run(&["submit", &path(&good), "--parse-locally"], As::Updater);
+    assert_eq!(code, Some(0), "{all}");
+    assert!(
+        all.contains("already known"),
+        "the same plan and digest: {all}"
+    );
+    let (code, stdout, all) = run(
+        &["submit", &path(&invalid), "--parse-locally", "-o", "json"],
+        As::Updater,
+    );
+    assert_eq!(code, Some(2), "{all}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(json["kind"], "InvalidPlan", "{all}");
+    assert!(
+        json["errors"].to_string().contains("changes[0].file.mode"),
+        "{all}"
+    );
+
     let (code, _, all) = run(&["submit", &path(&invalid)], As::Updater);
     assert_eq!(code, Some(2), "{all}");
     assert!(all.contains("changes[0].file.mode"), "{all}");
