@@ -858,6 +858,7 @@ async fn send_document(
     retry: bool,
 ) -> Result<pb::ApplyPlanResponse, tonic::Status> {
     use crate::rpc::document::{DOCUMENT_BYTES, PIECE_BYTES};
+    type Pieces = tokio::sync::mpsc::Sender<pb::PlanDocumentPiece>;
     let len = document.len();
     let (tx, rx) = tokio::sync::mpsc::channel::<pb::PlanDocumentPiece>(2);
     let first = pb::PlanDocumentPiece {
@@ -866,45 +867,29 @@ async fn send_document(
         name: name.to_owned(),
     };
     let _ = tx.try_send(first);
-    let shown = name.to_owned();
+    // A file that cannot be sent as it was when its length was taken: why, with the pieces'
+    // sender, so that the stream is not ended normally (the agent would take the document
+    // as whole) before the call is abandoned.
+    let (abandon, abandoned) = tokio::sync::oneshot::channel::<(String, Pieces)>();
     // The reader stops when the call ends early (the channel closes): nothing waits on it.
-    std::thread::spawn(move || {
-        use std::io::Read;
-        let piece = |data: bytes::Bytes| pb::PlanDocumentPiece {
-            data,
-            ..Default::default()
-        };
-        match document {
-            Document::Memory(all) => {
-                let mut at = 0;
-                while at < all.len() {
-                    let end = (at + PIECE_BYTES).min(all.len());
-                    if tx.blocking_send(piece(all.slice(at..end))).is_err() {
-                        return;
-                    }
-                    at = end;
+    std::thread::spawn(move || match document {
+        Document::Memory(all) => {
+            let mut at = 0;
+            while at < all.len() {
+                let end = (at + PIECE_BYTES).min(all.len());
+                let piece = pb::PlanDocumentPiece {
+                    data: all.slice(at..end),
+                    ..Default::default()
+                };
+                if tx.blocking_send(piece).is_err() {
+                    return;
                 }
+                at = end;
             }
-            Document::File(file, len) => {
-                // What the file holds beyond the length declared is not sent; a file that
-                // shrank is sent short, and the agent refuses it for its length.
-                let mut file = file.take(len);
-                loop {
-                    let mut buf = bytes::BytesMut::zeroed(PIECE_BYTES);
-                    let n = match file.read(&mut buf) {
-                        Ok(0) => return,
-                        Ok(n) => n,
-                        Err(e) => {
-                            // The agent refuses the document for its length; this says why.
-                            errln!("error: read plan {shown}: {e}");
-                            return;
-                        }
-                    };
-                    buf.truncate(n);
-                    if tx.blocking_send(piece(buf.freeze())).is_err() {
-                        return;
-                    }
-                }
+        }
+        Document::File(file, len) => {
+            if let Err(why) = send_file(file, len, PIECE_BYTES, &tx) {
+                let _ = abandon.send((why, tx));
             }
         }
     });
@@ -915,10 +900,63 @@ async fn send_document(
         .parse()
         .map_err(|_| tonic::Status::internal("a length that is not a header value"))?;
     request.metadata_mut().insert(DOCUMENT_BYTES, value);
-    client
-        .submit_plan_document(request)
-        .await
-        .map(|r| r.into_inner())
+    tokio::select! {
+        result = client.submit_plan_document(request) => result.map(|r| r.into_inner()),
+        Ok((why, pieces)) = abandoned => {
+            // The pieces' stream must never end normally now: its end, with every declared
+            // byte sent, is what makes the agent take the document as whole. Its sender is
+            // kept until the process ends, which breaks the connection under the call.
+            std::mem::forget(pieces);
+            Err(tonic::Status::aborted(format!(
+                "read plan {name}: {why}; the call was abandoned and nothing was accepted"
+            )))
+        }
+    }
+}
+
+/// Sends the `len` bytes of `file` into `pieces`, `piece_bytes` at a time, and checks that
+/// the file ends there: Ok also when the call ended early (the channel closed); an error
+/// when the file cannot be read, or holds fewer or more bytes than `len` now (it changed
+/// since its length was taken: what was sent is not the file, and a part of a plan can be
+/// a plan by itself).
+fn send_file(
+    mut file: std::fs::File,
+    len: u64,
+    piece_bytes: usize,
+    pieces: &tokio::sync::mpsc::Sender<pb::PlanDocumentPiece>,
+) -> Result<(), String> {
+    use std::io::Read;
+    let mut left = len;
+    while left > 0 {
+        let mut buf = bytes::BytesMut::zeroed(piece_bytes.min(left as usize));
+        let n = match file.read(&mut buf) {
+            Ok(0) => {
+                return Err(format!(
+                    "the file ended after {} of its {len} bytes: it changed while it was sent",
+                    len - left
+                ));
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.to_string()),
+        };
+        buf.truncate(n);
+        left -= n as u64;
+        let piece = pb::PlanDocumentPiece {
+            data: buf.freeze(),
+            ..Default::default()
+        };
+        if pieces.blocking_send(piece).is_err() {
+            return Ok(());
+        }
+    }
+    match file.read(&mut [0u8; 1]) {
+        Ok(0) => Ok(()),
+        Ok(_) => Err(format!(
+            "the file grew beyond the {len} bytes it had: it changed while it was sent"
+        )),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The end of `submit`, `status` and `retry`: follows the plan to its end when `wait` says
@@ -1073,6 +1111,35 @@ mod tests {
         assert!(hook_response_json(&in_progress).ends_with(
             r#""status":"Success","message":"plan x: Applying","retryAfterSeconds":10}"#
         ));
+    }
+
+    #[test]
+    fn a_plan_file_is_sent_only_as_it_was_when_its_length_was_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plan.yaml");
+        std::fs::write(&path, vec![b'x'; 1000]).unwrap();
+        let send = |len: u64| {
+            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+            let result = send_file(std::fs::File::open(&path).unwrap(), len, 300, &tx);
+            drop(tx);
+            let mut sent = Vec::new();
+            while let Some(piece) = rx.blocking_recv() {
+                sent.push(piece.data.len());
+            }
+            (result, sent)
+        };
+        assert_eq!(send(1000), (Ok(()), vec![300, 300, 300, 100]));
+        // It grew since (its length was 600 then): what was sent is a part of it.
+        let (grew, sent) = send(600);
+        assert!(grew.unwrap_err().contains("grew beyond the 600 bytes"));
+        assert_eq!(sent, vec![300, 300]);
+        // It shrank since.
+        let (shrank, _) = send(1200);
+        assert!(
+            shrank
+                .unwrap_err()
+                .contains("ended after 1000 of its 1200 bytes")
+        );
     }
 
     #[test]
