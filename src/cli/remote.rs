@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use super::render::{status_json, summary};
 use super::{Exit, Output};
 use crate::engine::state::{ChangeState, CheckState, Phase, PlanStatus};
-use crate::plan::{AllowList, Limits, Plan};
+use crate::plan::{AllowList, Limits};
 use crate::rpc::convert::plan_to_pb;
 use crate::rpc::pb;
 use crate::rpc::pb::node_agent_client::NodeAgentClient;
@@ -672,10 +672,6 @@ fn client_limits() -> Limits {
     }
 }
 
-fn read_plan(path: &Path, output: RemoteOutput) -> Result<Plan, Exit> {
-    super::apply::read_plan_path(path, &client_limits(), output_of(output))
-}
-
 /// How a plan that cannot be read is printed for `output`.
 fn output_of(output: RemoteOutput) -> Output {
     if output == RemoteOutput::Json {
@@ -710,7 +706,7 @@ pub fn submit(args: &SubmitArgs) -> Exit {
             &client_limits(),
             output_of(args.output),
         ),
-        None => read_plan(&args.plan, args.output),
+        None => super::apply::read_plan_path(&args.plan, &client_limits(), output_of(args.output)),
     };
     // Asked to parse here: before connecting, so an invalid plan is said without an agent.
     let parsed = if args.parse_locally {

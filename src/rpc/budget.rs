@@ -122,23 +122,7 @@ where
                 // first (the service refuses a call without it, or with a wrong one).
                 super::document::declared_in(&parts.headers).unwrap_or(0)
             } else {
-                // The first bytes of the body: the message's compression flag and length.
-                while head.len() < 5 {
-                    match body.frame().await {
-                        Some(Ok(frame)) => match frame.into_data() {
-                            Ok(data) => head.extend_from_slice(&data),
-                            Err(_trailers) => {
-                                rest_done = true;
-                                break;
-                            }
-                        },
-                        // A reset stream or an empty body: the service reports it as usual.
-                        Some(Err(_)) | None => {
-                            rest_done = true;
-                            break;
-                        }
-                    }
-                }
+                rest_done = read_prefix(&mut body, &mut head).await;
                 if head.len() >= 5 {
                     u64::from(u32::from_be_bytes([head[1], head[2], head[3], head[4]]))
                 } else {
@@ -201,6 +185,22 @@ where
             result
         })
     }
+}
+
+/// Reads the first bytes of `body` into `head` until they hold the first message's
+/// compression flag and length (5 bytes); true when the body ended before (trailers, a
+/// reset stream or an empty body: the service reports it as usual).
+async fn read_prefix(body: &mut Body, head: &mut BytesMut) -> bool {
+    while head.len() < 5 {
+        match body.frame().await {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => head.extend_from_slice(&data),
+                Err(_trailers) => return true,
+            },
+            Some(Err(_)) | None => return true,
+        }
+    }
+    false
 }
 
 /// The body with the bytes already read put back in front.
