@@ -924,8 +924,9 @@ fn send_file(
     use std::io::Read;
     let mut left = len;
     while left > 0 {
-        let mut buf = bytes::BytesMut::zeroed(piece_bytes.min(left as usize));
-        let n = match file.read(&mut buf) {
+        let want = piece_bytes.min(left as usize);
+        let mut buf = Vec::with_capacity(want);
+        let n = match (&mut file).take(want as u64).read_to_end(&mut buf) {
             Ok(0) => {
                 return Err(format!(
                     "the file ended after {} of its {len} bytes: it changed while it was sent",
@@ -933,13 +934,11 @@ fn send_file(
                 ));
             }
             Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e.to_string()),
         };
-        buf.truncate(n);
         left -= n as u64;
         let piece = pb::PlanDocumentPiece {
-            data: buf.freeze(),
+            data: buf.into(),
             ..Default::default()
         };
         if pieces.blocking_send(piece).is_err() {

@@ -785,12 +785,18 @@ impl Engine {
         std::thread::Builder::new()
             .name("inplace-engine".into())
             .spawn(move || {
+                let mut worked = false;
                 loop {
                     if shared.shutdown.load(std::sync::atomic::Ordering::SeqCst) {
                         return;
                     }
                     if run::Runner::new(shared.clone()).step() {
+                        worked = true;
                         continue;
+                    }
+                    if std::mem::take(&mut worked) {
+                        // Idle again: what the runs freed goes back to the kernel.
+                        crate::host::memory::give_back();
                     }
                     let inner = shared.lock();
                     if inner.table.unfinished().next().is_none()
