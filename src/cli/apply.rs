@@ -270,7 +270,7 @@ pub fn run_plan(
 ) -> Result<PlanStatus, Exit> {
     let mut events = engine.subscribe();
     if let Some(current) = engine.current()
-        && (current.id != plan.id || current.digest != plan.digest())
+        && (current.id != plan.id || !plan.has_digest(&current.digest))
     {
         errln!(
             "note: plan {} (attempt {}) was left unfinished by an earlier run; it resumes \

@@ -29,7 +29,7 @@ use crate::failpoint;
 use crate::host::Host;
 use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
-use crate::plan::{FieldError, InvalidPlan, Limits, Plan, validate_document};
+use crate::plan::{ContentSums, FieldError, InvalidPlan, Limits, Plan, validate_document};
 use crate::steps::{self, Capabilities};
 use state::{Phase, PlanStatus};
 use table::Table;
@@ -480,10 +480,11 @@ impl Engine {
             let prepared = self.admit(&plan)?;
             let _submitting = self.submission_lock();
             if self.shared.lock().table.latest(&plan.id).is_none() {
-                return self.accept(plan, None, 1, source, &prepared);
+                return self.accept(plan, None, None, 1, source, &prepared);
             }
         }
-        let digest = plan.digest();
+        let sums = ContentSums::of(&plan);
+        let digest = self.identity(&plan, &sums);
         {
             let inner = self.shared.lock();
             if let Some(existing) = inner.table.find(&plan.id, &digest)
@@ -504,7 +505,32 @@ impl Engine {
             None => 1,
         };
         drop(inner);
-        self.accept(plan, Some(digest), attempt, source, &prepared)
+        self.accept(plan, Some(digest), Some(sums), attempt, source, &prepared)
+    }
+
+    /// The digest under which this agent knows `plan`, whose id it has seen: its v1 digest
+    /// when a run of that id was journaled with it (by an agent before digests v2, so that
+    /// resubmitting such a plan after an upgrade is still the same plan and never runs
+    /// again), otherwise its digest.
+    fn identity(&self, plan: &Plan, sums: &ContentSums) -> String {
+        let digest = plan.digest_with(sums);
+        let any_v1 = {
+            let inner = self.shared.lock();
+            if inner.table.find(&plan.id, &digest).is_some() {
+                return digest;
+            }
+            inner
+                .table
+                .digests_of(&plan.id)
+                .any(crate::plan::is_v1_digest)
+        };
+        if any_v1 {
+            let v1 = plan.digest_v1();
+            if self.shared.lock().table.find(&plan.id, &v1).is_some() {
+                return v1;
+            }
+        }
+        digest
     }
 
     /// Journals a plan as accepted (the caller holds the submission lock). The contents of
@@ -516,6 +542,7 @@ impl Engine {
         &self,
         plan: Plan,
         digest: Option<String>,
+        sums: Option<ContentSums>,
         attempt: u32,
         source: &str,
         prepared: &steps::Prepared,
@@ -525,19 +552,26 @@ impl Engine {
             inner.table.next_run()
         };
         let host = &self.shared.host;
-        let (digest, stored) = std::thread::scope(|s| {
-            let hashing = digest.is_none().then(|| s.spawn(|| plan.digest()));
-            // Which files must change (every target read and compared) is decided beside
-            // the digest too.
+        let (sums, stored) = std::thread::scope(|s| {
+            // The sha256 of each content (the digest's and the staged files') is computed
+            // beside deciding which files must change (every target read and compared) and
+            // staging them.
+            let hashing = sums.is_none().then(|| s.spawn(|| ContentSums::of(&plan)));
             let picks = staging::candidates(host, &plan, prepared);
             let stored = self.store_contents(run, &plan, &picks);
-            let digest = match hashing {
-                Some(h) => h.join().expect("the digest thread does not panic"),
-                None => digest.unwrap_or_default(),
+            let sums = match hashing {
+                Some(h) => h.join().expect("hashing does not panic"),
+                None => sums.unwrap_or_default(),
             };
-            (digest, stored)
+            (sums, stored)
         });
-        let (staged, blob, bodies) = stored?;
+        let (mut staged, blob, bodies) = stored?;
+        for body in &mut staged {
+            body.sha256 = sums
+                .hex(body.index as usize)
+                .expect("a staged content is a file change's");
+        }
+        let digest = digest.unwrap_or_else(|| plan.digest_with(&sums));
         let (changes, checks) = table::summaries(&plan);
         let doc = if staged.is_empty() && bodies.is_none() {
             plan.canonical_json()
@@ -675,6 +709,7 @@ impl Engine {
         self.accept(
             plan,
             Some(status.digest.clone()),
+            None,
             status.attempt + 1,
             source,
             &prepared,
@@ -1179,6 +1214,59 @@ mod tests {
         let (engine, _) = Engine::open(config, host).unwrap();
         assert_eq!(engine.shared.lock().journal.compacted_len(), written);
         assert_eq!(engine.status("p59").unwrap().phase, Phase::Succeeded);
+    }
+
+    /// A plan that an agent before digests v2 journaled (by its v1 digest) is the same plan
+    /// when it is submitted again after the upgrade: it does not run again, and a retry is
+    /// its next attempt under the same digest.
+    #[test]
+    fn a_plan_journaled_with_a_v1_digest_is_still_the_same_plan() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        let refused = "verify:\n  - httpGet: {url: \"http://127.0.0.1:9/healthz\", \
+                       timeoutSeconds: 1, periodSeconds: 1}\n";
+        let (ok, _) = big_plan("old/ok", "");
+        let (fails, _) = big_plan("old/fails", refused);
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            for plan in [&ok, &fails] {
+                // What an agent before v2 journaled: the same record, the v1 digest.
+                let prepared = engine.admit(plan).unwrap();
+                let v1 = Some(plan.digest_v1());
+                engine
+                    .accept(plan.clone(), v1, None, 1, "old agent", &prepared)
+                    .unwrap();
+                engine.run_until_idle();
+            }
+        }
+        let (engine, _) = Engine::open(config, host).unwrap();
+        let known = |s: &Submission, plan: &Plan, attempt: u32| {
+            let st = s.status();
+            assert_eq!(
+                (st.digest.as_str(), st.attempt),
+                (plan.digest_v1().as_str(), attempt),
+                "{s:?}"
+            );
+        };
+        let s = engine.submit(ok.clone(), "test", false).unwrap();
+        assert!(matches!(s, Submission::Existing(_)), "{s:?}");
+        known(&s, &ok, 1);
+        let s = engine.submit(fails.clone(), "test", false).unwrap();
+        assert!(matches!(s, Submission::Existing(_)), "{s:?}");
+        known(&s, &fails, 1);
+        assert!(s.status().phase.is_failure(), "{s:?}");
+        let s = engine.submit(fails.clone(), "test", true).unwrap();
+        assert!(matches!(s, Submission::Accepted(_)), "{s:?}");
+        known(&s, &fails, 2);
+        engine.run_until_idle();
+        // Another plan under a known id is new work, under its v2 digest.
+        let changed = plan("old/ok", "changed");
+        let s = engine.submit(changed.clone(), "test", false).unwrap();
+        assert!(matches!(s, Submission::Accepted(_)), "{s:?}");
+        assert_eq!(
+            (s.status().digest.clone(), s.status().attempt),
+            (changed.digest(), 1)
+        );
     }
 
     #[test]

@@ -120,7 +120,8 @@ pub(super) fn intent(
     (paths, dirs)
 }
 
-/// Stages the contents of `picks` for `run` and makes their directories durable. On error
+/// Stages the contents of `picks` for `run` and makes their directories durable; the
+/// bodies' sha256 are left for the caller (it has them from the plan's digest). On error
 /// nothing staged is left behind.
 pub(super) fn stage(
     host: &Host,
@@ -129,30 +130,7 @@ pub(super) fn stage(
     picks: &[(u32, FileMeta)],
 ) -> Result<Vec<StagedBody>, String> {
     let mut staged: Vec<StagedBody> = Vec::with_capacity(picks.len());
-    let contents: Vec<&[u8]> = picks
-        .iter()
-        .filter_map(|(i, _)| match plan.changes.get(*i as usize) {
-            Some(Change::File(f)) => Some(&f.content[..]),
-            _ => None,
-        })
-        .collect();
-    // The sha256 of each content is computed beside the writes (which mostly wait for the
-    // disk), not between them.
-    let (result, sums) = std::thread::scope(|s| {
-        let hashing = s.spawn(|| {
-            contents
-                .iter()
-                .map(|c| hex::encode(Sha256::digest(c)))
-                .collect::<Vec<String>>()
-        });
-        let result = write_staged(host, run, plan, picks, &mut staged);
-        let sums = hashing.join().expect("hashing does not panic");
-        (result, sums)
-    });
-    for (body, sum) in staged.iter_mut().zip(sums) {
-        body.sha256 = sum;
-    }
-    match result {
+    match write_staged(host, run, plan, picks, &mut staged) {
         Ok(()) => Ok(staged),
         Err(e) => {
             for problem in unstage(host, run, staged.iter()) {

@@ -895,6 +895,15 @@ impl Table {
             .find(|p| p.id == id && p.digest == digest)
     }
 
+    /// The digests of the runs of `id`, newest first (with repeats).
+    pub fn digests_of<'a>(&'a self, id: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.plans
+            .iter()
+            .rev()
+            .filter(move |p| p.id == id)
+            .map(|p| p.digest.as_str())
+    }
+
     /// The status of a run.
     pub fn by_run(&self, run: u64) -> Option<&PlanStatus> {
         self.plans.iter().rev().find(|p| p.run == run)

@@ -4,6 +4,13 @@
 //! explicit, content base64-encoded), so the journal can store it and read it back with the
 //! same validator. The digest is sha256 over that document without `id`, written as JSON
 //! with keys sorted and no whitespace — stable across serde feature flags and input formats.
+//!
+//! Two definitions: v2 (`v2:sha256:<hex>`, what the agent gives plans now) writes each
+//! `file` content as the hex sha256 of its bytes, so a content is hashed once — the same
+//! sums the journal keeps for staged contents — and the contents of a large plan are hashed
+//! on several threads. v1 (`sha256:<hex>`) wrote the contents as base64 into the one hash:
+//! agents before v2 journaled and reported it, so a plan is still recognised by it
+//! ([`super::Plan::has_digest`]).
 
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
@@ -11,54 +18,163 @@ use sha2::{Digest, Sha256};
 
 use super::*;
 
-/// Prefix hashed before the document, so a future canonical form can change it.
+/// Prefix hashed before the document by the first definition (v1).
 const DIGEST_DOMAIN: &[u8] = b"inplace.agent/v1 plan\n";
 
-pub(super) fn digest(plan: &Plan) -> String {
-    let mut doc = canonical_value(plan, false);
-    let Value::Object(top) = &mut doc else {
-        unreachable!("the canonical document is an object");
-    };
-    top.remove("id");
+/// Prefix hashed before the document by the second definition (v2).
+const DIGEST_DOMAIN_V2: &[u8] = b"inplace.agent/v2 plan\n";
+
+/// How a v1 digest is written: `sha256:<hex>`.
+pub(crate) const V1_PREFIX: &str = "sha256:";
+
+/// How a v2 digest is written: `v2:sha256:<hex>`.
+pub(crate) const V2_PREFIX: &str = "v2:sha256:";
+
+/// Below this many bytes of file content the sums are computed on the calling thread.
+const PARALLEL_BYTES: usize = 1 << 20;
+
+/// The sha256 of each `file` change's content, by change index (`None` for other kinds).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContentSums(Vec<Option<[u8; 32]>>);
+
+impl ContentSums {
+    /// The sums of `plan`'s contents, hashed on up to four threads when the plan is large
+    /// (each content by one thread, the next free thread taking the next content).
+    pub fn of(plan: &Plan) -> ContentSums {
+        let contents: Vec<Option<&[u8]>> = plan
+            .changes
+            .iter()
+            .map(|c| match c {
+                Change::File(f) => Some(&f.content[..]),
+                _ => None,
+            })
+            .collect();
+        let total: usize = contents.iter().flatten().map(|c| c.len()).sum();
+        let workers = if total < PARALLEL_BYTES {
+            1
+        } else {
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(4)
+        };
+        let hash = |c: &Option<&[u8]>| c.map(|c| <[u8; 32]>::from(Sha256::digest(c)));
+        if workers == 1 {
+            return ContentSums(contents.iter().map(hash).collect());
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let work = || {
+            let mut done = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(c) = contents.get(i) else {
+                    return done;
+                };
+                if let Some(sum) = hash(c) {
+                    done.push((i, sum));
+                }
+            }
+        };
+        let mut sums = vec![None; contents.len()];
+        std::thread::scope(|s| {
+            let helpers: Vec<_> = (1..workers).map(|_| s.spawn(work)).collect();
+            let mine = work();
+            let theirs = helpers
+                .into_iter()
+                .flat_map(|h| h.join().expect("hashing does not panic"));
+            for (i, sum) in mine.into_iter().chain(theirs) {
+                sums[i] = Some(sum);
+            }
+        });
+        ContentSums(sums)
+    }
+
+    /// The sum of change `index`'s content, in hex.
+    pub fn hex(&self, index: usize) -> Option<String> {
+        self.0.get(index).copied().flatten().map(hex::encode)
+    }
+}
+
+/// The plan's digest (v2): sha256 over the canonical document without `id`, with each
+/// `file` content replaced by the hex sha256 of its bytes (`sums`, from [`ContentSums::of`]
+/// for this plan). Each content is hashed once, and the sums serve the journal too.
+pub(super) fn digest_v2(plan: &Plan, sums: &ContentSums) -> String {
+    let mut hasher = HashWriter(Sha256::new());
+    hasher.0.update(DIGEST_DOMAIN_V2);
+    write_without_id(plan, &mut hasher, |index, _, out| {
+        let hex = sums
+            .hex(index)
+            .expect("the sums are this plan's: one for each file change");
+        put(out, hex.as_bytes());
+    });
+    format!("{V2_PREFIX}{}", hex::encode(hasher.0.finalize()))
+}
+
+/// The plan's digest by the first definition (v1), which agents before v2 journaled and
+/// reported: sha256 over the canonical document without `id`, contents as base64.
+pub(super) fn digest_v1(plan: &Plan) -> String {
     // Streamed into the hash one change at a time: a plan with megabytes of file content is
     // never held a second time (as base64) in memory. The bytes hashed are exactly
     // `write_canonical` of the whole canonical document without `id`.
     let mut hasher = HashWriter(Sha256::new());
     hasher.0.update(DIGEST_DOMAIN);
-    let mut keys: Vec<&String> = top.keys().collect();
-    keys.sort();
-    put(&mut hasher, b"{");
-    for (i, k) in keys.iter().enumerate() {
-        if i > 0 {
-            put(&mut hasher, b",");
+    write_without_id(plan, &mut hasher, |_, content, out| {
+        // Whole groups of three bytes encode without padding, so the chunks join up exactly.
+        let mut encoded = vec![0u8; (content.len().div_ceil(3) * 4).min(64 * 1024)];
+        for chunk in content.chunks(48 * 1024) {
+            let n = base64::engine::general_purpose::STANDARD
+                .encode_slice(chunk, &mut encoded)
+                .expect("the buffer holds a chunk's base64");
+            put(out, &encoded[..n]);
         }
-        write_scalar(&Value::String((*k).clone()), &mut hasher);
-        put(&mut hasher, b":");
-        if k.as_str() == "changes" {
-            put(&mut hasher, b"[");
-            for (j, c) in plan.changes.iter().enumerate() {
-                if j > 0 {
-                    put(&mut hasher, b",");
-                }
-                match c {
-                    Change::File(f) => write_file_change(c, &f.content, &mut hasher),
-                    _ => write_canonical(&kinds::canonical_change(c, true), &mut hasher),
-                }
-            }
-            put(&mut hasher, b"]");
-        } else {
-            write_canonical(&top[k.as_str()], &mut hasher);
-        }
-    }
-    put(&mut hasher, b"}");
-    format!("sha256:{}", hex::encode(hasher.0.finalize()))
+    });
+    format!("{V1_PREFIX}{}", hex::encode(hasher.0.finalize()))
 }
 
-/// The canonical form of the `file` change `c` with content `content`, without building
-/// its base64 text: the form with an empty content is written, and the base64 is streamed
-/// into its place. The keys are sorted, so the content is the first `"content":""` of the
-/// form (`append` alone comes before it, and quotes inside strings are escaped).
-fn write_file_change(c: &Change, content: &[u8], out: &mut impl std::io::Write) {
+/// Writes the canonical document of `plan` without `id` to `out`, each `file` content
+/// written by `content(change index, content, out)` between its quotes.
+fn write_without_id<W: std::io::Write>(
+    plan: &Plan,
+    out: &mut W,
+    content: impl Fn(usize, &[u8], &mut W),
+) {
+    let mut doc = canonical_value(plan, false);
+    let Value::Object(top) = &mut doc else {
+        unreachable!("the canonical document is an object");
+    };
+    top.remove("id");
+    let mut keys: Vec<&String> = top.keys().collect();
+    keys.sort();
+    put(out, b"{");
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            put(out, b",");
+        }
+        write_scalar(&Value::String((*k).clone()), out);
+        put(out, b":");
+        if k.as_str() == "changes" {
+            put(out, b"[");
+            for (j, c) in plan.changes.iter().enumerate() {
+                if j > 0 {
+                    put(out, b",");
+                }
+                match c {
+                    Change::File(f) => write_file_change(c, out, |out| content(j, &f.content, out)),
+                    _ => write_canonical(&kinds::canonical_change(c, true), out),
+                }
+            }
+            put(out, b"]");
+        } else {
+            write_canonical(&top[k.as_str()], out);
+        }
+    }
+    put(out, b"}");
+}
+
+/// The canonical form of the `file` change `c`, its content written by `content`: the form
+/// with an empty content is written, and the content goes into its place. The keys are
+/// sorted, so the content is the first `"content":""` of the form (`append` alone comes
+/// before it, and quotes inside strings are escaped).
+fn write_file_change<W: std::io::Write>(c: &Change, out: &mut W, content: impl FnOnce(&mut W)) {
     const HOLE: &[u8] = b"\"content\":\"\"";
     let mut form = Vec::with_capacity(256);
     write_canonical(&kinds::canonical_change(c, false), &mut form);
@@ -67,14 +183,7 @@ fn write_file_change(c: &Change, content: &[u8], out: &mut impl std::io::Write) 
     };
     let split = at + HOLE.len() - 1;
     put(out, &form[..split]);
-    // Whole groups of three bytes encode without padding, so the chunks join up exactly.
-    let mut encoded = vec![0u8; (content.len().div_ceil(3) * 4).min(64 * 1024)];
-    for chunk in content.chunks(48 * 1024) {
-        let n = base64::engine::general_purpose::STANDARD
-            .encode_slice(chunk, &mut encoded)
-            .expect("the buffer holds a chunk's base64");
-        put(out, &encoded[..n]);
-    }
+    content(out);
     put(out, &form[split..]);
 }
 
@@ -218,7 +327,52 @@ mod tests {
         let mut whole = DIGEST_DOMAIN.to_vec();
         write_canonical(&doc, &mut whole);
         let expected = format!("sha256:{}", hex::encode(Sha256::digest(&whole)));
-        assert_eq!(digest(&plan), expected);
+        assert_eq!(digest_v1(&plan), expected);
+
+        // v2: the same document, each content replaced by its sha256 in hex.
+        let mut doc = canonical_value(&plan, true);
+        doc.as_object_mut().unwrap().remove("id");
+        for change in doc["changes"].as_array_mut().unwrap() {
+            if let Some(Value::String(content)) = change.pointer_mut("/file/content") {
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(&*content)
+                    .unwrap();
+                *content = hex::encode(Sha256::digest(&bytes));
+            }
+        }
+        let mut whole = DIGEST_DOMAIN_V2.to_vec();
+        write_canonical(&doc, &mut whole);
+        let expected = format!("v2:sha256:{}", hex::encode(Sha256::digest(&whole)));
+        assert_eq!(plan.digest(), expected);
+    }
+
+    /// A large plan's contents are hashed on several threads, each sum in its place.
+    #[test]
+    fn content_sums_are_the_same_on_one_thread_and_several() {
+        let mut text = String::from("apiVersion: inplace.agent/v1\nkind: Plan\nid: p\nchanges:\n");
+        for i in 0..40 {
+            if i % 7 == 3 {
+                text.push_str(&format!(
+                    "  - sysctl: {{key: net.ipv4.conf.e{i}.forwarding, value: \"1\"}}\n"
+                ));
+            } else {
+                let body = format!("{i}").repeat(1000 + i * 2000);
+                text.push_str(&format!(
+                    "  - file: {{path: /etc/kubernetes/f{i}, content: \"{body}\"}}\n"
+                ));
+            }
+        }
+        let plan = parse::parse_plan(text.as_bytes(), "test", &parse::Limits::default()).unwrap();
+        assert!(crate::journal::bodies::total(&plan) > PARALLEL_BYTES);
+        let sums = ContentSums::of(&plan);
+        for (i, c) in plan.changes.iter().enumerate() {
+            let want = match c {
+                Change::File(f) => Some(hex::encode(Sha256::digest(&f.content))),
+                _ => None,
+            };
+            assert_eq!(sums.hex(i), want, "change {i}");
+        }
+        assert_eq!(plan.digest_with(&sums), plan.digest());
     }
 
     #[test]

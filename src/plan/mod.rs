@@ -8,6 +8,7 @@
 //! Architecture invariant: nothing in this module does I/O.
 
 mod digest;
+pub use digest::ContentSums;
 mod error;
 mod json;
 pub(crate) mod kinds;
@@ -249,6 +250,12 @@ impl Probe {
     }
 }
 
+/// Whether `digest` is written by the first definition (`sha256:<hex>`), as agents before
+/// digests v2 journaled and reported it.
+pub fn is_v1_digest(digest: &str) -> bool {
+    digest.starts_with(digest::V1_PREFIX)
+}
+
 /// A managed set name: 1 to 63 of `[a-z0-9-]`, starting and ending alphanumeric.
 pub fn is_set_name(name: &str) -> bool {
     !name.is_empty()
@@ -270,10 +277,31 @@ impl Plan {
             .collect()
     }
 
-    /// sha256 over the canonical serialisation of the validated model, `sha256:<hex>`.
-    /// The id is not part of it: the same desired state under two ids has one digest.
+    /// The plan's identity beside its id: sha256 over the canonical serialisation of the
+    /// validated model, each file content by its sha256, `v2:sha256:<hex>`. The id is not
+    /// part of it: the same desired state under two ids has one digest.
     pub fn digest(&self) -> String {
-        digest::digest(self)
+        digest::digest_v2(self, &ContentSums::of(self))
+    }
+
+    /// [`Plan::digest`] from the sums of this plan's contents (`ContentSums::of(self)`).
+    pub fn digest_with(&self, sums: &ContentSums) -> String {
+        digest::digest_v2(self, sums)
+    }
+
+    /// The digest by its first definition, `sha256:<hex>`, over the contents themselves
+    /// (as base64): what agents before the second one journaled and report.
+    pub fn digest_v1(&self) -> String {
+        digest::digest_v1(self)
+    }
+
+    /// Whether `digest`, of either definition, is this plan's.
+    pub fn has_digest(&self, digest: &str) -> bool {
+        if digest.starts_with(digest::V2_PREFIX) {
+            digest == self.digest()
+        } else {
+            digest == self.digest_v1()
+        }
     }
 
     /// The canonical plan document: plan-file shape, every default explicit, content as

@@ -1407,7 +1407,14 @@ mod tests {
         .unwrap();
         assert_eq!(a.digest(), b.digest());
         assert_ne!(a.digest(), c.digest());
-        assert!(a.digest().starts_with("sha256:"));
+        assert!(a.digest().starts_with("v2:sha256:"));
+        assert_eq!(a.digest_v1(), b.digest_v1());
+        assert_ne!(a.digest_v1(), c.digest_v1());
+        assert!(a.digest_v1().starts_with("sha256:"));
+        for (digest, plan) in [(a.digest(), &b), (b.digest_v1(), &a)] {
+            assert!(plan.has_digest(&digest), "{digest}");
+            assert!(!c.has_digest(&digest), "{digest}");
+        }
     }
 
     #[test]
@@ -1421,7 +1428,8 @@ mod tests {
         assert_eq!(plan.digest(), again.digest());
     }
 
-    /// Journals keep digests across agent versions: the same plan must keep its digest.
+    /// Journals keep digests across agent versions: the same plan must keep its digest, by
+    /// either definition (v1 is what agents before v2 journaled).
     #[test]
     fn the_digest_of_a_known_plan_does_not_change() {
         let plan = parse(include_str!(
@@ -1429,8 +1437,12 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(
-            plan.digest(),
+            plan.digest_v1(),
             "sha256:5b24db0ac4bad5e2b7fc431b4f761c559987e9e7b20ada932ba240b89dab0596"
+        );
+        assert_eq!(
+            plan.digest(),
+            "v2:sha256:cfdfc5fb76237dedd1f8c8374cf289f1c200119a44b58ecf090ea25cffd1a171"
         );
     }
 

@@ -560,10 +560,12 @@ impl Updater {
         .map_err(|e: TranslateError| {
             Failure(format!("Machine {key}: cannot update in place: {e}"))
         })?;
-        let digest = translation.plan.digest();
+        // Both definitions: an agent before digests v2 reports the first (the updater's
+        // plans are small, so computing it costs nothing worth saving).
         let plan = PlanRef {
             id: translation.id,
-            digest,
+            digest: translation.plan.digest(),
+            digest_v1: translation.plan.digest_v1(),
             target,
             node,
         };
@@ -643,9 +645,10 @@ impl Updater {
             digest,
             target,
             node,
+            ..
         } = plan;
         let known = match self.agents.status(target, node, id).await {
-            Ok(s) => s.filter(|s| &s.digest == digest),
+            Ok(s) => s.filter(|s| plan.has_digest(&s.digest)),
             Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(&e), false))),
             Err(e) => return Err(Err(Failure(e.to_string()))),
         };

@@ -55,12 +55,22 @@ pub type Fingerprint = [u8; 32];
 pub struct PlanRef {
     /// Plan id.
     pub id: String,
-    /// The plan's digest (`sha256:...`).
+    /// The plan's digest (`v2:sha256:...`).
     pub digest: String,
+    /// The plan's digest by the first definition (`sha256:...`), which agents before
+    /// digests v2 report for it.
+    pub digest_v1: String,
     /// `https://address:port` of the node's agent.
     pub target: String,
     /// The node name its certificate must carry.
     pub node: String,
+}
+
+impl PlanRef {
+    /// Whether `digest`, as an agent reports it (of either definition), is this plan's.
+    pub fn has_digest(&self, digest: &str) -> bool {
+        digest == self.digest || digest == self.digest_v1
+    }
 }
 
 /// What the agent last said about a plan.
@@ -498,7 +508,7 @@ pub async fn follow(
                     match stream.message().await {
                         Ok(Some(status)) => {
                             backoff = BACKOFF_MIN;
-                            if status.digest != plan.digest {
+                            if !plan.has_digest(&status.digest) {
                                 // Another plan under this id: the next call decides afresh.
                                 plans.forget(&machine, Some(generation));
                                 return;
@@ -538,6 +548,7 @@ mod tests {
         PlanRef {
             id: id.into(),
             digest: digest.into(),
+            digest_v1: format!("v1 of {digest}"),
             target: "https://127.0.0.1:1".into(),
             node: "n".into(),
         }

@@ -120,6 +120,17 @@ fn a_journal_of_the_previous_release_reads_verifies_and_resumes() {
     assert_eq!(finished["error"]["kind"], "timeout", "{finished}");
     let out = node.agent(&["journal", "--verify"]);
     assert!(out.status.success(), "{}", text(&out));
+    // Submitted again, it is the same plan (the old release journaled its digest by the
+    // first definition): it already ran, nothing starts.
+    let out = node.agent(&["apply", "--no-progress", plan.to_str().unwrap()]);
+    assert!(
+        text(&out).contains("already ran on this node: attempt 1"),
+        "{}",
+        text(&out)
+    );
+    let status = local_status(&node);
+    assert_eq!(status["recent"][0]["run"], 21, "{status}");
+    assert_eq!(status["recent"][0]["digest"], finished["digest"]);
     let leftovers: Vec<_> = support::snapshot(node.root(), &[])
         .into_keys()
         .filter(|k| k.ends_with(".inplace-tmp") || k.contains(".inplace-r"))
