@@ -8,8 +8,9 @@
 //! many bytes from a budget shared by all connections; the request waits for earlier ones to
 //! finish, and gets RESOURCE_EXHAUSTED when the budget stays taken for `wait`. Small
 //! requests (status, watch, node info) take a few bytes and are never held up by each
-//! other. The bytes go back when the response is produced; after a burst of large requests
-//! the freed memory is returned to the kernel ([`crate::host::memory::give_back`]).
+//! other. The bytes go back when the response is produced. While large requests are in
+//! flight the allocator reuses large buffers, and after the burst the freed memory is
+//! returned to the kernel ([`crate::host::memory::for_large_requests`]).
 //!
 //! A `SubmitPlanDocument` call sends its plan in pieces and declares the whole length in its
 //! metadata (`document.rs`): that length is what it takes.
@@ -41,6 +42,8 @@ pub struct RequestBudget {
     wait: Duration,
     /// Bytes of large requests in flight.
     large_in_flight: AtomicU64,
+    /// Held while the allocator is set for the large requests in flight (or none).
+    memory_mode: std::sync::Mutex<()>,
 }
 
 impl RequestBudget {
@@ -53,7 +56,16 @@ impl RequestBudget {
             permits: Arc::new(Semaphore::new(bytes as usize)),
             wait,
             large_in_flight: AtomicU64::new(0),
+            memory_mode: std::sync::Mutex::new(()),
         })
+    }
+
+    /// Sets the allocator for whether large requests are in flight now (blocking: giving
+    /// memory back takes a while). Calls are taken one at a time and each reads the count
+    /// afresh, so the last one leaves the setting for the current count.
+    fn settle_memory(&self) {
+        let _one_at_a_time = self.memory_mode.lock().unwrap_or_else(|p| p.into_inner());
+        crate::host::memory::for_large_requests(self.large_in_flight.load(Ordering::SeqCst) > 0);
     }
 }
 
@@ -162,10 +174,16 @@ where
                 }
             };
             let large = u64::from(weight) >= LARGE;
-            if large {
-                budget
+            if large
+                && budget
                     .large_in_flight
-                    .fetch_add(u64::from(weight), Ordering::SeqCst);
+                    .fetch_add(u64::from(weight), Ordering::SeqCst)
+                    == 0
+            {
+                // The first large request of a burst: its buffers are reused from the heap
+                // instead of mapped afresh (`host::memory`).
+                let settling = budget.clone();
+                let _ = tokio::task::spawn_blocking(move || settling.settle_memory()).await;
             }
             let body = Body::new(Prefixed {
                 head: Some(head.freeze()),
@@ -179,8 +197,10 @@ where
                     .fetch_sub(u64::from(weight), Ordering::SeqCst)
                     == u64::from(weight)
             {
-                // The last large request of a burst: give its memory back, off the runtime.
-                tokio::task::spawn_blocking(crate::host::memory::give_back);
+                // The last large request of a burst: the idle setting again, and its memory
+                // given back, off the runtime.
+                let settling = budget.clone();
+                tokio::task::spawn_blocking(move || settling.settle_memory());
             }
             result
         })
