@@ -213,7 +213,7 @@ pub const RETRY_REBOOTING: u32 = 60;
 pub struct PlanStatus {
     /// Plan id.
     pub id: String,
-    /// Plan digest (`sha256:...`).
+    /// Plan digest (`v2:sha256:...`; `sha256:...` for a plan journaled before digests v2).
     pub digest: String,
     /// Attempt number, 1 for the first run, +1 per explicit retry.
     pub attempt: u32,

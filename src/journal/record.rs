@@ -684,7 +684,7 @@ impl fmt::Display for RunPhase {
 pub struct SummaryStatus {
     /// Plan id.
     pub id: String,
-    /// Plan digest (`sha256:...`).
+    /// Plan digest (`v2:sha256:...`; `sha256:...` for a plan journaled before digests v2).
     pub digest: String,
     /// Attempt number.
     pub attempt: u32,

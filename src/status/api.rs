@@ -126,7 +126,7 @@ pub struct AgentInfo {
 pub struct CurrentPlan {
     /// Plan id.
     pub id: String,
-    /// Plan digest (`sha256:...`).
+    /// Plan digest (`v2:sha256:...`; `sha256:...` for a plan journaled before digests v2).
     pub digest: String,
     /// Attempt number.
     pub attempt: u32,
@@ -510,7 +510,7 @@ pub struct HookResponse {
 pub struct PlanStatus {
     /// Plan id.
     pub id: String,
-    /// Plan digest (`sha256:...`).
+    /// Plan digest (`v2:sha256:...`; `sha256:...` for a plan journaled before digests v2).
     pub digest: String,
     /// Attempt number, 1 for the first run, +1 per explicit retry.
     pub attempt: u32,
