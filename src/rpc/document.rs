@@ -5,7 +5,7 @@
 //! it before the first byte leaves, and the agent decodes the whole message before it
 //! starts. For a plan with 50 MiB of file content those are three passes one after the
 //! other. Here the client sends the file's bytes as it reads them, and the agent feeds
-//! them, on a blocking thread, to the plan-file reader `inplace-agent apply` uses (which
+//! them, on a thread of the call's own, to the plan-file reader `inplace-agent apply` uses (which
 //! decodes long strings as they are read) while more arrive.
 //!
 //! The document's length is declared in the call's metadata ([`DOCUMENT_BYTES`]) before

@@ -383,29 +383,45 @@ impl NodeAgent for AgentService {
             self.limits.clone(),
             self.counters.clone(),
         );
-        // Parsed on the blocking pool as the pieces arrive; accepted only once the last one
-        // was read, so a stream that breaks leaves nothing behind.
-        let parsing = tokio::task::spawn_blocking(move || {
-            let read = read_plan(&mut document::Pieces::new(rx), &name, &limits);
-            let plan = read.map_err(|e| {
-                counters.refused.fetch_add(1, Ordering::Relaxed);
-                match e {
-                    ReadPlanError::Invalid(invalid) => {
-                        tracing::info!(caller = %who, problems = invalid.errors.len(), "SubmitPlanDocument refused: invalid plan");
-                        plan_error_status(&invalid)
-                    }
-                    ReadPlanError::Read(e) => {
-                        tracing::info!(caller = %who, error = %e, "SubmitPlanDocument refused: the document did not arrive whole");
-                        document::read_status(&e)
-                    }
-                }
+        // Parsed as the pieces arrive, on a thread of its own: the reader waits on the
+        // network for as long as the client takes, and on the small shared blocking pool four
+        // slow uploads held every thread that status calls need. Accepted only once the last
+        // piece was read, so a stream that breaks leaves nothing behind.
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("inplace-document".into())
+            .spawn(move || {
+                let read = read_plan(&mut document::Pieces::new(rx), &name, &limits);
+                let submitted = read
+                    .map_err(|e| {
+                        counters.refused.fetch_add(1, Ordering::Relaxed);
+                        match e {
+                            ReadPlanError::Invalid(invalid) => {
+                                tracing::info!(caller = %who, problems = invalid.errors.len(), "SubmitPlanDocument refused: invalid plan");
+                                plan_error_status(&invalid)
+                            }
+                            ReadPlanError::Read(e) => {
+                                tracing::info!(caller = %who, error = %e, "SubmitPlanDocument refused: the document did not arrive whole");
+                                document::read_status(&e)
+                            }
+                        }
+                    })
+                    .and_then(|plan| {
+                        submit_valid("SubmitPlanDocument", &engine, &counters, &who, plan, retry)
+                    });
+                let _ = answer.send(submitted);
+            })
+            .map_err(|e| {
+                Status::unavailable(format!(
+                    "the agent cannot start a thread to read the plan document: {e}; retry"
+                ))
             })?;
-            submit_valid("SubmitPlanDocument", &engine, &counters, &who, plan, retry)
-        });
         document::forward(first.data, &mut pieces, declared, tx).await;
-        let (status, created) = parsing
-            .await
-            .map_err(|e| Status::internal(format!("request handler failed: {e}")))??;
+        let (status, created) = answered.await.map_err(|_| {
+            Status::internal(
+                "the plan document's reader stopped without an answer (see the agent's log)",
+            )
+        })??;
         Ok(Response::new(pb::ApplyPlanResponse {
             status: Some(status_to_pb(&status)),
             created,

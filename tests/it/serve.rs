@@ -534,6 +534,55 @@ async fn a_plan_document_cut_short_by_the_deadline_is_not_accepted() {
     assert!(after == before, "{}", diff(&before, &after).join("\n"));
 }
 
+/// Plan documents that arrive slowly do not hold up other calls: their readers wait on
+/// the network on threads of their own, not on the small pool status calls run on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_plan_documents_do_not_hold_up_status_calls() {
+    let node = Node::new();
+    let pki = pki();
+    let agent = Agent::start(&node, &pki, &[]);
+    let mut client = pki.client(&agent.addr, As::Updater).await;
+    let head = plan_yaml(
+        "slow",
+        "changes:\n  - file: {path: /etc/kubernetes/slow.conf, content: \"1\"}\n",
+    );
+    // More stalled uploads than the blocking pool has threads (4): each sends its first
+    // piece and then nothing for as long as the test runs.
+    let mut stalled = Vec::new();
+    for _ in 0..6 {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tx.send(pb::PlanDocumentPiece {
+            data: bytes::Bytes::from(head.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        request.metadata_mut().insert(
+            "inplace-document-bytes",
+            (head.len() + 100).to_string().parse().unwrap(),
+        );
+        let mut uploader = client.clone();
+        stalled.push((
+            tx,
+            tokio::spawn(async move { uploader.submit_plan_document(request).await }),
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let answer = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.get_plan_status(pb::GetPlanStatusRequest { id: "slow".into() }),
+    )
+    .await
+    .expect("GetPlanStatus answered while plan documents were arriving slowly");
+    assert_eq!(answer.unwrap_err().code(), Code::NotFound);
+    for (tx, call) in stalled {
+        drop(tx);
+        let err = call.await.unwrap().unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    }
+}
+
 // === Concurrency ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
