@@ -9,7 +9,8 @@
 //!
 //! ```text
 //! perf all [--json FILE] [--quick]     every measurement below, figures as JSON
-//! perf apply-files [--files N] [--size BYTES] [--runs R]   (YAML, JSON and gRPC front ends)
+//! perf apply-files [--files N] [--size BYTES] [--runs R] [--replace]   (YAML, JSON and gRPC
+//!                                      front ends; --replace: onto existing files)
 //! perf noop [--files N] [--runs R]
 //! perf replay [--records N] [--runs R]
 //! perf journal-size [--plans N]
@@ -102,6 +103,12 @@ fn paired_ratio(a: &[Duration], b: &[Duration]) -> Stats {
             .map(|(x, y)| x.as_secs_f64() / y.as_secs_f64())
             .collect(),
     )
+}
+
+/// Waits until everything written so far is on the disk (`sync`).
+fn sync_all() {
+    let ok = Command::new("sync").status().is_ok_and(|s| s.success());
+    assert!(ok, "sync");
 }
 
 fn copy_tree(from: &Path, to: &Path) {
@@ -235,10 +242,24 @@ fn peak_rss(work: &Path, template: &Path, plan: &Path, name: &str) -> Option<u64
 /// TLS to a running `serve` (its start is not timed; the file is streamed to the agent as
 /// it is read, `SubmitPlanDocument`). Each round times all four, in an order that rotates,
 /// on fresh copies of the same tree.
-fn apply_files(files: usize, size: usize, runs: usize) -> Value {
+/// Applies `files` files of `size` bytes through each front end and as raw atomic writes,
+/// alternating; with `replace`, onto files of as many bytes already there (other contents,
+/// each its own), which the agent backs up before replacing them.
+fn apply_files(files: usize, size: usize, runs: usize, replace: bool) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let (template, plan) = setup(work.path(), files, size, "bench/apply");
+    if replace {
+        let dir = template.join("etc/kubernetes/bench");
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        for i in 0..files {
+            std::fs::write(
+                dir.join(format!("f{i:04}.conf")),
+                file_content(i + files, size),
+            )
+            .expect("existing file");
+        }
+    }
     let plan_json = json_plan(work.path(), files, size, "bench/apply", None);
     let pki = NodePki::new("bench-node").expect("pki");
     let plan_grpc = json_plan(work.path(), files, size, "bench/apply", Some(&pki.node));
@@ -252,6 +273,10 @@ fn apply_files(files: usize, size: usize, runs: usize) -> Value {
         for d in &dirs {
             copy_tree(&template, d);
         }
+        // The rounds start from trees on the disk, as a node's files are: the copies' writeback
+        // is not left to land in the middle of a round (nor, when a plan replaces them, in the
+        // agent's sync of their backups).
+        sync_all();
         // A 50 MiB plan is more than the default largest message (16 MiB).
         let daemon = serve_with(
             work.path(),
@@ -300,7 +325,8 @@ fn apply_files(files: usize, size: usize, runs: usize) -> Value {
         paired_ratio(&grpc, &base),
     );
     eprintln!(
-        "apply {files}×{size}: baseline {:.1} ms; yaml {:.1} ms ({:.2}×), json {:.1} ms ({:.2}×), grpc {:.1} ms ({:.2}×)",
+        "apply {files}×{size}{}: baseline {:.1} ms; yaml {:.1} ms ({:.2}×), json {:.1} ms ({:.2}×), grpc {:.1} ms ({:.2}×)",
+        if replace { " onto existing files" } else { "" },
         sb.median,
         sa.median,
         r.median,
@@ -309,7 +335,7 @@ fn apply_files(files: usize, size: usize, runs: usize) -> Value {
         stats(&grpc).median,
         rg.median
     );
-    json!({"files": files, "size": size, "agent": sa.json(), "baseline": sb.json(),
+    json!({"files": files, "size": size, "replace": replace, "agent": sa.json(), "baseline": sb.json(),
            "agentJson": stats(&jsn).json(), "agentGrpc": stats(&grpc).json(),
            "ratio": r.json(), "ratioJson": rj.json(), "ratioGrpc": rg.json(),
            "planBytes": plan_bytes,
@@ -833,7 +859,12 @@ fn main() {
             );
             return;
         }
-        Some("apply-files") => apply_files(r("--files", 500), r("--size", 4096), r("--runs", 7)),
+        Some("apply-files") => apply_files(
+            r("--files", 500),
+            r("--size", 4096),
+            r("--runs", 7),
+            args.iter().any(|a| a == "--replace"),
+        ),
         Some("noop") => noop(r("--files", 500), r("--runs", 10)),
         Some("replay") => replay(arg(&args, "--records", 100_000), r("--runs", 5)),
         Some("journal-size") => journal_size(arg(&args, "--plans", 1000)),
@@ -841,8 +872,9 @@ fn main() {
         Some("ansible") => ansible(r("--files", 500), r("--runs", 1)),
         Some("all") | None => json!({
             "machine": machine(),
-            "apply4k": apply_files(500, 4096, runs(9)),
-            "apply1m": apply_files(50, 1 << 20, runs(7)),
+            "apply4k": apply_files(500, 4096, runs(9), false),
+            "apply1m": apply_files(50, 1 << 20, runs(7), false),
+            "apply1mReplace": apply_files(50, 1 << 20, runs(5), true),
             "noop": noop(500, runs(15)),
             "replay100k": replay(100_000, runs(5)),
             "replay1m": replay(1_000_000, runs(3)),

@@ -89,8 +89,11 @@ def row(what, result, target, ratio, ok, la):
     rows.append(f"| {what} | {result} | {target} | {ratio} | {verdict(ok) if ok is not None else ''} | {la} |")
 
 
-for key, label in (("apply4k", "500 files of 4 KiB"), ("apply1m", "50 files of 1 MiB")):
+for key, label in (("apply4k", "500 files of 4 KiB"), ("apply1m", "50 files of 1 MiB"),
+                   ("apply1mReplace", "50 files of 1 MiB onto 50 existing ones (each backed up)")):
     a = perf.get(key)
+    # Replacing existing files has no target of its own: it shows what the backups cost.
+    target = "" if key == "apply1mReplace" else "≤ 1.25× baseline"
     if a:
         def ratio(r):
             return f"{r['median']:.2f}× (rounds {r['min']:.2f}–{r['max']:.2f})"
@@ -99,7 +102,7 @@ for key, label in (("apply4k", "500 files of 4 KiB"), ("apply1m", "50 files of 1
                                  ("`submit --wait` over gRPC (mTLS, running `serve`; the file streamed: `SubmitPlanDocument`)", "agentGrpc", "ratioGrpc")):
                 row(f"apply {label} vs raw atomic writes: {front}",
                     f"agent {ms(a[k])}; baseline {ms(a['baseline'])}",
-                    "≤ 1.25× baseline", ratio(a[rk]), a[rk]["median"] <= 1.25, loads(a))
+                    target, ratio(a[rk]), a[rk]["median"] <= 1.25 if target else None, loads(a))
             row(f"apply {label}: `apply` of the same plan as YAML (what YAML costs on top)",
                 f"agent {ms(a['agent'])}; {a['agent']['median'] - a['agentJson']['median']:+.1f} ms against JSON",
                 "", ratio(a["ratio"]), None, loads(a))

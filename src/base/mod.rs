@@ -10,7 +10,9 @@ pub(crate) mod sha256;
 pub mod time;
 pub(crate) mod units;
 mod writeback;
+mod writers;
 
 pub use error::{ErrorInfo, ErrorKind, StepError, chain};
 pub use file_meta::{Compared, Existing, FileMeta};
 pub use writeback::start_writeback;
+pub use writers::open_for_writing;

@@ -12,6 +12,16 @@
 //! `StepStarted` records are written. Until then no record names them, and a blob under its
 //! final name is always durable, so a crash in between leaves only temporary files (removed
 //! by [`BackupStore::retain`] when the next plan finishes).
+//!
+//! A file the step will replace by a rename (or remove) need not be copied at all: its own
+//! inode can be the blob. [`BlobBatch::keep`] hard-links it into the store under a
+//! temporary name, and the batch's sync makes it durable like a written blob (its data
+//! synced, then renamed into place). Until the step's rename the file and the blob are one
+//! inode; after it, only the store reaches the old content. That is as safe as a copy when
+//! nothing writes the file in place in between (a batch's own mutations rename and unlink)
+//! and no process held it open for writing (the caller asks first, and copies when one
+//! does); a blob that still shares its inode with a live file (a step that never ran) is
+//! never taken for stored content, and every read of a blob checks it against its name.
 
 use std::collections::HashSet;
 use std::io::{self, Read, Write};
@@ -97,9 +107,13 @@ impl BackupStore {
         Ok(sha)
     }
 
-    /// The blob `sha` is in the store (with the length its content has).
+    /// The blob `sha` is in the store (with the length its content has) and is nobody
+    /// else's: a blob that still shares its inode with a file on the node (kept by
+    /// [`BlobBatch::keep`] for a step that never replaced it) could change with that file, so
+    /// it does not count as stored content.
     fn stored(&self, sha: &str, len: usize) -> bool {
-        std::fs::metadata(self.blob(sha)).is_ok_and(|m| m.len() == len as u64)
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(self.blob(sha)).is_ok_and(|m| m.len() == len as u64 && m.nlink() == 1)
     }
 
     /// Writes `content` as `tmp`, a temporary file of the blob `sha` (replacing one a crash
@@ -160,6 +174,7 @@ impl BackupStore {
             .map_err(io("create temp file in", &self.dir))?;
         let mut hasher = Sha256::new();
         let mut buf = vec![0u8; 256 * 1024];
+        let mut len = 0;
         loop {
             let n = match content.read(&mut buf) {
                 Ok(0) => break,
@@ -169,10 +184,11 @@ impl BackupStore {
             };
             hasher.update(&buf[..n]);
             tmp.write_all(&buf[..n]).map_err(io("write", tmp.path()))?;
+            len += n;
         }
         let sha = hex::encode(hasher.finalize());
         let path = self.blob(&sha);
-        if path.exists() {
+        if self.stored(&sha, len) {
             // Identical content is stored once; the temp file goes away on drop.
             return Ok(sha);
         }
@@ -275,7 +291,17 @@ impl<'a> BlobBatch<'a> {
     /// Writes `content` under a temporary name of its blob and starts its writeback;
     /// durable (and under its final name) once the batch is synced. Returns its sha256 hex.
     pub fn put(&self, content: &[u8]) -> Result<String, BackupError> {
-        let sha = hex::encode(Sha256::digest(content));
+        self.put_hashed(content, hex::encode(Sha256::digest(content)))
+    }
+
+    /// The pending writes (a panic while they were held poisons nothing: the list is only
+    /// ever pushed to and drained).
+    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<(PathBuf, String)>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Like [`BlobBatch::put`], for content whose sha256 the caller has computed.
+    pub fn put_hashed(&self, content: &[u8], sha: String) -> Result<String, BackupError> {
         // Written once: already in the store, or already written by this batch (only a
         // write that succeeded is pending, so nothing counts on one that failed).
         if self.store.stored(&sha, content.len())
@@ -293,10 +319,60 @@ impl<'a> BlobBatch<'a> {
         Ok(sha)
     }
 
-    /// The pending writes (a panic while they were held poisons nothing: the list is only
-    /// ever pushed to and drained).
-    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<(PathBuf, String)>> {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    /// Keeps the file open as `file` itself as the blob of its content `sha` (`seen`: its
+    /// status before it was read and hashed), without copying a byte: the file is hard-linked
+    /// into the store under a temporary name, made durable with the batch like any blob, and
+    /// becomes the store's alone when the step renames its replacement over it (or removes
+    /// it). Returns false, having changed nothing, when the file cannot be kept so: it is on
+    /// another file system, or it changed or gained a link while it was read (the caller
+    /// copies it instead).
+    ///
+    /// The caller vouches for what makes this as safe as a copy: that nothing writes the
+    /// file in place between now and the step that replaces it (the batch's own mutations
+    /// only rename and unlink), and that no process had it open for writing when it was
+    /// read ([`crate::base::open_for_writing`]), so that once replaced nothing can reach it
+    /// but the store. Rollback checks every blob against its sha256 as it reads it all the
+    /// same.
+    pub fn keep(
+        &self,
+        file: &std::fs::File,
+        sha: &str,
+        seen: &rustix::fs::Stat,
+    ) -> Result<bool, BackupError> {
+        use std::os::unix::fs::MetadataExt;
+        let len = seen.st_size as usize;
+        if self.store.stored(sha, len) || self.pending().iter().any(|(_, p)| p == sha) {
+            return Ok(true);
+        }
+        // Already kept (a crash after the batch's sync and before its records): the blob is
+        // this very file, durable under its final name.
+        if std::fs::metadata(self.store.blob(sha))
+            .is_ok_and(|m| m.dev() == seen.st_dev && m.ino() == seen.st_ino)
+        {
+            return Ok(true);
+        }
+        super::create_private_dir(&self.store.dir).map_err(|source| BackupError::Io {
+            path: self.store.dir.clone(),
+            op: "create",
+            source,
+        })?;
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.store.partial(sha, Some(n));
+        let _ = std::fs::remove_file(&tmp);
+        if !link_open_file(file, &tmp) {
+            return Ok(false);
+        }
+        let unchanged = rustix::fs::fstat(file).is_ok_and(|now| {
+            now.st_nlink == 2
+                && now.st_size == seen.st_size
+                && (now.st_mtime, now.st_mtime_nsec) == (seen.st_mtime, seen.st_mtime_nsec)
+        });
+        if !unchanged {
+            let _ = std::fs::remove_file(&tmp);
+            return Ok(false);
+        }
+        self.pending().push((tmp, sha.to_string()));
+        Ok(true)
     }
 
     /// Stores what `content` yields, streaming, durably at once (large files are rare; they
@@ -343,6 +419,22 @@ impl<'a> BlobBatch<'a> {
             source,
         })
     }
+}
+
+/// Hard-links the open `file` as `path`: by its descriptor (root, as the agent runs), or
+/// through `/proc/self/fd` (anyone else); false when neither works.
+fn link_open_file(file: &std::fs::File, path: &Path) -> bool {
+    use rustix::fs::{AtFlags, CWD, linkat};
+    use std::os::fd::AsRawFd;
+    linkat(file, "", CWD, path, AtFlags::EMPTY_PATH).is_ok()
+        || linkat(
+            CWD,
+            format!("/proc/self/fd/{}", file.as_raw_fd()),
+            CWD,
+            path,
+            AtFlags::SYMLINK_FOLLOW,
+        )
+        .is_ok()
 }
 
 impl Drop for BlobBatch<'_> {
@@ -448,5 +540,88 @@ mod tests {
         drop(batch);
         assert!(!store.check(&c));
         assert_eq!(names(&t), want);
+    }
+
+    fn ino(path: &Path) -> (u64, u64) {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).unwrap();
+        (m.ino(), m.nlink())
+    }
+
+    /// A file on the node beside a store, its status, its content's sha256.
+    fn node_file(t: &tempfile::TempDir, name: &str, content: &[u8]) -> (PathBuf, String) {
+        let path = t.path().join(name);
+        std::fs::write(&path, content).unwrap();
+        (path, hex::encode(Sha256::digest(content)))
+    }
+
+    #[test]
+    fn a_kept_file_is_its_own_blob_and_outlives_its_replacement() {
+        let t = tempfile::tempdir().unwrap();
+        let store = BackupStore::at(t.path());
+        let (path, sha) = node_file(&t, "kubelet", b"old kubelet");
+        let file = std::fs::File::open(&path).unwrap();
+        let seen = rustix::fs::fstat(&file).unwrap();
+        let mut batch = BlobBatch::new(&store);
+        assert!(batch.keep(&file, &sha, &seen).unwrap());
+        // Not under its final name before the sync; the same inode as the file.
+        assert!(!t.path().join("backups").join(&sha).exists());
+        batch.sync().unwrap();
+        drop(batch);
+        let blob = t.path().join("backups").join(&sha);
+        assert_eq!(ino(&blob), (ino(&path).0, 2), "a second name of the file");
+        // While it shares its inode with a file of the node it is not stored content: a
+        // put of the same bytes writes a copy of its own.
+        let mut batch = BlobBatch::new(&store);
+        assert_eq!(batch.put(b"old kubelet").unwrap(), sha);
+        batch.sync().unwrap();
+        drop(batch);
+        assert_eq!(ino(&blob).1, 1, "the copy replaced the link");
+        assert_ne!(ino(&blob).0, ino(&path).0);
+
+        // Kept again, then replaced as a step does: by a rename over it.
+        let mut batch = BlobBatch::new(&store);
+        let (other, sha2) = node_file(&t, "proxy", b"old proxy");
+        let file = std::fs::File::open(&other).unwrap();
+        assert!(
+            batch
+                .keep(&file, &sha2, &rustix::fs::fstat(&file).unwrap())
+                .unwrap()
+        );
+        batch.sync().unwrap();
+        drop(batch);
+        std::fs::write(t.path().join("new"), b"new proxy").unwrap();
+        std::fs::rename(t.path().join("new"), &other).unwrap();
+        assert_eq!(store.get(&sha2).unwrap(), b"old proxy");
+        assert_eq!(ino(&t.path().join("backups").join(&sha2)).1, 1);
+        assert_eq!(std::fs::read(&other).unwrap(), b"new proxy");
+        let mut names = names(&t);
+        names.sort();
+        let mut want = vec![sha.clone(), sha2.clone()];
+        want.sort();
+        assert_eq!(names, want, "no temp files left");
+    }
+
+    #[test]
+    fn a_file_that_changed_or_gained_a_name_while_read_is_not_kept() {
+        let t = tempfile::tempdir().unwrap();
+        let store = BackupStore::at(t.path());
+        let (path, sha) = node_file(&t, "a", b"first");
+        let file = std::fs::File::open(&path).unwrap();
+        let seen = rustix::fs::fstat(&file).unwrap();
+        std::fs::hard_link(&path, t.path().join("a-too")).unwrap();
+        let batch = BlobBatch::new(&store);
+        assert!(!batch.keep(&file, &sha, &seen).unwrap(), "a second name");
+        std::fs::remove_file(t.path().join("a-too")).unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap()
+            .write_all(b" and more")
+            .unwrap();
+        assert!(!batch.keep(&file, &sha, &seen).unwrap(), "grew while read");
+        drop(batch);
+        assert!(names(&t).is_empty(), "nothing left: {:?}", names(&t));
+        assert_eq!(ino(&path).1, 1);
     }
 }

@@ -57,7 +57,7 @@ pub fn capture(host: &Host, backups: &BlobBatch<'_>) -> Result<Preimage, StepErr
     for p in REWRITES {
         let path = NodePath::parse(p)
             .map_err(|e| StepError::new(ErrorKind::Internal, format!("{p}: {e}")))?;
-        let before = super::capture_file(host, backups, &path)?;
+        let before = super::capture_file(host, backups, &path, super::Keep::Copy)?;
         files.push(Rewritten { path, before });
     }
     let before = UpgradeNodeBefore {

@@ -360,7 +360,8 @@ pub fn capture(host: &Host, backups: &BlobBatch<'_>, m: &Mutation) -> Result<Pre
         Mutation::Write { path, .. }
         | Mutation::WriteFrom { path, .. }
         | Mutation::Remove { path } => {
-            let before = capture_file(host, backups, path)?;
+            // The step renames the new content over the file or removes it.
+            let before = capture_file(host, backups, path, Keep::Link)?;
             let created_dirs = match m {
                 Mutation::Write { .. } | Mutation::WriteFrom { .. } => {
                     host.root.missing_dirs(path)?
@@ -425,25 +426,70 @@ pub fn captures_a_file(m: &Mutation) -> bool {
 /// Files up to this size are backed up from memory; larger ones (binaries) are streamed.
 const STREAM_ABOVE: u64 = 1 << 20;
 
+/// How a file's pre-image goes into the backup store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// A copy of its bytes.
+    Copy,
+    /// The file itself, hard-linked into the store, when it can be ([`BlobBatch::keep`]);
+    /// a copy otherwise. Only for a file that the step replaces by a rename or removes and
+    /// that nothing writes in place before then.
+    Link,
+}
+
 /// The state of the file at `path`, its content stored in the backup store (durable once
-/// `backups` is synced).
+/// `backups` is synced) as `keep` says.
 pub(crate) fn capture_file(
     host: &Host,
     backups: &BlobBatch<'_>,
     path: &NodePath,
+    keep: Keep,
 ) -> Result<FileBefore, StepError> {
     let Some((mut file, meta, size)) = host.root.open_file(path)? else {
         return Ok(FileBefore::Absent);
     };
-    let stored = if size <= STREAM_ABOVE {
-        let content = crate::host::fs::read_sized(&file, size).map_err(|source| FsError::Io {
-            op: "read",
-            path: path.to_string(),
-            source,
-        })?;
-        backups.put(&content)
-    } else {
-        backups.put_reader(&mut file)
+    let read_err = |source| FsError::Io {
+        op: "read",
+        path: path.to_string(),
+        source,
+    };
+    // Kept by a link only when it has no other name and no process has it open for
+    // writing: once the step has replaced it, nothing but the store can reach it.
+    let linkable = match keep {
+        Keep::Link => rustix::fs::fstat(&file)
+            .ok()
+            .filter(|st| st.st_nlink == 1)
+            .filter(|_| crate::base::open_for_writing(&file) == Some(false)),
+        Keep::Copy => None,
+    };
+    let stored = match (linkable, size <= STREAM_ABOVE) {
+        (Some(seen), small) => {
+            let (sha, content) = if small {
+                let content = crate::host::fs::read_sized(&file, size).map_err(read_err)?;
+                (
+                    hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&content)),
+                    Some(content),
+                )
+            } else {
+                let (sha, _) = crate::host::download::hash_reader(&mut file).map_err(read_err)?;
+                (sha, None)
+            };
+            match (backups.keep(&file, &sha, &seen), content) {
+                (Ok(true), _) => Ok(sha),
+                (Ok(false), Some(content)) => backups.put_hashed(&content, sha),
+                (Ok(false), None) => {
+                    use std::io::Seek;
+                    file.rewind().map_err(read_err)?;
+                    backups.put_reader(&mut file)
+                }
+                (Err(e), _) => Err(e),
+            }
+        }
+        (None, true) => {
+            let content = crate::host::fs::read_sized(&file, size).map_err(read_err)?;
+            backups.put(&content)
+        }
+        (None, false) => backups.put_reader(&mut file),
     };
     // The step names the change; the detail says which file was being backed up.
     let sha256 = stored.map_err(|e| {

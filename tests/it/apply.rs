@@ -427,3 +427,85 @@ fn a_plan_whose_paths_fight_is_refused_before_anything_changes() {
         Vec::<String>::new()
     );
 }
+
+/// A file a plan replaces is backed up as itself, hard-linked into the backup store instead
+/// of copied, unless a process has it open for writing (which could still change it once
+/// replaced): that one is copied. A plan that fails without rolling back keeps both backups;
+/// the same plan rolling back restores both byte for byte.
+#[test]
+fn a_replaced_file_is_backed_up_as_itself_unless_it_is_open_for_writing() {
+    let sha = |b: &[u8]| {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(b))
+    };
+    let old_a: Vec<u8> = (0..(2 << 20) as u32).map(|i| (i * 7 % 251) as u8).collect();
+    let old_b: Vec<u8> = (0..(64 << 10) as u32)
+        .map(|i| (i * 13 % 241) as u8)
+        .collect();
+    let setup = |node: &Node| {
+        std::fs::create_dir_all(node.path("etc/kubernetes/big")).unwrap();
+        std::fs::write(node.path("etc/kubernetes/big/a.conf"), &old_a).unwrap();
+        std::fs::write(node.path("etc/kubernetes/big/b.conf"), &old_b).unwrap();
+        // Held open for writing while the plan runs.
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(node.path("etc/kubernetes/big/b.conf"))
+            .unwrap()
+    };
+    let plan = |id: &str, rollback: bool| {
+        format!(
+            "{}options: {{rollbackOnFailure: {rollback}}}\nchanges:
+  - file: {{path: /etc/kubernetes/big/a.conf, content: \"new a\\n\"}}
+  - file: {{path: /etc/kubernetes/big/b.conf, content: \"new b\\n\"}}
+verify:
+  - command: {{argv: [\"false\"], timeoutSeconds: 5}}
+",
+            header(id)
+        )
+    };
+
+    let node = Node::new();
+    let writer = setup(&node);
+    let ino_a = std::fs::metadata(node.path("etc/kubernetes/big/a.conf"))
+        .unwrap()
+        .ino();
+    let ino_b = std::fs::metadata(node.path("etc/kubernetes/big/b.conf"))
+        .unwrap()
+        .ino();
+    let p = node.plan_file("p.yaml", &plan("ns/m@kept", false));
+    let out = node.agent(&["apply", "--no-chroot", "-o", "json", p.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["phase"], "Failed");
+    drop(writer);
+    let backups = node.path("var/lib/inplace-agent/backups");
+    let blob_a = std::fs::metadata(backups.join(sha(&old_a))).unwrap();
+    assert_eq!(
+        (blob_a.ino(), blob_a.nlink()),
+        (ino_a, 1),
+        "the replaced file itself, the store's alone"
+    );
+    let blob_b = std::fs::metadata(backups.join(sha(&old_b))).unwrap();
+    assert_ne!(blob_b.ino(), ino_b, "a copy of the file open for writing");
+    assert_eq!(std::fs::read(backups.join(sha(&old_b))).unwrap(), old_b);
+    assert_eq!(
+        std::fs::read(node.path("etc/kubernetes/big/a.conf")).unwrap(),
+        b"new a\n"
+    );
+
+    let node = Node::new();
+    let writer = setup(&node);
+    let before = node.snapshot_without_state();
+    let p = node.plan_file("p.yaml", &plan("ns/m@back", true));
+    let out = node.agent(&["apply", "--no-chroot", "-o", "json", p.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["phase"], "RolledBack", "{status:#}");
+    drop(writer);
+    let after = node.snapshot_without_state();
+    assert!(
+        support::diff(&before, &after).is_empty(),
+        "{:#?}",
+        support::diff(&before, &after)
+    );
+}
