@@ -324,8 +324,8 @@ impl<'a> BlobBatch<'a> {
     /// into the store under a temporary name, made durable with the batch like any blob, and
     /// becomes the store's alone when the step renames its replacement over it (or removes
     /// it). Returns false, having changed nothing, when the file cannot be kept so: it is on
-    /// another file system, or it changed or gained a link while it was read (the caller
-    /// copies it instead).
+    /// another mount than the store, or it changed or gained a name while it was read (the
+    /// caller copies it instead).
     ///
     /// The caller vouches for what makes this as safe as a copy: that nothing writes the
     /// file in place between now and the step that replaces it (the batch's own mutations
@@ -339,16 +339,8 @@ impl<'a> BlobBatch<'a> {
         sha: &str,
         seen: &rustix::fs::Stat,
     ) -> Result<bool, BackupError> {
-        use std::os::unix::fs::MetadataExt;
         let len = seen.st_size as usize;
         if self.store.stored(sha, len) || self.pending().iter().any(|(_, p)| p == sha) {
-            return Ok(true);
-        }
-        // Already kept (a crash after the batch's sync and before its records): the blob is
-        // this very file, durable under its final name.
-        if std::fs::metadata(self.store.blob(sha))
-            .is_ok_and(|m| m.dev() == seen.st_dev && m.ino() == seen.st_ino)
-        {
             return Ok(true);
         }
         super::create_private_dir(&self.store.dir).map_err(|source| BackupError::Io {
