@@ -562,6 +562,11 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
     };
     assert!(options("/").starts_with("ro"), "{}", options("/"));
     assert!(options("/etc").starts_with("rw"), "{}", options("/etc"));
+    // The state directory is a mount of its own (`StateDirectory=` under
+    // `ProtectSystem=strict`), so no file the agent replaces can be linked into its backup
+    // store: each is copied (docs/hardening.md, "Things to know").
+    let state = options("/var/lib/inplace-agent");
+    assert!(state.starts_with("rw"), "{state}");
     assert!(options("/proc/sys").starts_with("ro"));
     assert!(options("/proc/sys/net").starts_with("rw"));
 
