@@ -39,7 +39,7 @@ fn main() {
     let began = Instant::now();
     let results = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/RESULTS.md");
     // The section is written after every cut, so a run stopped early still reports what it did.
-    let report = match vm::powercut::run(env, cuts, |r| {
+    let report = match vm::powercut::run(env, cuts, vm::powercut::Route::PackagedUnit, |r| {
         if let Some(c) = r.cuts.last() {
             eprintln!("cut {}", c.summary());
         }

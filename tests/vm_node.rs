@@ -7,6 +7,9 @@
 //!   give that: with `cache=none` (O_DIRECT) or `writeback` every write the guest submitted is
 //!   in the host's kernel when qemu dies, flushed or not, so only the guest's page cache would
 //!   be lost and a missing flush of the disk's cache would never show.
+//! - `power_cuts_converge_with_replaced_files_linked`: the same, with the unit's mounts left
+//!   as one (as the DaemonSet sees the node), so that the files the plans replace are kept
+//!   as their own backups, hard-linked into the backup store, instead of copied.
 //! - `real_reboot_resumes_after_boot`: a plan with a `reboot` change; the node really reboots
 //!   (the boot id changes), the agent resumes at the change after the reboot and the plan
 //!   succeeds; while the node goes down the hook response says it is rebooting and asks CAPI
@@ -22,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use vm::powercut::{self, CutOutcome};
+use vm::powercut::{self, CutOutcome, Route};
 use vm::{BOOT_TIMEOUT, sh_ok};
 
 fn env(test: &str) -> Option<&'static vm::VmEnv> {
@@ -42,7 +45,21 @@ fn show(report: &powercut::Report) {
 
 #[test]
 fn power_cuts_converge() {
-    let Some(env) = env("power_cuts_converge") else {
+    power_cuts(Route::PackagedUnit, "power_cuts_converge");
+}
+
+/// The same cuts with the replaced files kept as their own backups (linked into the backup
+/// store), as the agent does where the root file system is one mount (the DaemonSet).
+#[test]
+fn power_cuts_converge_with_replaced_files_linked() {
+    power_cuts(
+        Route::OneMount,
+        "power_cuts_converge_with_replaced_files_linked",
+    );
+}
+
+fn power_cuts(route: Route, test: &str) {
+    let Some(env) = env(test) else {
         return;
     };
     let cuts = std::env::var("INPLACE_VM_CUTS")
@@ -50,9 +67,9 @@ fn power_cuts_converge() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
     let began = Instant::now();
-    let report = powercut::run(env, cuts, show).expect("power-cut run");
+    let report = powercut::run(env, cuts, route, show).expect("power-cut run");
     eprintln!(
-        "power cuts: {}/{} converged on {}; seed {}; boots {:?} ms; {:.0} s in all",
+        "power cuts ({route:?}): {}/{} converged on {}; seed {}; boots {:?} ms; {:.0} s in all",
         report.survived(),
         cuts,
         env.accel.describe(),

@@ -281,9 +281,67 @@ fn reference(node: &Node, qga: &mut Qga, report: &mut Report) -> Result<(String,
     Ok((a, b))
 }
 
+/// How the agent runs on the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The packaged unit as shipped: `/etc`, `/usr`, `/var` and the state directory are
+    /// mounts of their own in its namespace, so the files it replaces are backed up by
+    /// copies.
+    PackagedUnit,
+    /// The packaged unit with a drop-in that leaves the root file system one mount (as the
+    /// DaemonSet sees it): the files it replaces are kept as their own backups, linked into
+    /// the backup store.
+    OneMount,
+}
+
+/// The drop-in of [`Route::OneMount`]: no read-only root, no read-write bind mounts (the
+/// sysctl directories keep theirs) and no state directory of systemd's, which it mounts on
+/// itself whenever the unit has a mount namespace (the directory exists from the first
+/// start, 0700).
+const ONE_MOUNT: &str = "[Service]\nProtectSystem=no\nStateDirectory=\nReadWritePaths=\nReadWritePaths=-/proc/sys/abi -/proc/sys/debug -/proc/sys/dev -/proc/sys/fs -/proc/sys/kernel -/proc/sys/net -/proc/sys/user -/proc/sys/vm\n";
+
+/// Puts the agent on `route` (after the first boot) and checks its mounts.
+fn take_route(qga: &mut Qga, route: Route) -> Result<()> {
+    if route == Route::OneMount {
+        sh_ok(
+            qga,
+            &format!(
+                "mkdir -p /etc/systemd/system/inplace-agent.service.d && \
+                 printf '{ONE_MOUNT}' > /etc/systemd/system/inplace-agent.service.d/one-mount.conf && \
+                 sync && systemctl daemon-reload && systemctl restart inplace-agent.service"
+            ),
+            Duration::from_secs(120),
+        )?;
+        wait_agent(qga)?;
+    }
+    let mounts = sh_ok(
+        qga,
+        "cat /proc/$(systemctl show -p MainPID --value inplace-agent.service)/mountinfo",
+        Duration::from_secs(60),
+    )?;
+    let own = |target: &str| {
+        mounts
+            .lines()
+            .any(|l| l.split_whitespace().nth(4) == Some(target))
+    };
+    let expected = match route {
+        Route::PackagedUnit => own("/etc") && own("/var/lib/inplace-agent"),
+        Route::OneMount => !own("/etc") && !own("/var") && !own("/var/lib/inplace-agent"),
+    };
+    if !expected {
+        bail!("the agent's mounts are not those of {route:?}:\n{mounts}");
+    }
+    Ok(())
+}
+
 /// `cuts` power cuts at random moments; every outcome in the report (the caller judges).
 /// `progress` is called after each cut with the report so far.
-pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&Report)) -> Result<Report> {
+pub fn run(
+    env: &VmEnv,
+    cuts: usize,
+    route: Route,
+    mut progress: impl FnMut(&Report),
+) -> Result<Report> {
     let mut report = Report {
         seed: seed(),
         ..Report::default()
@@ -293,8 +351,12 @@ pub fn run(env: &VmEnv, cuts: usize, mut progress: impl FnMut(&Report)) -> Resul
         "power cuts: {cuts}, seed {} (INPLACE_VM_SEED replays them)",
         report.seed
     );
-    let mut node = env.node("powercut")?;
+    let mut node = env.node(match route {
+        Route::PackagedUnit => "powercut",
+        Route::OneMount => "powercut-one-mount",
+    })?;
     let (mut vm, mut qga) = boot_and_wait(&mut node, &mut report)?;
+    take_route(&mut qga, route)?;
     let (state_a, state_b) = reference(&node, &mut qga, &mut report)?;
     // Cut moments, from the submission: mostly while the agent runs the plan (accepted →
     // Succeeded in the longer reference run), some while the client is still submitting,
