@@ -14,8 +14,9 @@
 //! by [`BackupStore::retain`] when the next plan finishes).
 //!
 //! A file the step will replace by a rename (or remove) need not be copied at all: its own
-//! inode can be the blob. [`BlobBatch::keep`] hard-links it into the store under a
-//! temporary name, and the batch's sync makes it durable like a written blob (its data
+//! inode can be the blob. [`BlobBatch::link`] hard-links it into the store under a
+//! temporary name, [`BlobBatch::keep`] takes it as its content's blob once the caller has
+//! hashed it, and the batch's sync makes it durable like a written blob (its data
 //! synced, then renamed into place). Until the step's rename the file and the blob are one
 //! inode; after it, only the store reaches the old content. That is as safe as a copy when
 //! nothing writes the file in place in between (a batch's own mutations rename and unlink)
@@ -319,13 +320,30 @@ impl<'a> BlobBatch<'a> {
         Ok(sha)
     }
 
-    /// Keeps the file open as `file` itself as the blob of its content `sha` (`seen`: its
-    /// status before it was read and hashed), without copying a byte: the file is hard-linked
-    /// into the store under a temporary name, made durable with the batch like any blob, and
-    /// becomes the store's alone when the step renames its replacement over it (or removes
-    /// it). Returns false, having changed nothing, when the file cannot be kept so: it is on
-    /// another mount than the store, or it changed or gained a name while it was read (the
-    /// caller copies it instead).
+    /// Hard-links the file open as `file` into the store under a temporary name, the first
+    /// half of keeping it as the blob of its own content ([`BlobBatch::keep`], once the
+    /// caller has hashed it). Linked before it is read, so that a file that cannot be linked
+    /// (on another mount than the store) is found out before it is read, and is read once,
+    /// to be copied. `None` when it cannot be linked; the link goes away with the
+    /// [`Linked`] unless it is kept.
+    pub fn link(&self, file: &std::fs::File) -> Result<Option<Linked>, BackupError> {
+        super::create_private_dir(&self.store.dir).map_err(|source| BackupError::Io {
+            path: self.store.dir.clone(),
+            op: "create",
+            source,
+        })?;
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.store.dir.join(format!(".link.{n}.partial"));
+        let _ = std::fs::remove_file(&tmp);
+        Ok(link_open_file(file, &tmp).then_some(Linked { tmp }))
+    }
+
+    /// Keeps the file linked as `linked` (open as `file`) as the blob of its content `sha`
+    /// (`seen`: its status before it was linked, read and hashed), without copying a byte:
+    /// the link is made durable with the batch like any blob, and the blob becomes the
+    /// store's alone when the step renames the file's replacement over it (or removes it).
+    /// False, the link removed, when the file changed or gained a name while it was read
+    /// (the caller copies it instead).
     ///
     /// The caller vouches for what makes this as safe as a copy: that nothing writes the
     /// file in place between now and the step that replaces it (the batch's own mutations
@@ -335,36 +353,27 @@ impl<'a> BlobBatch<'a> {
     /// same.
     pub fn keep(
         &self,
+        mut linked: Linked,
         file: &std::fs::File,
         sha: &str,
         seen: &rustix::fs::Stat,
-    ) -> Result<bool, BackupError> {
-        let len = seen.st_size as usize;
-        if self.store.stored(sha, len) || self.pending().iter().any(|(_, p)| p == sha) {
-            return Ok(true);
-        }
-        super::create_private_dir(&self.store.dir).map_err(|source| BackupError::Io {
-            path: self.store.dir.clone(),
-            op: "create",
-            source,
-        })?;
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.store.partial(sha, Some(n));
-        let _ = std::fs::remove_file(&tmp);
-        if !link_open_file(file, &tmp) {
-            return Ok(false);
-        }
+    ) -> bool {
         let unchanged = rustix::fs::fstat(file).is_ok_and(|now| {
             now.st_nlink == 2
                 && now.st_size == seen.st_size
                 && (now.st_mtime, now.st_mtime_nsec) == (seen.st_mtime, seen.st_mtime_nsec)
         });
         if !unchanged {
-            let _ = std::fs::remove_file(&tmp);
-            return Ok(false);
+            return false;
         }
-        self.pending().push((tmp, sha.to_string()));
-        Ok(true)
+        // Already in the store, or kept by this batch: the link is not needed.
+        if !self.store.stored(sha, seen.st_size as usize)
+            && !self.pending().iter().any(|(_, p)| p == sha)
+        {
+            self.pending()
+                .push((std::mem::take(&mut linked.tmp), sha.to_string()));
+        }
+        true
     }
 
     /// Stores what `content` yields, streaming, durably at once (large files are rare; they
@@ -410,6 +419,21 @@ impl<'a> BlobBatch<'a> {
             op: "sync directory of",
             source,
         })
+    }
+}
+
+/// A file hard-linked into the store under a temporary name ([`BlobBatch::link`]); the
+/// link is removed on drop unless [`BlobBatch::keep`] took it.
+#[derive(Debug)]
+pub struct Linked {
+    tmp: PathBuf,
+}
+
+impl Drop for Linked {
+    fn drop(&mut self) {
+        if !self.tmp.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 
@@ -555,7 +579,8 @@ mod tests {
         let file = std::fs::File::open(&path).unwrap();
         let seen = rustix::fs::fstat(&file).unwrap();
         let mut batch = BlobBatch::new(&store);
-        assert!(batch.keep(&file, &sha, &seen).unwrap());
+        let linked = batch.link(&file).unwrap().expect("one mount");
+        assert!(batch.keep(linked, &file, &sha, &seen));
         // Not under its final name before the sync; the same inode as the file.
         assert!(!t.path().join("backups").join(&sha).exists());
         batch.sync().unwrap();
@@ -575,11 +600,9 @@ mod tests {
         let mut batch = BlobBatch::new(&store);
         let (other, sha2) = node_file(&t, "proxy", b"old proxy");
         let file = std::fs::File::open(&other).unwrap();
-        assert!(
-            batch
-                .keep(&file, &sha2, &rustix::fs::fstat(&file).unwrap())
-                .unwrap()
-        );
+        let seen = rustix::fs::fstat(&file).unwrap();
+        let linked = batch.link(&file).unwrap().expect("one mount");
+        assert!(batch.keep(linked, &file, &sha2, &seen));
         batch.sync().unwrap();
         drop(batch);
         std::fs::write(t.path().join("new"), b"new proxy").unwrap();
@@ -603,7 +626,8 @@ mod tests {
         let seen = rustix::fs::fstat(&file).unwrap();
         std::fs::hard_link(&path, t.path().join("a-too")).unwrap();
         let batch = BlobBatch::new(&store);
-        assert!(!batch.keep(&file, &sha, &seen).unwrap(), "a second name");
+        let linked = batch.link(&file).unwrap().expect("one mount");
+        assert!(!batch.keep(linked, &file, &sha, &seen), "a second name");
         std::fs::remove_file(t.path().join("a-too")).unwrap();
         std::fs::OpenOptions::new()
             .append(true)
@@ -611,7 +635,8 @@ mod tests {
             .unwrap()
             .write_all(b" and more")
             .unwrap();
-        assert!(!batch.keep(&file, &sha, &seen).unwrap(), "grew while read");
+        let linked = batch.link(&file).unwrap().expect("one mount");
+        assert!(!batch.keep(linked, &file, &sha, &seen), "grew while read");
         drop(batch);
         assert!(names(&t).is_empty(), "nothing left: {:?}", names(&t));
         assert_eq!(ino(&path).1, 1);

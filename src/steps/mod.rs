@@ -431,7 +431,7 @@ const STREAM_ABOVE: u64 = 1 << 20;
 pub(crate) enum Keep {
     /// A copy of its bytes.
     Copy,
-    /// The file itself, hard-linked into the store, when it can be ([`BlobBatch::keep`]);
+    /// The file itself, hard-linked into the store, when it can be ([`BlobBatch::link`]);
     /// a copy otherwise. Only for a file that the step replaces by a rename or removes and
     /// that nothing writes in place before then.
     Link,
@@ -454,7 +454,8 @@ pub(crate) fn capture_file(
         source,
     };
     // Kept by a link only when it has no other name and no process has it open for
-    // writing: once the step has replaced it, nothing but the store can reach it.
+    // writing: once the step has replaced it, nothing but the store can reach it. Linked
+    // before it is read: one that cannot be (another mount) is read once, to be copied.
     let linkable = match keep {
         Keep::Link => rustix::fs::fstat(&file)
             .ok()
@@ -462,8 +463,13 @@ pub(crate) fn capture_file(
             .filter(|_| crate::base::open_for_writing(&file) == Some(false)),
         Keep::Copy => None,
     };
-    let stored = match (linkable, size <= STREAM_ABOVE) {
-        (Some(seen), small) => {
+    let linked = match linkable {
+        Some(seen) => backups.link(&file).map(|l| l.map(|l| (l, seen))),
+        None => Ok(None),
+    };
+    let stored = match (linked, size <= STREAM_ABOVE) {
+        (Err(e), _) => Err(e),
+        (Ok(Some((linked, seen))), small) => {
             let (sha, content) = if small {
                 let content = crate::host::fs::read_sized(&file, size).map_err(read_err)?;
                 (
@@ -474,22 +480,22 @@ pub(crate) fn capture_file(
                 let (sha, _) = crate::host::download::hash_reader(&mut file).map_err(read_err)?;
                 (sha, None)
             };
-            match (backups.keep(&file, &sha, &seen), content) {
-                (Ok(true), _) => Ok(sha),
-                (Ok(false), Some(content)) => backups.put_hashed(&content, sha),
-                (Ok(false), None) => {
+            match (backups.keep(linked, &file, &sha, &seen), content) {
+                (true, _) => Ok(sha),
+                (false, Some(content)) => backups.put_hashed(&content, sha),
+                (false, None) => {
+                    // Changed while it was read: copied as it is now.
                     use std::io::Seek;
                     file.rewind().map_err(read_err)?;
                     backups.put_reader(&mut file)
                 }
-                (Err(e), _) => Err(e),
             }
         }
-        (None, true) => {
+        (Ok(None), true) => {
             let content = crate::host::fs::read_sized(&file, size).map_err(read_err)?;
             backups.put(&content)
         }
-        (None, false) => backups.put_reader(&mut file),
+        (Ok(None), false) => backups.put_reader(&mut file),
     };
     // The step names the change; the detail says which file was being backed up.
     let sha256 = stored.map_err(|e| {
