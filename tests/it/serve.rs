@@ -374,6 +374,30 @@ async fn submit_document(
         .map(tonic::Response::into_inner)
 }
 
+/// A `SubmitPlanDocument` request that declares `declared` bytes and has sent `first` of
+/// them; the rest goes through the returned sender (or never comes).
+async fn open_upload(
+    first: &[u8],
+    declared: usize,
+) -> (
+    tokio::sync::mpsc::Sender<pb::PlanDocumentPiece>,
+    tonic::Request<tokio_stream::wrappers::ReceiverStream<pb::PlanDocumentPiece>>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(pb::PlanDocumentPiece {
+        data: bytes::Bytes::copy_from_slice(first),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.metadata_mut().insert(
+        "inplace-document-bytes",
+        declared.to_string().parse().unwrap(),
+    );
+    (tx, request)
+}
+
 /// A plan file sent in pieces is the plan `ApplyPlan` takes (same digest: one plan, not
 /// two); a document that does not arrive whole (a length other than the one declared, a
 /// call that breaks), that declares no length or more than the limit, or is invalid, is
@@ -424,18 +448,7 @@ async fn plan_documents_are_read_in_pieces_and_accepted_only_whole() {
     refused(result, Code::InvalidArgument, "longer than");
 
     // A call that breaks in the middle: half the document, then the client goes away.
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    request.metadata_mut().insert(
-        "inplace-document-bytes",
-        doc.len().to_string().parse().unwrap(),
-    );
-    tx.send(pb::PlanDocumentPiece {
-        data: bytes::Bytes::copy_from_slice(&doc[..doc.len() / 2]),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let (tx, request) = open_upload(&doc[..doc.len() / 2], doc.len()).await;
     let mut breaking = pki.client(&agent.addr, As::Updater).await;
     let call = tokio::spawn(async move { breaking.submit_plan_document(request).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -505,18 +518,7 @@ async fn a_plan_document_cut_short_by_the_deadline_is_not_accepted() {
         "changes:\n  - file: {path: /etc/kubernetes/cut-1.conf, content: \"1\"}\n",
     );
     let tail = "  - file: {path: /etc/kubernetes/cut-2.conf, content: \"2\"}\n";
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tx.send(pb::PlanDocumentPiece {
-        data: bytes::Bytes::from(head.clone()),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    request.metadata_mut().insert(
-        "inplace-document-bytes",
-        (head.len() + tail.len()).to_string().parse().unwrap(),
-    );
+    let (tx, request) = open_upload(head.as_bytes(), head.len() + tail.len()).await;
     // The rest never comes: the agent's 1 s deadline ends the call.
     let err = client.submit_plan_document(request).await.unwrap_err();
     drop(tx);
@@ -550,18 +552,7 @@ async fn slow_plan_documents_do_not_hold_up_status_calls() {
     // piece and then nothing for as long as the test runs.
     let mut stalled = Vec::new();
     for _ in 0..6 {
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tx.send(pb::PlanDocumentPiece {
-            data: bytes::Bytes::from(head.clone()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-        request.metadata_mut().insert(
-            "inplace-document-bytes",
-            (head.len() + 100).to_string().parse().unwrap(),
-        );
+        let (tx, request) = open_upload(head.as_bytes(), head.len() + 100).await;
         let mut uploader = client.clone();
         stalled.push((
             tx,
