@@ -11,7 +11,9 @@ use crate::engine::state::{Phase, PlanStatus};
 use crate::engine::{Engine, Event, Submission, SubmitError};
 use crate::host::Host;
 use crate::host::systemd::SystemdError;
-use crate::plan::{InvalidPlan, Limits, Plan, ReadPlanError, read_plan};
+use crate::plan::{
+    InvalidPlan, KnownSums, Limits, Plan, ReadPlanError, read_plan, read_plan_hashed,
+};
 
 /// Reads and validates a plan file; prints the errors and returns the exit code on failure.
 pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Plan, Exit> {
@@ -21,12 +23,30 @@ pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Pla
 /// Reads and validates the plan at `path` (`-`: standard input) within `limits`; prints what
 /// is wrong with it.
 pub(super) fn read_plan_path(path: &Path, limits: &Limits, output: Output) -> Result<Plan, Exit> {
+    read_path(path, limits, output, false).map(|(plan, _)| plan)
+}
+
+/// [`read_plan_path`], with `hash` the long contents hashed while the plan is read
+/// (`plan::read_plan_hashed`), for a plan about to be submitted.
+fn read_path(
+    path: &Path,
+    limits: &Limits,
+    output: Output,
+    hash: bool,
+) -> Result<(Plan, KnownSums), Exit> {
     let name = path.display().to_string();
+    let read = |input: &mut dyn std::io::Read| {
+        if hash {
+            read_plan_hashed(input, &name, limits)
+        } else {
+            read_plan(input, &name, limits).map(|plan| (plan, KnownSums::default()))
+        }
+    };
     let result = if name == "-" {
-        read_plan(&mut std::io::stdin().lock(), &name, limits)
+        read(&mut std::io::stdin().lock())
     } else {
         match std::fs::File::open(path) {
-            Ok(mut file) => read_plan(&mut file, &name, limits),
+            Ok(mut file) => read(&mut file),
             Err(e) => Err(ReadPlanError::Read(e)),
         }
     };
@@ -45,11 +65,7 @@ pub(super) fn read_plan_from(
 }
 
 /// The plan read, or the exit code after printing why it could not be.
-fn report_read(
-    result: Result<Plan, ReadPlanError>,
-    name: &str,
-    output: Output,
-) -> Result<Plan, Exit> {
+fn report_read<T>(result: Result<T, ReadPlanError>, name: &str, output: Output) -> Result<T, Exit> {
     result.map_err(|e| {
         match e {
             ReadPlanError::Read(e) => errln!("error: read plan {name}: {e}"),
@@ -165,7 +181,7 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
         Ok(s) => s,
         Err(code) => return code,
     };
-    let plan = match load_plan(plan_path, &settings, output) {
+    let (plan, known) = match read_path(plan_path, &settings.limits, output, true) {
         Ok(p) => p,
         Err(code) => return code,
     };
@@ -201,7 +217,7 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
             torn.offset
         );
     }
-    match run_plan(&engine, plan, retry, plain, false) {
+    match run_plan(&engine, plan, known, retry, plain, false) {
         Ok(status) => {
             match output {
                 Output::Json => outln!("{:#}", status_json(&status)),
@@ -264,6 +280,7 @@ const RENDER_GATHER: std::time::Duration = std::time::Duration::from_millis(10);
 pub fn run_plan(
     engine: &Engine,
     plan: Plan,
+    known: KnownSums,
     retry: bool,
     plain: bool,
     quiet_unchanged: bool,
@@ -280,7 +297,7 @@ pub fn run_plan(
         );
     }
     let submission = engine
-        .submit(plan, "cli", retry)
+        .submit_known(plan, known, "cli", retry)
         .map_err(|e| super::fail(&e.into()))?;
     let status = submission.status().clone();
     if let Submission::Existing(s) = &submission

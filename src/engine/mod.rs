@@ -29,7 +29,9 @@ use crate::failpoint;
 use crate::host::Host;
 use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
-use crate::plan::{ContentSums, FieldError, InvalidPlan, Limits, Plan, validate_document};
+use crate::plan::{
+    ContentSums, FieldError, InvalidPlan, KnownSums, Limits, Plan, validate_document,
+};
 use crate::steps::{self, Capabilities};
 use state::{Phase, PlanStatus};
 use table::Table;
@@ -172,6 +174,13 @@ pub(crate) struct Inner {
 /// Compact (when idle) once this many bytes of plan bodies blobs were stored since the last
 /// compaction, even if the journal itself is still small.
 pub(crate) const COMPACT_BODIES_BYTES: u64 = 64 << 20;
+
+/// The sums of a plan's contents, when it is accepted: all of them, or those known before
+/// (the rest are hashed beside staging).
+enum Sums {
+    All(ContentSums),
+    Known(KnownSums),
+}
 
 /// How many runs keep their phase snapshots (see [`Engine::phase_history`]). A snapshot is
 /// as large as its plan's change list, so this bounds what the history holds.
@@ -473,6 +482,18 @@ impl Engine {
     /// Submits a plan. The same id + digest returns the existing status (running or
     /// finished) and never runs again unless `retry` is set and the last attempt failed.
     pub fn submit(&self, plan: Plan, source: &str, retry: bool) -> Result<Submission, SubmitError> {
+        self.submit_known(plan, KnownSums::default(), source, retry)
+    }
+
+    /// [`Engine::submit`] of a plan some of whose contents were hashed already, while it
+    /// was read (`plan::read_plan_hashed`).
+    pub fn submit_known(
+        &self,
+        plan: Plan,
+        known: KnownSums,
+        source: &str,
+        retry: bool,
+    ) -> Result<Submission, SubmitError> {
         // An id this agent has never seen cannot be a repeat: its digest (a hash over all of
         // its content) is computed while its contents are staged, not before.
         let fresh = self.shared.lock().table.latest(&plan.id).is_none();
@@ -480,10 +501,10 @@ impl Engine {
             let prepared = self.admit(&plan)?;
             let _submitting = self.submission_lock();
             if self.shared.lock().table.latest(&plan.id).is_none() {
-                return self.accept(plan, None, None, 1, source, &prepared);
+                return self.accept(plan, None, Sums::Known(known), 1, source, &prepared);
             }
         }
-        let sums = ContentSums::of(&plan);
+        let sums = ContentSums::of_known(&plan, known);
         let digest = self.identity(&plan, &sums);
         {
             let inner = self.shared.lock();
@@ -505,7 +526,14 @@ impl Engine {
             None => 1,
         };
         drop(inner);
-        self.accept(plan, Some(digest), Some(sums), attempt, source, &prepared)
+        self.accept(
+            plan,
+            Some(digest),
+            Sums::All(sums),
+            attempt,
+            source,
+            &prepared,
+        )
     }
 
     /// The digest under which this agent knows `plan`, whose id it has seen: its v1 digest
@@ -542,7 +570,7 @@ impl Engine {
         &self,
         plan: Plan,
         digest: Option<String>,
-        sums: Option<ContentSums>,
+        sums: Sums,
         attempt: u32,
         source: &str,
         prepared: &steps::Prepared,
@@ -556,12 +584,18 @@ impl Engine {
             // The sha256 of each content (the digest's and the staged files') is computed
             // beside deciding which files must change (every target read and compared) and
             // staging them.
-            let hashing = sums.is_none().then(|| s.spawn(|| ContentSums::of(&plan)));
+            let hashing = match sums {
+                Sums::All(sums) => Err(sums),
+                Sums::Known(known) => {
+                    let plan = &plan;
+                    Ok(s.spawn(move || ContentSums::of_known(plan, known)))
+                }
+            };
             let picks = staging::candidates(host, &plan, prepared);
             let stored = self.store_contents(run, &plan, &picks);
             let sums = match hashing {
-                Some(h) => h.join().expect("hashing does not panic"),
-                None => sums.unwrap_or_default(),
+                Ok(h) => h.join().expect("hashing does not panic"),
+                Err(sums) => sums,
             };
             (sums, stored)
         });
@@ -709,7 +743,7 @@ impl Engine {
         self.accept(
             plan,
             Some(status.digest.clone()),
-            None,
+            Sums::Known(KnownSums::default()),
             status.attempt + 1,
             source,
             &prepared,
@@ -1234,7 +1268,14 @@ mod tests {
                 let prepared = engine.admit(plan).unwrap();
                 let v1 = Some(plan.digest_v1());
                 engine
-                    .accept(plan.clone(), v1, None, 1, "old agent", &prepared)
+                    .accept(
+                        plan.clone(),
+                        v1,
+                        Sums::Known(KnownSums::default()),
+                        1,
+                        "old agent",
+                        &prepared,
+                    )
                     .unwrap();
                 engine.run_until_idle();
             }

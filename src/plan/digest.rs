@@ -12,10 +12,13 @@
 //! agents before v2 journaled and reported it, so a plan is still recognised by it
 //! ([`super::Plan::has_digest`]).
 
+use std::collections::HashMap;
+
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
+use super::hasher::KnownSums;
 use super::*;
 
 /// Prefix hashed before the document by the first definition (v1).
@@ -41,15 +44,38 @@ impl ContentSums {
     /// The sums of `plan`'s contents, hashed on up to four threads when the plan is large
     /// (each content by one thread, the next free thread taking the next content).
     pub fn of(plan: &Plan) -> ContentSums {
-        let contents: Vec<Option<&[u8]>> = plan
-            .changes
+        ContentSums::of_known(plan, KnownSums::default())
+    }
+
+    /// [`ContentSums::of`] taking the sum of each content that `known` holds: a content of
+    /// the plan at the address and of the length of a content `known` keeps alive is that
+    /// content (its memory cannot have been reused, and `Bytes` never changes what it
+    /// holds). Contents copied or built since are not found that way and are hashed here.
+    pub fn of_known(plan: &Plan, known: KnownSums) -> ContentSums {
+        let known = known.resolve();
+        let by_memory: HashMap<(usize, usize), [u8; 32]> = known
             .iter()
-            .map(|c| match c {
-                Change::File(f) => Some(&f.content[..]),
-                _ => None,
-            })
+            .map(|(b, sum)| ((b.as_ptr() as usize, b.len()), *sum))
             .collect();
-        let total: usize = contents.iter().flatten().map(|c| c.len()).sum();
+        let mut sums = vec![None; plan.changes.len()];
+        let mut todo: Vec<(usize, &[u8])> = Vec::new();
+        for (i, change) in plan.changes.iter().enumerate() {
+            let Change::File(f) = change else {
+                continue;
+            };
+            match by_memory.get(&(f.content.as_ptr() as usize, f.content.len())) {
+                Some(sum) => {
+                    debug_assert_eq!(
+                        *sum,
+                        <[u8; 32]>::from(Sha256::digest(&f.content)),
+                        "the known sum of change {i}"
+                    );
+                    sums[i] = Some(*sum);
+                }
+                None => todo.push((i, &f.content[..])),
+            }
+        }
+        let total: usize = todo.iter().map(|(_, c)| c.len()).sum();
         let workers = if total < PARALLEL_BYTES {
             1
         } else {
@@ -57,24 +83,24 @@ impl ContentSums {
                 .map_or(1, |n| n.get())
                 .min(4)
         };
-        let hash = |c: &Option<&[u8]>| c.map(|c| <[u8; 32]>::from(Sha256::digest(c)));
+        let hash = |c: &[u8]| <[u8; 32]>::from(Sha256::digest(c));
         if workers == 1 {
-            return ContentSums(contents.iter().map(hash).collect());
+            for (i, c) in todo {
+                sums[i] = Some(hash(c));
+            }
+            return ContentSums(sums);
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
         let work = || {
             let mut done = Vec::new();
             loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(c) = contents.get(i) else {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((i, c)) = todo.get(k) else {
                     return done;
                 };
-                if let Some(sum) = hash(c) {
-                    done.push((i, sum));
-                }
+                done.push((*i, hash(c)));
             }
         };
-        let mut sums = vec![None; contents.len()];
         std::thread::scope(|s| {
             let helpers: Vec<_> = (1..workers).map(|_| s.spawn(work)).collect();
             let mine = work();

@@ -20,12 +20,21 @@
 //! something starting like one is taken out like a long one, so every placeholder in the
 //! skeleton is ours.
 
+use std::collections::HashMap;
 use std::io::Read;
 
+use bytes::Bytes;
 use serde_json::{Map, Value};
+
+use super::hasher::{Hasher, KnownSums};
 
 /// Strings of at least this many bytes (as written) are decoded while reading.
 pub(super) const LONG: usize = 4096;
+
+/// `content` strings of at least this many bytes are hashed while the plan is read; the
+/// sums of smaller ones cost less than handing them over (a plan of 500 files of 4 KiB
+/// hashes its contents in about a millisecond once read).
+const HASH_AHEAD: usize = 64 << 10;
 
 /// How much of the plan is read at once.
 const CHUNK: usize = 1 << 20;
@@ -37,7 +46,9 @@ const MARK_WRITTEN: &str = r"\u0000\u0000iplong:";
 /// A plan read into its skeleton and its long strings.
 pub(super) struct Split {
     skeleton: Vec<u8>,
-    long: Vec<Option<String>>,
+    long: Vec<Option<Long>>,
+    /// Hashing the long `content` strings, by number, when asked to.
+    hasher: Option<Hasher>,
     /// For each placeholder, in order: its end in the skeleton and how many bytes of the
     /// text it stands for beyond its own length.
     removed: Vec<(usize, isize)>,
@@ -52,18 +63,104 @@ pub(super) enum SplitError {
     TooLarge(usize),
 }
 
+/// A long string as decoded.
+enum Long {
+    Text(String),
+    /// The value of a `content` key, shared with the hasher (valid UTF-8).
+    Content(Bytes),
+}
+
+impl Long {
+    fn into_string(self) -> String {
+        match self {
+            Long::Text(s) => s,
+            // Copied only while the hasher still holds it.
+            Long::Content(b) => String::from_utf8(Vec::from(b)).expect("decoded as UTF-8"),
+        }
+    }
+}
+
 /// Reads the JSON plan whose first `head` bytes were already read from `input`; at most
-/// `max` bytes in all.
-pub(super) fn split(head: Vec<u8>, input: &mut dyn Read, max: usize) -> Result<Split, SplitError> {
+/// `max` bytes in all. With `hash`, each long `content` string is hashed on another thread
+/// while the rest is read ([`Split::into_document`] gives the sums).
+pub(super) fn split(
+    head: Vec<u8>,
+    input: &mut dyn Read,
+    max: usize,
+    hash: bool,
+) -> Result<Split, SplitError> {
     let mut s = Scanner::new(head, input, max);
+    s.out.hasher = hash.then(Hasher::default);
     s.run()?;
     Ok(s.out)
 }
 
+/// A plan document with the plain contents of its `file` changes taken out, by change
+/// index, and the sums of those that were hashed while it was read.
+pub(super) struct Document {
+    pub(super) value: Value,
+    pub(super) bodies: HashMap<usize, Bytes>,
+    pub(super) sums: KnownSums,
+}
+
 impl Split {
     /// Parses the skeleton and puts the long strings back in place.
-    pub(super) fn into_value(mut self) -> Result<Value, String> {
-        let mut value: Value = serde_json::from_slice(&self.skeleton).map_err(|e| {
+    #[cfg(test)]
+    fn into_value(mut self) -> Result<Value, String> {
+        let mut value = self.skeleton_value()?;
+        restore(&mut value, &mut self.long)?;
+        Ok(value)
+    }
+
+    /// [`Split::into_value`] with the content of each `file` change whose encoding is
+    /// plain taken out where it was a long string (an empty string left in its place, as
+    /// `parse::validate_document_with_bodies` expects), with its sum when it was hashed.
+    pub(super) fn into_document(mut self) -> Result<Document, String> {
+        let mut value = self.skeleton_value()?;
+        let mut bodies = HashMap::new();
+        let mut hashed = Vec::new();
+        let changes = value.get_mut("changes").and_then(Value::as_array_mut);
+        for (i, change) in changes.into_iter().flatten().enumerate() {
+            let Some(file) = change.get_mut("file").and_then(Value::as_object_mut) else {
+                continue;
+            };
+            let plain = match file.get("encoding") {
+                None => true,
+                Some(Value::String(e)) => e == "plain",
+                Some(_) => false,
+            };
+            let Some(Value::String(content)) = file.get_mut("content") else {
+                continue;
+            };
+            let Some(n) = number(content) else {
+                continue;
+            };
+            if !plain {
+                continue;
+            }
+            let body = match self.long.get_mut(n).and_then(Option::take) {
+                Some(Long::Content(b)) => {
+                    hashed.push((n, b.clone()));
+                    b
+                }
+                Some(Long::Text(s)) => Bytes::from(s.into_bytes()),
+                None => continue,
+            };
+            content.clear();
+            bodies.insert(i, body);
+        }
+        restore(&mut value, &mut self.long)?;
+        Ok(Document {
+            value,
+            bodies,
+            sums: KnownSums::new(self.hasher.take(), hashed),
+        })
+    }
+
+    /// The skeleton parsed, with its placeholders (errors as serde_json words them, at
+    /// their place in the text).
+    fn skeleton_value(&mut self) -> Result<Value, String> {
+        let value: Value = serde_json::from_slice(&self.skeleton).map_err(|e| {
             let column = self.position(e.line(), e.column());
             let message = e.to_string();
             match message.rfind(" at line ") {
@@ -72,7 +169,6 @@ impl Split {
             }
         })?;
         self.skeleton = Vec::new();
-        restore(&mut value, &mut self.long)?;
         Ok(value)
     }
 
@@ -103,7 +199,7 @@ impl Split {
 }
 
 /// Replaces every placeholder in `v` (values and keys) by its long string.
-fn restore(v: &mut Value, long: &mut [Option<String>]) -> Result<(), String> {
+fn restore(v: &mut Value, long: &mut [Option<Long>]) -> Result<(), String> {
     match v {
         Value::String(s) => {
             if let Some(full) = take(s, long) {
@@ -142,9 +238,13 @@ fn restore(v: &mut Value, long: &mut [Option<String>]) -> Result<(), String> {
     Ok(())
 }
 
-fn take(s: &str, long: &mut [Option<String>]) -> Option<String> {
-    let n: usize = s.strip_prefix(MARK)?.parse().ok()?;
-    long.get_mut(n)?.take()
+fn take(s: &str, long: &mut [Option<Long>]) -> Option<String> {
+    long.get_mut(number(s)?)?.take().map(Long::into_string)
+}
+
+/// The number of the long string `s` stands for, when it is a placeholder.
+fn number(s: &str) -> Option<usize> {
+    s.strip_prefix(MARK)?.parse().ok()
 }
 
 struct Scanner<'a> {
@@ -190,6 +290,7 @@ impl<'a> Scanner<'a> {
             out: Split {
                 skeleton: Vec::new(),
                 long: Vec::new(),
+                hasher: None,
                 removed: Vec::new(),
             },
         }
@@ -398,6 +499,7 @@ impl Scanner<'_> {
                     )
                 })?;
                 let n = self.out.long.len();
+                let start = self.out.skeleton.len();
                 let placeholder = format!("\"{MARK_WRITTEN}{n}\"");
                 self.out.skeleton.extend_from_slice(placeholder.as_bytes());
                 let text_len = s.written + 2;
@@ -407,7 +509,18 @@ impl Scanner<'_> {
                 ));
                 let mut decoded = decoded;
                 decoded.shrink_to_fit();
-                self.out.long.push(Some(decoded));
+                let long = match &mut self.out.hasher {
+                    Some(hasher)
+                        if decoded.len() >= HASH_AHEAD
+                            && is_content_value(&self.out.skeleton[..start]) =>
+                    {
+                        let bytes = Bytes::from(decoded.into_bytes());
+                        hasher.push(n, bytes.clone());
+                        Long::Content(bytes)
+                    }
+                    _ => Long::Text(decoded),
+                };
+                self.out.long.push(Some(long));
             }
         }
         Ok(())
@@ -420,6 +533,23 @@ impl Str {
         if self.raw.as_ref().is_some_and(|r| r.len() >= LONG) {
             self.raw = None;
         }
+    }
+}
+
+/// Whether the skeleton `before` a string ends with the key `"content"` and its colon: the
+/// string is the value of a `content` key (a key written with escapes is not seen as one;
+/// its content is then hashed after the plan is read).
+fn is_content_value(before: &[u8]) -> bool {
+    fn trim(b: &[u8]) -> &[u8] {
+        let end = b
+            .iter()
+            .rposition(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+            .map_or(0, |p| p + 1);
+        &b[..end]
+    }
+    match trim(before).strip_suffix(b":") {
+        Some(key) => trim(key).ends_with(b"\"content\""),
+        None => false,
     }
 }
 
@@ -479,7 +609,7 @@ mod tests {
 
     fn read(text: &[u8], step: usize) -> Result<Value, String> {
         let mut input = Trickle { data: text, step };
-        match split(Vec::new(), &mut input, usize::MAX) {
+        match split(Vec::new(), &mut input, usize::MAX, false) {
             Ok(s) => s.into_value(),
             Err(SplitError::Syntax(e)) => Err(e),
             Err(e) => Err(format!("{e:?}")),
@@ -645,7 +775,7 @@ mod tests {
         s.run().unwrap();
         assert_eq!(s.buf.capacity(), CHUNK);
         assert!(s.out.skeleton.len() < 64, "{}", s.out.skeleton.len());
-        assert_eq!(s.out.long[0].as_deref(), Some(long.as_str()));
+        assert!(matches!(&s.out.long[0], Some(Long::Text(t)) if *t == long));
     }
 
     #[test]
@@ -656,7 +786,7 @@ mod tests {
             step: 1 << 20,
         };
         assert!(matches!(
-            split(Vec::new(), &mut input, 2 << 20),
+            split(Vec::new(), &mut input, 2 << 20, false),
             Err(SplitError::TooLarge(_))
         ));
     }
