@@ -90,6 +90,13 @@ impl Hasher {
         }
     }
 
+    /// Drops the contents still waiting whose number `wanted` refuses: they turned out not
+    /// to be plain `file` contents, their sums would not be used, and while they wait they
+    /// share their memory (the reader, putting them back as text, would copy them).
+    pub(super) fn retain(&self, wanted: impl Fn(usize) -> bool) {
+        self.shared.lock().todo.retain(|(n, _)| wanted(*n));
+    }
+
     /// The sums of every content handed over, by number: what is still waiting is hashed
     /// here, beside the thread, which is then joined.
     pub(super) fn finish(mut self) -> Vec<(usize, [u8; 32])> {
@@ -198,6 +205,21 @@ mod tests {
         let h = Hasher::default();
         assert!(h.thread.is_none());
         assert!(h.finish().is_empty());
+    }
+
+    #[test]
+    fn contents_not_wanted_any_more_are_not_hashed() {
+        // No thread (as if it could not be started), so none is taken before `retain`.
+        let mut h = Hasher::default();
+        h.started = true;
+        for i in 0..6 {
+            h.push(i, Bytes::from(vec![i as u8; 10]));
+        }
+        h.retain(|n| n % 2 == 0);
+        let mut done = h.finish();
+        done.sort();
+        let numbers: Vec<usize> = done.iter().map(|(n, _)| *n).collect();
+        assert_eq!(numbers, vec![0, 2, 4]);
     }
 
     #[test]

@@ -149,6 +149,10 @@ impl Split {
             content.clear();
             bodies.insert(i, body);
         }
+        if let Some(hasher) = &self.hasher {
+            let wanted: std::collections::HashSet<usize> = hashed.iter().map(|(n, _)| *n).collect();
+            hasher.retain(|n| wanted.contains(&n));
+        }
         restore(&mut value, &mut self.long)?;
         Ok(Document {
             value,
