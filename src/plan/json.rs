@@ -124,11 +124,7 @@ impl Split {
             let Some(file) = change.get_mut("file").and_then(Value::as_object_mut) else {
                 continue;
             };
-            let plain = match file.get("encoding") {
-                None => true,
-                Some(Value::String(e)) => e == "plain",
-                Some(_) => false,
-            };
+            let plain = super::parse::plain_encoding(file);
             let Some(Value::String(content)) = file.get_mut("content") else {
                 continue;
             };
