@@ -217,7 +217,7 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
             torn.offset
         );
     }
-    match run_plan(&engine, plan, known, retry, plain, false) {
+    match run_known(&engine, plan, known, retry, plain, false) {
         Ok(status) => {
             match output {
                 Output::Json => outln!("{:#}", status_json(&status)),
@@ -278,6 +278,24 @@ const RENDER_GATHER: std::time::Duration = std::time::Duration::from_millis(10);
 /// Submits a plan to a local engine and runs it on this thread to its end, showing progress
 /// from a second thread.
 pub fn run_plan(
+    engine: &Engine,
+    plan: Plan,
+    retry: bool,
+    plain: bool,
+    quiet_unchanged: bool,
+) -> Result<PlanStatus, Exit> {
+    run_known(
+        engine,
+        plan,
+        KnownSums::default(),
+        retry,
+        plain,
+        quiet_unchanged,
+    )
+}
+
+/// [`run_plan`] of a plan some of whose contents were hashed while it was read.
+fn run_known(
     engine: &Engine,
     plan: Plan,
     known: KnownSums,

@@ -19,7 +19,7 @@ use crate::engine::Engine;
 use crate::engine::dry_run::{ChangeVerdict, check_plan};
 use crate::engine::state::Phase;
 use crate::host::Host;
-use crate::plan::{KnownSums, Limits, Plan, parse_plan};
+use crate::plan::{Limits, Plan, parse_plan};
 use crate::status::api::HookResponse;
 
 /// Arguments of `demo`.
@@ -292,15 +292,8 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         )
     })?;
     section(2, "apply it")?;
-    let first = run_plan(
-        &engine,
-        tuning.clone(),
-        KnownSums::default(),
-        false,
-        args.plain,
-        false,
-    )
-    .map_err(|_| anyhow!("apply failed"))?;
+    let first = run_plan(&engine, tuning.clone(), false, args.plain, false)
+        .map_err(|_| anyhow!("apply failed"))?;
     outln!("{}", summary(&first));
     outln!(
         "  (service management is off in the sandbox: the kubelet restart is recorded, not done)"
@@ -310,15 +303,8 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
         3,
         "apply the same plan again: CAPI calls UpdateMachine again and again",
     )?;
-    let again = run_plan(
-        &engine,
-        tuning.clone(),
-        KnownSums::default(),
-        false,
-        args.plain,
-        false,
-    )
-    .map_err(|_| anyhow!("re-apply failed"))?;
+    let again = run_plan(&engine, tuning.clone(), false, args.plain, false)
+        .map_err(|_| anyhow!("re-apply failed"))?;
     outln!(
         "  hook response: {}",
         serde_json::to_string(&HookResponse::from(&again.hook_response())).unwrap_or_default()
@@ -333,8 +319,8 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
     let before = stat()?;
     let mut same = tuning.clone();
     same.id.push_str("-again");
-    let noop = run_plan(&engine, same, KnownSums::default(), false, args.plain, true)
-        .map_err(|_| anyhow!("re-apply failed"))?;
+    let noop =
+        run_plan(&engine, same, false, args.plain, true).map_err(|_| anyhow!("re-apply failed"))?;
     outln!("{}", summary(&noop));
     let after = stat()?;
     use std::os::unix::fs::MetadataExt;
@@ -352,7 +338,7 @@ fn sections(args: &DemoArgs, dir: &Path) -> Result<Exit, Ended> {
     )?;
     let read = || std::fs::read(&config).with_context(|| format!("read {}", config.display()));
     let config_before = read()?;
-    let failed = run_plan(&engine, bad, KnownSums::default(), false, args.plain, false)
+    let failed = run_plan(&engine, bad, false, args.plain, false)
         .map_err(|_| anyhow!("bad plan could not run"))?;
     outln!("{}", summary(&failed));
     outln!(
