@@ -497,6 +497,46 @@ async fn plan_documents_are_read_in_pieces_and_accepted_only_whole() {
         std::fs::read_to_string(node.root().join("etc/kubernetes/doc.conf")).unwrap(),
         content
     );
+
+    // As JSON, the content (over 64 KiB) is hashed while the document arrives: the same
+    // plan is known by the same digest, and a new one is staged under the sum of its
+    // content, applied, and has the digest ApplyPlan gives it.
+    let json = |id: &str, path: &str| {
+        serde_json::json!({
+            "apiVersion": "inplace.agent/v1", "kind": "Plan", "id": id, "nodeName": NODE,
+            "changes": [{"file": {"path": path, "content": content}}],
+        })
+        .to_string()
+    };
+    let same = json("doc", "/etc/kubernetes/doc.conf");
+    let same = submit_document(&mut client, same.as_bytes(), Some(same.len()), 65536).await;
+    let same = same.unwrap();
+    assert!(!same.created, "the same plan as JSON: already known");
+    assert_eq!(same.status.unwrap().digest, status.digest);
+    let new = json("doc-json", "/etc/kubernetes/doc-json.conf");
+    let new = submit_document(&mut client, new.as_bytes(), Some(new.len()), 65536).await;
+    let new = new.unwrap();
+    assert!(new.created);
+    assert_eq!(
+        phase(&finished(&mut client, "doc-json").await),
+        pb::Phase::Succeeded
+    );
+    assert_eq!(
+        std::fs::read_to_string(node.root().join("etc/kubernetes/doc-json.conf")).unwrap(),
+        content
+    );
+    let yaml = plan_yaml(
+        "doc-json",
+        &format!(
+            "changes:\n  - file: {{path: /etc/kubernetes/doc-json.conf, content: {content:?}}}\n"
+        ),
+    );
+    let known = apply(&mut client, &wire(&yaml)).await.unwrap();
+    assert!(
+        !known.created,
+        "the JSON plan through ApplyPlan: already known"
+    );
+    assert_eq!(known.status.unwrap().digest, new.status.unwrap().digest);
 }
 
 /// A document whose call the agent drops at its deadline, part-way, is not accepted, though
