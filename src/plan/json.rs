@@ -124,7 +124,7 @@ impl Split {
             let Some(file) = change.get_mut("file").and_then(Value::as_object_mut) else {
                 continue;
             };
-            let plain = super::parse::plain_encoding(file);
+            let plain = plain_encoding(file);
             let Some(Value::String(content)) = file.get_mut("content") else {
                 continue;
             };
@@ -240,6 +240,16 @@ fn restore(v: &mut Value, long: &mut [Option<Long>]) -> Result<(), String> {
 
 fn take(s: &str, long: &mut [Option<Long>]) -> Option<String> {
     long.get_mut(number(s)?)?.take().map(Long::into_string)
+}
+
+/// Whether a `file` change's object says its content is plain (no `encoding`, or `plain`):
+/// such a content is taken out of the document as bytes (here and in `parse`).
+pub(super) fn plain_encoding(file: &Map<String, Value>) -> bool {
+    match file.get("encoding") {
+        None => true,
+        Some(Value::String(e)) => e == "plain",
+        Some(_) => false,
+    }
 }
 
 /// The number of the long string `s` stands for, when it is a placeholder.

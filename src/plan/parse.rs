@@ -270,22 +270,13 @@ fn take_plain_bodies(v: &mut Value) -> HashMap<usize, Bytes> {
         let Some(file) = change.get_mut("file").and_then(Value::as_object_mut) else {
             continue;
         };
-        if plain_encoding(file)
+        if super::json::plain_encoding(file)
             && let Some(Value::String(content)) = file.get_mut("content")
         {
             bodies.insert(i, Bytes::from(std::mem::take(content).into_bytes()));
         }
     }
     bodies
-}
-
-/// Whether a `file` change's object says its content is plain (no `encoding`, or `plain`).
-pub(super) fn plain_encoding(file: &Map<String, Value>) -> bool {
-    match file.get("encoding") {
-        None => true,
-        Some(Value::String(e)) => e == "plain",
-        Some(_) => false,
-    }
 }
 
 fn validate_with(
