@@ -289,14 +289,15 @@ impl Shared {
     }
 
     /// As `record`; for `PlanAccepted`, the validated plan it carries and the blob of its
-    /// file bodies when they are kept apart (stored again, under the lock, if compaction
-    /// removed it since the caller stored it: compaction runs under the same lock).
+    /// file bodies when they are kept apart, with its sha256 (stored again, under the lock,
+    /// if compaction removed it since the caller stored it: compaction runs under the same
+    /// lock).
     fn record_with_plan(
         &self,
         record: Record,
         sync: bool,
         plan: Option<Arc<Plan>>,
-        bodies: Option<&[u8]>,
+        bodies: Option<(&str, &[u8])>,
     ) -> Result<(), JournalError> {
         let mut inner = self.lock();
         // Every phase change goes through the state machine, under the lock that orders the
@@ -321,8 +322,10 @@ impl Shared {
                 }
             }
         };
-        if let Some(blob) = bodies {
-            self.backups.put(blob).map_err(|e| self.backup_error(e))?;
+        if let Some((sha, blob)) = bodies {
+            self.backups
+                .put_hashed(sha, blob)
+                .map_err(|e| self.backup_error(e))?;
             inner.bodies_bytes += blob.len() as u64;
         }
         // Whatever ends a run removes what it staged and did not rename into place first
@@ -599,7 +602,7 @@ impl Engine {
             };
             (sums, stored)
         });
-        let (mut staged, blob, bodies) = stored?;
+        let (mut staged, blob) = stored?;
         for body in &mut staged {
             body.sha256 = sums
                 .hex(body.index as usize)
@@ -607,7 +610,7 @@ impl Engine {
         }
         let digest = digest.unwrap_or_else(|| plan.digest_with(&sums));
         let (changes, checks) = table::summaries(&plan);
-        let doc = if staged.is_empty() && bodies.is_none() {
+        let doc = if staged.is_empty() && blob.is_none() {
             plan.canonical_json()
         } else {
             plan.canonical_json_without_bodies()
@@ -621,7 +624,7 @@ impl Engine {
             plan: crate::journal::PlanDoc::from_value(&doc),
             changes,
             checks,
-            bodies,
+            bodies: blob.as_ref().map(|(sha, _)| sha.clone()),
             staged,
             prune: plan.options.prune.clone(),
         };
@@ -630,10 +633,12 @@ impl Engine {
             Record::PlanAccepted { staged, .. } => staged.clone(),
             _ => Vec::new(),
         };
-        if let Err(e) =
-            self.shared
-                .record_with_plan(record, true, Some(Arc::new(plan)), blob.as_deref())
-        {
+        if let Err(e) = self.shared.record_with_plan(
+            record,
+            true,
+            Some(Arc::new(plan)),
+            blob.as_ref().map(|(sha, b)| (sha.as_str(), b.as_slice())),
+        ) {
             for problem in staging::unstage(host, run, staged.iter()) {
                 tracing::warn!(run, problem, "removing a staged file after a failed submit");
             }
@@ -650,22 +655,15 @@ impl Engine {
     }
 
     /// Stages the contents of `picks` (announced first: `Record::Staging`) and stores the
-    /// other file contents of a large plan as one blob: the staged bodies, the blob and its
-    /// sha256.
+    /// other file contents of a large plan as one blob: the staged bodies, and the blob's
+    /// sha256 and bytes.
     #[allow(clippy::type_complexity)]
     fn store_contents(
         &self,
         run: u64,
         plan: &Plan,
         picks: &[(u32, crate::base::FileMeta)],
-    ) -> Result<
-        (
-            Vec<crate::journal::StagedBody>,
-            Option<Vec<u8>>,
-            Option<String>,
-        ),
-        SubmitError,
-    > {
+    ) -> Result<(Vec<crate::journal::StagedBody>, Option<(String, Vec<u8>)>), SubmitError> {
         let host = &self.shared.host;
         let mut staged = Vec::new();
         if !picks.is_empty() {
@@ -677,16 +675,23 @@ impl Engine {
         }
         let indices = staged.iter().map(|s| s.index).collect();
         let blob = crate::journal::bodies::pack(plan, &indices);
-        let bodies = match &blob {
-            Some(b) => Some(self.shared.backups.put(b).map_err(|e| {
-                for problem in staging::unstage(host, run, staged.iter()) {
-                    tracing::warn!(run, problem, "removing a staged file after a failed submit");
-                }
-                self.shared.backup_error(e)
-            })?),
+        let blob = match blob {
+            Some(b) => Some((
+                self.shared.backups.put(&b).map_err(|e| {
+                    for problem in staging::unstage(host, run, staged.iter()) {
+                        tracing::warn!(
+                            run,
+                            problem,
+                            "removing a staged file after a failed submit"
+                        );
+                    }
+                    self.shared.backup_error(e)
+                })?,
+                b,
+            )),
             None => None,
         };
-        Ok((staged, blob, bodies))
+        Ok((staged, blob))
     }
 
     fn submission_lock(&self) -> MutexGuard<'_, ()> {

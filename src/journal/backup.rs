@@ -87,14 +87,27 @@ impl BackupStore {
     /// Stores `content` durably and returns its sha256 hex.
     pub fn put(&self, content: &[u8]) -> Result<String, BackupError> {
         let sha = hex::encode(Sha256::digest(content));
-        if self.stored(&sha, content.len()) {
-            return Ok(sha);
+        self.put_hashed(&sha, content)?;
+        Ok(sha)
+    }
+
+    /// [`BackupStore::put`] of a content whose sha256 hex the caller has (it hashed this
+    /// very content, e.g. with an earlier `put`): makes sure it is stored without hashing
+    /// it again.
+    pub fn put_hashed(&self, sha: &str, content: &[u8]) -> Result<(), BackupError> {
+        debug_assert_eq!(
+            sha,
+            hex::encode(Sha256::digest(content)),
+            "put_hashed given another content's sha256"
+        );
+        if self.stored(sha, content.len()) {
+            return Ok(());
         }
         // Written next to its place under a name of its own (a crash may have left it: only
         // one agent writes the store), synced, renamed into place, and the rename synced.
-        let tmp = self.partial(&sha, None);
-        let f = self.write_partial(&sha, &tmp, content)?;
-        let path = self.blob(&sha);
+        let tmp = self.partial(sha, None);
+        let f = self.write_partial(sha, &tmp, content)?;
+        let path = self.blob(sha);
         let finish = || -> Result<(), (&'static str, io::Error)> {
             f.sync_all().map_err(|e| ("sync", e))?;
             failpoint::hit("backup.before_rename");
@@ -105,7 +118,7 @@ impl BackupStore {
             let _ = std::fs::remove_file(&tmp);
             return Err(BackupError::Io { path, op, source });
         }
-        Ok(sha)
+        Ok(())
     }
 
     /// The blob `sha` is in the store (with the length its content has) and is nobody
@@ -506,6 +519,24 @@ mod tests {
         assert_eq!(store.retain(&keep).unwrap(), 1);
         assert!(store.check(&a));
         assert!(!store.check(&b));
+    }
+
+    #[test]
+    fn a_content_stored_by_its_known_sum_is_written_again_only_when_missing() {
+        use std::os::unix::fs::MetadataExt;
+        let t = tempfile::tempdir().unwrap();
+        let store = BackupStore::at(t.path());
+        let sha = store.put(b"bodies").unwrap();
+        let inode = |sha: &str| std::fs::metadata(store.blob(sha)).unwrap().ino();
+        let before = inode(&sha);
+        store.put_hashed(&sha, b"bodies").unwrap();
+        assert_eq!(inode(&sha), before, "a stored blob is left as it is");
+        // What compaction does to a blob no record names any more.
+        assert_eq!(store.retain(&HashSet::new()).unwrap(), 1);
+        assert!(!store.check(&sha));
+        store.put_hashed(&sha, b"bodies").unwrap();
+        assert_eq!(store.get(&sha).unwrap(), b"bodies", "stored again");
+        assert_eq!(names(&t), vec![sha]);
     }
 
     fn names(t: &tempfile::TempDir) -> Vec<String> {
