@@ -1111,6 +1111,64 @@ mod tests {
     }
 
     #[test]
+    fn a_run_whose_staged_content_is_gone_is_not_retried_with_empty_files_after_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        // Compaction after every plan.
+        let (config, host) = sandbox(dir.path(), 0);
+        std::fs::write(dir.path().join("etc/kubernetes/small.conf"), "before").unwrap();
+        let big = "x".repeat(crate::journal::bodies::THRESHOLD + 1);
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: gone\nchanges:\n\
+             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"small\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/new/big.conf, content: \"{big}\"}}\n"
+        );
+        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            engine.submit(plan, "test", false).unwrap();
+        }
+        // Removed by hand while the agent was stopped: the run rolls back, and nothing
+        // holds its contents any more (every one was staged, none is in a blob).
+        std::fs::remove_file(dir.path().join("etc/kubernetes/new/.big.conf.inplace-r1")).unwrap();
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            engine.run_until_idle();
+            assert_eq!(engine.status("gone").unwrap().phase, Phase::RolledBack);
+            // Another plan, so that the journal is compacted once the first has finished.
+            engine
+                .submit(
+                    crate::plan::parse_plan(
+                        b"apiVersion: inplace.agent/v1\nkind: Plan\nid: later\nchanges:\n  - file: {path: /etc/kubernetes/later.conf, content: later}\n",
+                        "test",
+                        &Limits::default(),
+                    )
+                    .unwrap(),
+                    "test",
+                    false,
+                )
+                .unwrap();
+            engine.run_until_idle();
+        }
+        assert!(
+            last_compaction(&config.state_dir).is_some(),
+            "the journal was compacted"
+        );
+        let (engine, _) = Engine::open(config, host).unwrap();
+        match engine.retry("gone", "test") {
+            Err(SubmitError::Conflict(message)) => {
+                assert!(message.contains("no longer kept"), "{message}")
+            }
+            other => panic!("a retry without the contents must be refused: {other:?}"),
+        }
+        engine.run_until_idle();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/small.conf")).unwrap(),
+            "before"
+        );
+        assert!(!dir.path().join("etc/kubernetes/new").exists());
+    }
+
+    #[test]
     fn staging_that_was_never_accepted_is_removed_at_the_next_start() {
         let dir = tempfile::tempdir().unwrap();
         let (config, host) = sandbox(dir.path(), 1 << 20);

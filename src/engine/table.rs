@@ -418,6 +418,7 @@ impl Table {
                 status,
                 plan,
                 bodies,
+                staged,
             } => {
                 let status = journaled::status_of(*status);
                 self.next_run = self.next_run.max(status.run + 1);
@@ -429,7 +430,7 @@ impl Table {
                             run,
                             doc,
                             bodies,
-                            staged: Vec::new(),
+                            staged,
                         },
                     );
                 }
@@ -976,6 +977,7 @@ impl Table {
                             status: Box::new(journaled::summary_of(p)),
                             plan: kept.map(|k| k.doc.clone()),
                             bodies: kept.and_then(|k| k.bodies.clone()),
+                            staged: kept.map(|k| k.staged.clone()).unwrap_or_default(),
                         }
                     }),
             )

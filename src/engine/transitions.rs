@@ -418,6 +418,7 @@ mod tests {
             status,
             plan: None,
             bodies: None,
+            staged: Vec::new(),
         });
         assert_eq!(compacted.table.illegal_transitions(), 1);
     }

@@ -389,6 +389,11 @@ pub enum Record {
         /// The blob holding `plan`'s file contents, as in `PlanAccepted`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         bodies: Option<String>,
+        /// The contents of `plan` that were staged (not in `bodies`), as in `PlanAccepted`:
+        /// without them a document whose contents were emptied would read back as a plan of
+        /// empty files.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        staged: Vec<StagedBody>,
     },
 }
 
