@@ -498,6 +498,7 @@ fn write_journal(state: &Path, records: u64) -> u64 {
             checks,
             bodies: None,
             staged: Vec::new(),
+            held: Vec::new(),
             prune: None,
         }];
         for phase in [Phase::Preparing, Phase::Applying] {

@@ -595,22 +595,38 @@ impl Engine {
                 }
             };
             let picks = staging::candidates(host, &plan, prepared);
-            let stored = self.store_contents(run, &plan, &picks);
+            let stored = self
+                .store_contents(run, &plan, &picks)
+                .map(|(staged, blob)| (staged, picks.held, blob));
             let sums = match hashing {
                 Ok(h) => h.join().expect("hashing does not panic"),
                 Err(sums) => sums,
             };
             (sums, stored)
         });
-        let (mut staged, blob) = stored?;
+        let (mut staged, held, blob) = stored?;
         for body in &mut staged {
             body.sha256 = sums
                 .hex(body.index as usize)
                 .expect("a staged content is a file change's");
         }
+        let held: Vec<_> = held
+            .into_iter()
+            .filter_map(|index| match plan.changes.get(index as usize) {
+                Some(crate::plan::Change::File(f)) => Some(crate::journal::HeldBody {
+                    index,
+                    path: f.path.clone(),
+                    sha256: sums
+                        .hex(index as usize)
+                        .expect("a held content is a file change's"),
+                    len: f.content.len() as u64,
+                }),
+                _ => None,
+            })
+            .collect();
         let digest = digest.unwrap_or_else(|| plan.digest_with(&sums));
         let (changes, checks) = table::summaries(&plan);
-        let doc = if staged.is_empty() && blob.is_none() {
+        let doc = if staged.is_empty() && held.is_empty() && blob.is_none() {
             plan.canonical_json()
         } else {
             plan.canonical_json_without_bodies()
@@ -626,6 +642,7 @@ impl Engine {
             checks,
             bodies: blob.as_ref().map(|(sha, _)| sha.clone()),
             staged,
+            held,
             prune: plan.options.prune.clone(),
         };
         drop(doc);
@@ -654,26 +671,30 @@ impl Engine {
         Ok(Submission::Accepted(status))
     }
 
-    /// Stages the contents of `picks` (announced first: `Record::Staging`) and stores the
-    /// other file contents of a large plan as one blob: the staged bodies, and the blob's
-    /// sha256 and bytes.
+    /// Stages the contents `picks` stages (announced first: `Record::Staging`) and stores
+    /// the file contents of a large plan that are neither staged nor held by their targets
+    /// as one blob: the staged bodies, and the blob's sha256 and bytes.
     #[allow(clippy::type_complexity)]
     fn store_contents(
         &self,
         run: u64,
         plan: &Plan,
-        picks: &[(u32, crate::base::FileMeta)],
+        picks: &staging::Candidates,
     ) -> Result<(Vec<crate::journal::StagedBody>, Option<(String, Vec<u8>)>), SubmitError> {
         let host = &self.shared.host;
         let mut staged = Vec::new();
-        if !picks.is_empty() {
-            let (paths, dirs) = staging::intent(host, plan, picks);
+        if !picks.stage.is_empty() {
+            let (paths, dirs) = staging::intent(host, plan, &picks.stage);
             self.shared
                 .record(Record::Staging { run, paths, dirs }, true)?;
-            staged = staging::stage(host, run, plan, picks).map_err(SubmitError::Staging)?;
+            staged = staging::stage(host, run, plan, &picks.stage).map_err(SubmitError::Staging)?;
             failpoint::hit("staging.before_accept");
         }
-        let indices = staged.iter().map(|s| s.index).collect();
+        let indices = staged
+            .iter()
+            .map(|s| s.index)
+            .chain(picks.held.iter().copied())
+            .collect();
         let blob = crate::journal::bodies::pack(plan, &indices);
         let blob = match blob {
             Some(b) => Some((
@@ -1178,7 +1199,7 @@ mod tests {
         {
             let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
             let prepared = engine.admit(&plan).unwrap();
-            let picks = staging::candidates(&host, &plan, &prepared);
+            let picks = staging::candidates(&host, &plan, &prepared).stage;
             assert_eq!(picks.len(), 2);
             let (paths, dirs) = staging::intent(&host, &plan, &picks);
             engine
@@ -1211,8 +1232,35 @@ mod tests {
         assert!(engine.shared.lock().table.abandoned_staging().is_empty());
     }
 
+    /// The last `planAccepted` record of the journal.
+    fn last_accepted(config: &EngineConfig) -> String {
+        journal_text(config)
+            .lines()
+            .rev()
+            .find(|l| l.contains("planAccepted"))
+            .unwrap()
+            .to_string()
+    }
+
+    fn blobs(config: &EngineConfig) -> usize {
+        std::fs::read_dir(config.state_dir.join("backups"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    fn file_plan(id: &str, files: &[(&str, &str)], gate: &str) -> Plan {
+        let mut text = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n");
+        for (path, content) in files {
+            text.push_str(&format!(
+                "  - file: {{path: {path}, content: \"{content}\"}}\n"
+            ));
+        }
+        text.push_str(gate);
+        crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap()
+    }
+
     #[test]
-    fn a_file_already_in_place_keeps_its_content_in_the_blob() {
+    fn a_file_already_in_place_is_held_by_its_target_and_not_stored_again() {
         let dir = tempfile::tempdir().unwrap();
         let (config, host) = sandbox(dir.path(), 1 << 20);
         let (plan, big) = big_plan("first", "");
@@ -1221,35 +1269,212 @@ mod tests {
             engine.submit(plan, "test", false).unwrap();
             engine.run_until_idle();
         }
+        let stored = blobs(&config);
         // The same big file (in place now) and another small one, under a new id.
-        let text = format!(
-            "apiVersion: inplace.agent/v1\nkind: Plan\nid: second\nchanges:\n\
-             \x20 - file: {{path: /etc/kubernetes/big.conf, content: \"{big}\"}}\n\
-             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"other\"}}\n"
+        let second = file_plan(
+            "second",
+            &[
+                ("/etc/kubernetes/big.conf", &big),
+                ("/etc/kubernetes/small.conf", "other"),
+            ],
+            "",
         );
-        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
         {
             let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
-            engine.submit(plan, "test", false).unwrap();
+            engine.submit(second.clone(), "test", false).unwrap();
+            // Not run: as if the agent stopped right after accepting it.
         }
-        let journal = journal_text(&config);
-        let last = journal
-            .lines()
-            .rev()
-            .find(|l| l.contains("planAccepted"))
-            .unwrap();
+        let last = last_accepted(&config);
         assert!(
-            last.contains("\"bodies\":\"") && last.contains("\"staged\":["),
+            last.contains("\"held\":[{\"index\":0,")
+                && last.contains("\"staged\":[{\"index\":1,")
+                && !last.contains("\"bodies\":\"")
+                && !last.contains(&big[..64]),
             "{last}"
         );
-        let (engine, _) = Engine::open(config, host).unwrap();
+        assert_eq!(
+            blobs(&config),
+            stored,
+            "nothing stored for the held content"
+        );
+        assert_eq!(staged_files(dir.path()).len(), 1);
+        // Resumed after the restart: the held content is read back from its target.
+        let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
         engine.run_until_idle();
-        assert_eq!(engine.status("second").unwrap().phase, Phase::Succeeded);
+        let status = engine.status("second").unwrap();
+        assert_eq!(status.phase, Phase::Succeeded, "{status:?}");
+        assert_eq!(status.digest, second.digest());
         assert_eq!(
             std::fs::read_to_string(dir.path().join("etc/kubernetes/small.conf")).unwrap(),
             "other"
         );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/big.conf")).unwrap(),
+            big
+        );
         assert_eq!(staged_files(dir.path()), Vec::<String>::new());
+        // (small.conf's old content is backed up.)
+        let stored = blobs(&config);
+        // The same desired state under a new id: every content is held, nothing is written.
+        let again = file_plan(
+            "again",
+            &[
+                ("/etc/kubernetes/big.conf", &big),
+                ("/etc/kubernetes/small.conf", "other"),
+            ],
+            "",
+        );
+        engine.submit(again, "test", false).unwrap();
+        let last = last_accepted(&config);
+        assert!(
+            last.contains("\"held\":[{\"index\":0,")
+                && last.contains("{\"index\":1,")
+                && !last.contains("\"staged\":")
+                && !last.contains("\"bodies\":\""),
+            "{last}"
+        );
+        assert_eq!(blobs(&config), stored);
+        engine.run_until_idle();
+        let status = engine.status("again").unwrap();
+        assert_eq!(
+            (status.phase, status.counts.unchanged),
+            (Phase::Succeeded, 2),
+            "{status:?}"
+        );
+    }
+
+    #[test]
+    fn held_content_changed_while_the_agent_was_stopped_fails_its_change_and_is_not_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        let (plan, big) = big_plan("first", "");
+        {
+            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
+            engine.submit(plan, "test", false).unwrap();
+            engine.run_until_idle();
+            // small.conf first, so the run has something to roll back when big.conf fails.
+            let plan = file_plan(
+                "held",
+                &[
+                    ("/etc/kubernetes/small.conf", "changed"),
+                    ("/etc/kubernetes/big.conf", &big),
+                ],
+                "",
+            );
+            engine.submit(plan, "test", false).unwrap();
+        }
+        assert!(last_accepted(&config).contains("\"held\":[{\"index\":1,"));
+        // Changed by someone else while the agent was stopped.
+        let big_conf = dir.path().join("etc/kubernetes/big.conf");
+        std::fs::write(&big_conf, "edited").unwrap();
+        let (engine, _) = Engine::open(config, host).unwrap();
+        engine.run_until_idle();
+        let status = engine.status("held").unwrap();
+        assert_eq!(status.phase, Phase::RolledBack, "{status:?}");
+        let error = status.error.unwrap();
+        assert_eq!(
+            error.step.as_deref(),
+            Some("changes[1] file /etc/kubernetes/big.conf")
+        );
+        assert!(
+            error.detail.contains("already held it") && error.detail.contains("submit the plan"),
+            "{}",
+            error.detail
+        );
+        // Nothing was written in its place, and the rest was rolled back.
+        assert_eq!(std::fs::read_to_string(&big_conf).unwrap(), "edited");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("etc/kubernetes/small.conf")).unwrap(),
+            "small"
+        );
+        match engine.retry("held", "test") {
+            Err(SubmitError::Conflict(message)) => {
+                assert!(message.contains("no longer kept"), "{message}")
+            }
+            other => panic!("a retry without the content must be refused: {other:?}"),
+        }
+        assert_eq!(staged_files(dir.path()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_failed_run_keeps_its_held_contents_for_a_retry_after_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        // Compaction after every plan.
+        let (config, host) = sandbox(dir.path(), 0);
+        let (plan, big) = big_plan("first", "");
+        let engine = Engine::open(config.clone(), host.clone()).unwrap().0;
+        engine.submit(plan, "test", false).unwrap();
+        engine.run_until_idle();
+        // The same contents (both held) and a health endpoint that does not answer until
+        // the retry.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let gate = format!(
+            "verify:\n  - httpGet: {{url: \"http://{}/healthz\", timeoutSeconds: 1, periodSeconds: 1}}\n",
+            listener.local_addr().unwrap()
+        );
+        let plan = file_plan(
+            "fails",
+            &[
+                ("/etc/kubernetes/big.conf", &big),
+                ("/etc/kubernetes/small.conf", "small"),
+            ],
+            &gate,
+        );
+        engine.submit(plan, "test", false).unwrap();
+        assert!(last_accepted(&config).contains("\"held\":["));
+        engine.run_until_idle();
+        // Nothing changed, so there was nothing to roll back; its contents were kept.
+        assert_eq!(engine.status("fails").unwrap().phase, Phase::Failed);
+        drop(engine);
+        assert_eq!(blobs(&config), 1);
+        // Changed by hand since: the retry must write the plan's content, from the blob.
+        let big_conf = dir.path().join("etc/kubernetes/big.conf");
+        std::fs::write(&big_conf, "edited").unwrap();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut stream in listener.incoming().flatten() {
+                let mut buf = [0u8; 1024];
+                let _ = stream.read(&mut buf);
+                let _ = stream.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+            }
+        });
+        let (engine, _) = Engine::open(config, host).unwrap();
+        engine.retry("fails", "test").unwrap();
+        engine.run_until_idle();
+        let status = engine.status("fails").unwrap();
+        assert_eq!(
+            (status.attempt, status.phase),
+            (2, Phase::Succeeded),
+            "{status:?}"
+        );
+        assert_eq!(std::fs::read_to_string(&big_conf).unwrap(), big);
+    }
+
+    #[test]
+    fn a_plan_that_restarts_a_unit_stores_the_contents_its_targets_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        let (plan, big) = big_plan("first", "");
+        let engine = Engine::open(config.clone(), host.clone()).unwrap().0;
+        engine.submit(plan, "test", false).unwrap();
+        engine.run_until_idle();
+        // A restarted unit could rewrite big.conf before its step: its content is stored.
+        let text = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: restarts\nchanges:\n\
+             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"other\", restartUnits: [kubelet.service]}}\n\
+             \x20 - file: {{path: /etc/kubernetes/big.conf, content: \"{big}\"}}\n"
+        );
+        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
+        engine.submit(plan, "test", false).unwrap();
+        let last = last_accepted(&config);
+        assert!(
+            last.contains("\"bodies\":\"") && !last.contains("\"held\":"),
+            "{last}"
+        );
+        engine.run_until_idle();
+        assert_eq!(engine.status("restarts").unwrap().phase, Phase::Succeeded);
     }
 
     /// The `previousSeq` of the compaction the journal file starts with; `None` when it

@@ -205,15 +205,16 @@ impl Runner {
         Ok(())
     }
 
-    /// A run whose contents were staged and that did not succeed: stores all its file
-    /// contents as one blob and journals that (`BodiesKept`), so a retry from the journal
-    /// still has them once the staged files are removed. Best effort: without it a retry
-    /// asks for the plan again.
+    /// A run whose contents were staged or held by their targets and that did not succeed:
+    /// stores all its file contents as one blob and journals that (`BodiesKept`), so a retry
+    /// from the journal still has them once the staged files are removed and whatever
+    /// happens to the files that held them. Best effort: without it a retry asks for the
+    /// plan again.
     fn keep_bodies(&self, run: u64) {
         let Some((_, rs, _)) = self.state(run) else {
             return;
         };
-        if rs.staged.is_empty() || !rs.gone.is_empty() {
+        if (rs.staged.is_empty() && rs.held.is_empty()) || !rs.gone.is_empty() {
             return;
         }
         let Some(blob) = crate::journal::bodies::pack(&rs.plan, &BTreeSet::new()) else {
@@ -581,7 +582,8 @@ impl Runner {
                 ctx.inputs_changed = feeders.into_iter().find(|j| changed.contains_key(j));
             }
             if rs.gone.contains(&index) {
-                failed = Some((i, content_gone(&plan.changes[i], run)));
+                let held = rs.held.contains(&index);
+                failed = Some((i, content_gone(&plan.changes[i], run, held)));
                 break;
             }
             match self.prepare_one(&node, &blobs, &plan.changes[i], ctx, in_flight) {
@@ -1176,18 +1178,29 @@ impl Runner {
     }
 }
 
-/// Why a staged change cannot be applied: its content was gone when the journal was read
-/// back (nothing else may be written in its place).
-fn content_gone(change: &Change, run: u64) -> StepError {
+/// Why a staged or held change cannot be applied: its content was gone when the journal
+/// was read back (nothing else may be written in its place).
+fn content_gone(change: &Change, run: u64, held: bool) -> StepError {
     let path = change.target();
-    let name = crate::host::fs::staged_name(path.rsplit('/').next().unwrap_or_default(), run);
-    StepError::new(
-        ErrorKind::Precondition,
+    let detail = if held {
+        format!(
+            "the content of this change was not stored when the plan was accepted, because \
+             {path} already held it, and it no longer does (changed while the agent was \
+             stopped?)"
+        )
+    } else {
+        let name = crate::host::fs::staged_name(path.rsplit('/').next().unwrap_or_default(), run);
         format!(
             "the content of this change was staged beside {path} as {name} before the agent \
              stopped, and neither that file nor {path} holds it any more (removed while the \
-             agent was stopped?); nothing else is written in its place: the run rolls back — \
-             submit the plan again"
+             agent was stopped?)"
+        )
+    };
+    StepError::new(
+        ErrorKind::Precondition,
+        format!(
+            "{detail}; nothing else is written in its place: the run rolls back — submit the \
+             plan again"
         ),
     )
 }

@@ -17,13 +17,18 @@
 //!    created when they are empty. A run that did not succeed first stores all its contents
 //!    as one blob (`BodiesKept`), so it can still be retried from the journal.
 //!
+//! A content whose target already holds it (its step writes nothing) is not written at all
+//! when nothing else of the plan can change that file before its step ([`may_hold`]):
+//! `PlanAccepted.held` names the file, length and sha256 instead, and a resumed run reads
+//! it back from there, verified.
+//!
 //! Why a crash anywhere is safe: before 3 is durable the plan was not accepted (the caller
 //! got no answer), and the next start removes what 1 announced. After 3 every staged file is
 //! durable (2 precedes 3). A resumed run reads each staged content back, verified against
 //! its sha256; a rename that happened before the crash is found as the target already
 //! holding that content (the step is then done). Content that is gone (removed by hand
-//! while the agent was stopped) makes that change fail and the run roll back: it is never
-//! replaced by anything else.
+//! while the agent was stopped, or a held file changed) makes that change fail and the run
+//! roll back: it is never replaced by anything else.
 
 use std::collections::BTreeSet;
 
@@ -32,8 +37,8 @@ use sha2::{Digest, Sha256};
 use super::table::Bodies;
 use crate::base::FileMeta;
 use crate::host::Host;
-use crate::journal::StagedBody;
 use crate::journal::backup::BackupStore;
+use crate::journal::{HeldBody, StagedBody};
 use crate::plan::{Change, NodePath, Plan};
 use crate::steps::{self, Mutation};
 
@@ -43,8 +48,18 @@ pub(super) struct NodeBodies<'a> {
     pub host: &'a Host,
 }
 
-fn matches(content: &[u8], body: &StagedBody) -> bool {
-    content.len() as u64 == body.len && hex::encode(Sha256::digest(content)) == body.sha256
+fn matches(content: &[u8], len: u64, sha256: &str) -> bool {
+    content.len() as u64 == len && hex::encode(Sha256::digest(content)) == sha256
+}
+
+/// The content of the file at `path` when it is `len` bytes with this sha256.
+fn read_if(host: &Host, path: &NodePath, len: u64, sha256: &str) -> Option<Vec<u8>> {
+    let (file, _, size) = host.root.open_file(path).ok()??;
+    if size != len {
+        return None;
+    }
+    let content = crate::host::fs::read_sized(&file, size).ok()?;
+    matches(&content, len, sha256).then_some(content)
 }
 
 impl Bodies for NodeBodies<'_> {
@@ -54,33 +69,40 @@ impl Bodies for NodeBodies<'_> {
 
     fn staged(&self, run: u64, body: &StagedBody) -> Option<Vec<u8>> {
         if let Ok(Some((content, _))) = self.host.root.read_staged(&body.path, run)
-            && matches(&content, body)
+            && matches(&content, body.len, &body.sha256)
         {
             return Some(content);
         }
         // Renamed into place before the agent stopped: the target holds it.
-        let (file, _, size) = self.host.root.open_file(&body.path).ok()??;
-        if size != body.len {
-            return None;
-        }
-        let content = crate::host::fs::read_sized(&file, size).ok()?;
-        matches(&content, body).then_some(content)
+        read_if(self.host, &body.path, body.len, &body.sha256)
+    }
+
+    fn held(&self, body: &HeldBody) -> Option<Vec<u8>> {
+        read_if(self.host, &body.path, body.len, &body.sha256)
     }
 }
 
-/// The changes of `plan` whose content is staged: plain `file` changes (not `append`) whose
-/// target differs from what they write, with the mode and owner they write, in a plan large
-/// enough to keep its contents out of the journal. A change whose diff fails is not staged
-/// (its step reports the failure).
-pub(super) fn candidates(
-    host: &Host,
-    plan: &Plan,
-    prepared: &steps::Prepared,
-) -> Vec<(u32, FileMeta)> {
+/// Where the contents of a large plan's `file` changes go before it is accepted.
+#[derive(Debug, Default)]
+pub(super) struct Candidates {
+    /// Staged beside their targets: plain `file` changes (not `append`) whose target differs
+    /// from what they write, with the mode and owner they write.
+    pub stage: Vec<(u32, FileMeta)>,
+    /// Held by their targets: plain `file` changes whose target already holds exactly what
+    /// they write (content, mode and owner), in a plan nothing else of which can change
+    /// those files before their steps (see [`may_hold`]).
+    pub held: Vec<u32>,
+}
+
+/// The changes of `plan` whose content is staged or held by its target, in a plan large
+/// enough to keep its contents out of the journal (otherwise none). A change whose diff
+/// fails is neither (its step reports the failure).
+pub(super) fn candidates(host: &Host, plan: &Plan, prepared: &steps::Prepared) -> Candidates {
+    let mut found = Candidates::default();
     if crate::journal::bodies::total(plan) < crate::journal::bodies::THRESHOLD {
-        return Vec::new();
+        return found;
     }
-    let mut picks = Vec::new();
+    let hold = may_hold(plan);
     // Nothing changes the node during this pass: each directory is resolved once.
     let node = steps::HostNode::for_pass(host);
     for (i, change) in plan.changes.iter().enumerate() {
@@ -88,14 +110,32 @@ pub(super) fn candidates(
         if f.append {
             continue;
         }
-        if let Ok(diff) = steps::diff_on(&node, change, prepared.ctx(i))
-            && let [Mutation::Write { path, meta, .. }] = diff.mutations.as_slice()
-            && *path == f.path
-        {
-            picks.push((i as u32, *meta));
+        let Ok(diff) = steps::diff_on(&node, change, prepared.ctx(i)) else {
+            continue;
+        };
+        match diff.mutations.as_slice() {
+            [Mutation::Write { path, meta, .. }] if *path == f.path => {
+                found.stage.push((i as u32, *meta))
+            }
+            [] if hold => found.held.push(i as u32),
+            _ => {}
         }
     }
-    picks
+    found
+}
+
+/// True when a content its target holds may be left there: every change of `plan` is a
+/// `file` change that restarts no unit or an `absent` change. Each of those touches its own
+/// path alone, and no two changes share a path (validation), so until its step nothing of
+/// the plan can change a file that held its content; a package, a command, a unit restart or
+/// a kubelet change might. (Whoever else changes it while the agent is stopped finds the
+/// change failing and the run rolling back, as for a staged content that is gone.)
+fn may_hold(plan: &Plan) -> bool {
+    plan.changes.iter().all(|c| match c {
+        Change::File(f) => f.restart_units.is_empty(),
+        Change::Absent(_) => true,
+        _ => false,
+    })
 }
 
 /// The paths and the missing directories (from the top, each once) of `picks`.

@@ -11,7 +11,8 @@ use super::transitions::{self, IllegalTransition};
 use crate::base::units::{UnitBefore, UnitJob};
 use crate::base::{ErrorInfo, ErrorKind};
 use crate::journal::{
-    ChangeSummary, CheckSummary, Entry, PlanDoc, Preimage, Record, StagedBody, UnitJobOutcome,
+    ChangeSummary, CheckSummary, Entry, HeldBody, PlanDoc, Preimage, Record, StagedBody,
+    UnitJobOutcome,
 };
 use crate::plan::{Check, Limits, NodePath, Plan, PlanOptions, validate_document, validate_value};
 
@@ -63,8 +64,10 @@ pub struct RunState {
     pub pruned: Option<Vec<String>>,
     /// The contents staged beside their targets, by change index.
     pub staged: BTreeMap<u32, StagedBody>,
-    /// Staged changes whose content was gone when the journal was read back: they cannot be
-    /// applied (the run fails at the first of them and rolls back).
+    /// The changes whose content their target held when the plan was accepted.
+    pub held: BTreeSet<u32>,
+    /// Staged or held changes whose content was gone when the journal was read back: they
+    /// cannot be applied (the run fails at the first of them and rolls back).
     pub gone: BTreeSet<u32>,
 }
 
@@ -114,6 +117,8 @@ pub struct KeptPlan {
     pub bodies: Option<String>,
     /// The contents staged beside their targets (not in `bodies`).
     pub staged: Vec<StagedBody>,
+    /// The contents their targets held (not in `bodies`).
+    pub held: Vec<HeldBody>,
 }
 
 /// Where a kept plan's file contents are read back from.
@@ -123,6 +128,9 @@ pub trait Bodies {
     /// The content `body` staged for `run`, verified against its sha256; `None` when it
     /// is gone.
     fn staged(&self, run: u64, body: &StagedBody) -> Option<Vec<u8>>;
+    /// The content `body`'s target held, verified against its sha256; `None` when it no
+    /// longer holds it.
+    fn held(&self, body: &HeldBody) -> Option<Vec<u8>>;
 }
 
 /// Blobs read by a function, and no staged content (a reader without the node's files).
@@ -141,29 +149,43 @@ impl<F: Fn(&str) -> Result<Vec<u8>, String>> Bodies for BlobsOnly<F> {
     fn staged(&self, _run: u64, _body: &StagedBody) -> Option<Vec<u8>> {
         None
     }
+
+    fn held(&self, _body: &HeldBody) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 impl KeptPlan {
-    /// The complete plan document, and the changes whose staged content is gone (their
-    /// content is empty in the document: they must not be applied).
+    /// The complete plan document, and the changes whose staged or held content is gone
+    /// (their content is empty in the document: they must not be applied).
     pub fn to_value(
         &self,
         bodies: &dyn Bodies,
     ) -> Result<(serde_json::Value, BTreeSet<u32>), String> {
         let mut value = self.doc.to_value();
-        let staged: BTreeSet<u32> = self.staged.iter().map(|s| s.index).collect();
+        let apart: BTreeSet<u32> = self
+            .staged
+            .iter()
+            .map(|s| s.index)
+            .chain(self.held.iter().map(|h| h.index))
+            .collect();
         if let Some(sha) = &self.bodies {
             let blob = bodies
                 .blob(sha)
                 .map_err(|e| format!("plan bodies {sha}: {e}"))?;
-            crate::journal::bodies::fill(&mut value, &blob, &staged)?;
+            crate::journal::bodies::fill(&mut value, &blob, &apart)?;
         }
         let mut gone = BTreeSet::new();
-        for body in &self.staged {
-            match bodies.staged(self.run, body) {
-                Some(content) => crate::journal::bodies::put(&mut value, body.index, &content),
+        let found = self
+            .staged
+            .iter()
+            .map(|body| (body.index, bodies.staged(self.run, body)))
+            .chain(self.held.iter().map(|body| (body.index, bodies.held(body))));
+        for (index, content) in found {
+            match content {
+                Some(content) => crate::journal::bodies::put(&mut value, index, &content),
                 None => {
-                    gone.insert(body.index);
+                    gone.insert(index);
                 }
             }
         }
@@ -366,6 +388,7 @@ impl Table {
                 checks,
                 bodies,
                 staged,
+                held,
                 prune,
             } => {
                 self.staging.remove(&run);
@@ -395,6 +418,7 @@ impl Table {
                         doc,
                         bodies,
                         staged,
+                        held,
                     },
                     changes,
                     checks,
@@ -409,6 +433,7 @@ impl Table {
                 if let Some(kept) = self.docs.get_mut(&run) {
                     kept.bodies = Some(bodies);
                     kept.staged.clear();
+                    kept.held.clear();
                 }
             }
             Record::SetMembers { set, paths } => {
@@ -419,6 +444,7 @@ impl Table {
                 plan,
                 bodies,
                 staged,
+                held,
             } => {
                 let status = journaled::status_of(*status);
                 self.next_run = self.next_run.max(status.run + 1);
@@ -431,6 +457,7 @@ impl Table {
                             doc,
                             bodies,
                             staged,
+                            held,
                         },
                     );
                 }
@@ -726,6 +753,7 @@ impl Table {
         if plan.is_none()
             && kept.bodies.is_none()
             && kept.staged.is_empty()
+            && kept.held.is_empty()
             && (self.live || (changes.is_empty() && checks.is_empty()))
         {
             match validate_value(&kept.doc.to_value(), "journal", &Limits::replay()) {
@@ -812,6 +840,7 @@ impl Table {
                 versions: BTreeMap::new(),
                 pruned: None,
                 staged: kept.staged.iter().map(|s| (s.index, s.clone())).collect(),
+                held: kept.held.iter().map(|h| h.index).collect(),
                 gone: BTreeSet::new(),
             },
         );
@@ -978,6 +1007,7 @@ impl Table {
                             plan: kept.map(|k| k.doc.clone()),
                             bodies: kept.and_then(|k| k.bodies.clone()),
                             staged: kept.map(|k| k.staged.clone()).unwrap_or_default(),
+                            held: kept.map(|k| k.held.clone()).unwrap_or_default(),
                         }
                     }),
             )
@@ -1375,6 +1405,7 @@ mod tests {
             checks,
             bodies: None,
             staged: Vec::new(),
+            held: Vec::new(),
             prune: plan.options.prune.clone(),
         }
     }

@@ -199,6 +199,7 @@ mod tests {
             checks,
             bodies: None,
             staged: Vec::new(),
+            held: Vec::new(),
             prune: None,
         }
     }
@@ -419,6 +420,7 @@ mod tests {
             plan: None,
             bodies: None,
             staged: Vec::new(),
+            held: Vec::new(),
         });
         assert_eq!(compacted.table.illegal_transitions(), 1);
     }

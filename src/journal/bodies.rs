@@ -11,12 +11,14 @@
 //! and writes nothing but a small record.
 //!
 //! Most of a large plan's file contents are not in the blob at all: the engine stages the
-//! content of each file that must change beside its target before accepting the plan
-//! (`engine::staging`), and the record references it. Only the contents of the other
-//! `file` changes (already in place when the plan was accepted) go to the blob.
+//! content of each file that must change beside its target before accepting the plan, and
+//! leaves the content of a file that already holds it where it is when nothing else of the
+//! plan can change that file (`engine::staging`); the record references both. Only the
+//! other contents (`append`, a file whose diff failed, one already in place in a plan that
+//! also restarts units or installs packages) go to the blob.
 //!
-//! Blob format: for each `file` change in plan order that was not staged, its content
-//! length as 8 bytes little-endian, then the content.
+//! Blob format: for each `file` change in plan order that was neither staged nor held, its
+//! content length as 8 bytes little-endian, then the content.
 
 use std::collections::BTreeSet;
 
@@ -39,14 +41,14 @@ pub fn total(plan: &Plan) -> usize {
         .sum()
 }
 
-/// The blob of a plan's file bodies except the `staged` changes', when the plan is large
-/// enough to keep them apart and some are left.
-pub fn pack(plan: &Plan, staged: &BTreeSet<u32>) -> Option<Vec<u8>> {
+/// The blob of a plan's file bodies except those of the changes in `apart` (staged or
+/// held), when the plan is large enough to keep them apart and some are left.
+pub fn pack(plan: &Plan, apart: &BTreeSet<u32>) -> Option<Vec<u8>> {
     let files = || {
         plan.changes
             .iter()
             .enumerate()
-            .filter(|(i, _)| !staged.contains(&(*i as u32)))
+            .filter(|(i, _)| !apart.contains(&(*i as u32)))
             .filter_map(|(_, c)| match c {
                 Change::File(f) => Some(&f.content),
                 _ => None,
@@ -105,11 +107,11 @@ fn strip(doc: &mut Value) {
     }
 }
 
-/// Puts the contents from `blob` back into a document emptied by [`strip`], all but the
-/// `staged` changes' ([`put`] sets those).
-pub fn fill(doc: &mut Value, blob: &[u8], staged: &BTreeSet<u32>) -> Result<(), String> {
+/// Puts the contents from `blob` back into a document emptied by [`strip`], all but those of
+/// the changes in `apart` (staged or held: [`put`] sets those).
+pub fn fill(doc: &mut Value, blob: &[u8], apart: &BTreeSet<u32>) -> Result<(), String> {
     let mut rest = blob;
-    for (_, f) in file_changes(doc).filter(|(i, _)| !staged.contains(i)) {
+    for (_, f) in file_changes(doc).filter(|(i, _)| !apart.contains(i)) {
         let (len, tail) = rest
             .split_first_chunk::<8>()
             .ok_or("the plan bodies blob ends early")?;

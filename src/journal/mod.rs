@@ -31,8 +31,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub use record::{
-    ChangeSummary, CheckSummary, FileBefore, PlanDoc, Preimage, Record, RunPhase, StagedBody,
-    SummaryChange, SummaryChangeState, SummaryCheck, SummaryCheckState, SummaryCounts,
+    ChangeSummary, CheckSummary, FileBefore, HeldBody, PlanDoc, Preimage, Record, RunPhase,
+    StagedBody, SummaryChange, SummaryChangeState, SummaryCheck, SummaryCheckState, SummaryCounts,
     SummaryEvent, SummaryProgress, SummaryStatus, UnitJobOutcome,
 };
 

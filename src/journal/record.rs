@@ -90,6 +90,22 @@ pub struct StagedBody {
     pub created_dirs: Vec<NodePath>,
 }
 
+/// A `file` change whose target already held exactly its content, mode and owner when the
+/// plan was accepted: its step has nothing to write, so the content is not stored again;
+/// the journal keeps where it is and what it must be (`engine::staging`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HeldBody {
+    /// The change's index in the plan.
+    pub index: u32,
+    /// The file that holds it.
+    pub path: NodePath,
+    /// sha256 hex of the content.
+    pub sha256: String,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
 /// One journal record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -145,6 +161,10 @@ pub enum Record {
         /// `plan` and absent from `bodies`).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         staged: Vec<StagedBody>,
+        /// The `file` contents their targets already held (their content is empty in `plan`
+        /// and absent from `bodies`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        held: Vec<HeldBody>,
         /// The managed set of the plan (`options.prune.set`), so the set's members are known
         /// without reading `plan`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -372,7 +392,8 @@ pub enum Record {
         error: Option<ErrorInfo>,
     },
     /// The file contents of a run that did not succeed were stored as one blob (its staged
-    /// files are removed when it finishes), so it can be retried from the journal.
+    /// files are removed when it finishes, and the files that held contents may change), so
+    /// it can be retried from the journal.
     #[serde(rename_all = "camelCase")]
     BodiesKept {
         /// Run number.
@@ -394,6 +415,9 @@ pub enum Record {
         /// empty files.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         staged: Vec<StagedBody>,
+        /// The contents of `plan` its targets held, as in `PlanAccepted`.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        held: Vec<HeldBody>,
     },
 }
 
