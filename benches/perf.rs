@@ -12,6 +12,7 @@
 //! perf apply-files [--files N] [--size BYTES] [--runs R] [--replace]   (YAML, JSON and gRPC
 //!                                      front ends; --replace: onto existing files)
 //! perf noop [--files N] [--runs R]
+//! perf noop-large [--files N] [--size BYTES] [--runs R]
 //! perf replay [--records N] [--runs R]
 //! perf journal-size [--plans N]
 //! perf footprint [--runs R]
@@ -460,6 +461,44 @@ fn noop(files: usize, runs: usize) -> Value {
            "tool": tool, "load": [load_before, load()]})
 }
 
+/// The no-op re-apply of a plan of `files` files of `size` bytes (JSON) under a new id each
+/// time, after its first apply: the contents are in place, so nothing of them is written
+/// (held by their files) and each is read and compared once.
+fn noop_large(files: usize, size: usize, runs: usize) -> Value {
+    let load_before = load();
+    let work = tempfile::tempdir().expect("tempdir");
+    let root = work.path().join("node");
+    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).expect("tree");
+    let plan = json_plan(work.path(), files, size, "bench/noop-large", None);
+    let text = std::fs::read_to_string(&plan).expect("plan");
+    let first = time_cmd(&mut apply_cmd(&root, &plan));
+    let again = work.path().join("again.json");
+    let mut times = Vec::with_capacity(runs);
+    for i in 0..runs {
+        std::fs::write(
+            &again,
+            text.replacen(
+                "\"id\":\"bench/noop-large\"",
+                &format!("\"id\":\"bench/noop-large-{i}\""),
+                1,
+            ),
+        )
+        .expect("plan");
+        times.push(time_cmd(&mut apply_cmd(&root, &again)));
+    }
+    let stored = std::fs::read_dir(root.join("var/lib/inplace-agent/backups"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let n = stats(&times);
+    eprintln!(
+        "no-op re-apply of {files} x {size} bytes under a new id: {:.1} ms (first apply {:.1} ms); {stored} blobs stored",
+        n.median,
+        first.as_secs_f64() * 1000.0
+    );
+    json!({"files": files, "size": size, "planBytes": text.len(), "firstMs": first.as_secs_f64() * 1000.0,
+           "newId": n.json(), "blobsStored": stored, "load": [load_before, load()]})
+}
+
 /// A plan with 100 file changes whose content names its run, parsed.
 fn bench_plan(run: u64, changes: usize) -> inplace_agent::plan::Plan {
     let mut plan = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: ns/m@{run}\nchanges:\n");
@@ -867,6 +906,7 @@ fn main() {
             args.iter().any(|a| a == "--replace"),
         ),
         Some("noop") => noop(r("--files", 500), r("--runs", 10)),
+        Some("noop-large") => noop_large(r("--files", 50), r("--size", 1 << 20), r("--runs", 7)),
         Some("replay") => replay(arg(&args, "--records", 100_000), r("--runs", 5)),
         Some("journal-size") => journal_size(arg(&args, "--plans", 1000)),
         Some("footprint") => footprint(r("--runs", 10)),
@@ -877,6 +917,7 @@ fn main() {
             "apply1m": apply_files(50, 1 << 20, runs(7), false),
             "apply1mReplace": apply_files(50, 1 << 20, runs(5), true),
             "noop": noop(500, runs(15)),
+            "noopLarge": noop_large(50, 1 << 20, runs(7)),
             "replay100k": replay(100_000, runs(5)),
             "replay1m": replay(1_000_000, runs(3)),
             "journalSize": journal_size(1000),

@@ -127,6 +127,11 @@ if n:
             ms(n["newIdJson"]) + f" ({n['tool']})", "≤ 50 ms", "", n["newIdJson"]["median"] <= 50, loads(n))
     row("no-op re-apply, 500 files, the same plan again (already succeeded: parse, digest, journal replay)",
         ms(n["samePlan"]), "≤ 50 ms", "", n["samePlan"]["median"] <= 50, loads(n))
+nl = perf.get("noopLarge")
+if nl:
+    row(f"no-op re-apply, {nl['files']} files of {nl['size'] / 2**20:.0f} MiB, under a new id (JSON; contents held by their files, none written)",
+        ms(nl["newId"]) + f"; first apply {nl['firstMs']:.1f} ms; {nl['blobsStored']} blobs stored",
+        "", "", None, loads(nl))
 an = perf.get("ansible")
 if an and "skipped" not in an:
     for k, label in (("first", "first apply"), ("noop", "no-op re-apply")):
