@@ -1084,33 +1084,41 @@ mod tests {
         );
     }
 
-    #[test]
-    fn staged_content_that_is_gone_fails_its_change_and_the_run_rolls_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let (config, host) = sandbox(dir.path(), 1 << 20);
-        std::fs::write(dir.path().join("etc/kubernetes/small.conf"), "before").unwrap();
-        // small.conf first, so the run has something to roll back when big.conf fails.
+    /// Accepts plan `gone`, whose two contents are staged (small.conf first, so that the run
+    /// has something to roll back, and a big file in a new directory), then removes the big
+    /// one's staged file, as if by hand while the agent was stopped.
+    fn accepted_with_staged_content_gone(
+        dir: &std::path::Path,
+        config: &EngineConfig,
+        host: &Arc<Host>,
+    ) {
+        std::fs::write(dir.join("etc/kubernetes/small.conf"), "before").unwrap();
         let big = "x".repeat(crate::journal::bodies::THRESHOLD + 1);
-        let text = format!(
-            "apiVersion: inplace.agent/v1\nkind: Plan\nid: gone\nchanges:\n\
-             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"small\"}}\n\
-             \x20 - file: {{path: /etc/kubernetes/new/big.conf, content: \"{big}\"}}\n"
+        let plan = file_plan(
+            "gone",
+            &[
+                ("/etc/kubernetes/small.conf", "small"),
+                ("/etc/kubernetes/new/big.conf", &big),
+            ],
+            "",
         );
-        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
         {
             let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
             engine.submit(plan, "test", false).unwrap();
         }
-        // Removed by hand while the agent was stopped.
-        std::fs::remove_file(dir.path().join("etc/kubernetes/new/.big.conf.inplace-r1")).unwrap();
+        std::fs::remove_file(dir.join("etc/kubernetes/new/.big.conf.inplace-r1")).unwrap();
+    }
+
+    #[test]
+    fn staged_content_that_is_gone_fails_its_change_and_the_run_rolls_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        accepted_with_staged_content_gone(dir.path(), &config, &host);
         let (engine, _) = Engine::open(config, host).unwrap();
-        engine.run_until_idle();
-        let status = engine.status("gone").unwrap();
-        assert_eq!(status.phase, Phase::RolledBack, "{status:?}");
-        let error = status.error.unwrap();
-        assert_eq!(
-            error.step.as_deref(),
-            Some("changes[1] file /etc/kubernetes/new/big.conf")
+        let error = rolled_back_at(
+            &engine,
+            "gone",
+            "changes[1] file /etc/kubernetes/new/big.conf",
         );
         assert!(
             error.detail.contains(".big.conf.inplace-r1"),
@@ -1136,21 +1144,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // Compaction after every plan.
         let (config, host) = sandbox(dir.path(), 0);
-        std::fs::write(dir.path().join("etc/kubernetes/small.conf"), "before").unwrap();
-        let big = "x".repeat(crate::journal::bodies::THRESHOLD + 1);
-        let text = format!(
-            "apiVersion: inplace.agent/v1\nkind: Plan\nid: gone\nchanges:\n\
-             \x20 - file: {{path: /etc/kubernetes/small.conf, content: \"small\"}}\n\
-             \x20 - file: {{path: /etc/kubernetes/new/big.conf, content: \"{big}\"}}\n"
-        );
-        let plan = crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
-        {
-            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
-            engine.submit(plan, "test", false).unwrap();
-        }
-        // Removed by hand while the agent was stopped: the run rolls back, and nothing
-        // holds its contents any more (every one was staged, none is in a blob).
-        std::fs::remove_file(dir.path().join("etc/kubernetes/new/.big.conf.inplace-r1")).unwrap();
+        // The run rolls back, and nothing holds its contents any more (every one was staged,
+        // none is in a blob).
+        accepted_with_staged_content_gone(dir.path(), &config, &host);
         {
             let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
             engine.run_until_idle();
@@ -1232,6 +1228,53 @@ mod tests {
         assert!(engine.shared.lock().table.abandoned_staging().is_empty());
     }
 
+    /// A health endpoint that does not answer until [`answer_health`], and a plan's gate on it.
+    fn silent_health_gate() -> (std::net::TcpListener, String) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let gate = format!(
+            "verify:\n  - httpGet: {{url: \"http://{}/healthz\", timeoutSeconds: 1, periodSeconds: 1}}\n",
+            listener.local_addr().unwrap()
+        );
+        (listener, gate)
+    }
+
+    /// Answers every request to `listener` with 200 from now on.
+    fn answer_health(listener: std::net::TcpListener) {
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut stream in listener.incoming().flatten() {
+                let mut buf = [0u8; 1024];
+                let _ = stream.read(&mut buf);
+                let _ = stream.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+            }
+        });
+    }
+
+    /// Runs `engine` until idle and returns the error of plan `id`, which must have failed
+    /// at `step` and been rolled back.
+    fn rolled_back_at(engine: &Engine, id: &str, step: &str) -> crate::base::ErrorInfo {
+        engine.run_until_idle();
+        let status = engine.status(id).unwrap();
+        assert_eq!(status.phase, Phase::RolledBack, "{status:?}");
+        let error = status.error.unwrap();
+        assert_eq!(error.step.as_deref(), Some(step));
+        error
+    }
+
+    /// Retries `id` and runs its second attempt to success.
+    fn retry_succeeds(engine: &Engine, id: &str) {
+        engine.retry(id, "test").unwrap();
+        engine.run_until_idle();
+        let status = engine.status(id).unwrap();
+        assert_eq!(
+            (status.attempt, status.phase),
+            (2, Phase::Succeeded),
+            "{status:?}"
+        );
+    }
+
     /// The last `planAccepted` record of the journal.
     fn last_accepted(config: &EngineConfig) -> String {
         journal_text(config)
@@ -1259,26 +1302,33 @@ mod tests {
         crate::plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap()
     }
 
+    /// A sandbox under `dir` whose engine has applied [`big_plan`] (`first`), and its big
+    /// content.
+    fn after_a_big_plan(
+        dir: &std::path::Path,
+        compact_bytes: u64,
+    ) -> (EngineConfig, Arc<Host>, Engine, String) {
+        let (config, host) = sandbox(dir, compact_bytes);
+        let (plan, big) = big_plan("first", "");
+        let engine = Engine::open(config.clone(), host.clone()).unwrap().0;
+        engine.submit(plan, "test", false).unwrap();
+        engine.run_until_idle();
+        assert_eq!(engine.status("first").unwrap().phase, Phase::Succeeded);
+        (config, host, engine, big)
+    }
+
     #[test]
     fn a_file_already_in_place_is_held_by_its_target_and_not_stored_again() {
         let dir = tempfile::tempdir().unwrap();
-        let (config, host) = sandbox(dir.path(), 1 << 20);
-        let (plan, big) = big_plan("first", "");
-        {
-            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
-            engine.submit(plan, "test", false).unwrap();
-            engine.run_until_idle();
-        }
+        let (config, host, engine, big) = after_a_big_plan(dir.path(), 1 << 20);
+        drop(engine);
         let stored = blobs(&config);
         // The same big file (in place now) and another small one, under a new id.
-        let second = file_plan(
-            "second",
-            &[
-                ("/etc/kubernetes/big.conf", &big),
-                ("/etc/kubernetes/small.conf", "other"),
-            ],
-            "",
-        );
+        let files = [
+            ("/etc/kubernetes/big.conf", big.as_str()),
+            ("/etc/kubernetes/small.conf", "other"),
+        ];
+        let second = file_plan("second", &files, "");
         {
             let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
             engine.submit(second.clone(), "test", false).unwrap();
@@ -1316,14 +1366,7 @@ mod tests {
         // (small.conf's old content is backed up.)
         let stored = blobs(&config);
         // The same desired state under a new id: every content is held, nothing is written.
-        let again = file_plan(
-            "again",
-            &[
-                ("/etc/kubernetes/big.conf", &big),
-                ("/etc/kubernetes/small.conf", "other"),
-            ],
-            "",
-        );
+        let again = file_plan("again", &files, "");
         engine.submit(again, "test", false).unwrap();
         let last = last_accepted(&config);
         assert!(
@@ -1346,36 +1389,24 @@ mod tests {
     #[test]
     fn held_content_changed_while_the_agent_was_stopped_fails_its_change_and_is_not_replaced() {
         let dir = tempfile::tempdir().unwrap();
-        let (config, host) = sandbox(dir.path(), 1 << 20);
-        let (plan, big) = big_plan("first", "");
-        {
-            let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
-            engine.submit(plan, "test", false).unwrap();
-            engine.run_until_idle();
-            // small.conf first, so the run has something to roll back when big.conf fails.
-            let plan = file_plan(
-                "held",
-                &[
-                    ("/etc/kubernetes/small.conf", "changed"),
-                    ("/etc/kubernetes/big.conf", &big),
-                ],
-                "",
-            );
-            engine.submit(plan, "test", false).unwrap();
-        }
+        let (config, host, engine, big) = after_a_big_plan(dir.path(), 1 << 20);
+        // small.conf first, so the run has something to roll back when big.conf fails.
+        let plan = file_plan(
+            "held",
+            &[
+                ("/etc/kubernetes/small.conf", "changed"),
+                ("/etc/kubernetes/big.conf", &big),
+            ],
+            "",
+        );
+        engine.submit(plan, "test", false).unwrap();
+        drop(engine);
         assert!(last_accepted(&config).contains("\"held\":[{\"index\":1,"));
         // Changed by someone else while the agent was stopped.
         let big_conf = dir.path().join("etc/kubernetes/big.conf");
         std::fs::write(&big_conf, "edited").unwrap();
         let (engine, _) = Engine::open(config, host).unwrap();
-        engine.run_until_idle();
-        let status = engine.status("held").unwrap();
-        assert_eq!(status.phase, Phase::RolledBack, "{status:?}");
-        let error = status.error.unwrap();
-        assert_eq!(
-            error.step.as_deref(),
-            Some("changes[1] file /etc/kubernetes/big.conf")
-        );
+        let error = rolled_back_at(&engine, "held", "changes[1] file /etc/kubernetes/big.conf");
         assert!(
             error.detail.contains("already held it") && error.detail.contains("submit the plan"),
             "{}",
@@ -1400,18 +1431,10 @@ mod tests {
     fn a_failed_run_keeps_its_held_contents_for_a_retry_after_compaction() {
         let dir = tempfile::tempdir().unwrap();
         // Compaction after every plan.
-        let (config, host) = sandbox(dir.path(), 0);
-        let (plan, big) = big_plan("first", "");
-        let engine = Engine::open(config.clone(), host.clone()).unwrap().0;
-        engine.submit(plan, "test", false).unwrap();
-        engine.run_until_idle();
+        let (config, host, engine, big) = after_a_big_plan(dir.path(), 0);
         // The same contents (both held) and a health endpoint that does not answer until
         // the retry.
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let gate = format!(
-            "verify:\n  - httpGet: {{url: \"http://{}/healthz\", timeoutSeconds: 1, periodSeconds: 1}}\n",
-            listener.local_addr().unwrap()
-        );
+        let (listener, gate) = silent_health_gate();
         let plan = file_plan(
             "fails",
             &[
@@ -1430,36 +1453,16 @@ mod tests {
         // Changed by hand since: the retry must write the plan's content, from the blob.
         let big_conf = dir.path().join("etc/kubernetes/big.conf");
         std::fs::write(&big_conf, "edited").unwrap();
-        std::thread::spawn(move || {
-            use std::io::{Read, Write};
-            for mut stream in listener.incoming().flatten() {
-                let mut buf = [0u8; 1024];
-                let _ = stream.read(&mut buf);
-                let _ = stream.write_all(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-                );
-            }
-        });
+        answer_health(listener);
         let (engine, _) = Engine::open(config, host).unwrap();
-        engine.retry("fails", "test").unwrap();
-        engine.run_until_idle();
-        let status = engine.status("fails").unwrap();
-        assert_eq!(
-            (status.attempt, status.phase),
-            (2, Phase::Succeeded),
-            "{status:?}"
-        );
+        retry_succeeds(&engine, "fails");
         assert_eq!(std::fs::read_to_string(&big_conf).unwrap(), big);
     }
 
     #[test]
     fn a_plan_that_restarts_a_unit_stores_the_contents_its_targets_hold() {
         let dir = tempfile::tempdir().unwrap();
-        let (config, host) = sandbox(dir.path(), 1 << 20);
-        let (plan, big) = big_plan("first", "");
-        let engine = Engine::open(config.clone(), host.clone()).unwrap().0;
-        engine.submit(plan, "test", false).unwrap();
-        engine.run_until_idle();
+        let (config, _host, engine, big) = after_a_big_plan(dir.path(), 1 << 20);
         // A restarted unit could rewrite big.conf before its step: its content is stored.
         let text = format!(
             "apiVersion: inplace.agent/v1\nkind: Plan\nid: restarts\nchanges:\n\
@@ -1604,11 +1607,7 @@ mod tests {
         // Compaction after every plan.
         let (config, host) = sandbox(dir.path(), 0);
         // A health endpoint that does not answer until the retry.
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let gate = format!(
-            "verify:\n  - httpGet: {{url: \"http://{}/healthz\", timeoutSeconds: 1, periodSeconds: 1}}\n",
-            listener.local_addr().unwrap()
-        );
+        let (listener, gate) = silent_health_gate();
         let (plan, big) = big_plan("fails", &gate);
         let (engine, _) = Engine::open(config.clone(), host.clone()).unwrap();
         engine.submit(plan, "test", false).unwrap();
@@ -1624,26 +1623,10 @@ mod tests {
             .count();
         assert_eq!(blobs, 1, "only the failed plan's bodies are kept");
         drop(engine);
-        std::thread::spawn(move || {
-            use std::io::{Read, Write};
-            for mut stream in listener.incoming().flatten() {
-                let mut buf = [0u8; 1024];
-                let _ = stream.read(&mut buf);
-                let _ = stream.write_all(
-                    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-                );
-            }
-        });
+        answer_health(listener);
         // The compacted journal kept the failed plan, its content in the blob, for a retry.
         let (engine, _) = Engine::open(config, host).unwrap();
-        engine.retry("fails", "test").unwrap();
-        engine.run_until_idle();
-        let status = engine.status("fails").unwrap();
-        assert_eq!(
-            (status.attempt, status.phase),
-            (2, Phase::Succeeded),
-            "{status:?}"
-        );
+        retry_succeeds(&engine, "fails");
         assert_eq!(
             std::fs::read_to_string(dir.path().join("etc/kubernetes/big.conf")).unwrap(),
             big
