@@ -26,12 +26,12 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inplace_agent::plan::{Limits, parse_plan};
-use inplace_agent::rpc::convert::plan_to_pb;
-use inplace_agent::rpc::pb;
-use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
-use inplace_agent::updater::emulate::Pki;
+use inplace_api::convert::plan_to_pb;
+use inplace_api::pb;
+use inplace_api::pb::node_agent_client::NodeAgentClient;
+use inplace_api::tls::{ClientTlsPaths, client_config, connect};
+use inplace_plan::{Limits, parse_plan};
+use inplace_updater::emulate::Pki;
 
 use support::daemon::{Daemon, Ready, Starting, raise_nofile, serve_command};
 use support::memory::Memory;
@@ -80,7 +80,7 @@ fn spawn_agent(dir: &Path, i: usize, pki: &Pki) -> Result<(String, Starting), Er
     let node = format!("node-{i:04}");
     let home = dir.join(&node);
     let root = home.join("root");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root)?;
+    inplace_demo_node::build_kubeadm_worker(&root)?;
     let cert = pki.server(&node, &[&node, "127.0.0.1"])?;
     let mut cmd = serve_command(&agent_bin(), &root, &node, &cert.cert, &cert.key, &pki.ca());
     cmd.args([

@@ -8,7 +8,7 @@ use std::hint::black_box;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use inplace_agent::journal::RunPhase as Phase;
 use inplace_agent::journal::{Journal, Record};
-use inplace_agent::plan::{Limits, parse_plan};
+use inplace_plan::{Limits, parse_plan};
 
 /// The no-op benchmark's plan: 500 files of 4 KiB, as YAML (flow style, as generated).
 fn yaml_plan(files: usize, size: usize) -> String {
@@ -49,7 +49,7 @@ fn plans(c: &mut Criterion) {
                 .iter_mut()
                 .zip(&plan.changes)
             {
-                if let inplace_agent::plan::Change::File(f) = change {
+                if let inplace_plan::Change::File(f) = change {
                     c["file"]["content"] =
                         String::from_utf8(f.content.to_vec()).expect("text").into();
                     c["file"]["encoding"] = "plain".into();

@@ -131,7 +131,7 @@ fn file_content(i: usize, size: usize) -> String {
 /// A kubeadm worker tree and a plan writing `files` files of `size` bytes.
 fn setup(work: &Path, files: usize, size: usize, id: &str) -> (PathBuf, PathBuf) {
     let template = work.join("template");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&template).expect("template tree");
+    inplace_demo_node::build_kubeadm_worker(&template).expect("template tree");
     let mut plan = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n");
     for i in 0..files {
         plan.push_str(&format!(
@@ -468,7 +468,7 @@ fn noop_large(files: usize, size: usize, runs: usize) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let root = work.path().join("node");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).expect("tree");
+    inplace_demo_node::build_kubeadm_worker(&root).expect("tree");
     let plan = json_plan(work.path(), files, size, "bench/noop-large", None);
     let text = std::fs::read_to_string(&plan).expect("plan");
     let first = time_cmd(&mut apply_cmd(&root, &plan));
@@ -500,19 +500,15 @@ fn noop_large(files: usize, size: usize, runs: usize) -> Value {
 }
 
 /// A plan with 100 file changes whose content names its run, parsed.
-fn bench_plan(run: u64, changes: usize) -> inplace_agent::plan::Plan {
+fn bench_plan(run: u64, changes: usize) -> inplace_plan::Plan {
     let mut plan = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: ns/m@{run}\nchanges:\n");
     for i in 0..changes {
         plan.push_str(&format!(
             "  - file: {{path: /etc/kubernetes/r/f{i}.conf, content: \"run {run} value {i}\"}}\n"
         ));
     }
-    inplace_agent::plan::parse_plan(
-        plan.as_bytes(),
-        "bench",
-        &inplace_agent::plan::Limits::default(),
-    )
-    .expect("plan")
+    inplace_plan::parse_plan(plan.as_bytes(), "bench", &inplace_plan::Limits::default())
+        .expect("plan")
 }
 
 /// Writes a journal of about `records` records shaped like real runs (100-change plans).
@@ -553,7 +549,7 @@ fn write_journal(state: &Path, records: u64) -> u64 {
                 index,
                 planned: Vec::new(),
                 preimages: vec![Preimage::File {
-                    path: inplace_agent::plan::NodePath::parse(&format!(
+                    path: inplace_plan::NodePath::parse(&format!(
                         "/etc/kubernetes/r/f{index}.conf"
                     ))
                     .expect("path"),
@@ -592,7 +588,7 @@ fn sandbox_host(root: PathBuf, state: &Path) -> std::sync::Arc<Host> {
     std::sync::Arc::new(
         Host::open(HostSettings {
             root,
-            allow: inplace_agent::plan::AllowList::default(),
+            allow: inplace_plan::AllowList::default(),
             commands_in_root: false,
             boot_id_path: None,
             services: inplace_agent::host::ServiceSettings::Off,
@@ -648,7 +644,7 @@ fn journal_size(plans: u64) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
     let root = work.path().join("node");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).expect("tree");
+    inplace_demo_node::build_kubeadm_worker(&root).expect("tree");
     let state = work.path().join("state");
     let host = sandbox_host(root, &state);
     let (engine, _) = Engine::open(EngineConfig::new(state.clone()), host).expect("open");
@@ -732,7 +728,7 @@ fn footprint(runs: usize) -> Value {
     };
     let work = tempfile::tempdir().expect("tempdir");
     let root = work.path().join("node");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).expect("tree");
+    inplace_demo_node::build_kubeadm_worker(&root).expect("tree");
     let pki = NodePki::new("bench-node").expect("pki");
     let empty = work.path().join("state-empty");
     let full = work.path().join("state-10k");

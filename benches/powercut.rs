@@ -31,7 +31,7 @@ fn main() {
     }
     let Some(env) = vm::require(
         "bench powercut",
-        env!("CARGO_BIN_EXE_inplace-agent"),
+        env!("INPLACE_AGENT_EXE"),
         env!("CARGO_BIN_EXE_kubelet-standin"),
     ) else {
         return;

@@ -20,12 +20,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inplace_agent::plan::{Limits, parse_plan};
-use inplace_agent::rpc::convert::plan_to_pb;
-use inplace_agent::rpc::pb;
-use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::DEFAULT_READER_IDENTITY;
-use inplace_agent::rpc::tls::{client_config, connect};
+use inplace_api::convert::plan_to_pb;
+use inplace_api::pb;
+use inplace_api::pb::node_agent_client::NodeAgentClient;
+use inplace_api::pki::DEFAULT_READER_IDENTITY;
+use inplace_api::tls::{client_config, connect};
+use inplace_plan::{Limits, parse_plan};
 use rustls::ClientConfig;
 use tonic::transport::Channel;
 
@@ -165,7 +165,7 @@ fn micros(d: Duration) -> f64 {
 async fn run(options: Options) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let root = dir.path().join("node");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
+    inplace_demo_node::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
     let pki = NodePki::new(NODE)?;
     let serve = serve(&root, &pki)?;
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use inplace_agent::config::SettingsInput;
 use inplace_agent::engine::Engine;
 use inplace_agent::host::Host;
-use inplace_agent::plan::{Limits, parse_plan};
+use inplace_plan::{Limits, parse_plan};
 
 use support::daemon::{Daemon, OnDrop, Ready, serve_command};
 use support::pki::NodePki;
@@ -155,7 +155,7 @@ fn micros(d: Duration) -> f64 {
 async fn run(options: Options) -> Result<(), String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let root = dir.path().join("node");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
+    inplace_demo_node::build_kubeadm_worker(&root).map_err(|e| e.to_string())?;
     let pki = NodePki::new(NODE)?;
     let filling = Instant::now();
     let root_for_fill = root.clone();

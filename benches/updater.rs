@@ -26,17 +26,15 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use inplace_agent::rpc::pb;
-use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
-use inplace_agent::updater::emulate::{CapiClient, Pki};
-use inplace_agent::updater::hooks::{
-    Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION,
-};
-use inplace_agent::updater::standin::ApiStandin;
+use inplace_api::pb;
+use inplace_api::pb::node_agent_client::NodeAgentClient;
+use inplace_api::tls::{ClientTlsPaths, client_config, connect};
+use inplace_updater::emulate::{CapiClient, Pki};
+use inplace_updater::hooks::{Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION};
+use inplace_updater::standin::ApiStandin;
 use serde_json::{Value, json};
 
-use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
+use inplace_api::pki::DEFAULT_UPDATER_IDENTITY;
 use support::daemon::{Daemon, Ready, Starting, raise_nofile, serve_command};
 use support::memory::Memory;
 
@@ -103,7 +101,7 @@ fn node(i: usize) -> String {
 fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Starting, Error> {
     let home = dir.join(node(i));
     let root = home.join("root");
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root)?;
+    inplace_demo_node::build_kubeadm_worker(&root)?;
     let kubelet = root.join("usr/local/bin/kubelet");
     std::fs::create_dir_all(kubelet.parent().ok_or("no parent")?)?;
     std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;
@@ -113,7 +111,7 @@ fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Starting, E
     )?;
     let cert = pki.server(&node(i), &[&node(i), &ip(i)])?;
     let mut cmd = serve_command(
-        &bin("agent", env!("CARGO_BIN_EXE_inplace-agent")),
+        &bin("agent", support::programs::AGENT),
         &root,
         &node(i),
         &cert.cert,
@@ -327,7 +325,7 @@ async fn steady(
 /// The baseline: the same callers calling each Machine's agent GetPlanStatus directly.
 async fn baseline(
     pki: &Pki,
-    client: &inplace_agent::updater::emulate::CertFiles,
+    client: &inplace_updater::emulate::CertFiles,
     agents: usize,
     port: u16,
     callers: usize,
@@ -452,7 +450,7 @@ fn main() -> Result<(), Error> {
         let kubeconfig = dir.join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;
-        let mut cmd = Command::new(bin("updater", env!("CARGO_BIN_EXE_inplace-updater")));
+        let mut cmd = Command::new(bin("updater", support::programs::UPDATER));
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
             .arg(&serving.cert)
             .arg("--tls-key")
@@ -465,7 +463,7 @@ fn main() -> Result<(), Error> {
             .arg(&client_cert.key)
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .env("INPLACE_UPDATER_LOG", "warn,inplace_agent::updater::cli=info");
+            .env("INPLACE_UPDATER_LOG", "warn,inplace_updater::cli=info");
         // Its log in a file (it is not read while the load runs).
         let updater = tokio::task::block_in_place(|| {
             Daemon::start(cmd, Ready::LogFile(dir.join("updater.log")))

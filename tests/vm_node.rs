@@ -31,7 +31,7 @@ use vm::{BOOT_TIMEOUT, sh_ok};
 fn env(test: &str) -> Option<&'static vm::VmEnv> {
     vm::require(
         test,
-        env!("CARGO_BIN_EXE_inplace-agent"),
+        env!("INPLACE_AGENT_EXE"),
         env!("CARGO_BIN_EXE_kubelet-standin"),
     )
 }

@@ -12,7 +12,7 @@ fn the_systemd_demo_goes_as_described() {
     ) {
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
+    let out = Command::new(crate::support::bin())
         .args(["demo", "--systemd", "--plain"])
         .env_remove("INPLACE_AGENT_SERVICES")
         .env_remove("INPLACE_AGENT_ROOT")

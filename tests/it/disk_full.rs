@@ -48,7 +48,7 @@ impl Drop for Tmpfs {
 fn fill_the_disk(append: bool) -> (std::process::Output, TreeDiff, tempfile::TempDir, Tmpfs) {
     let fs = Tmpfs::mount("512k");
     let root = fs.dir.path().to_path_buf();
-    inplace_agent::sandbox::tree::build_kubeadm_worker(&root).unwrap();
+    inplace_demo_node::build_kubeadm_worker(&root).unwrap();
     // The journal and backups live on the ordinary disk; the node's filesystem fills up.
     let state = tempfile::tempdir().unwrap();
     let before = support::snapshot(&root, &[]);
@@ -181,7 +181,7 @@ fn backups_that_do_not_fit_fail_the_plan_at_the_first_change_and_roll_back() {
     let state = Tmpfs::mount("640k");
     let node = tempfile::tempdir().unwrap();
     let root = node.path();
-    inplace_agent::sandbox::tree::build_kubeadm_worker(root).unwrap();
+    inplace_demo_node::build_kubeadm_worker(root).unwrap();
     let big = root.join("etc/kubernetes/big");
     std::fs::create_dir_all(&big).unwrap();
     let mut changes = String::new();

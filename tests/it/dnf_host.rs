@@ -231,7 +231,7 @@ fn apply_plan(
         format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nchanges:\n{changes}{verify}"),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
+    let out = std::process::Command::new(crate::support::bin())
         .args(["apply", "--no-progress", "-o", "json", "--root"])
         .arg(overlay.root())
         .arg(&path)

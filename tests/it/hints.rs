@@ -60,7 +60,7 @@ fn long_flags(command: &clap::Command) -> BTreeSet<String> {
 /// The flags of `inplace-updater`, which has no configuration file: its messages and
 /// docs name its own flags and the fields of Kubernetes objects (`status.nodeRef.name`).
 fn updater_flags() -> BTreeSet<String> {
-    let out = long_flags(&inplace_agent::updater::cli::command());
+    let out = long_flags(&inplace_updater::cli::command());
     assert!(out.contains("--agent-port"), "{out:?}");
     out
 }
@@ -275,17 +275,19 @@ fn flag_tokens(text: &str) -> Vec<String> {
 fn messages_in_the_source_name_real_keys_and_flags() {
     let (keys, tables, flags) = (keys(), tables(), flags());
     let mut files = Vec::new();
-    rust_files(&Path::new(REPO).join("src"), &mut files);
+    for krate in std::fs::read_dir(Path::new(REPO).join("crates")).unwrap() {
+        rust_files(&krate.unwrap().path().join("src"), &mut files);
+    }
     files.sort();
     let mut wrong = Vec::new();
     for file in &files {
         let rel = file.strip_prefix(REPO).unwrap().display().to_string();
         // The sandbox (tests and `demo --systemd`) builds nodes with other programs' argv.
-        if rel.starts_with("src/sandbox/") {
+        if rel.starts_with("crates/agent/src/sandbox/") {
             continue;
         }
         let source = std::fs::read_to_string(file).unwrap();
-        if rel.starts_with("src/updater/") {
+        if rel.starts_with("crates/updater/src/") {
             let ours = updater_flags();
             for lit in string_literals(&source).iter().filter(|l| l.contains(' ')) {
                 for f in flag_tokens(lit) {

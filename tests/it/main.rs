@@ -10,6 +10,7 @@ mod support;
 
 mod apply;
 mod apt_host;
+mod architecture;
 mod bad_input;
 mod crash;
 mod demo_systemd;

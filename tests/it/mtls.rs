@@ -23,12 +23,12 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
 
 use crate::support::{eventually_async, patience};
-use inplace_agent::rpc::authz::{AuthzCounters, AuthzRules, Caller};
-use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pb::node_agent_server::NodeAgent;
-use inplace_agent::rpc::pb::{self, Phase};
 use inplace_agent::rpc::server::{Security, ServeError, ServeOptions, serve};
-use inplace_agent::rpc::tls::{
+use inplace_api::authz::{AuthzCounters, AuthzRules, Caller};
+use inplace_api::pb::node_agent_client::NodeAgentClient;
+use inplace_api::pb::node_agent_server::NodeAgent;
+use inplace_api::pb::{self, Phase};
+use inplace_api::tls::{
     self, ClientTlsPaths, HandshakeFailure, ReloadingServerConfig, ServerTlsPaths, TlsConnectInfo,
     TlsCounters,
 };

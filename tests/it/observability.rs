@@ -17,12 +17,12 @@ use crate::support;
 use crate::support::agent::Agent;
 use crate::support::pki::{As, NodePki};
 use crate::support::{Node, bin, patience, text};
-use inplace_agent::plan::{Limits, parse_plan};
-use inplace_agent::rpc::convert::plan_to_pb;
-use inplace_agent::rpc::pb;
-use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
 use inplace_agent::status::client;
+use inplace_api::convert::plan_to_pb;
+use inplace_api::pb;
+use inplace_api::pb::node_agent_client::NodeAgentClient;
+use inplace_api::pki::DEFAULT_UPDATER_IDENTITY;
+use inplace_plan::{Limits, parse_plan};
 
 const NODE: &str = "obs-node";
 
@@ -431,7 +431,7 @@ fn config_check_names_the_key_and_line_and_the_default_file_is_valid() {
     );
     assert_eq!(said.matches("inplace-agent pki init").count(), 1, "{said}");
     // With certificates for the node and an updater, it is valid.
-    let pki = inplace_agent::rpc::pki::init(&inplace_agent::rpc::pki::PkiInitOptions::new(
+    let pki = inplace_api::pki::init(&inplace_api::pki::PkiInitOptions::new(
         dir.path().join("pki"),
         "worker-5",
     ))
@@ -699,7 +699,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
         get("inplace_agent_journal_records", &[]),
         journal_lines as f64
     );
-    let commit = inplace_agent::base::build::commit_label();
+    let commit = inplace_base::build::commit_label();
     assert_eq!(
         get(
             "inplace_agent_build_info",
@@ -1092,7 +1092,7 @@ async fn log_lines_carry_the_plan_and_change_never_its_content() {
     let written = std::fs::read_to_string(&stderr_path).unwrap();
     let first = written.lines().next().unwrap_or_default();
     assert!(first.starts_with("<6> INFO "), "{written}");
-    let year = &inplace_agent::base::time::rfc3339(inplace_agent::base::time::now_ms())[..5];
+    let year = &inplace_base::time::rfc3339(inplace_base::time::now_ms())[..5];
     assert!(
         written
             .lines()

@@ -57,7 +57,7 @@ impl Node {
 
     /// `inplace-agent ARGS --root <overlay>`.
     fn agent(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_inplace-agent"))
+        Command::new(crate::support::bin())
             .args(args)
             .arg("--root")
             .arg(self.root())
@@ -615,8 +615,7 @@ fn a_held_dpkg_lock_is_shown_in_the_status_and_waited_for() {
         "  - package: {name: kubelet, version: 1.31.2-1.1, hold: true}\n",
         "",
     );
-    let parsed =
-        inplace_agent::plan::parse_plan(text.as_bytes(), "t/lock", &settings.limits).unwrap();
+    let parsed = inplace_plan::parse_plan(text.as_bytes(), "t/lock", &settings.limits).unwrap();
     let host = Arc::new(Host::open(settings.host.clone()).unwrap());
     let (engine, _) = Engine::open(settings.engine.clone(), host).unwrap();
     let mut events = engine.subscribe();

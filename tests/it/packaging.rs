@@ -25,10 +25,10 @@ use crate::support::daemon::{Daemon, Ready};
 use crate::support::sandbox::{SandboxNode, StandinExt, Systemd};
 use crate::support::{eventually, say, text};
 use inplace_agent::config::parse_config;
-use inplace_agent::rpc::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY};
+use inplace_api::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inplace-agent");
+const BIN: &str = crate::support::programs::AGENT;
 const REPO: &str = env!("CARGO_MANIFEST_DIR");
 const VERSION: &str = env!("CARGO_PKG_VERSION");
 const AGENT: &str = "inplace-agent.service";
@@ -54,6 +54,7 @@ fn run(cmd: &mut Command) -> String {
 /// `packaging/build --binary <this test's binary> --fast <kind> --version <version>`: the
 /// package file, in a fresh directory.
 fn build_package(kind: &str, version: &str) -> (tempfile::TempDir, PathBuf) {
+    crate::support::programs::check_fresh();
     let out = tempfile::Builder::new()
         .prefix("inplace-packages-")
         .tempdir()
@@ -353,7 +354,7 @@ fn grpc_health(node: &SandboxNode, pki: &Path, server_name: &str) -> Result<i32,
     use tonic_health::pb::HealthCheckRequest;
     use tonic_health::pb::health_client::HealthClient;
     let netns = format!("/proc/{}/ns/net", node.pid());
-    let paths = inplace_agent::rpc::tls::ClientTlsPaths {
+    let paths = inplace_api::tls::ClientTlsPaths {
         ca: pki.join("ca.crt"),
         cert: pki.join("reader.crt"),
         key: pki.join("reader.key"),
@@ -372,15 +373,11 @@ fn grpc_health(node: &SandboxNode, pki: &Path, server_name: &str) -> Result<i32,
             .build()
             .map_err(|e| e.to_string())?;
         runtime.block_on(async move {
-            let config =
-                inplace_agent::rpc::tls::client_config(&paths).map_err(|e| e.to_string())?;
-            let channel = inplace_agent::rpc::tls::connect(
-                "127.0.0.1:9443",
-                Some(&server_name),
-                Arc::new(config),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
+            let config = inplace_api::tls::client_config(&paths).map_err(|e| e.to_string())?;
+            let channel =
+                inplace_api::tls::connect("127.0.0.1:9443", Some(&server_name), Arc::new(config))
+                    .await
+                    .map_err(|e| e.to_string())?;
             let response = HealthClient::new(channel)
                 .check(HealthCheckRequest {
                     service: String::new(),
@@ -798,7 +795,7 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
     // The pod's files: the Secret at /etc/inplace-agent/tls (cert-manager's names) and the
     // ConfigMap's config.toml; here in a directory of the test.
     let dir = tempfile::tempdir().unwrap();
-    let files = inplace_agent::rpc::pki::init(&inplace_agent::rpc::pki::PkiInitOptions::new(
+    let files = inplace_api::pki::init(&inplace_api::pki::PkiInitOptions::new(
         dir.path().join("pki"),
         name.clone(),
     ))

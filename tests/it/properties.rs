@@ -4,7 +4,7 @@
 use std::io::Write;
 
 use inplace_agent::journal::{Journal, Reader};
-use inplace_agent::plan::{Limits, parse_plan, validate_value};
+use inplace_plan::{Limits, parse_plan, validate_value};
 use proptest::prelude::*;
 use serde_json::{Map, Value};
 

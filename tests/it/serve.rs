@@ -17,11 +17,11 @@ use crate::support;
 use crate::support::agent::Agent;
 use crate::support::pki::{As, NodePki};
 use crate::support::{Node, bin, diff, patience, text};
-use inplace_agent::plan::{Limits, parse_plan};
-use inplace_agent::rpc::convert::plan_to_pb;
-use inplace_agent::rpc::pb;
-use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiInitOptions};
+use inplace_api::convert::plan_to_pb;
+use inplace_api::pb;
+use inplace_api::pb::node_agent_client::NodeAgentClient;
+use inplace_api::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY, PkiInitOptions};
+use inplace_plan::{Limits, parse_plan};
 
 const NODE: &str = "test-node";
 
@@ -1339,8 +1339,7 @@ async fn clients_that_cannot_connect_say_why_and_what_to_do() {
 
     let other = tempfile::tempdir().unwrap();
     let theirs =
-        inplace_agent::rpc::pki::init(&PkiInitOptions::new(other.path().join("pki"), NODE))
-            .unwrap();
+        inplace_api::pki::init(&PkiInitOptions::new(other.path().join("pki"), NODE)).unwrap();
     let said = run(
         &agent.addr,
         with("--ca", &theirs.ca_cert.display().to_string()),
@@ -1373,7 +1372,7 @@ fn serve_refuses_to_start_without_what_it_needs_and_says_how_to_fix_it() {
     let f = &pki.files;
     let other = tempfile::tempdir().unwrap();
     let theirs =
-        inplace_agent::rpc::pki::init(&PkiInitOptions::new(other.path().join("pki"), "other-node"))
+        inplace_api::pki::init(&PkiInitOptions::new(other.path().join("pki"), "other-node"))
             .unwrap();
     let garbage = other.path().join("garbage.crt");
     std::fs::write(&garbage, "not a certificate\n").unwrap();

@@ -14,7 +14,7 @@ use crate::support::text;
 use inplace_agent::host::systemd::{ActiveState, SystemdError, UnitFileState};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_inplace-agent");
+const BIN: &str = crate::support::programs::AGENT;
 const KUBELET: &str = "kubelet.service";
 const STARTS: &str = "/var/log/kubelet-standin.starts";
 const GATES: &str = "verify:

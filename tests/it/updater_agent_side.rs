@@ -109,26 +109,26 @@ fn set_names_and_version_patterns_are_validated() {
             text(&out)
         );
     }
-    let ok = inplace_agent::plan::parse_plan(
+    let ok = inplace_plan::parse_plan(
         format!(
             "{}changes:\n  - package: {{name: kubelet, version: \"1.31.2-*\", hold: true}}\n",
             header("ns/v@2")
         )
         .as_bytes(),
         "test",
-        &inplace_agent::plan::Limits::default(),
+        &inplace_plan::Limits::default(),
     );
     assert!(ok.is_ok(), "{ok:?}");
 }
 
 #[test]
 fn a_prune_option_is_part_of_the_digest_only_when_set() {
-    let limits = inplace_agent::plan::Limits::default();
+    let limits = inplace_plan::Limits::default();
     let body = "changes:\n  - file: {path: /etc/kubernetes/a, content: x}\n";
     let without =
-        inplace_agent::plan::parse_plan(format!("{}{body}", header("a")).as_bytes(), "t", &limits)
+        inplace_plan::parse_plan(format!("{}{body}", header("a")).as_bytes(), "t", &limits)
             .unwrap();
-    let with = inplace_agent::plan::parse_plan(
+    let with = inplace_plan::parse_plan(
         format!("{}options: {{prune: {{set: s}}}}\n{body}", header("a")).as_bytes(),
         "t",
         &limits,
@@ -137,7 +137,7 @@ fn a_prune_option_is_part_of_the_digest_only_when_set() {
     assert_ne!(without.digest(), with.digest());
     assert!(without.canonical_json()["options"].get("prune").is_none());
     // The wire form carries it both ways.
-    let wire = inplace_agent::rpc::convert::plan_to_pb(&with);
-    let back = inplace_agent::rpc::convert::validate_plan(&wire, &limits).unwrap();
+    let wire = inplace_api::convert::plan_to_pb(&with);
+    let back = inplace_api::convert::validate_plan(&wire, &limits).unwrap();
     assert_eq!(back.digest(), with.digest());
 }

@@ -14,8 +14,8 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 
 use crate::support::updater::*;
-use inplace_agent::updater::hooks::{Hook, PENDING_HOOKS_ANNOTATION};
-use inplace_agent::updater::standin::{object_path, secret};
+use inplace_updater::hooks::{Hook, PENDING_HOOKS_ANNOTATION};
+use inplace_updater::standin::{object_path, secret};
 
 /// How much of `retryAfterSeconds` the emulated CAPI waits (10 s → 100 ms).
 const SCALE: f64 = 0.01;

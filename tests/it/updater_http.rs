@@ -11,8 +11,8 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncWriteExt, split};
 
 use crate::support::updater::*;
-use inplace_agent::updater::emulate::{CapiClient, read_response};
-use inplace_agent::updater::hooks::Hook;
+use inplace_updater::emulate::{CapiClient, read_response};
+use inplace_updater::hooks::Hook;
 
 fn fixture(name: &str) -> Vec<u8> {
     std::fs::read(
@@ -316,7 +316,7 @@ async fn the_serving_certificate_is_reloaded_when_its_files_change() {
         .pki
         .server("serving", &[SERVICE_HOST, "rotated.inplace-system.svc"])
         .unwrap();
-    let new_der = inplace_agent::rpc::tls::load_certificates(&serving.cert).unwrap()[0].to_vec();
+    let new_der = inplace_api::tls::load_certificates(&serving.cert).unwrap()[0].to_vec();
     assert_ne!(before, new_der);
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use crate::support::patience::deadline;
 use crate::support::updater::*;
-use inplace_agent::updater::hooks::Hook;
+use inplace_updater::hooks::Hook;
 
 fn count_accepted(state: &Path) -> usize {
     std::fs::read_to_string(inplace_agent::journal::file_path(state))
@@ -24,7 +24,7 @@ fn count_accepted(state: &Path) -> usize {
 
 /// Calls UpdateMachine every `every` until it is done or fails; every answer.
 async fn poll_every(
-    capi: &mut inplace_agent::updater::emulate::CapiClient,
+    capi: &mut inplace_updater::emulate::CapiClient,
     body: &[u8],
     every: Duration,
 ) -> Vec<Value> {

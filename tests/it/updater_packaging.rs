@@ -61,7 +61,7 @@ fn the_kustomization_holds_what_capi_and_the_updater_need_and_agrees_with_itself
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
 
     // The flags exist in the binary.
-    let help = Command::new(env!("CARGO_BIN_EXE_inplace-updater"))
+    let help = Command::new(crate::support::programs::UPDATER)
         .args(["serve", "--help"])
         .output()
         .unwrap();
@@ -158,7 +158,7 @@ fn the_kustomization_holds_what_capi_and_the_updater_need_and_agrees_with_itself
         "ExtensionConfig is cluster-scoped"
     );
     // Every setting is one the updater reads.
-    let known: Vec<&str> = inplace_agent::updater::settings::KEYS
+    let known: Vec<&str> = inplace_updater::settings::KEYS
         .iter()
         .map(|(k, _)| *k)
         .collect();

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use inplace_agent::rpc::pki::DEFAULT_READER_IDENTITY;
 use inplace_agent::status::client;
+use inplace_api::pki::DEFAULT_READER_IDENTITY;
 
 use super::daemon::{Daemon, Ready, serve_command};
 use super::node::{Node, bin};

@@ -13,7 +13,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use inplace_agent::rpc::pki::DEFAULT_UPDATER_IDENTITY;
+use inplace_api::pki::DEFAULT_UPDATER_IDENTITY;
 
 use super::memory::Memory;
 use super::patience::{deadline, patience};
@@ -23,7 +23,10 @@ use super::patience::{deadline, patience};
 pub fn agent_under_test() -> PathBuf {
     std::env::var_os("INPLACE_AGENT_BIN")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_inplace-agent")))
+        .unwrap_or_else(|| {
+            super::programs::check_fresh();
+            PathBuf::from(super::programs::AGENT)
+        })
 }
 
 /// `inplace-agent serve` (the program `bin`) for `node` on `root`: no configuration file,

@@ -4,6 +4,7 @@
 //! package's own tests and benches, and keeps the library's public surface as it is.
 //!
 //! - [`patience`]: the one bound of every wait (`INPLACE_TEST_PATIENCE_SECS`), `eventually`;
+//! - [`programs`]: the agent and updater binaries, checked to be as new as their sources;
 //! - [`node`]: a sandbox node tree, the binary run on it, snapshots, `require_root`;
 //! - [`pki`]: throwaway PKIs (a node's, an HTTPS server's);
 //! - [`daemon`]: a daemon started, waited for, logged, stopped; [`memory`]: its memory;
@@ -20,6 +21,7 @@ pub mod node;
 pub mod overlay;
 pub mod patience;
 pub mod pki;
+pub mod programs;
 pub mod sandbox;
 pub mod updater;
 

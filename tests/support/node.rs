@@ -10,7 +10,8 @@ use sha2::{Digest, Sha256};
 
 /// The agent binary under test.
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_inplace-agent")
+    super::programs::check_fresh();
+    super::programs::AGENT
 }
 
 /// True when the tests run as root (CI does).
@@ -41,11 +42,12 @@ pub struct Node {
 impl Node {
     /// A fresh kubeadm-like worker tree.
     pub fn new() -> Node {
+        super::programs::check_fresh();
         let dir = tempfile::Builder::new()
             .prefix("inplace-test-")
             .tempdir()
             .expect("tempdir");
-        inplace_agent::sandbox::tree::build_kubeadm_worker(dir.path()).expect("sandbox tree");
+        inplace_demo_node::build_kubeadm_worker(dir.path()).expect("sandbox tree");
         Node { dir }
     }
 

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tonic::transport::Channel;
 
-use inplace_agent::rpc::pb::node_agent_client::NodeAgentClient;
-use inplace_agent::rpc::pki::{PkiFiles, PkiInitOptions};
-use inplace_agent::rpc::tls::{ClientTlsPaths, client_config, connect};
+use inplace_api::pb::node_agent_client::NodeAgentClient;
+use inplace_api::pki::{PkiFiles, PkiInitOptions};
+use inplace_api::tls::{ClientTlsPaths, client_config, connect};
 
 /// A node's PKI in a temp dir, removed on drop.
 pub struct NodePki {
@@ -32,9 +32,8 @@ impl NodePki {
     /// A fresh PKI for `node`.
     pub fn new(node: &str) -> Result<NodePki, String> {
         let dir = tempfile::tempdir().map_err(|e| format!("pki temp dir: {e}"))?;
-        let files =
-            inplace_agent::rpc::pki::init(&PkiInitOptions::new(dir.path().join("pki"), node))
-                .map_err(|e| format!("pki init for {node}: {e}"))?;
+        let files = inplace_api::pki::init(&PkiInitOptions::new(dir.path().join("pki"), node))
+            .map_err(|e| format!("pki init for {node}: {e}"))?;
         Ok(NodePki {
             _dir: dir,
             node: node.to_owned(),

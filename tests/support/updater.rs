@@ -1,5 +1,5 @@
 //! Shared harness of the updater's tests: a throwaway PKI, the Kubernetes API stand-in
-//! (`inplace_agent::updater::standin`, in this process), real `inplace-agent serve` agents on
+//! (`inplace_updater::standin`, in this process), real `inplace-agent serve` agents on
 //! sandbox node trees (each on its own loopback address, all on one port, as a fleet whose
 //! agents share `agentPort`), the real `inplace-updater serve` binary, and a client that
 //! calls it exactly as Cluster API does (`updater::emulate::CapiClient`).
@@ -13,14 +13,13 @@ use serde_json::{Value, json};
 
 use super::daemon::{Daemon, Ready, serve_command};
 use super::patience::deadline;
-use inplace_agent::updater::emulate::{CapiClient, CertFiles, Pki};
-use inplace_agent::updater::hooks::{
+use inplace_updater::emulate::{CapiClient, CertFiles, Pki};
+use inplace_updater::hooks::{
     HOOKS_API_VERSION, Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION,
 };
-use inplace_agent::updater::standin::ApiStandin;
+use inplace_updater::standin::ApiStandin;
 
-pub const AGENT: &str = env!("CARGO_BIN_EXE_inplace-agent");
-pub const UPDATER: &str = env!("CARGO_BIN_EXE_inplace-updater");
+pub use super::programs::{AGENT, UPDATER};
 pub const KUBELET_STANDIN: &str = env!("CARGO_BIN_EXE_kubelet-standin");
 
 /// The host name CAPI dials (the Service's DNS name); the serving certificate names it.
@@ -64,6 +63,7 @@ pub struct World {
 
 impl World {
     pub async fn new(subnet: u8) -> World {
+        super::programs::check_fresh();
         let dir = tempfile::Builder::new()
             .prefix("inplace-updater-test-")
             .tempdir()
@@ -91,7 +91,7 @@ impl World {
             .prefix("inplace-updater-node-")
             .tempdir()
             .unwrap();
-        inplace_agent::sandbox::tree::build_kubeadm_worker(tree.path()).unwrap();
+        inplace_demo_node::build_kubeadm_worker(tree.path()).unwrap();
         let bin = tree.path().join("usr/local/bin");
         std::fs::create_dir_all(&bin).unwrap();
         std::fs::copy(KUBELET_STANDIN, bin.join("kubelet")).unwrap();

@@ -1,0 +1,568 @@
+//! `inplace-agent status` without `--addr`: the local agent's status socket, rendered for a
+//! person (what is running, how far, for how long, the last failure and the step that
+//! failed), as JSON, or followed with `--watch`. When no agent answers on the socket it reads
+//! the journal directly (read-only, without the journal's lock) and says so.
+
+use inplace_base::time::now_ms;
+use inplace_base::time::rfc3339;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::Exit;
+use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json};
+use crate::config::{
+    ConfigError, DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
+};
+use crate::engine::state::PlanStatus;
+use crate::status::api::{
+    self, AgentStatus, Context, NodeInfo, PlanStatusDocument, PlanSummary, Source,
+};
+use crate::status::client::{self, ClientError};
+
+/// How long one request to the socket may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often `--watch` asks.
+const WATCH_EVERY: Duration = Duration::from_millis(250);
+
+/// Where the local agent and its journal are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Local {
+    /// The status socket.
+    pub socket: PathBuf,
+    /// The state directory, whose journal is read when no agent answers.
+    pub state_dir: PathBuf,
+    /// The node's root.
+    pub root: PathBuf,
+    /// The node's name, when the configuration says.
+    pub node_name: Option<String>,
+}
+
+impl Local {
+    /// Flags first, then the agent's configuration file, then the defaults.
+    pub fn resolve(args: &StatusArgs) -> Result<Local, ConfigError> {
+        let file = match &args.config {
+            Some(path) => Some(load_config(path)?),
+            None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
+                match load_config(Path::new(DEFAULT_CONFIG_PATH)) {
+                    Ok(input) => Some(input),
+                    Err(e) => {
+                        errln!("warning: {e}; using the defaults");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let file = file.unwrap_or_default();
+        let root = args
+            .root
+            .clone()
+            .or(file.settings.root.clone())
+            .unwrap_or_else(|| PathBuf::from("/"));
+        let socket = args
+            .socket
+            .clone()
+            .or(file.status_socket.clone())
+            .unwrap_or_else(|| default_status_socket(&root));
+        let state_dir = args
+            .state_dir
+            .clone()
+            .or(file.settings.state_dir.clone())
+            .unwrap_or_else(|| root.join(DEFAULT_STATE_SUBDIR));
+        Ok(Local {
+            socket,
+            state_dir,
+            root,
+            node_name: file.settings.node_name.clone(),
+        })
+    }
+}
+
+/// What was asked for.
+enum Doc {
+    Agent(Box<AgentStatus>),
+    Plan(Box<PlanStatusDocument>),
+}
+
+/// Asks the socket; when no agent serves there, folds the journal. `Err` is the exit code
+/// (the error is printed).
+fn fetch(local: &Local, id: Option<&str>, quiet_fallback: bool) -> Result<Doc, Exit> {
+    let target = match id {
+        Some(id) => format!("/v1/plans/{}", percent_encode(id)),
+        None => "/v1/status".to_string(),
+    };
+    match client::get(&local.socket, &target, REQUEST_TIMEOUT) {
+        Ok(r) if r.status == 200 => {
+            let parsed = match id {
+                Some(_) => serde_json::from_slice(&r.body).map(|p| Doc::Plan(Box::new(p))),
+                None => serde_json::from_slice(&r.body).map(|a| Doc::Agent(Box::new(a))),
+            };
+            parsed.map_err(|e| {
+                errln!(
+                    "error: the agent's answer on {}: {e}",
+                    local.socket.display()
+                );
+                Exit::Failed
+            })
+        }
+        Ok(r) => {
+            let message = serde_json::from_slice::<api::ErrorDocument>(&r.body)
+                .map(|d| d.message)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&r.body).trim().to_string());
+            errln!("error: {message}");
+            Err(Exit::Failed)
+        }
+        Err(ClientError::NotServing { .. }) => {
+            if !quiet_fallback {
+                errln!(
+                    "no agent is serving on {}; read the journal {} directly (read-only; a \
+                     plan applied by `inplace-agent apply` right now may be ahead of it)",
+                    local.socket.display(),
+                    crate::journal::file_path(&local.state_dir).display()
+                );
+            }
+            from_journal(local, id)
+        }
+        Err(e) => {
+            errln!("error: {e}");
+            Err(Exit::Failed)
+        }
+    }
+}
+
+fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, Exit> {
+    let (table, journal) = api::read_journal(&local.state_dir, usize::MAX).map_err(|e| {
+        errln!("error: read the journal: {e}");
+        Exit::Failed
+    })?;
+    match id {
+        Some(id) => match table.latest(id) {
+            Some(s) => Ok(Doc::Plan(Box::new(PlanStatusDocument::new(s.clone())))),
+            None => {
+                errln!("error: no plan with id {id:?} is in the journal");
+                Err(Exit::Failed)
+            }
+        },
+        None => {
+            let node = NodeInfo {
+                name: local
+                    .node_name
+                    .clone()
+                    .or_else(|| crate::host::node::hostname(&local.root))
+                    .unwrap_or_default(),
+                root: local.root.display().to_string(),
+                ..NodeInfo::default()
+            };
+            let ctx = Context {
+                source: Source::Journal,
+                node,
+                agent: None,
+                services: String::new(),
+                journal,
+            };
+            Ok(Doc::Agent(Box::new(api::agent_status(
+                &table,
+                ctx,
+                now_ms(),
+            ))))
+        }
+    }
+}
+
+/// Percent-encodes a plan id for a URL path.
+fn percent_encode(id: &str) -> String {
+    let mut out = String::with_capacity(id.len());
+    for b in id.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// `inplace-agent status` against the local agent.
+pub fn local(args: &StatusArgs) -> Exit {
+    let local = match Local::resolve(args) {
+        Ok(l) => l,
+        Err(e) => return super::fail(&e.into()),
+    };
+    if args.healthz {
+        return healthz(&local);
+    }
+    let doc = match fetch(&local, args.id.as_deref(), false) {
+        Ok(d) => d,
+        Err(code) => return code,
+    };
+    if args.watch {
+        let id = match &doc {
+            Doc::Plan(p) => Some(p.status.id.clone()),
+            Doc::Agent(a) => a.current.as_ref().map(|c| c.id.clone()),
+        };
+        match id {
+            Some(id) => return watch(&local, &id, args),
+            None => errln!("no plan is running; nothing to watch"),
+        }
+    }
+    print(&local, doc, args.output)
+}
+
+/// `status --healthz`: whether the agent serves its status socket, without any fallback.
+fn healthz(local: &Local) -> Exit {
+    match client::get(&local.socket, "/healthz", REQUEST_TIMEOUT) {
+        Ok(r) if r.status == 200 => {
+            outln!("{}", String::from_utf8_lossy(&r.body).trim());
+            Exit::Ok
+        }
+        Ok(r) => {
+            errln!(
+                "error: {} answered /healthz with {}",
+                local.socket.display(),
+                r.status
+            );
+            Exit::Failed
+        }
+        Err(e) => {
+            errln!("error: {e}");
+            Exit::Failed
+        }
+    }
+}
+
+/// Prints a document in the chosen format and returns the exit code: 1 when the plan shown
+/// (or, for the agent, the current plan, else the most recent one) did not succeed.
+fn print(local: &Local, doc: Doc, output: RemoteOutput) -> Exit {
+    match (doc, output) {
+        (Doc::Plan(p), RemoteOutput::Json) => {
+            outln!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
+            Exit::of_phase(p.status.phase.into())
+        }
+        (Doc::Plan(p), RemoteOutput::HookResponse) => {
+            let hook = p.hook_response.clone().into();
+            outln!(
+                "{}",
+                hook_response_json(&crate::rpc::replies::hook_response_to_pb(&hook))
+            );
+            Exit::of_phase(p.status.phase.into())
+        }
+        (Doc::Plan(p), RemoteOutput::Text) => {
+            let status = PlanStatus::from(p.status);
+            outln!("{}", describe(&status));
+            Exit::of_phase(status.phase)
+        }
+        (Doc::Agent(a), RemoteOutput::Json) => {
+            outln!("{}", serde_json::to_string_pretty(&a).unwrap_or_default());
+            agent_exit(&a)
+        }
+        (Doc::Agent(a), RemoteOutput::HookResponse) => {
+            let id = a
+                .current
+                .as_ref()
+                .map(|c| c.id.clone())
+                .or_else(|| a.recent.first().map(|r| r.id.clone()));
+            let Some(id) = id else {
+                errln!("error: no plan is known; nothing to answer for");
+                return Exit::Failed;
+            };
+            match fetch(local, Some(&id), true) {
+                Ok(doc) => print(local, doc, RemoteOutput::HookResponse),
+                Err(code) => code,
+            }
+        }
+        (Doc::Agent(a), RemoteOutput::Text) => {
+            outln!("{}", render(&a, now_ms()));
+            agent_exit(&a)
+        }
+    }
+}
+
+fn agent_exit(a: &AgentStatus) -> Exit {
+    if a.current.is_some() {
+        return Exit::Ok;
+    }
+    a.recent
+        .first()
+        .map_or(Exit::Ok, |r| Exit::of_phase(r.phase.into()))
+}
+
+/// Follows plan `id` until it ends: a progress bar on a terminal, a line per step otherwise;
+/// then the plan's status. Waits for an agent that went away (restart, reboot).
+fn watch(local: &Local, id: &str, args: &StatusArgs) -> Exit {
+    let mut view = SnapshotView::new(args.no_progress);
+    let mut lost = false;
+    let mut last: Option<PlanStatus> = None;
+    loop {
+        let started = Instant::now();
+        match client::get(
+            &local.socket,
+            &format!("/v1/plans/{}", percent_encode(id)),
+            REQUEST_TIMEOUT,
+        ) {
+            Ok(r) if r.status == 200 => {
+                if lost {
+                    view.line("  (the agent answers again; following the plan from its status)");
+                }
+                lost = false;
+                let doc: PlanStatusDocument = match serde_json::from_slice(&r.body) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        errln!("error: the agent's answer: {e}");
+                        return Exit::Failed;
+                    }
+                };
+                let status = PlanStatus::from(doc.status.clone());
+                let done = status.phase.is_terminal();
+                if last.as_ref() != Some(&status) {
+                    view.show(status.clone());
+                    last = Some(status);
+                }
+                if done {
+                    return print(local, Doc::Plan(Box::new(doc)), args.output);
+                }
+            }
+            Ok(r) => {
+                errln!(
+                    "error: {}",
+                    serde_json::from_slice::<api::ErrorDocument>(&r.body)
+                        .map(|d| d.message)
+                        .unwrap_or_else(|_| format!("the agent answered {}", r.status))
+                );
+                return Exit::Failed;
+            }
+            Err(ClientError::NotServing { .. }) => {
+                if !lost {
+                    view.line(&format!(
+                        "  (the agent stopped answering on {}; waiting for it)",
+                        local.socket.display()
+                    ));
+                    lost = true;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+                continue;
+            }
+            Err(e) => {
+                errln!("error: {e}");
+                return Exit::Failed;
+            }
+        }
+        std::thread::sleep(WATCH_EVERY.saturating_sub(started.elapsed()));
+    }
+}
+
+/// `850ms`, `12.3s`, `4m05s`, `2h03m`.
+pub fn duration(ms: u64) -> String {
+    match ms {
+        0..1000 => format!("{ms}ms"),
+        1000..60_000 => format!("{:.1}s", ms as f64 / 1000.0),
+        60_000..3_600_000 => format!("{}m{:02}s", ms / 60_000, ms / 1000 % 60),
+        _ => format!("{}h{:02}m", ms / 3_600_000, ms / 60_000 % 60),
+    }
+}
+
+fn bytes(n: u64) -> String {
+    match n {
+        0..1024 => format!("{n} B"),
+        1024..1_048_576 => format!("{:.1} KiB", n as f64 / 1024.0),
+        _ => format!("{:.1} MiB", n as f64 / 1_048_576.0),
+    }
+}
+
+fn short(digest: &str) -> &str {
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    &hex[..hex.len().min(12)]
+}
+
+fn outcome(p: &PlanSummary) -> String {
+    let c = p.counts;
+    let mut s = format!("{} changed, {} unchanged", c.changed, c.unchanged);
+    if c.rolled_back > 0 {
+        s.push_str(&format!(", {} rolled back", c.rolled_back));
+    }
+    if let Some(e) = &p.error {
+        s.push_str(&format!("; {e}"));
+    }
+    s
+}
+
+/// The agent's status for a person.
+pub fn render(a: &AgentStatus, now: u64) -> String {
+    let mut out = Vec::new();
+    let node = &a.node;
+    let mut about = Vec::new();
+    if !node.os_pretty_name.is_empty() {
+        about.push(node.os_pretty_name.clone());
+    }
+    if !node.kubelet_version.is_empty() {
+        about.push(format!("kubelet {}", node.kubelet_version));
+    }
+    let name = if node.name.is_empty() {
+        "(unnamed)"
+    } else {
+        &node.name
+    };
+    let about = if about.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", about.join(", "))
+    };
+    match (&a.agent, a.source) {
+        (Some(agent), _) => out.push(format!(
+            "node {name}{about}: inplace-agent {} (commit {}) pid {}, up {}, gRPC on {}",
+            agent.version,
+            agent.commit,
+            agent.pid,
+            duration(agent.uptime_seconds * 1000),
+            agent.grpc_listen
+        )),
+        (None, _) => out.push(format!(
+            "node {name}{about}: no agent running (read from the journal)"
+        )),
+    }
+    if !a.services.is_empty() {
+        out.push(format!("services: {}", a.services));
+    }
+    out.push(format!(
+        "journal: {}, {} records, {} (last seq {})",
+        a.journal.path,
+        a.journal.records,
+        bytes(a.journal.bytes),
+        a.journal.last_seq
+    ));
+    out.push(String::new());
+    match &a.current {
+        Some(c) if a.agent.is_none() => {
+            // Read from the journal: nothing runs it now.
+            out.push(format!(
+                "unfinished: plan {} attempt {} ({}), from {}",
+                c.id,
+                c.attempt,
+                short(&c.digest),
+                c.source
+            ));
+            out.push(format!(
+                "  the agent is not running: the plan stopped in {}, step {}/{}",
+                c.phase, c.step, c.steps
+            ));
+            if let Some(at) = &c.resumes_at {
+                out.push(format!(
+                    "  it resumes at {at} when the agent starts (systemctl start inplace-agent)"
+                ));
+            }
+            if let Some(e) = &c.error {
+                out.push(format!("  rolling back after ({}): {e}", e.kind.as_str()));
+            }
+            for e in &c.events {
+                out.push(format!("  {}: {}", rfc3339(e.at_ms), e.message));
+            }
+        }
+        Some(c) => {
+            out.push(format!(
+                "running: plan {} attempt {} ({}), from {}",
+                c.id,
+                c.attempt,
+                short(&c.digest),
+                c.source
+            ));
+            let pct = (c.step * 100)
+                .checked_div(c.steps)
+                .map(|p| format!(" ({p}%)"))
+                .unwrap_or_default();
+            let elapsed = c
+                .elapsed_ms
+                .map(|ms| format!(", for {}", duration(ms)))
+                .unwrap_or_else(|| {
+                    format!(
+                        ", waiting for {}",
+                        duration(now.saturating_sub(c.accepted_at_ms))
+                    )
+                });
+            out.push(format!(
+                "  {}, step {}/{}{pct}{elapsed}",
+                c.phase, c.step, c.steps
+            ));
+            if let Some(ch) = &c.running_change {
+                out.push(format!(
+                    "  now: changes[{}] {} {}",
+                    ch.index, ch.kind, ch.target
+                ));
+            }
+            if let Some(ch) = &c.running_check {
+                out.push(format!(
+                    "  now: verify[{}] {} {}",
+                    ch.index, ch.kind, ch.target
+                ));
+            }
+            if !c.message.is_empty() {
+                out.push(format!("  {}", c.message));
+            }
+            if let Some(e) = &c.error {
+                out.push(format!("  rolling back after ({}): {e}", e.kind.as_str()));
+            }
+            for e in &c.events {
+                out.push(format!(
+                    "  {} ago: {}",
+                    duration(now.saturating_sub(e.at_ms)),
+                    e.message
+                ));
+            }
+        }
+        None => out.push("idle: no plan is running".to_string()),
+    }
+    if !a.recent.is_empty() {
+        out.push(String::new());
+        out.push("recent plans, newest first:".to_string());
+        let width = a
+            .recent
+            .iter()
+            .map(|p| p.id.len())
+            .max()
+            .unwrap_or(0)
+            .min(40);
+        for p in &a.recent {
+            out.push(format!(
+                "  {:<width$}  {:<10}  {:>7}  {}  {}",
+                p.id,
+                p.phase.to_string(),
+                p.duration_ms.map(duration).unwrap_or_default(),
+                p.finished_at_ms.map(rfc3339).unwrap_or_default(),
+                outcome(p)
+            ));
+        }
+    }
+    if let Some(f) = &a.last_failure {
+        let when = f
+            .finished_at_ms
+            .map(|t| format!(", finished {}", rfc3339(t)))
+            .unwrap_or_default();
+        let why = match &f.error {
+            Some(e) => format!("{} [{}]", e, e.kind.as_str()),
+            None => "no error recorded".to_string(),
+        };
+        out.push(String::new());
+        out.push(format!(
+            "last failure: plan {} attempt {} ({}{when}): {why}",
+            f.id, f.attempt, f.phase
+        ));
+    }
+    out.join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_naturally() {
+        assert_eq!(duration(850), "850ms");
+        assert_eq!(duration(12_340), "12.3s");
+        assert_eq!(duration(245_000), "4m05s");
+        assert_eq!(duration(7_380_000), "2h03m");
+    }
+
+    #[test]
+    fn plan_ids_are_escaped_in_paths() {
+        assert_eq!(percent_encode("kubelet-1.31"), "kubelet-1.31");
+        assert_eq!(percent_encode("a/b c"), "a%2Fb%20c");
+    }
+}

@@ -1,0 +1,382 @@
+//! `inplace-updater demo`: emulated Cluster API calls drive a real agent. It starts the
+//! Kubernetes API stand-in (the paths the updater reads), a real `inplace-agent serve` on a
+//! sandbox node tree (services off: nothing on this machine is touched) and the updater
+//! itself, then plays CAPI's controllers: discovery, CanUpdateMachineSet, UpdateMachine
+//! polled until done, the same desired state again, a dropped file, and a call for a
+//! Machine that is not being updated.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use serde_json::{Value, json};
+
+use super::emulate::{CapiClient, Pki};
+use super::hooks::{Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION};
+use super::standin::{ApiStandin, object_path, secret};
+
+/// `demo` flags.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Keep the sandbox directory (printed at the start) instead of removing it
+    #[arg(long)]
+    keep: bool,
+    /// The inplace-agent binary (default: beside this one)
+    #[arg(long)]
+    agent: Option<PathBuf>,
+}
+
+/// Runs the demo.
+pub fn run(args: &DemoArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("inplace-updater demo: start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(demo(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("inplace-updater demo: {}", super::errors::chain(&e));
+            ExitCode::from(1)
+        }
+    }
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn step(title: &str) {
+    println!("\n== {title}");
+}
+
+fn agent_binary(args: &DemoArgs) -> anyhow::Result<PathBuf> {
+    if let Some(p) = &args.agent {
+        return Ok(p.clone());
+    }
+    let me = std::env::current_exe().context("find this binary")?;
+    let beside = me.with_file_name("inplace-agent");
+    anyhow::ensure!(
+        beside.is_file(),
+        "no inplace-agent beside {} (pass --agent)",
+        me.display()
+    );
+    Ok(beside)
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Starts `inplace-agent serve` on the sandbox; returns once it listens.
+fn start_agent(bin: &Path, root: &Path, pki: &Pki, port: u16) -> anyhow::Result<KillOnDrop> {
+    let server = pki.server("agent", &["demo-node", "127.0.0.1"])?;
+    let log = root.with_extension("agent.log");
+    let out = std::fs::File::create(&log)?;
+    let child = Command::new(bin)
+        .args(["serve", "--config", "/dev/null", "--root"])
+        .arg(root)
+        .arg("--state-dir")
+        .arg(root.with_extension("state"))
+        .args(["--node-name", "demo-node", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--tls-cert")
+        .arg(&server.cert)
+        .arg("--tls-key")
+        .arg(&server.key)
+        .arg("--client-ca")
+        .arg(pki.ca())
+        .args([
+            "--admin",
+            inplace_api::pki::DEFAULT_UPDATER_IDENTITY,
+            "--no-chroot",
+        ])
+        .env("INPLACE_AGENT_SERVICES", "off")
+        .env("INPLACE_AGENT_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(out)
+        .spawn()
+        .with_context(|| format!("start {}", bin.display()))?;
+    let child = KillOnDrop(child);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_to_string(&log)
+        .map(|l| !l.contains("listening on"))
+        .unwrap_or(true)
+    {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the agent did not start; its log is {}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(child)
+}
+
+fn machine(version: &str, in_place: bool) -> Value {
+    let mut annotations = serde_json::Map::new();
+    if in_place {
+        annotations.insert(UPDATE_IN_PROGRESS_ANNOTATION.into(), json!(""));
+        annotations.insert(PENDING_HOOKS_ANNOTATION.into(), json!("UpdateMachine"));
+    }
+    json!({
+        "kind": "Machine",
+        "apiVersion": "cluster.x-k8s.io/v1beta2",
+        "metadata": {"name": "demo-md-0-x7k2p", "namespace": "default", "annotations": annotations},
+        "spec": {
+            "clusterName": "demo",
+            "bootstrap": {"configRef": {"kind": "KubeadmConfig", "name": "demo-md-0-x7k2p", "apiGroup": "bootstrap.cluster.x-k8s.io"}},
+            "infrastructureRef": {"kind": "DevMachine", "name": "demo-md-0-x7k2p", "apiGroup": "infrastructure.cluster.x-k8s.io"},
+            "version": version,
+        },
+        "status": {
+            "nodeRef": {"name": "demo-node"},
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+        },
+    })
+}
+
+fn kubeadm_config(files: Value) -> Value {
+    json!({
+        "apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2",
+        "kind": "KubeadmConfig",
+        "metadata": {"name": "demo-md-0-x7k2p", "namespace": "default"},
+        "spec": {
+            "files": files,
+            "joinConfiguration": {
+                "discovery": {"bootstrapToken": {"token": "abcdef.0123456789abcdef"}},
+                "nodeRegistration": {"kubeletExtraArgs": [{"name": "max-pods", "value": "150"}]},
+            },
+        },
+    })
+}
+
+fn update_request(machine: &Value, config: &Value, port: u16) -> Vec<u8> {
+    let strip = |v: &Value| {
+        let mut v = v.clone();
+        if let Some(m) = v.as_object_mut() {
+            m.remove("status");
+        }
+        v
+    };
+    serde_json::to_vec(&json!({
+        "kind": "UpdateMachineRequest",
+        "apiVersion": super::hooks::HOOKS_API_VERSION,
+        "settings": {"agentPort": port.to_string()},
+        "desired": {"machine": strip(machine), "bootstrapConfig": strip(config)},
+    }))
+    .unwrap_or_default()
+}
+
+/// UpdateMachine until done, waiting a tenth of `retryAfterSeconds` between calls.
+async fn poll(capi: &mut CapiClient, body: &[u8]) -> anyhow::Result<Value> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let v = capi.call(Hook::UpdateMachine, body).await?.json();
+        let retry = v["retryAfterSeconds"].as_i64().unwrap_or(0);
+        println!(
+            "   UpdateMachine → {} retryAfterSeconds={retry} {:?}",
+            v["status"].as_str().unwrap_or("?"),
+            v["message"].as_str().unwrap_or("")
+        );
+        if v["status"] != "Success" || retry == 0 {
+            return Ok(v);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the update did not finish in 120 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100 * retry as u64)).await;
+    }
+}
+
+fn show(root: &Path, path: &str) {
+    let file = root.join(path.trim_start_matches('/'));
+    match (std::fs::read_to_string(&file), std::fs::metadata(&file)) {
+        // Secret contents are not printed.
+        (Ok(text), Ok(meta)) if path.ends_with("-auth") => println!(
+            "   {path}: {} bytes, mode {:04o}",
+            text.len(),
+            std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o7777
+        ),
+        (Ok(text), _) => println!("   {path}: {:?}", text.trim_end()),
+        _ => println!("   {path}: (absent)"),
+    }
+}
+
+async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
+    let agent_bin = agent_binary(args)?;
+    let dir = tempfile::Builder::new()
+        .prefix("inplace-updater-demo-")
+        .tempdir()?;
+    let root = dir.path().join("node");
+    std::fs::create_dir_all(&root)?;
+    inplace_demo_node::build_kubeadm_worker(&root)?;
+    // The node's "kubelet" reports the version the Machine asks for (the demo's node has no
+    // package manager: the version is verified, not installed).
+    let kubelet = root.join("usr/local/bin/kubelet");
+    std::fs::create_dir_all(kubelet.parent().unwrap_or(&root))?;
+    std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;
+    std::fs::set_permissions(
+        &kubelet,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    println!("sandbox: {}", dir.path().display());
+
+    let pki = Pki::new(&dir.path().join("pki"))?;
+    let port = free_port()?;
+    let _agent = start_agent(&agent_bin, &root, &pki, port)?;
+    let api = ApiStandin::start().await?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let serving = pki.server(
+        "updater",
+        &["inplace-updater.inplace-system.svc", "127.0.0.1"],
+    )?;
+    let client = pki.updater_client()?;
+    let (updater, tls) = super::setup::build(
+        &serving.cert,
+        &serving.key,
+        super::agent::paths(pki.ca(), client.cert.clone(), client.key.clone()),
+        port,
+        Some(&kubeconfig),
+    )
+    .await?;
+    let server = super::server::Server::start("127.0.0.1:0".parse()?, tls, updater).await?;
+    println!(
+        "agent demo-node on 127.0.0.1:{port}, Kubernetes API stand-in on {}, updater on {}",
+        api.addr, server.addr
+    );
+    let mut capi = CapiClient::new(server.addr, "inplace-updater.inplace-system.svc", &pki.ca())?;
+
+    step("CAPI discovers the extension");
+    let v = capi
+        .call(
+            Hook::Discovery,
+            br#"{"kind":"DiscoveryRequest","apiVersion":"hooks.runtime.cluster.x-k8s.io/v1alpha1"}"#,
+        )
+        .await?
+        .json();
+    for h in v["handlers"].as_array().cloned().unwrap_or_default() {
+        println!(
+            "   {} for {} (failurePolicy {}, {} s)",
+            h["name"].as_str().unwrap_or(""),
+            h["requestHook"]["hook"].as_str().unwrap_or(""),
+            h["failurePolicy"].as_str().unwrap_or(""),
+            h["timeoutSeconds"]
+        );
+    }
+
+    step(
+        "the MachineDeployment controller asks CanUpdateMachineSet (new file content, version, kubelet flag)",
+    );
+    let files_v1 = json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v1\n"}]);
+    let files_v2 = json!([
+        {"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v2\n", "permissions": "0640"},
+        {"path": "/etc/kubernetes/registry-auth", "contentFrom": {"secret": {"name": "registry", "key": "auth"}}, "permissions": "0600"},
+    ]);
+    let template = |name: &str, files: &Value, args: Value| {
+        json!({"apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2", "kind": "KubeadmConfigTemplate",
+               "metadata": {"name": name, "namespace": "default"},
+               "spec": {"template": {"spec": {"files": files, "joinConfiguration": {"nodeRegistration": {"kubeletExtraArgs": args}}}}}})
+    };
+    let ms = |name: &str, version: &str, tpl: &str| {
+        json!({"kind": "MachineSet", "apiVersion": "cluster.x-k8s.io/v1beta2",
+               "metadata": {"name": name, "namespace": "default"},
+               "spec": {"clusterName": "demo", "replicas": 1, "template": {"spec": {"clusterName": "demo", "version": version,
+                   "bootstrap": {"configRef": {"kind": "KubeadmConfigTemplate", "name": tpl, "apiGroup": "bootstrap.cluster.x-k8s.io"}}}}}})
+    };
+    let request = json!({
+        "kind": "CanUpdateMachineSetRequest", "apiVersion": super::hooks::HOOKS_API_VERSION,
+        "current": {"machineSet": ms("demo-md-0-a", "v1.35.1", "demo-v1"), "bootstrapConfigTemplate": template("demo-v1", &files_v1, json!([]))},
+        "desired": {"machineSet": ms("demo-md-0-b", "v1.35.2", "demo-v2"), "bootstrapConfigTemplate": template("demo-v2", &files_v2, json!([{"name": "max-pods", "value": "150"}]))},
+    });
+    let v = capi
+        .call(Hook::CanUpdateMachineSet, &serde_json::to_vec(&request)?)
+        .await?
+        .json();
+    for key in ["machineSetPatch", "bootstrapConfigTemplatePatch"] {
+        if let Some(p) = v.get(key) {
+            let ops = super::hooks::Patch {
+                patch_type: "JSONPatch",
+                patch: p["patch"].as_str().unwrap_or("").to_owned(),
+            }
+            .operations();
+            println!("   {key}:");
+            for op in ops {
+                println!(
+                    "     {} {}",
+                    op["op"].as_str().unwrap_or(""),
+                    op["path"].as_str().unwrap_or("")
+                );
+            }
+        }
+    }
+    println!("   (everything covered: CAPI updates the Machine in place instead of replacing it)");
+
+    step("the Machine controller calls UpdateMachine until done");
+    api.put(secret("default", "registry", &[("auth", b"user:s3cr3t")]));
+    let live = machine("v1.35.2", true);
+    let config = kubeadm_config(files_v2.clone());
+    api.put(live.clone());
+    api.put(config.clone());
+    show(&root, "/etc/kubernetes/inplace-demo.conf");
+    let body = update_request(&live, &config, port);
+    poll(&mut capi, &body).await?;
+    show(&root, "/etc/kubernetes/inplace-demo.conf");
+    show(&root, "/etc/kubernetes/registry-auth");
+    let flags =
+        std::fs::read_to_string(root.join("var/lib/kubelet/kubeadm-flags.env")).unwrap_or_default();
+    println!("   kubeadm-flags.env: {}", flags.trim_end());
+
+    step(
+        "CAPI calls again with the same desired state (a controller restart): done at once, nothing runs",
+    );
+    poll(&mut capi, &body).await?;
+
+    step("a file is dropped from files[]: the agent removes it (managed set)");
+    let fewer = kubeadm_config(json!([files_v2[0].clone()]));
+    api.put(fewer.clone());
+    poll(&mut capi, &update_request(&live, &fewer, port)).await?;
+    show(&root, "/etc/kubernetes/registry-auth");
+
+    step("someone calls UpdateMachine for a Machine CAPI is not updating: refused, nothing starts");
+    let idle = machine("v1.35.2", false);
+    if let Some(path) = object_path(&idle) {
+        api.edit(&path, |m| m["metadata"]["annotations"] = json!({}));
+    }
+    let v = capi
+        .call(Hook::UpdateMachine, &update_request(&idle, &fewer, port))
+        .await?
+        .json();
+    println!(
+        "   UpdateMachine → {} {:?}",
+        v["status"].as_str().unwrap_or("?"),
+        v["message"].as_str().unwrap_or("")
+    );
+
+    server.shutdown().await;
+    if args.keep {
+        let kept = dir.keep();
+        println!("\nsandbox kept: {}", kept.display());
+    }
+    println!(
+        "\ndone: docs/updater.md explains what the updater covers in place and how to install it"
+    );
+    Ok(())
+}

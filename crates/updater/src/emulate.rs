@@ -1,0 +1,308 @@
+//! Cluster API's side of the wire, emulated for the demo, the tests and the benchmark: an
+//! HTTPS client that calls an extension exactly as CAPI's Go client does (POST, the path
+//! plus `?timeout=10s`, no Content-Type, Go's default headers, compact JSON, ALPN offering
+//! `h2` and `http/1.1`, one kept-alive connection), and a throwaway PKI for the updater's
+//! serving certificate, the agents' server certificates and the updater's client
+//! certificate. Not used by `serve`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+
+use super::hooks::Hook;
+use inplace_api::pki::DEFAULT_UPDATER_IDENTITY;
+
+/// A CA that signs the certificates of a demo or test setup, kept in a directory.
+pub struct Pki {
+    /// Where the files are.
+    pub dir: PathBuf,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+/// A certificate and key on disk.
+#[derive(Debug, Clone)]
+pub struct CertFiles {
+    /// PEM certificate.
+    pub cert: PathBuf,
+    /// PEM key.
+    pub key: PathBuf,
+}
+
+impl Pki {
+    /// A new CA in `dir` (`ca.crt`).
+    pub fn new(dir: &Path) -> anyhow::Result<Pki> {
+        std::fs::create_dir_all(dir)?;
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::default();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "inplace-updater demo CA");
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key)?;
+        std::fs::write(dir.join("ca.crt"), cert.pem())?;
+        Ok(Pki {
+            dir: dir.to_path_buf(),
+            issuer: Issuer::new(params, key),
+        })
+    }
+
+    /// The CA certificate file.
+    pub fn ca(&self) -> PathBuf {
+        self.dir.join("ca.crt")
+    }
+
+    fn leaf(&self, name: &str, mut params: CertificateParams) -> anyhow::Result<CertFiles> {
+        let key = KeyPair::generate()?;
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.use_authority_key_identifier_extension = true;
+        let cert = params.signed_by(&key, &self.issuer)?;
+        let files = CertFiles {
+            cert: self.dir.join(format!("{name}.crt")),
+            key: self.dir.join(format!("{name}.key")),
+        };
+        std::fs::write(&files.cert, cert.pem())?;
+        std::fs::write(&files.key, key.serialize_pem())?;
+        Ok(files)
+    }
+
+    /// A server certificate for `names` (DNS names or IP addresses), saved as `<file>.crt`.
+    pub fn server(&self, file: &str, names: &[&str]) -> anyhow::Result<CertFiles> {
+        let mut params =
+            CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, names.first().copied().unwrap_or(file));
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        self.leaf(file, params)
+    }
+
+    /// The updater's client certificate for the agents (`spiffe://inplace-agent/updater`).
+    pub fn updater_client(&self) -> anyhow::Result<CertFiles> {
+        let mut params = CertificateParams::default();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "inplace-updater");
+        params.subject_alt_names = vec![SanType::URI(DEFAULT_UPDATER_IDENTITY.try_into()?)];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        self.leaf("updater-client", params)
+    }
+}
+
+/// The response CAPI would read.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// Header lines, lowercased names.
+    pub headers: Vec<(String, String)>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+impl HttpResponse {
+    /// The body as JSON (Null when it is not).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// An HTTPS client that calls like CAPI's runtime client.
+pub struct CapiClient {
+    addr: SocketAddr,
+    host: String,
+    config: Arc<rustls::ClientConfig>,
+    conn: Option<TlsStream<TcpStream>>,
+}
+
+impl CapiClient {
+    /// A client of the extension at `addr` whose certificate chains to `ca` and names
+    /// `host` (what CAPI puts in the URL, e.g. `inplace-updater.inplace-system.svc`).
+    pub fn new(addr: SocketAddr, host: &str, ca: &Path) -> anyhow::Result<CapiClient> {
+        CapiClient::with_versions(
+            addr,
+            host,
+            ca,
+            &[&rustls::version::TLS13, &rustls::version::TLS12],
+        )
+    }
+
+    /// The same, offering only `versions` of TLS.
+    pub fn with_versions(
+        addr: SocketAddr,
+        host: &str,
+        ca: &Path,
+        versions: &[&'static rustls::SupportedProtocolVersion],
+    ) -> anyhow::Result<CapiClient> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in inplace_api::tls::load_certificates(ca)? {
+            roots.add(cert).context("add the CA")?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(versions)?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        // Go's transport offers both; the extension picks.
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(CapiClient {
+            addr,
+            host: host.to_owned(),
+            config: Arc::new(config),
+            conn: None,
+        })
+    }
+
+    /// A new TLS connection (for writing raw requests).
+    pub async fn connect(&self) -> anyhow::Result<TlsStream<TcpStream>> {
+        let tcp = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(self.addr))
+            .await
+            .context("connect timed out")??;
+        tcp.set_nodelay(true)?;
+        let name = rustls::pki_types::ServerName::try_from(self.host.clone())?;
+        let tls = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio_rustls::TlsConnector::from(self.config.clone()).connect(name, tcp),
+        )
+        .await
+        .context("tls handshake timed out")??;
+        Ok(tls)
+    }
+
+    /// The negotiated TLS version, ALPN protocol and server certificate (DER) of a fresh
+    /// connection.
+    pub async fn handshake(&self) -> anyhow::Result<(String, Option<String>, Vec<u8>)> {
+        let tls = self.connect().await?;
+        let (_, session) = tls.get_ref();
+        Ok((
+            session
+                .protocol_version()
+                .map(|v| format!("{v:?}"))
+                .unwrap_or_default(),
+            session
+                .alpn_protocol()
+                .map(|p| String::from_utf8_lossy(p).into_owned()),
+            session
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .map(|c| c.to_vec())
+                .unwrap_or_default(),
+        ))
+    }
+
+    /// Calls `hook` with `body` (what `json.Marshal` of the request produced).
+    pub async fn call(&mut self, hook: Hook, body: &[u8]) -> anyhow::Result<HttpResponse> {
+        let path = format!("{}?timeout=10s", hook.path());
+        self.request("POST", &path, body).await
+    }
+
+    /// Any request, with Go's default headers and no Content-Type.
+    pub async fn request(
+        &mut self,
+        method: &str,
+        path_and_query: &str,
+        body: &[u8],
+    ) -> anyhow::Result<HttpResponse> {
+        let head = format!(
+            "{method} {path_and_query} HTTP/1.1\r\nHost: {}:443\r\nUser-Agent: Go-http-client/1.1\r\n\
+             Content-Length: {}\r\nAccept-Encoding: gzip\r\n\r\n",
+            self.host,
+            body.len()
+        );
+        for attempt in 0..2 {
+            let mut conn = match self.conn.take() {
+                Some(c) => c,
+                None => self.connect().await?,
+            };
+            let sent = async {
+                conn.write_all(head.as_bytes()).await?;
+                conn.write_all(body).await?;
+                conn.flush().await?;
+                read_response(&mut conn).await
+            };
+            match tokio::time::timeout(Duration::from_secs(30), sent).await {
+                Ok(Ok(response)) => {
+                    if response.header("connection") != Some("close") {
+                        self.conn = Some(conn);
+                    }
+                    return Ok(response);
+                }
+                // A kept-alive connection the server closed: once more on a new one.
+                Ok(Err(_)) if attempt == 0 => continue,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => anyhow::bail!("{method} {path_and_query}: no response within 30 s"),
+            }
+        }
+        anyhow::bail!("{method} {path_and_query}: the connection was closed twice")
+    }
+}
+
+/// Reads one HTTP/1.1 response with a Content-Length body.
+pub async fn read_response<S: tokio::io::AsyncRead + Unpin>(
+    conn: &mut S,
+) -> anyhow::Result<HttpResponse> {
+    let mut buf = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            anyhow::bail!("connection closed before a response");
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > 64 * 1024 {
+            anyhow::bail!("response head larger than 64 KiB");
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .context("bad status line")?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let length: usize = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[head_end + 4..].to_vec();
+    while body.len() < length {
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            anyhow::bail!("connection closed in the body");
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    body.truncate(length);
+    Ok(HttpResponse {
+        status,
+        headers,
+        body,
+    })
+}

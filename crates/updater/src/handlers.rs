@@ -1,0 +1,860 @@
+//! The three hooks: parse, decide, call the cluster and the agent, answer.
+//!
+//! - `CanUpdateMachine` (a concrete control-plane Machine): coverage from the node's agent
+//!   abilities (`GetNodeInfo`), then `CheckPlan` with the translated plan: not applicable or
+//!   unreachable → nothing covered (a rollout is safe, a half-known node is not).
+//! - `CanUpdateMachineSet` (no node): coverage from what a current agent can do; the
+//!   `UpdateMachine` of each Machine checks its own node again.
+//! - `UpdateMachine`: answered from memory ([`super::progress`]) when this very request was
+//!   checked before and the agent's word on its plan is fresh. Otherwise the live Machine
+//!   must be mid in-place update (annotations) and equal to the request, its live
+//!   KubeadmConfig too; the plan is translated from the live objects, its status read
+//!   (`GetPlanStatus`) and, when the agent does not know it yet, submitted (`ApplyPlan`);
+//!   the agent's hook response goes back as it is, and is remembered.
+//!
+//! Nothing durable is kept between calls: any replica answers any call the same way (one
+//! that has not seen the request yet takes the slow way).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use super::agent::{AgentError, Agents};
+use super::cluster::Cluster;
+use super::hooks::{
+    CanUpdateMachineResponse, CanUpdateMachineSetResponse, FailureResponse, HOOKS_API_VERSION,
+    Hook, HookRequest, Object, PENDING_HOOKS_ANNOTATION, Patch, RequestError, Status,
+    UPDATE_IN_PROGRESS_ANNOTATION, UpdateMachineResponse,
+};
+use super::metrics::Metrics;
+use super::patch::{Coverage, cover_kubeadm, cover_machine, spec_patch};
+use super::progress::{Fingerprint, Follow, Heard, PlanRef, Plans, follow};
+use super::settings::{Defaults, Settings};
+use super::translate::{
+    Desired, NodeFacts, SecretSource, TranslateError, lookup, translate, write_canonical,
+};
+use inplace_api::convert::plan_to_pb;
+use inplace_api::pb;
+
+/// Seconds until CAPI asks again while the agent cannot be reached.
+pub const UNREACHABLE_RETRY_SECONDS: i32 = 15;
+
+/// Seconds until CAPI asks again while a new plan is being submitted.
+pub const SUBMITTING_RETRY_SECONDS: i32 = 5;
+
+/// How long the first call of a new plan waits for the agent's answer before it says the
+/// plan is being submitted (the submission goes on in the background).
+pub const SUBMIT_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// A failed hook call: the message CAPI logs.
+#[derive(Debug)]
+pub struct Failure(pub String);
+
+impl From<RequestError> for Failure {
+    fn from(e: RequestError) -> Failure {
+        Failure(format!("bad request: {e}"))
+    }
+}
+
+/// What a handler answered, for the response and the metrics.
+#[derive(Debug)]
+pub struct Answer {
+    /// The response body (JSON, fields in CAPI's order).
+    pub body: Vec<u8>,
+    /// Its `message`, for the log of failures.
+    pub message: String,
+    /// `success`, `failure`, `in_progress`, `done`, `covered`, `not_covered`, `partial`.
+    pub outcome: &'static str,
+    /// The Machine (or MachineSet) it was about, for the log.
+    pub object: String,
+}
+
+/// The updater: configuration, the cluster and the agents.
+pub struct Updater {
+    /// Defaults from the flags.
+    pub defaults: Defaults,
+    /// The management cluster.
+    pub cluster: Cluster,
+    /// The agents.
+    pub agents: Arc<Agents>,
+    /// What the agents last said about each Machine's plan ([`super::progress`]).
+    pub plans: Arc<Plans>,
+    /// Counters.
+    pub metrics: Arc<Metrics>,
+}
+
+fn to_bytes<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+impl Answer {
+    fn new<T: serde::Serialize>(response: &T, message: &str, outcome: &'static str) -> Answer {
+        Answer {
+            body: to_bytes(response),
+            message: message.to_owned(),
+            outcome,
+            object: String::new(),
+        }
+    }
+
+    /// The body as a JSON value (tests, the demo).
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+fn canonical(v: &Value) -> String {
+    let mut s = String::new();
+    write_canonical(v, &mut s);
+    s
+}
+
+fn key_of(object: &Object) -> String {
+    format!("{}/{}", object.namespace(), object.name())
+}
+
+/// Secrets fetched for one request.
+struct Fetched(
+    HashMap<String, Result<std::collections::BTreeMap<String, Vec<u8>>, String>>,
+    String,
+);
+
+impl SecretSource for Fetched {
+    fn secret(&self, name: &str, key: &str) -> Result<Vec<u8>, String> {
+        match self.0.get(name) {
+            Some(Ok(data)) => data
+                .get(key)
+                .cloned()
+                .ok_or_else(|| format!("secret {}/{name} has no key {key:?}", self.1)),
+            Some(Err(e)) => Err(e.clone()),
+            None => Err(format!("secret {}/{name} was not read", self.1)),
+        }
+    }
+}
+
+impl Updater {
+    /// Answers one hook call; never panics on input, every problem is a Failure body.
+    pub async fn handle(self: &Arc<Self>, hook: Hook, body: &[u8]) -> Answer {
+        let fingerprint: Fingerprint =
+            sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body)).into();
+        if hook == Hook::UpdateMachine
+            && let Some((machine, known)) = self.plans.answer_by_fingerprint(&fingerprint)
+        {
+            // This very body was checked and its plan's status is fresh: from memory.
+            if known.refresh {
+                // Checked against the cluster and the agent again, behind this answer.
+                let (this, body, key) = (self.clone(), body.to_vec(), machine.clone());
+                tokio::spawn(async move {
+                    let recorded = this.recheck(&body, &fingerprint).await;
+                    this.plans.refreshed(&key, &fingerprint, recorded);
+                });
+            }
+            let mut answer = hook_answer(&known.heard);
+            answer.object = machine;
+            return answer;
+        }
+        self.handle_parsed(hook, body, fingerprint).await
+    }
+
+    /// An UpdateMachine request checked again the slow way; true when the agent's answer
+    /// was remembered.
+    async fn recheck(self: &Arc<Self>, body: &[u8], fingerprint: &Fingerprint) -> bool {
+        let Ok(value) = serde_json::from_slice::<Value>(body) else {
+            return false;
+        };
+        let Ok(request) = HookRequest::parse(Hook::UpdateMachine, &value) else {
+            return false;
+        };
+        let Ok(settings) = Settings::from_request(&request.settings, &self.defaults) else {
+            return false;
+        };
+        matches!(
+            self.update_machine(&request, &settings, fingerprint).await,
+            Ok((_, true))
+        )
+    }
+
+    async fn handle_parsed(
+        self: &Arc<Self>,
+        hook: Hook,
+        body: &[u8],
+        fingerprint: Fingerprint,
+    ) -> Answer {
+        let value: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => {
+                return self.failure(hook, "", format!("bad request: the body is not JSON: {e}"));
+            }
+        };
+        if hook == Hook::Discovery {
+            let kind = value.get("kind").and_then(Value::as_str).unwrap_or("");
+            if kind != "DiscoveryRequest" {
+                return self.failure(
+                    hook,
+                    "",
+                    format!("bad request: kind: is {kind:?}, expected \"DiscoveryRequest\""),
+                );
+            }
+            return Answer::new(&super::hooks::discovery_response(), "", "success");
+        }
+        let request = match HookRequest::parse(hook, &value) {
+            Ok(r) => r,
+            Err(e) => return self.failure(hook, "", Failure::from(e).0),
+        };
+        let object = request
+            .object(
+                "desired",
+                if hook == Hook::CanUpdateMachineSet {
+                    "machineSet"
+                } else {
+                    "machine"
+                },
+            )
+            .map(|o| key_of(&o))
+            .unwrap_or_default();
+        let settings = match Settings::from_request(&request.settings, &self.defaults) {
+            Ok(s) => s,
+            Err(e) => return self.failure(hook, &object, Failure::from(e).0),
+        };
+        let result = match hook {
+            Hook::CanUpdateMachine => self.can_update_machine(&request, &settings).await,
+            Hook::CanUpdateMachineSet => can_update_machine_set(&request, &settings),
+            Hook::UpdateMachine => self
+                .update_machine(&request, &settings, &fingerprint)
+                .await
+                .map(|(answer, _)| answer),
+            Hook::Discovery => unreachable_discovery(),
+        };
+        match result {
+            Ok(mut answer) => {
+                answer.object = object;
+                answer
+            }
+            Err(Failure(message)) => self.failure(hook, &object, message),
+        }
+    }
+
+    fn failure(&self, hook: Hook, object: &str, message: String) -> Answer {
+        let message = bounded(&message, 1024);
+        let mut answer = Answer::new(
+            &FailureResponse::new(hook, message.clone()),
+            &message,
+            "failure",
+        );
+        answer.object = object.to_owned();
+        answer
+    }
+
+    /// The node name and the agent target of a live Machine.
+    fn locate(live: &Value, settings: &Settings, key: &str) -> Result<(String, String), Failure> {
+        let node = lookup(live, &["status", "nodeRef", "name"])
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .ok_or_else(|| Failure(format!("Machine {key} has no status.nodeRef.name yet")))?
+            .to_owned();
+        let addresses = lookup(live, &["status", "addresses"])
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let address = settings
+            .address_types
+            .iter()
+            .find_map(|t| {
+                addresses.iter().find_map(|a| {
+                    (a.get("type").and_then(Value::as_str) == Some(t.as_str()))
+                        .then(|| a.get("address").and_then(Value::as_str))
+                        .flatten()
+                        .filter(|s| !s.is_empty())
+                })
+            })
+            .ok_or_else(|| {
+                Failure(format!(
+                    "Machine {key} has no status.addresses entry of type {} to reach node {node}'s agent",
+                    settings.address_types.join(" or ")
+                ))
+            })?;
+        let host = if address.contains(':') {
+            format!("[{address}]")
+        } else {
+            address.to_owned()
+        };
+        Ok((node, format!("https://{host}:{}", settings.agent_port)))
+    }
+
+    async fn live_machine(&self, object: &Object) -> Result<Value, Failure> {
+        let key = key_of(object);
+        self.cluster
+            .machine(object.namespace(), object.name())
+            .await
+            .map_err(|e| Failure(e.to_string()))?
+            .ok_or_else(|| {
+                Failure(format!(
+                    "Machine {key} does not exist in the management cluster"
+                ))
+            })
+    }
+
+    async fn secrets(&self, namespace: &str, bootstrap: Option<&Value>) -> Fetched {
+        let mut names: Vec<String> = bootstrap
+            .and_then(|b| lookup(b, &["spec", "files"]))
+            .and_then(Value::as_array)
+            .map(|files| {
+                files
+                    .iter()
+                    .filter_map(|f| lookup(f, &["contentFrom", "secret", "name"]))
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names.dedup();
+        let mut out = HashMap::new();
+        for name in names {
+            let got = match self.cluster.secret(namespace, &name).await {
+                Ok(Some(data)) => Ok(data),
+                Ok(None) => Err(format!("secret {namespace}/{name} does not exist")),
+                Err(e) => Err(e.to_string()),
+            };
+            out.insert(name, got);
+        }
+        Fetched(out, namespace.to_owned())
+    }
+
+    async fn can_update_machine(
+        &self,
+        request: &HookRequest,
+        settings: &Settings,
+    ) -> Result<Answer, Failure> {
+        let current = request.object("current", "machine")?;
+        current.expect("Machine", "cluster.x-k8s.io")?;
+        let desired = request.object("desired", "machine")?;
+        desired.expect("Machine", "cluster.x-k8s.io")?;
+        let current_b = request.optional_object("current", "bootstrapConfig")?;
+        let desired_b = request.optional_object("desired", "bootstrapConfig")?;
+        let infra = request.optional_object("desired", "infrastructureMachine")?;
+        let not_covered = |message: String| -> Result<Answer, Failure> {
+            let message = bounded(&message, 1024);
+            Ok(Answer::new(
+                &CanUpdateMachineResponse {
+                    kind: Hook::CanUpdateMachine.response_kind(),
+                    api_version: HOOKS_API_VERSION,
+                    status: Status::Success,
+                    message: message.clone(),
+                    machine_patch: None,
+                    infrastructure_machine_patch: None,
+                    bootstrap_config_patch: None,
+                    affects_availability: None,
+                },
+                &message,
+                "not_covered",
+            ))
+        };
+        if settings.disable_in_place {
+            return not_covered(
+                "in-place updates are disabled (settings.disableInPlaceUpdates)".into(),
+            );
+        }
+        for b in [&current_b, &desired_b].into_iter().flatten() {
+            if b.kind() != "KubeadmConfig" {
+                return not_covered(format!(
+                    "{}.kind {:?}: this updater translates KubeadmConfig only; a rollout replaces the Machine",
+                    b.field,
+                    b.kind()
+                ));
+            }
+            b.expect("KubeadmConfig", "bootstrap.cluster.x-k8s.io")?;
+        }
+        if current_b.is_some() != desired_b.is_some() {
+            return not_covered("only one side has a bootstrap config".into());
+        }
+        let key = key_of(&desired);
+        let live = match self.live_machine(&desired).await {
+            Ok(v) => v,
+            Err(Failure(m)) => return not_covered(m),
+        };
+        let (node, target) = match Self::locate(&live, settings, &key) {
+            Ok(x) => x,
+            Err(Failure(m)) => return not_covered(m),
+        };
+        let facts = match self.agents.facts(&target, &node).await {
+            Ok(f) => f,
+            Err(e) => return not_covered(e.to_string()),
+        };
+        let caps = facts.capabilities();
+        let machine = cover_machine(current.spec(), desired.spec(), caps);
+        let version_changes = machine.covered.iter().any(|c| c == "version");
+        let bootstrap = match (&current_b, &desired_b) {
+            (Some(c), Some(d)) => cover_kubeadm(c.spec(), d.spec(), caps, version_changes),
+            _ => Coverage::default(),
+        };
+        // Would the node accept the desired state at all?
+        let fetched = self
+            .secrets(desired.namespace(), desired_b.as_ref().map(|o| &o.value))
+            .await;
+        let translation = translate(
+            &Desired {
+                machine: &desired.value,
+                infrastructure: infra.as_ref().map(|o| &o.value),
+                bootstrap: desired_b.as_ref().map(|o| &o.value),
+            },
+            settings,
+            &facts,
+            &fetched,
+        );
+        let translation = match translation {
+            Ok(t) => t,
+            Err(e) => return not_covered(format!("cannot translate the desired state: {e}")),
+        };
+        let check = match self
+            .agents
+            .check(&target, &node, plan_to_pb(&translation.plan))
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => return not_covered(e.to_string()),
+        };
+        if !check.applicable {
+            return not_covered(format!("node {node}: {}", not_applicable(&check)));
+        }
+        let machine_patch =
+            Patch::json_patch(&spec_patch(&current.value, &["spec"], &machine.spec));
+        let bootstrap_patch = current_b
+            .as_ref()
+            .and_then(|c| Patch::json_patch(&spec_patch(&c.value, &["spec"], &bootstrap.spec)));
+        let complete = machine.complete() && bootstrap.complete();
+        let none = check.disruption == pb::Disruption::None as i32;
+        let message = coverage_message(&machine, &bootstrap);
+        tracing::debug!(machine = %key, %node, plan = %translation.id, "CanUpdateMachine checked");
+        Ok(Answer::new(
+            &CanUpdateMachineResponse {
+                kind: Hook::CanUpdateMachine.response_kind(),
+                api_version: HOOKS_API_VERSION,
+                status: Status::Success,
+                message: message.clone(),
+                machine_patch,
+                infrastructure_machine_patch: None,
+                bootstrap_config_patch: bootstrap_patch,
+                affects_availability: (complete && none).then_some(false),
+            },
+            &message,
+            if complete { "covered" } else { "partial" },
+        ))
+    }
+
+    /// `UpdateMachine` the slow way (what [`Updater::handle`] does not answer from
+    /// memory): the live Machine and KubeadmConfig, the translation, the agent's
+    /// `GetPlanStatus` (and `ApplyPlan` when it does not know the plan). True when the
+    /// agent's answer was remembered for `fingerprint`.
+    async fn update_machine(
+        self: &Arc<Self>,
+        request: &HookRequest,
+        settings: &Settings,
+        fingerprint: &Fingerprint,
+    ) -> Result<(Answer, bool), Failure> {
+        let desired = request.object("desired", "machine")?;
+        desired.expect("Machine", "cluster.x-k8s.io")?;
+        let desired_b = request.optional_object("desired", "bootstrapConfig")?;
+        let infra = request.optional_object("desired", "infrastructureMachine")?;
+        let key = key_of(&desired);
+
+        // Anyone in the cluster can call: act only for a Machine that CAPI is updating in
+        // place right now, exactly as the request says.
+        // The KubeadmConfig the request's Machine names is read alongside the Machine (the
+        // request must equal the live Machine, so it names the same one, or is refused).
+        let named = lookup(desired.spec(), &["bootstrap", "configRef"])
+            .filter(|r| r.get("kind").and_then(Value::as_str) == Some("KubeadmConfig"))
+            .and_then(|r| r.get("name"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let (live, mut early_b) = tokio::join!(self.live_machine(&desired), async {
+            match &named {
+                Some(name) => Some(self.cluster.kubeadm_config(desired.namespace(), name).await),
+                None => None,
+            }
+        });
+        let live = live?;
+        let annotations = lookup(&live, &["metadata", "annotations"]);
+        let annotation = |k: &str| annotations.and_then(|a| a.get(k)).and_then(Value::as_str);
+        let pending = annotation(PENDING_HOOKS_ANNOTATION)
+            .map(|v| v.split(',').any(|h| h.trim() == "UpdateMachine"))
+            .unwrap_or(false);
+        if annotation(UPDATE_IN_PROGRESS_ANNOTATION).is_none() || !pending {
+            return Err(Failure(format!(
+                "Machine {key} is not being updated in place (it needs the {UPDATE_IN_PROGRESS_ANNOTATION} \
+                 annotation and UpdateMachine in {PENDING_HOOKS_ANNOTATION}); nothing was started"
+            )));
+        }
+        if lookup(&live, &["metadata", "deletionTimestamp"]).is_some_and(|v| !v.is_null()) {
+            return Err(Failure(format!(
+                "Machine {key} is being deleted; nothing was started"
+            )));
+        }
+        let live_spec = live.get("spec").cloned().unwrap_or(Value::Null);
+        if canonical(&live_spec) != canonical(desired.spec()) {
+            return Err(Failure(format!(
+                "desired.machine.spec differs from the live Machine {key}; nothing was started \
+                 (CAPI calls again with the current object)"
+            )));
+        }
+        let config_ref = lookup(&live_spec, &["bootstrap", "configRef"]);
+        let bootstrap = match config_ref {
+            None => {
+                if desired_b.is_some() {
+                    return Err(Failure(format!(
+                        "desired.bootstrapConfig is set but Machine {key} has no spec.bootstrap.configRef"
+                    )));
+                }
+                None
+            }
+            Some(r) => {
+                let kind = r.get("kind").and_then(Value::as_str).unwrap_or("");
+                let name = r.get("name").and_then(Value::as_str).unwrap_or("");
+                if kind != "KubeadmConfig" {
+                    return Err(Failure(format!(
+                        "Machine {key} is bootstrapped by {kind:?}; this updater supports KubeadmConfig only"
+                    )));
+                }
+                let got = match early_b.take() {
+                    Some(got) if named.as_deref() == Some(name) => got,
+                    _ => self.cluster.kubeadm_config(desired.namespace(), name).await,
+                };
+                let live_b = got.map_err(|e| Failure(e.to_string()))?.ok_or_else(|| {
+                    Failure(format!(
+                        "KubeadmConfig {}/{name} of Machine {key} does not exist",
+                        desired.namespace()
+                    ))
+                })?;
+                if let Some(d) = &desired_b {
+                    d.expect("KubeadmConfig", "bootstrap.cluster.x-k8s.io")?;
+                    let live_spec = live_b.get("spec").cloned().unwrap_or(Value::Null);
+                    if canonical(&live_spec) != canonical(d.spec()) {
+                        return Err(Failure(format!(
+                            "desired.bootstrapConfig.spec differs from the live KubeadmConfig {}/{name}; \
+                             nothing was started",
+                            desired.namespace()
+                        )));
+                    }
+                }
+                Some(live_b)
+            }
+        };
+        let (node, target) = Self::locate(&live, settings, &key)?;
+        let facts = match self.agents.facts(&target, &node).await {
+            Ok(f) => f,
+            Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&e), false)),
+            Err(e) => return Err(Failure(e.to_string())),
+        };
+        let fetched = self.secrets(desired.namespace(), bootstrap.as_ref()).await;
+        let translation = translate(
+            &Desired {
+                machine: &live,
+                infrastructure: infra.as_ref().map(|o| &o.value),
+                bootstrap: bootstrap.as_ref(),
+            },
+            settings,
+            &facts,
+            &fetched,
+        )
+        .map_err(|e: TranslateError| {
+            Failure(format!("Machine {key}: cannot update in place: {e}"))
+        })?;
+        // Both definitions: an agent before digests v2 reports the first (the updater's
+        // plans are small, so computing it costs nothing worth saving).
+        let plan = PlanRef {
+            id: translation.id,
+            digest: translation.plan.digest(),
+            digest_v1: translation.plan.digest_v1(),
+            target,
+            node,
+        };
+        let wire = plan_to_pb(&translation.plan);
+        if self.plans.knows(&key, &plan) {
+            // Known here already (its stream broke, a check is repeated): ask the agent.
+            return self.clone().submit(key, *fingerprint, plan, wire).await;
+        }
+        // A new plan for this Machine: submitted in the background; the agent's answer is
+        // given when it comes within SUBMIT_WAIT, otherwise "being submitted".
+        let heard = Heard {
+            attempt: 0,
+            phase: pb::Phase::Unspecified as i32,
+            hook: pb::HookResponse {
+                status: pb::HookStatus::Success as i32,
+                retry_after_seconds: SUBMITTING_RETRY_SECONDS,
+                message: format!(
+                    "plan {} is being submitted to inplace-agent on node {}",
+                    plan.id, plan.node
+                ),
+            },
+        };
+        self.plans
+            .submitting(&key, *fingerprint, plan.clone(), heard.clone());
+        let this = self.clone();
+        let fingerprint = *fingerprint;
+        let mut task = tokio::spawn(async move { this.submit(key, fingerprint, plan, wire).await });
+        match tokio::time::timeout(SUBMIT_WAIT, &mut task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(Failure(format!("the submission task ended: {e}"))),
+            Err(_) => Ok((hook_answer(&heard), true)),
+        }
+    }
+
+    /// Asks the agent about `plan` (`GetPlanStatus`), submits it when the agent does not
+    /// know it (`ApplyPlan`), remembers the answer and starts following the plan.
+    async fn submit(
+        self: Arc<Self>,
+        key: String,
+        fingerprint: Fingerprint,
+        plan: PlanRef,
+        wire: pb::Plan,
+    ) -> Result<(Answer, bool), Failure> {
+        let outcome = self.ask_agent(&key, &plan, wire).await;
+        let status = match outcome {
+            Ok(status) => status,
+            Err(e) => {
+                self.plans.submit_failed(&key, &plan);
+                return e;
+            }
+        };
+        if let Follow::Start(generation) =
+            self.plans.record(&key, fingerprint, plan.clone(), &status)
+        {
+            let task = tokio::spawn(follow(
+                self.plans.clone(),
+                self.agents.clone(),
+                key.clone(),
+                plan,
+                generation,
+            ));
+            self.plans.started(&key, generation, task.abort_handle());
+        }
+        Ok((hook_answer(&Heard::of(&status)), true))
+    }
+
+    /// The agent's status of `plan`, after submitting it if it did not know it; `Err` holds
+    /// the answer to give instead (waiting for an unreachable agent, or a Failure).
+    async fn ask_agent(
+        &self,
+        key: &str,
+        plan: &PlanRef,
+        wire: pb::Plan,
+    ) -> Result<pb::PlanStatus, Result<(Answer, bool), Failure>> {
+        let PlanRef {
+            id,
+            digest,
+            target,
+            node,
+            ..
+        } = plan;
+        let known = match self.agents.status(target, node, id).await {
+            Ok(s) => s.filter(|s| plan.has_digest(&s.digest)),
+            Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(&e), false))),
+            Err(e) => return Err(Err(Failure(e.to_string()))),
+        };
+        let status = match known {
+            Some(s) => s,
+            None => match self.agents.apply(target, node, wire).await {
+                Ok(r) => {
+                    if r.created {
+                        self.metrics.plan_submitted();
+                        tracing::info!(machine = %key, %node, plan = %id, %digest, "plan submitted");
+                    }
+                    r.status.unwrap_or_default()
+                }
+                Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(&e), false))),
+                Err(e) => return Err(Err(Failure(format!("Machine {key}: {e}")))),
+            },
+        };
+        if status.hook_response.is_none() {
+            return Err(Err(Failure(format!(
+                "inplace-agent on node {node} sent no hook response for plan {id}"
+            ))));
+        }
+        Ok(status)
+    }
+}
+
+/// The answer for what the agent said: its hook response as it is.
+fn hook_answer(heard: &Heard) -> Answer {
+    let hook = &heard.hook;
+    let ok = hook.status == pb::HookStatus::Success as i32;
+    let outcome = match (ok, hook.retry_after_seconds) {
+        (true, 0) => "done",
+        (true, _) => "in_progress",
+        (false, _) => "failure",
+    };
+    Answer::new(
+        &UpdateMachineResponse::new(
+            if ok { Status::Success } else { Status::Failure },
+            hook.message.clone(),
+            if ok {
+                hook.retry_after_seconds.max(0)
+            } else {
+                0
+            },
+        ),
+        &hook.message,
+        outcome,
+    )
+}
+
+fn unreachable_discovery() -> Result<Answer, Failure> {
+    Err(Failure(
+        "discovery is answered before the hook handlers".into(),
+    ))
+}
+
+/// In progress while the agent cannot be reached: the message shows in the Machine's
+/// `Updating` condition, and CAPI asks again.
+fn waiting(e: &AgentError) -> Answer {
+    let message = bounded(&format!("waiting: {e}"), 512);
+    Answer::new(
+        &UpdateMachineResponse::new(Status::Success, message.clone(), UNREACHABLE_RETRY_SECONDS),
+        &message,
+        "in_progress",
+    )
+}
+
+fn not_applicable(check: &pb::CheckPlanResponse) -> String {
+    let mut reasons: Vec<String> = check
+        .errors
+        .iter()
+        .map(|e| format!("{}: {}", e.field, e.message))
+        .collect();
+    for c in &check.changes {
+        if c.verdict == pb::ChangeVerdict::Unsupported as i32
+            || c.verdict == pb::ChangeVerdict::Invalid as i32
+        {
+            reasons.push(format!(
+                "changes[{}] {} {}: {}",
+                c.index, c.kind, c.target, c.reason
+            ));
+        }
+    }
+    for c in &check.checks {
+        if !c.supported {
+            reasons.push(format!(
+                "verify[{}] {} {}: {}",
+                c.index, c.kind, c.target, c.reason
+            ));
+        }
+    }
+    if reasons.is_empty() {
+        "the agent cannot apply the plan".into()
+    } else {
+        format!("the agent cannot apply the plan: {}", reasons.join("; "))
+    }
+}
+
+fn coverage_message(machine: &Coverage, bootstrap: &Coverage) -> String {
+    let uncovered: Vec<&str> = machine
+        .uncovered
+        .iter()
+        .chain(&bootstrap.uncovered)
+        .map(String::as_str)
+        .collect();
+    if uncovered.is_empty() {
+        return String::new();
+    }
+    bounded(&format!("not in place: {}", uncovered.join("; ")), 1024)
+}
+
+fn bounded(s: &str, max: usize) -> String {
+    inplace_api::bounded::bounded(s, max)
+}
+
+/// `CanUpdateMachineSet`: no node to ask, so coverage is what a current agent on a kubeadm
+/// node can do ([`NodeFacts::assumed`]); each Machine's `UpdateMachine` checks its node.
+pub fn can_update_machine_set(
+    request: &HookRequest,
+    settings: &Settings,
+) -> Result<Answer, Failure> {
+    let current = request.object("current", "machineSet")?;
+    current.expect("MachineSet", "cluster.x-k8s.io")?;
+    let desired = request.object("desired", "machineSet")?;
+    desired.expect("MachineSet", "cluster.x-k8s.io")?;
+    let current_t = request.optional_object("current", "bootstrapConfigTemplate")?;
+    let desired_t = request.optional_object("desired", "bootstrapConfigTemplate")?;
+    let mut foreign = None;
+    for t in [&current_t, &desired_t].into_iter().flatten() {
+        if t.kind() != "KubeadmConfigTemplate" {
+            foreign = Some(format!(
+                "{}.kind {:?}: this updater translates KubeadmConfigTemplate only; a rollout replaces the Machines",
+                t.field,
+                t.kind()
+            ));
+            continue;
+        }
+        t.expect("KubeadmConfigTemplate", "bootstrap.cluster.x-k8s.io")?;
+    }
+    let empty = |message: String| {
+        Answer::new(
+            &CanUpdateMachineSetResponse {
+                kind: Hook::CanUpdateMachineSet.response_kind(),
+                api_version: HOOKS_API_VERSION,
+                status: Status::Success,
+                message: message.clone(),
+                machine_set_patch: None,
+                infrastructure_machine_template_patch: None,
+                bootstrap_config_template_patch: None,
+                affects_availability: None,
+            },
+            &message,
+            "not_covered",
+        )
+    };
+    if settings.disable_in_place {
+        return Ok(empty(
+            "in-place updates are disabled (settings.disableInPlaceUpdates)".into(),
+        ));
+    }
+    if let Some(message) = foreign {
+        return Ok(empty(message));
+    }
+    if current_t.is_some() != desired_t.is_some() {
+        return Ok(empty(
+            "only one side has a bootstrap config template".into(),
+        ));
+    }
+    const TEMPLATE_SPEC: &[&str] = &["spec", "template", "spec"];
+    let caps = NodeFacts::assumed("").capabilities();
+    let null = Value::Null;
+    let spec_of = |o: &Object| {
+        lookup(&o.value, TEMPLATE_SPEC)
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let machine = cover_machine(
+        lookup(&current.value, TEMPLATE_SPEC).unwrap_or(&null),
+        lookup(&desired.value, TEMPLATE_SPEC).unwrap_or(&null),
+        caps,
+    );
+    let version_changes = machine.covered.iter().any(|c| c == "version");
+    let bootstrap = match (&current_t, &desired_t) {
+        (Some(c), Some(d)) => cover_kubeadm(&spec_of(c), &spec_of(d), caps, version_changes),
+        _ => Coverage::default(),
+    };
+    let complete = machine.complete() && bootstrap.complete();
+    let disruptive = machine.disruptive || bootstrap.disruptive;
+    let machine_set_patch =
+        Patch::json_patch(&spec_patch(&current.value, TEMPLATE_SPEC, &machine.spec));
+    let template_patch = current_t
+        .as_ref()
+        .and_then(|c| Patch::json_patch(&spec_patch(&c.value, TEMPLATE_SPEC, &bootstrap.spec)));
+    let message = coverage_message(&machine, &bootstrap);
+    Ok(Answer::new(
+        &CanUpdateMachineSetResponse {
+            kind: Hook::CanUpdateMachineSet.response_kind(),
+            api_version: HOOKS_API_VERSION,
+            status: Status::Success,
+            message: message.clone(),
+            machine_set_patch,
+            infrastructure_machine_template_patch: None,
+            bootstrap_config_template_patch: template_patch,
+            affects_availability: (complete && !disruptive).then_some(false),
+        },
+        &message,
+        if complete { "covered" } else { "partial" },
+    ))
+}

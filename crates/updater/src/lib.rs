@@ -1,0 +1,48 @@
+//! The updater: the Cluster API Runtime Extension (`inplace-updater`) that answers
+//! `CanUpdateMachine`, `CanUpdateMachineSet` and `UpdateMachine`, turns the desired Machine
+//! and KubeadmConfig into an inplace-agent plan and drives the node's agent over its mutual
+//! TLS gRPC API. docs/updater.md is the guide for people.
+//!
+//! ```text
+//! CAPI ──POST hook──► server (HTTPS) ──► handlers ──► translate / patch (pure)
+//!                                          │  cluster: live Machine, KubeadmConfig, Secrets (kube-rs)
+//!                                          ▼
+//!                                        agent: GetNodeInfo, CheckPlan, GetPlanStatus, ApplyPlan
+//!                                          └──► the plan status's hookResponse, back to CAPI
+//! ```
+//!
+//! - [`hooks`]: the wire types (requests checked field by field, responses in CAPI's order).
+//! - [`translate`]: desired objects → plan document → validated [`inplace_plan::Plan`].
+//! - [`patch`]: what is covered in place and the JSON Patches that say so.
+//! - [`settings`]: the ExtensionConfig's `settings`.
+//! - [`handlers`]: the hooks; [`server`]: HTTPS, routing, limits; [`metrics`].
+//! - [`cluster`]: the management cluster (kube-rs); [`agent`]: the agents (gRPC client pool).
+//! - [`progress`]: what the agents last said about each Machine's plan, kept between calls.
+//! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
+//!
+//! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
+//! `rpc::convert`, `rpc::tls`) and of the plan model (`plan`); it never uses `engine`,
+//! `steps`, `host` or `journal` (tests/it/updater_translate.rs enforces it). It keeps no
+//! durable state: the plan id is derived from the desired specs, the agent's journal is the
+//! truth about progress, so any replica answers any call and a restarted updater answers as
+//! before. What it remembers ([`progress`]: the agents' last word on each Machine's plan,
+//! pushed by their `WatchPlan` streams) only saves round trips.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub(crate) mod agent;
+pub mod cli;
+pub(crate) mod cluster;
+pub(crate) mod demo;
+pub mod emulate;
+pub(crate) mod errors;
+pub mod handlers;
+pub mod hooks;
+pub(crate) mod metrics;
+pub mod patch;
+pub(crate) mod progress;
+pub(crate) mod server;
+pub mod settings;
+pub(crate) mod setup;
+pub mod standin;
+pub mod translate;

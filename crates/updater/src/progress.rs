@@ -1,0 +1,706 @@
+//! What the updater remembers between `UpdateMachine` calls, so that a call for a plan in
+//! flight is answered from memory instead of with round trips to the cluster and the agent.
+//!
+//! One entry per Machine: the fingerprint of the request that was last checked against the
+//! live objects (sha256 of its body), the plan it translated to (id, digest, agent target,
+//! node), and what the agent last said about that plan (phase and hook response). While the
+//! plan is in flight a follower task holds the agent's `WatchPlan` stream open and writes
+//! every snapshot into the entry; the stream ends at the terminal snapshot, and a broken
+//! stream (agent restart, node reboot) is opened again with backoff.
+//!
+//! Rules that keep a remembered answer correct (docs/updater.md, "UpdateMachine"):
+//! - an answer is only given for a request whose body is byte for byte the one checked
+//!   against the live Machine and KubeadmConfig, and only for the plan (id *and* digest)
+//!   that request translated to: another desired state is another fingerprint, a miss;
+//! - an in-flight status is used only while the stream that delivers it is open and spoke
+//!   within [`SILENT`], or for [`GRACE`] after the agent answered a call; otherwise the
+//!   call asks the agent itself;
+//! - a terminal status (a failed gate answers `Failure`) is used until the entry is
+//!   [`TTL`] old, then the request is checked again against the cluster and the agent in
+//!   the background while the remembered answer is given (an answer is at most `TTL` plus
+//!   one check behind the live objects; the check's outcome replaces or drops the entry);
+//! - entries not read for [`IDLE`] are dropped with their follower.
+//!
+//! Nothing here is durable: a restarted updater (or another replica) starts empty and
+//! answers its first call per Machine the slow way, exactly as before.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::agent::Agents;
+use inplace_api::pb;
+
+/// How long an entry's check against the live objects is trusted before it is repeated.
+pub const TTL: Duration = Duration::from_secs(30);
+
+/// How long after the agent answered a call its in-flight status is used without a stream.
+pub const GRACE: Duration = Duration::from_secs(2);
+
+/// How long an open stream may stay silent before its in-flight status is not used.
+pub const SILENT: Duration = Duration::from_secs(30);
+
+/// Entries not read for this long are dropped (the Machine is gone or done).
+pub const IDLE: Duration = Duration::from_secs(600);
+
+/// Backoff between attempts to open a plan's stream again.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// The fingerprint of a request (sha256 of its body).
+pub type Fingerprint = [u8; 32];
+
+/// The plan a checked request translated to, and where its agent is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanRef {
+    /// Plan id.
+    pub id: String,
+    /// The plan's digest (`v2:sha256:...`).
+    pub digest: String,
+    /// The plan's digest by the first definition (`sha256:...`), which agents before
+    /// digests v2 report for it.
+    pub digest_v1: String,
+    /// `https://address:port` of the node's agent.
+    pub target: String,
+    /// The node name its certificate must carry.
+    pub node: String,
+}
+
+impl PlanRef {
+    /// Whether `digest`, as an agent reports it (of either definition), is this plan's.
+    pub fn has_digest(&self, digest: &str) -> bool {
+        digest == self.digest || digest == self.digest_v1
+    }
+}
+
+/// What the agent last said about a plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Heard {
+    /// The attempt (a retry on the agent starts a new one).
+    pub attempt: u32,
+    /// `pb::Phase` as sent.
+    pub phase: i32,
+    /// The hook response the agent computed for that status.
+    pub hook: pb::HookResponse,
+}
+
+impl Heard {
+    /// The parts of a status an answer needs.
+    pub fn of(status: &pb::PlanStatus) -> Heard {
+        Heard {
+            attempt: status.attempt,
+            phase: status.phase,
+            hook: status.hook_response.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// Whether a phase ends the plan's attempt.
+pub fn terminal(phase: i32) -> bool {
+    use pb::Phase;
+    [
+        Phase::Succeeded,
+        Phase::Failed,
+        Phase::RolledBack,
+        Phase::Superseded,
+        Phase::Cancelled,
+    ]
+    .iter()
+    .any(|p| *p as i32 == phase)
+}
+
+struct Entry {
+    fingerprint: Fingerprint,
+    plan: PlanRef,
+    heard: Heard,
+    /// When the agent last confirmed `heard` (a call's answer or a stream snapshot).
+    heard_at: Instant,
+    /// When the request was last checked against the live objects.
+    verified_at: Instant,
+    read_at: Instant,
+    /// The stream of the follower is open.
+    streaming: bool,
+    /// Generation of this entry's plan: a follower of another generation stops.
+    generation: u64,
+    /// A follower of `generation` runs (or is being started).
+    following: bool,
+    follower: Option<tokio::task::AbortHandle>,
+    refreshing: bool,
+    submit: Submit,
+}
+
+/// Where the submission of an entry's plan is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Submit {
+    /// The agent answered for the plan (`heard` is its word).
+    Answered,
+    /// Being submitted in the background (`heard` says so).
+    Running,
+    /// The submission failed: calls take the slow way, synchronously, until one succeeds.
+    Failed,
+}
+
+impl Entry {
+    fn fresh(&self, now: Instant) -> bool {
+        match self.submit {
+            Submit::Running => return now.duration_since(self.heard_at) < SILENT,
+            Submit::Failed => return false,
+            Submit::Answered => {}
+        }
+        terminal(self.heard.phase)
+            || (self.streaming && now.duration_since(self.heard_at) < SILENT)
+            || now.duration_since(self.heard_at) < GRACE
+    }
+}
+
+/// A remembered answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Remembered {
+    /// What the agent said.
+    pub heard: Heard,
+    /// The plan.
+    pub plan: PlanRef,
+    /// The request is due to be checked again (the caller starts that, in the background).
+    pub refresh: bool,
+}
+
+/// The remembered plans, by Machine (`namespace/name`).
+#[derive(Default)]
+pub struct Plans {
+    entries: Mutex<HashMap<String, Entry>>,
+    /// Fingerprint → Machine, for answering before the body is even parsed; checked
+    /// against the entry on every use (a stale line is harmless), pruned by the sweep.
+    by_fingerprint: Mutex<HashMap<Fingerprint, String>>,
+    generation: std::sync::atomic::AtomicU64,
+    swept: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for Plans {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plans").field("len", &self.len()).finish()
+    }
+}
+
+/// What [`Plans::record`] asks of the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Follow {
+    /// Nothing: the plan is terminal, or a follower already streams it.
+    No,
+    /// Start a follower of this generation ([`follow`]).
+    Start(u64),
+}
+
+impl Plans {
+    /// An empty memory.
+    pub fn new() -> Plans {
+        Plans::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// How many Machines are remembered.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether nothing is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The remembered answer for a request by its fingerprint alone (the Machine it is
+    /// about, and the answer), if it may be used now.
+    pub fn answer_by_fingerprint(&self, fingerprint: &Fingerprint) -> Option<(String, Remembered)> {
+        let machine = self.index().get(fingerprint).cloned()?;
+        let known = self.answer(&machine, fingerprint)?;
+        Some((machine, known))
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, HashMap<Fingerprint, String>> {
+        self.by_fingerprint
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn indexed(&self, fingerprint: Fingerprint, machine: &str) {
+        self.index().insert(fingerprint, machine.to_owned());
+    }
+
+    /// The remembered answer for this Machine and request, if it may be used now.
+    pub fn answer(&self, machine: &str, fingerprint: &Fingerprint) -> Option<Remembered> {
+        let now = Instant::now();
+        let mut entries = self.lock();
+        let e = entries.get_mut(machine)?;
+        if &e.fingerprint != fingerprint || !e.fresh(now) {
+            return None;
+        }
+        e.read_at = now;
+        let refresh = !e.refreshing && now.duration_since(e.verified_at) >= TTL;
+        if refresh {
+            e.refreshing = true;
+        }
+        Some(Remembered {
+            heard: e.heard.clone(),
+            plan: e.plan.clone(),
+            refresh,
+        })
+    }
+
+    /// A request was checked against the live objects and the agent answered `status` for
+    /// its plan: remember it. Another request or plan replaces the entry (and stops its
+    /// follower).
+    pub fn record(
+        &self,
+        machine: &str,
+        fingerprint: Fingerprint,
+        plan: PlanRef,
+        status: &pb::PlanStatus,
+    ) -> Follow {
+        let now = Instant::now();
+        self.sweep(now);
+        let heard = Heard::of(status);
+        let done = terminal(heard.phase);
+        self.indexed(fingerprint, machine);
+        let mut entries = self.lock();
+        if let Some(e) = entries.get_mut(machine)
+            && e.plan == plan
+        {
+            e.fingerprint = fingerprint;
+            e.verified_at = now;
+            e.read_at = now;
+            e.refreshing = false;
+            e.submit = Submit::Answered;
+            // A call's answer may be older than the stream's last snapshot: an attempt that
+            // ended does not go back to running (a retry is a new attempt).
+            let older = heard.attempt == e.heard.attempt && terminal(e.heard.phase) && !done;
+            if !older {
+                e.heard = heard;
+                e.heard_at = now;
+            }
+            if terminal(e.heard.phase) || e.following {
+                return Follow::No;
+            }
+            let generation = self.next_generation();
+            e.generation = generation;
+            e.following = true;
+            return Follow::Start(generation);
+        }
+        let generation = self.next_generation();
+        if let Some(old) = entries.insert(
+            machine.to_owned(),
+            Entry {
+                fingerprint,
+                plan,
+                heard,
+                heard_at: now,
+                verified_at: now,
+                read_at: now,
+                streaming: false,
+                generation,
+                following: !done,
+                follower: None,
+                refreshing: false,
+                submit: Submit::Answered,
+            },
+        ) && let Some(f) = old.follower
+        {
+            f.abort();
+        }
+        if done {
+            Follow::No
+        } else {
+            Follow::Start(generation)
+        }
+    }
+
+    /// Whether an entry of `machine` is about this very plan (then the slow way asks the
+    /// agent before it answers; otherwise it may answer while the plan is submitted).
+    pub fn knows(&self, machine: &str, plan: &PlanRef) -> bool {
+        self.lock().get(machine).is_some_and(|e| &e.plan == plan)
+    }
+
+    /// A checked request's plan is being submitted in the background: until the agent
+    /// answers, calls with this request are answered with `heard` (in progress).
+    pub fn submitting(&self, machine: &str, fingerprint: Fingerprint, plan: PlanRef, heard: Heard) {
+        let now = Instant::now();
+        self.sweep(now);
+        self.indexed(fingerprint, machine);
+        let generation = self.next_generation();
+        if let Some(old) = self.lock().insert(
+            machine.to_owned(),
+            Entry {
+                fingerprint,
+                plan,
+                heard,
+                heard_at: now,
+                verified_at: now,
+                read_at: now,
+                streaming: false,
+                generation,
+                following: false,
+                follower: None,
+                refreshing: false,
+                submit: Submit::Running,
+            },
+        ) && let Some(f) = old.follower
+        {
+            f.abort();
+        }
+    }
+
+    /// The background submission of `plan` failed: calls take the slow way again.
+    pub fn submit_failed(&self, machine: &str, plan: &PlanRef) {
+        if let Some(e) = self.lock().get_mut(machine)
+            && &e.plan == plan
+            && e.submit == Submit::Running
+        {
+            e.submit = Submit::Failed;
+        }
+    }
+
+    fn next_generation(&self) -> u64 {
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
+    }
+
+    /// The follower of `generation` was started (its handle stops it when replaced).
+    pub fn started(&self, machine: &str, generation: u64, handle: tokio::task::AbortHandle) {
+        let mut entries = self.lock();
+        match entries.get_mut(machine) {
+            Some(e) if e.generation == generation => e.follower = Some(handle),
+            _ => handle.abort(),
+        }
+    }
+
+    /// A background check of the request ended; `recorded` is false when it did not end in
+    /// [`Plans::record`] (the Machine is no longer updated, differs, or the agent could not
+    /// be asked): the entry is dropped so the next call takes the slow way and says why.
+    pub fn refreshed(&self, machine: &str, fingerprint: &Fingerprint, recorded: bool) {
+        let mut entries = self.lock();
+        if let Some(e) = entries.get_mut(machine)
+            && &e.fingerprint == fingerprint
+        {
+            e.refreshing = false;
+            if !recorded && let Some(e) = entries.remove(machine) {
+                if let Some(f) = e.follower {
+                    f.abort();
+                }
+            }
+        }
+    }
+
+    /// Drops the entry of `machine` (of `generation` only, when given).
+    pub fn forget(&self, machine: &str, generation: Option<u64>) {
+        let mut entries = self.lock();
+        if entries
+            .get(machine)
+            .is_some_and(|e| generation.is_none_or(|g| e.generation == g))
+            && let Some(e) = entries.remove(machine)
+            && let Some(f) = e.follower
+            && generation.is_none()
+        {
+            f.abort();
+        }
+    }
+
+    /// Whether the follower of `generation` is still wanted; an idle entry is dropped here.
+    fn wanted(&self, machine: &str, generation: u64) -> bool {
+        let mut entries = self.lock();
+        let Some(e) = entries.get(machine) else {
+            return false;
+        };
+        if e.generation != generation {
+            return false;
+        }
+        if e.read_at.elapsed() >= IDLE {
+            entries.remove(machine);
+            return false;
+        }
+        true
+    }
+
+    /// A snapshot arrived on the stream of `generation`; false: stop following.
+    fn heard(&self, machine: &str, generation: u64, status: &pb::PlanStatus) -> bool {
+        let mut entries = self.lock();
+        let Some(e) = entries.get_mut(machine) else {
+            return false;
+        };
+        if e.generation != generation {
+            return false;
+        }
+        e.heard = Heard::of(status);
+        e.heard_at = Instant::now();
+        e.streaming = true;
+        if terminal(status.phase) {
+            e.streaming = false;
+            e.following = false;
+            e.follower = None;
+            return false;
+        }
+        true
+    }
+
+    /// The stream of `generation` broke.
+    fn disconnected(&self, machine: &str, generation: u64) {
+        if let Some(e) = self.lock().get_mut(machine)
+            && e.generation == generation
+        {
+            e.streaming = false;
+        }
+    }
+
+    /// The follower of `generation` stops for good.
+    fn stopped(&self, machine: &str, generation: u64) {
+        if let Some(e) = self.lock().get_mut(machine)
+            && e.generation == generation
+        {
+            e.streaming = false;
+            e.following = false;
+            e.follower = None;
+        }
+    }
+
+    /// Drops idle entries, at most once a minute.
+    fn sweep(&self, now: Instant) {
+        {
+            let mut swept = self.swept.lock().unwrap_or_else(|e| e.into_inner());
+            if swept.is_some_and(|at| now.duration_since(at) < Duration::from_secs(60)) {
+                return;
+            }
+            *swept = Some(now);
+        }
+        let mut entries = self.lock();
+        entries.retain(|_, e| {
+            let keep = now.duration_since(e.read_at) < IDLE;
+            if !keep && let Some(f) = &e.follower {
+                f.abort();
+            }
+            keep
+        });
+        self.index().retain(|fingerprint, machine| {
+            entries
+                .get(machine)
+                .is_some_and(|e| &e.fingerprint == fingerprint)
+        });
+    }
+}
+
+/// Follows `plan` on its agent for the entry of `machine` until the plan's terminal
+/// snapshot, the entry being replaced or dropped, or the agent no longer knowing the plan
+/// (then the entry is dropped: the next call submits it again). A broken stream is opened
+/// again after a backoff (100 ms doubling to 5 s); meanwhile calls ask the agent themselves.
+pub async fn follow(
+    plans: Arc<Plans>,
+    agents: Arc<Agents>,
+    machine: String,
+    plan: PlanRef,
+    generation: u64,
+) {
+    let mut backoff = BACKOFF_MIN;
+    while plans.wanted(&machine, generation) {
+        match agents.watch(&plan.target, &plan.node, &plan.id).await {
+            Ok(Some(mut stream)) => {
+                tracing::debug!(%machine, node = %plan.node, plan = %plan.id, "plan stream opened");
+                loop {
+                    match stream.message().await {
+                        Ok(Some(status)) => {
+                            backoff = BACKOFF_MIN;
+                            if !plan.has_digest(&status.digest) {
+                                // Another plan under this id: the next call decides afresh.
+                                plans.forget(&machine, Some(generation));
+                                return;
+                            }
+                            if !plans.heard(&machine, generation, &status) {
+                                return;
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(s) => {
+                            tracing::debug!(%machine, node = %plan.node, plan = %plan.id, code = ?s.code(), "plan stream broke");
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(None) => {
+                plans.forget(&machine, Some(generation));
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(%machine, plan = %plan.id, error = %e, "plan stream not opened");
+            }
+        }
+        plans.disconnected(&machine, generation);
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+    plans.stopped(&machine, generation);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(id: &str, digest: &str) -> PlanRef {
+        PlanRef {
+            id: id.into(),
+            digest: digest.into(),
+            digest_v1: format!("v1 of {digest}"),
+            target: "https://127.0.0.1:1".into(),
+            node: "n".into(),
+        }
+    }
+
+    fn status(phase: pb::Phase, retry: i32, message: &str) -> pb::PlanStatus {
+        pb::PlanStatus {
+            phase: phase as i32,
+            hook_response: Some(pb::HookResponse {
+                status: pb::HookStatus::Success as i32,
+                retry_after_seconds: retry,
+                message: message.into(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn an_answer_needs_the_same_request_and_a_fresh_status() {
+        let plans = Plans::new();
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        assert!(plans.answer("ns/m", &a).is_none());
+        let follow = plans.record(
+            "ns/m",
+            a,
+            plan("p1", "d1"),
+            &status(pb::Phase::Applying, 10, "applying"),
+        );
+        assert!(matches!(follow, Follow::Start(_)));
+        let got = plans.answer("ns/m", &a).expect("within the grace");
+        assert_eq!(got.heard.hook.message, "applying");
+        assert!(!got.refresh);
+        assert!(plans.answer("ns/m", &b).is_none(), "another request");
+        let (machine, by_fp) = plans.answer_by_fingerprint(&a).unwrap();
+        assert_eq!(
+            (machine.as_str(), by_fp.heard.hook.message.as_str()),
+            ("ns/m", "applying")
+        );
+        assert!(plans.answer_by_fingerprint(&b).is_none());
+        assert!(plans.answer("ns/other", &a).is_none());
+    }
+
+    #[test]
+    fn snapshots_move_the_answer_and_the_terminal_one_ends_following() {
+        let plans = Plans::new();
+        let a = [1u8; 32];
+        let Follow::Start(g) = plans.record(
+            "ns/m",
+            a,
+            plan("p1", "d1"),
+            &status(pb::Phase::Pending, 10, "pending"),
+        ) else {
+            panic!("a follower is wanted");
+        };
+        assert!(plans.heard("ns/m", g, &status(pb::Phase::Verifying, 10, "gates")));
+        assert_eq!(
+            plans.answer("ns/m", &a).unwrap().heard.hook.message,
+            "gates"
+        );
+        assert!(!plans.heard("ns/m", g, &status(pb::Phase::Succeeded, 0, "done")));
+        let got = plans.answer("ns/m", &a).unwrap();
+        assert_eq!(got.heard.hook.retry_after_seconds, 0);
+        // A snapshot of an older generation is ignored.
+        assert!(!plans.heard("ns/m", g + 1, &status(pb::Phase::Applying, 10, "x")));
+        assert_eq!(plans.answer("ns/m", &a).unwrap().heard.hook.message, "done");
+        // The same plan again, terminal: no follower.
+        assert_eq!(
+            plans.record(
+                "ns/m",
+                a,
+                plan("p1", "d1"),
+                &status(pb::Phase::Succeeded, 0, "done")
+            ),
+            Follow::No
+        );
+    }
+
+    #[test]
+    fn another_plan_replaces_the_entry_and_its_generation() {
+        let plans = Plans::new();
+        let Follow::Start(g1) = plans.record(
+            "ns/m",
+            [1; 32],
+            plan("p1", "d1"),
+            &status(pb::Phase::Applying, 10, "old"),
+        ) else {
+            panic!()
+        };
+        let Follow::Start(g2) = plans.record(
+            "ns/m",
+            [2; 32],
+            plan("p2", "d2"),
+            &status(pb::Phase::Pending, 10, "new"),
+        ) else {
+            panic!()
+        };
+        assert_ne!(g1, g2);
+        assert!(!plans.wanted("ns/m", g1), "the old follower stops");
+        assert!(plans.wanted("ns/m", g2));
+        assert!(!plans.heard("ns/m", g1, &status(pb::Phase::Succeeded, 0, "old done")));
+        assert!(plans.answer("ns/m", &[1; 32]).is_none());
+        assert!(
+            plans.answer_by_fingerprint(&[1; 32]).is_none(),
+            "a stale index line"
+        );
+        assert_eq!(
+            plans.answer("ns/m", &[2; 32]).unwrap().heard.hook.message,
+            "new"
+        );
+    }
+
+    #[test]
+    fn an_in_flight_status_without_a_stream_expires_and_a_failed_refresh_drops_it() {
+        let plans = Plans::new();
+        let a = [1u8; 32];
+        let Follow::Start(g) = plans.record(
+            "ns/m",
+            a,
+            plan("p1", "d1"),
+            &status(pb::Phase::Applying, 10, "x"),
+        ) else {
+            panic!()
+        };
+        {
+            let mut entries = plans.lock();
+            let e = entries.get_mut("ns/m").unwrap();
+            e.heard_at -= GRACE;
+        }
+        assert!(plans.answer("ns/m", &a).is_none(), "no stream, grace over");
+        assert!(plans.heard("ns/m", g, &status(pb::Phase::Applying, 10, "y")));
+        assert!(plans.answer("ns/m", &a).is_some(), "the stream speaks");
+        plans.disconnected("ns/m", g);
+        {
+            let mut entries = plans.lock();
+            entries.get_mut("ns/m").unwrap().heard_at -= GRACE;
+        }
+        assert!(plans.answer("ns/m", &a).is_none(), "the stream broke");
+
+        // A terminal answer is kept; when old it asks for one refresh at a time.
+        plans.record(
+            "ns/m",
+            a,
+            plan("p1", "d1"),
+            &status(pb::Phase::Succeeded, 0, "done"),
+        );
+        {
+            let mut entries = plans.lock();
+            entries.get_mut("ns/m").unwrap().verified_at -= TTL;
+        }
+        assert!(plans.answer("ns/m", &a).unwrap().refresh);
+        assert!(!plans.answer("ns/m", &a).unwrap().refresh, "one at a time");
+        plans.refreshed("ns/m", &a, false);
+        assert!(plans.answer("ns/m", &a).is_none(), "dropped");
+    }
+}

@@ -1,0 +1,278 @@
+//! The ExtensionConfig's `settings`, validated once per request and layered over the
+//! updater's flags (a setting wins over its flag). docs/updater.md lists every key; a test
+//! keeps the two in step ([`KEYS`]).
+
+use serde_json::{Map, Value};
+
+use super::hooks::RequestError;
+
+/// Every settings key the updater reads, with its one-line meaning (docs/updater.md has the
+/// same list).
+pub const KEYS: &[(&str, &str)] = &[
+    (
+        "agentPort",
+        "port of the agents' gRPC API (default: --agent-port, 9443)",
+    ),
+    (
+        "addressTypes",
+        "Machine status.addresses types to dial, in order (default InternalIP,ExternalIP)",
+    ),
+    (
+        "kubernetesPackages",
+        "packages moved to Machine.spec.version, kubeadm first (default kubeadm,kubelet,kubectl)",
+    ),
+    (
+        "packageRepositoryPath",
+        "file the package repository switch writes (default empty: no switch)",
+    ),
+    (
+        "packageRepositoryTemplate",
+        "its content; {minor} is replaced by v1.N, {version} by the full version",
+    ),
+    (
+        "kubeletHealthzURL",
+        "health gate after a kubelet restart (default http://127.0.0.1:10248/healthz; empty: none)",
+    ),
+    (
+        "gateTimeoutSeconds",
+        "how long each health gate may take (default 120)",
+    ),
+    (
+        "planTimeoutSeconds",
+        "the plan's overall timeout on the agent (default 0: the agent's, 900)",
+    ),
+    (
+        "disableInPlaceUpdates",
+        "\"true\": CanUpdate* cover nothing (every change rolls out)",
+    ),
+];
+
+/// The managed set the KubeadmConfig's `files[]` belong to on the node.
+pub const FILES_SET: &str = "kubeadmconfig-files";
+
+/// Defaults from the updater's flags.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    /// `--agent-port`.
+    pub agent_port: u16,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults { agent_port: 9443 }
+    }
+}
+
+/// Settings of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Port of the agents.
+    pub agent_port: u16,
+    /// Address types to try, in order.
+    pub address_types: Vec<String>,
+    /// Packages to move to the Machine's version (kubeadm first).
+    pub kubernetes_packages: Vec<String>,
+    /// Repository file written for the version's minor (with its template), if any.
+    pub repository: Option<(String, String)>,
+    /// The kubelet health gate URL, if any.
+    pub kubelet_healthz_url: Option<String>,
+    /// Timeout of each gate.
+    pub gate_timeout_seconds: u32,
+    /// Plan timeout (0: the agent's default).
+    pub plan_timeout_seconds: u32,
+    /// Cover nothing.
+    pub disable_in_place: bool,
+}
+
+impl Settings {
+    /// The settings with nothing set.
+    pub fn defaults(defaults: &Defaults) -> Settings {
+        Settings {
+            agent_port: defaults.agent_port,
+            address_types: vec!["InternalIP".into(), "ExternalIP".into()],
+            kubernetes_packages: vec!["kubeadm".into(), "kubelet".into(), "kubectl".into()],
+            repository: None,
+            kubelet_healthz_url: Some("http://127.0.0.1:10248/healthz".into()),
+            gate_timeout_seconds: 120,
+            plan_timeout_seconds: 0,
+            disable_in_place: false,
+        }
+    }
+
+    /// Reads a request's `settings` over `defaults`; errors name `settings.<key>`. Unknown keys
+    /// are ignored (an ExtensionConfig may carry settings for other purposes).
+    pub fn from_request(
+        settings: &Map<String, Value>,
+        defaults: &Defaults,
+    ) -> Result<Settings, RequestError> {
+        let mut s = Settings::defaults(defaults);
+        let get = |key: &str| settings.get(key).and_then(Value::as_str);
+        let bad =
+            |key: &str, message: String| RequestError::new(format!("settings.{key}"), message);
+        if let Some(v) = get("agentPort") {
+            s.agent_port = v
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| bad("agentPort", format!("{v:?} is not a port (1-65535)")))?;
+        }
+        if let Some(v) = get("addressTypes") {
+            let types = list(v);
+            const KNOWN: [&str; 5] = [
+                "InternalIP",
+                "ExternalIP",
+                "Hostname",
+                "InternalDNS",
+                "ExternalDNS",
+            ];
+            if let Some(t) = types.iter().find(|t| !KNOWN.contains(&t.as_str())) {
+                return Err(bad(
+                    "addressTypes",
+                    format!(
+                        "{t:?} is not a Machine address type (one of {})",
+                        KNOWN.join(", ")
+                    ),
+                ));
+            }
+            if types.is_empty() {
+                return Err(bad("addressTypes", "is empty".into()));
+            }
+            s.address_types = types;
+        }
+        if let Some(v) = get("kubernetesPackages") {
+            s.kubernetes_packages = list(v);
+        }
+        match (
+            get("packageRepositoryPath"),
+            get("packageRepositoryTemplate"),
+        ) {
+            (None | Some(""), None | Some("")) => {}
+            (Some(path), Some(template)) if !path.is_empty() && !template.is_empty() => {
+                if !path.starts_with('/') {
+                    return Err(bad(
+                        "packageRepositoryPath",
+                        format!("{path:?} is not an absolute path"),
+                    ));
+                }
+                s.repository = Some((path.to_owned(), template.to_owned()));
+            }
+            (path, _) => {
+                let missing = if path.is_none_or(str::is_empty) {
+                    "packageRepositoryPath"
+                } else {
+                    "packageRepositoryTemplate"
+                };
+                return Err(bad(
+                    missing,
+                    "must be set together with the other packageRepository key".into(),
+                ));
+            }
+        }
+        if let Some(v) = get("kubeletHealthzURL") {
+            s.kubelet_healthz_url = if v.is_empty() {
+                None
+            } else if v.starts_with("http://") || v.starts_with("https://") {
+                Some(v.to_owned())
+            } else {
+                return Err(bad(
+                    "kubeletHealthzURL",
+                    format!("{v:?} is not an http(s) URL"),
+                ));
+            };
+        }
+        let seconds = |key: &str, max: u32| -> Result<Option<u32>, RequestError> {
+            get(key)
+                .map(|v| {
+                    v.trim()
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|n| *n <= max)
+                        .ok_or_else(|| {
+                            bad(key, format!("{v:?} is not a number of seconds up to {max}"))
+                        })
+                })
+                .transpose()
+        };
+        if let Some(n) = seconds("gateTimeoutSeconds", 3600)? {
+            s.gate_timeout_seconds = n.max(1);
+        }
+        if let Some(n) = seconds("planTimeoutSeconds", 7 * 86400)? {
+            s.plan_timeout_seconds = n;
+        }
+        if let Some(v) = get("disableInPlaceUpdates") {
+            s.disable_in_place = match v {
+                "true" => true,
+                "false" | "" => false,
+                other => {
+                    return Err(bad(
+                        "disableInPlaceUpdates",
+                        format!("{other:?} is not \"true\" or \"false\""),
+                    ));
+                }
+            };
+        }
+        Ok(s)
+    }
+}
+
+fn list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: Value) -> Result<Settings, RequestError> {
+        Settings::from_request(v.as_object().unwrap(), &Defaults::default())
+    }
+
+    #[test]
+    fn settings_win_over_flags_and_errors_name_the_key() {
+        let s = parse(json!({"agentPort": "8443", "drain": "true"})).unwrap();
+        assert_eq!(s.agent_port, 8443);
+        assert_eq!(parse(json!({})).unwrap().agent_port, 9443);
+        assert_eq!(
+            parse(json!({"agentPort": "x"})).unwrap_err().field,
+            "settings.agentPort"
+        );
+        assert_eq!(
+            parse(json!({"addressTypes": "InternalIP,Bogus"}))
+                .unwrap_err()
+                .field,
+            "settings.addressTypes"
+        );
+        assert_eq!(
+            parse(json!({"packageRepositoryPath": "/etc/apt/sources.list.d/k.list"}))
+                .unwrap_err()
+                .field,
+            "settings.packageRepositoryTemplate"
+        );
+        assert_eq!(
+            parse(json!({"kubeletHealthzURL": ""}))
+                .unwrap()
+                .kubelet_healthz_url,
+            None
+        );
+    }
+
+    #[test]
+    fn every_key_is_documented() {
+        let doc = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/updater.md"),
+        )
+        .unwrap();
+        for (key, _) in KEYS {
+            assert!(
+                doc.contains(&format!("`{key}`")),
+                "docs/updater.md does not document {key}"
+            );
+        }
+    }
+}

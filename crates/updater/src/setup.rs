@@ -1,0 +1,54 @@
+//! Putting the updater together: its Kubernetes client, the agents' client, its metrics
+//! and its serving certificate (shared by `serve`, the demo and the tests).
+
+use std::sync::Arc;
+
+use anyhow::Context as _;
+
+use super::agent::Agents;
+use super::cluster::Cluster;
+use super::handlers::Updater;
+use super::metrics::Metrics;
+use super::progress::Plans;
+use super::server::ServingTls;
+use super::settings::Defaults;
+
+/// Builds the updater and its serving TLS (shared by `serve`, the demo and the tests).
+pub async fn build(
+    tls_cert: &std::path::Path,
+    tls_key: &std::path::Path,
+    agent_paths: inplace_api::tls::ClientTlsPaths,
+    agent_port: u16,
+    kubeconfig: Option<&std::path::Path>,
+) -> anyhow::Result<(Arc<Updater>, Arc<ServingTls>)> {
+    let agents = Agents::new(agent_paths).context("agent client certificate")?;
+    let cluster = Cluster::connect(kubeconfig).await?;
+    let updater = Arc::new_cyclic(|weak: &std::sync::Weak<Updater>| {
+        let weak = weak.clone();
+        let metrics = Metrics::new(Arc::new(move || {
+            weak.upgrade()
+                .map(|u| {
+                    u.agents
+                        .unreachable
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                })
+                .unwrap_or(0)
+        }));
+        Updater {
+            defaults: Defaults { agent_port },
+            cluster,
+            agents: Arc::new(agents),
+            plans: Arc::new(Plans::new()),
+            metrics,
+        }
+    });
+    let tls = Arc::new(
+        ServingTls::new(
+            tls_cert.to_path_buf(),
+            tls_key.to_path_buf(),
+            updater.metrics.scraped.clone(),
+        )
+        .context("serving certificate")?,
+    );
+    Ok((updater, tls))
+}

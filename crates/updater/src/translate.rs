@@ -1,0 +1,664 @@
+//! Desired Machine + KubeadmConfig → an inplace-agent plan (pure).
+//!
+//! What becomes what (docs/updater.md has the table for people):
+//! - `files[]` → one `file` change each, in order (inline content or the resolved
+//!   `contentFrom.secret`, every CAPI encoding, owner, permissions, append); the plan's
+//!   `prune: {set: kubeadmconfig-files}` makes the agent remove a file an earlier plan of
+//!   the set wrote and this one no longer lists;
+//! - `joinConfiguration.nodeRegistration.kubeletExtraArgs` (v1beta2 `[{name, value}]`) →
+//!   `kubeletFlags.set`;
+//! - `Machine.spec.version` → the optional repository switch file, then the upstream kubeadm
+//!   order: `kubeadm` at `<version>-*` (held), `kubeadmUpgradeNode`, `kubelet` and `kubectl`
+//!   at `<version>-*` (held); the agent resolves the pattern to the exact package version
+//!   when it prepares the plan and journals that. On a node without a package manager the
+//!   version is only verified (`kubeletVersion` gate);
+//! - gates: `kubeletVersion` for the version; after a kubelet restart (flags or packages)
+//!   `unitActive kubelet.service` and the kubelet healthz, when the agent manages services.
+//!
+//! Nothing here does I/O: Secrets come in through [`SecretSource`], the node's abilities as
+//! [`NodeFacts`]. The plan id is `<namespace>/<machine>@<12 hex of sha256 over the desired
+//! specs>` ([`plan_id`]), so every replica, before and after a restart, names the same work
+//! the same way.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use super::settings::{FILES_SET, Settings};
+use inplace_plan::{AllowList, Limits, Plan, validate_value};
+
+/// What the updater knows about the node's agent (from `GetNodeInfo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// The node name the agent serves.
+    pub node_name: String,
+    /// Change kinds the agent applies on this node (plan-file keys).
+    pub change_kinds: Vec<String>,
+    /// Check kinds it runs.
+    pub check_kinds: Vec<String>,
+    /// Plan features beyond the kinds (`prune`, `packageVersionPattern`).
+    pub features: Vec<String>,
+    /// The agent starts and restarts units (systemd); false with `--services off`.
+    pub services_managed: bool,
+    /// `apt`, `dnf` or empty.
+    pub package_manager: String,
+}
+
+impl NodeFacts {
+    /// What a current agent on a kubeadm node with systemd and a package manager reports;
+    /// used where no node can be asked (`CanUpdateMachineSet`, `translate`).
+    pub fn assumed(node_name: &str) -> NodeFacts {
+        let s = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect();
+        NodeFacts {
+            node_name: node_name.to_owned(),
+            change_kinds: s(&[
+                "file",
+                "absent",
+                "kubeletConfig",
+                "kubeletFlags",
+                "sysctl",
+                "package",
+                "artifact",
+                "unit",
+                "kubeadmUpgradeNode",
+                "reboot",
+            ]),
+            check_kinds: s(&["unitActive", "httpGet", "kubeletVersion"]),
+            features: s(&[FEATURE_PRUNE, FEATURE_VERSION_PATTERN]),
+            services_managed: true,
+            package_manager: "apt".into(),
+        }
+    }
+
+    fn kind(&self, kind: &str) -> bool {
+        self.change_kinds.iter().any(|k| k == kind)
+    }
+
+    fn check(&self, kind: &str) -> bool {
+        self.check_kinds.iter().any(|k| k == kind)
+    }
+
+    fn feature(&self, feature: &str) -> bool {
+        self.features.iter().any(|k| k == feature)
+    }
+
+    /// What of a KubeadmConfig / Machine the updater can translate for this node.
+    pub fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            files: self.kind("file"),
+            prune: self.feature(FEATURE_PRUNE),
+            kubelet_flags: self.kind("kubeletFlags"),
+            version: self.kind("package")
+                && self.kind("kubeadmUpgradeNode")
+                && self.feature(FEATURE_VERSION_PATTERN),
+        }
+    }
+}
+
+/// `GetNodeInfo.plan_features` value: the agent honours `options.prune`.
+pub const FEATURE_PRUNE: &str = "prune";
+/// `GetNodeInfo.plan_features` value: package versions may be `<prefix>*` patterns.
+pub const FEATURE_VERSION_PATTERN: &str = "packageVersionPattern";
+
+/// What can be done in place on a node (drives the CanUpdate* coverage).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// `files[]` can be written.
+    pub files: bool,
+    /// A file dropped from `files[]` is removed from the node.
+    pub prune: bool,
+    /// kubelet flags can be set.
+    pub kubelet_flags: bool,
+    /// The Kubernetes version can be moved (packages, kubeadm upgrade node, patterns).
+    pub version: bool,
+}
+
+/// Where `files[].contentFrom.secret` is read from (the Machine's namespace).
+pub trait SecretSource {
+    /// The bytes of `key` in Secret `name`, or an error for people (`secret default/x has
+    /// no key y`).
+    fn secret(&self, name: &str, key: &str) -> Result<Vec<u8>, String>;
+}
+
+/// No Secrets available (`translate` without a cluster).
+pub struct NoSecrets;
+
+impl SecretSource for NoSecrets {
+    fn secret(&self, name: &str, _key: &str) -> Result<Vec<u8>, String> {
+        Err(format!(
+            "secret {name} cannot be read here (no cluster access); inline the content"
+        ))
+    }
+}
+
+/// The desired objects of one Machine.
+#[derive(Debug, Clone, Copy)]
+pub struct Desired<'a> {
+    /// The Machine (metadata and spec are read).
+    pub machine: &'a Value,
+    /// The InfraMachine, if sent (only its spec enters the plan id).
+    pub infrastructure: Option<&'a Value>,
+    /// The KubeadmConfig, if the Machine has one.
+    pub bootstrap: Option<&'a Value>,
+}
+
+/// A desired state that cannot be turned into a plan; `field` names the object field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct TranslateError {
+    /// e.g. `bootstrapConfig.spec.files[2].contentFormat`.
+    pub field: String,
+    /// Why, and what to do.
+    pub message: String,
+}
+
+fn terr(field: impl Into<String>, message: impl Into<String>) -> TranslateError {
+    TranslateError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// The outcome of a translation.
+#[derive(Debug, Clone)]
+pub struct Translation {
+    /// The plan id.
+    pub id: String,
+    /// The plan document (plan-file shape), as `translate` prints it.
+    pub document: Value,
+    /// The validated plan (what goes on the wire, through `rpc::convert::plan_to_pb`).
+    pub plan: Plan,
+}
+
+/// `<namespace>/<machine>@<first 12 hex of sha256 over the desired specs>`: the specs of the
+/// Machine, InfraMachine and BootstrapConfig, each in canonical JSON (keys sorted), so the
+/// key order CAPI happened to marshal does not matter.
+pub fn plan_id(desired: &Desired<'_>) -> String {
+    let spec = |v: Option<&Value>| {
+        v.and_then(|v| v.get("spec"))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let specs = json!({
+        "machine": spec(Some(desired.machine)),
+        "infrastructureMachine": spec(desired.infrastructure),
+        "bootstrapConfig": spec(desired.bootstrap),
+    });
+    let mut canonical = String::new();
+    write_canonical(&specs, &mut canonical);
+    let hash = hex::encode(Sha256::digest(canonical.as_bytes()));
+    let meta = |k: &str| {
+        desired
+            .machine
+            .get("metadata")
+            .and_then(|m| m.get(k))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    format!("{}/{}@{}", meta("namespace"), meta("name"), &hash[..12])
+}
+
+/// JSON with object keys sorted at every level, no whitespace.
+pub fn write_canonical(v: &Value, out: &mut String) {
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                write_canonical(&m[k], out);
+            }
+            out.push('}');
+        }
+        Value::Array(a) => {
+            out.push('[');
+            for (i, item) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// `v1.35.2` → `1.35.2`; only plain `MAJOR.MINOR.PATCH` versions map onto package versions.
+pub fn package_version(version: &str) -> Option<String> {
+    let v = version.strip_prefix('v').unwrap_or(version);
+    let parts: Vec<&str> = v.split('.').collect();
+    (parts.len() == 3
+        && parts
+            .iter()
+            .all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit())))
+    .then(|| v.to_owned())
+}
+
+/// The KubeadmConfig spec fields whose changes need no node work (they only matter to a
+/// `kubeadm init`/`join` that never runs again on this node).
+pub const NO_NODE_WORK: &[&[&str]] = &[
+    &["verbosity"],
+    &["initConfiguration"],
+    &["joinConfiguration", "discovery"],
+    &["joinConfiguration", "timeouts"],
+    &["joinConfiguration", "nodeRegistration", "imagePullPolicy"],
+    &[
+        "joinConfiguration",
+        "nodeRegistration",
+        "ignorePreflightErrors",
+    ],
+];
+
+/// Where the kubelet flags are in a KubeadmConfig spec.
+pub const KUBELET_ARGS: &[&str] = &["joinConfiguration", "nodeRegistration", "kubeletExtraArgs"];
+
+/// Where KCP's feature gates are.
+pub const FEATURE_GATES: &[&str] = &["clusterConfiguration", "featureGates"];
+
+/// Translates the desired state for `node` into a plan.
+pub fn translate(
+    desired: &Desired<'_>,
+    settings: &Settings,
+    node: &NodeFacts,
+    secrets: &dyn SecretSource,
+) -> Result<Translation, TranslateError> {
+    let id = plan_id(desired);
+    let machine_spec = desired.machine.get("spec").unwrap_or(&Value::Null);
+    let mut changes: Vec<Value> = Vec::new();
+    let mut sources: Vec<String> = Vec::new();
+    let mut restarts_kubelet = false;
+
+    if let Some(bootstrap) = desired.bootstrap {
+        let kind = bootstrap.get("kind").and_then(Value::as_str).unwrap_or("");
+        if kind != "KubeadmConfig" {
+            return Err(terr(
+                "bootstrapConfig.kind",
+                format!("{kind:?} is not supported: this updater translates KubeadmConfig only"),
+            ));
+        }
+        let spec = bootstrap.get("spec").unwrap_or(&Value::Null);
+        for (i, file) in spec
+            .get("files")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+        {
+            let field = format!("bootstrapConfig.spec.files[{i}]");
+            changes.push(json!({"file": file_change(file, &field, secrets)?}));
+            sources.push(field);
+        }
+        if let Some(args) = lookup(spec, KUBELET_ARGS) {
+            let field = "bootstrapConfig.spec.joinConfiguration.nodeRegistration.kubeletExtraArgs";
+            let set = kubelet_args(args, field)?;
+            if !set.is_empty() {
+                changes.push(json!({"kubeletFlags": {"set": set}}));
+                sources.push(field.to_owned());
+                restarts_kubelet = true;
+            }
+        }
+    }
+
+    let mut verify: Vec<Value> = Vec::new();
+    if let Some(version) = machine_spec.get("version").and_then(Value::as_str) {
+        let field = "machine.spec.version";
+        let plain = package_version(version).ok_or_else(|| {
+            terr(
+                field,
+                format!("{version:?} is not a MAJOR.MINOR.PATCH Kubernetes version"),
+            )
+        })?;
+        let pattern = format!("{plain}-*");
+        let packages = node.kind("package") && !settings.kubernetes_packages.is_empty();
+        if packages {
+            if !node.feature(FEATURE_VERSION_PATTERN) {
+                return Err(terr(
+                    field,
+                    format!(
+                        "the agent on node {} is too old to resolve package versions by \
+                         pattern; upgrade inplace-agent on the node",
+                        node.node_name
+                    ),
+                ));
+            }
+            if let Some((path, template)) = &settings.repository {
+                let minor = plain.rsplit_once('.').map_or(plain.as_str(), |(m, _)| m);
+                let content = template
+                    .replace("{minor}", &format!("v{minor}"))
+                    .replace("{version}", &plain);
+                changes.push(json!({"file": {"path": path, "content": ensure_newline(content)}}));
+                sources.push("settings.packageRepositoryTemplate".into());
+            }
+            for (i, name) in settings.kubernetes_packages.iter().enumerate() {
+                changes.push(json!({"package": {"name": name, "version": pattern, "hold": true}}));
+                sources.push(field.into());
+                if i == 0 && name == "kubeadm" && node.kind("kubeadmUpgradeNode") {
+                    changes.push(json!({"kubeadmUpgradeNode": {}}));
+                    sources.push(field.into());
+                }
+            }
+            restarts_kubelet = true;
+        }
+        if node.check("kubeletVersion") {
+            verify.push(json!({"kubeletVersion": {
+                "version": format!("v{plain}"),
+                "timeoutSeconds": settings.gate_timeout_seconds,
+            }}));
+        }
+    }
+    if restarts_kubelet && node.services_managed {
+        if node.check("unitActive") {
+            verify.insert(
+                0,
+                json!({"unitActive": {"name": "kubelet.service", "timeoutSeconds": settings.gate_timeout_seconds}}),
+            );
+        }
+        if let (Some(url), true) = (&settings.kubelet_healthz_url, node.check("httpGet")) {
+            let at = usize::from(!verify.is_empty() && verify[0].get("unitActive").is_some());
+            verify.insert(
+                at,
+                json!({"httpGet": {"url": url, "expectStatus": 200, "timeoutSeconds": settings.gate_timeout_seconds}}),
+            );
+        }
+    }
+
+    let mut options = Map::new();
+    options.insert("rollbackOnFailure".into(), json!(true));
+    if settings.plan_timeout_seconds > 0 {
+        options.insert(
+            "timeoutSeconds".into(),
+            json!(settings.plan_timeout_seconds),
+        );
+    }
+    if node.feature(FEATURE_PRUNE) && desired.bootstrap.is_some() {
+        options.insert("prune".into(), json!({"set": FILES_SET}));
+    }
+    let document = json!({
+        "apiVersion": inplace_plan::API_VERSION,
+        "kind": "Plan",
+        "id": id,
+        "nodeName": node.node_name,
+        "options": options,
+        "changes": changes,
+        "verify": verify,
+    });
+    let limits = Limits {
+        allow: AllowList::everything(),
+        ..Limits::default()
+    };
+    let plan = validate_value(&document, "updater", &limits).map_err(|invalid| {
+        let first = invalid.errors.first();
+        let (field, message) = match first {
+            Some(e) => {
+                let source = e
+                    .field
+                    .strip_prefix("changes[")
+                    .and_then(|r| r.split_once(']'))
+                    .and_then(|(n, _)| n.parse::<usize>().ok())
+                    .and_then(|n| sources.get(n))
+                    .cloned()
+                    .unwrap_or_else(|| "plan".to_owned());
+                (source, format!("the plan would be invalid: {e}"))
+            }
+            None => ("plan".to_owned(), invalid.to_string()),
+        };
+        terr(field, message)
+    })?;
+    Ok(Translation { id, document, plan })
+}
+
+fn ensure_newline(mut s: String) -> String {
+    if !s.ends_with('\n') {
+        s.push('\n');
+    }
+    s
+}
+
+/// One `files[]` entry → the body of a `file` change.
+fn file_change(
+    file: &Value,
+    field: &str,
+    secrets: &dyn SecretSource,
+) -> Result<Value, TranslateError> {
+    let f = file
+        .as_object()
+        .ok_or_else(|| terr(field, "is not an object"))?;
+    let s = |key: &str| f.get(key).and_then(Value::as_str);
+    let path = s("path")
+        .filter(|p| p.starts_with('/'))
+        .ok_or_else(|| terr(format!("{field}.path"), "missing or not an absolute path"))?;
+    if let Some(format) = s("contentFormat").filter(|v| !v.is_empty()) {
+        return Err(terr(
+            format!("{field}.contentFormat"),
+            format!(
+                "{format:?} files are rendered by CABPK at bootstrap; they cannot be updated in \
+                 place (a rollout replaces the Machine)"
+            ),
+        ));
+    }
+    let bytes: Vec<u8> = match (s("content"), f.get("contentFrom")) {
+        (_, Some(from)) if !from.is_null() => {
+            let secret = from.get("secret");
+            let name = secret.and_then(|v| v.get("name")).and_then(Value::as_str);
+            let key = secret.and_then(|v| v.get("key")).and_then(Value::as_str);
+            let (Some(name), Some(key)) = (name, key) else {
+                return Err(terr(
+                    format!("{field}.contentFrom.secret"),
+                    "needs name and key",
+                ));
+            };
+            secrets
+                .secret(name, key)
+                .map_err(|e| terr(format!("{field}.contentFrom.secret"), e))?
+        }
+        (Some(content), _) => content.as_bytes().to_vec(),
+        (None, _) => Vec::new(),
+    };
+    // The plan carries text: bytes that are not the text of an encoding travel as base64.
+    let (content, encoding) = match s("encoding").unwrap_or("") {
+        "" => (BASE64.encode(&bytes), "base64"),
+        "base64" => (text(bytes, field)?, "base64"),
+        "gzip" => (BASE64.encode(&bytes), "gzip+base64"),
+        "gzip+base64" => (text(bytes, field)?, "gzip+base64"),
+        other => {
+            return Err(terr(
+                format!("{field}.encoding"),
+                format!("{other:?} is not one of base64, gzip, gzip+base64"),
+            ));
+        }
+    };
+    let mut out = Map::new();
+    out.insert("path".into(), json!(path));
+    out.insert("content".into(), json!(content));
+    out.insert("encoding".into(), json!(encoding));
+    if let Some(owner) = s("owner").filter(|v| !v.is_empty()) {
+        out.insert("owner".into(), json!(owner));
+    }
+    if let Some(mode) = s("permissions").filter(|v| !v.is_empty()) {
+        let mode = if mode.len() < 3 {
+            format!("{mode:0>3}")
+        } else {
+            mode.to_owned()
+        };
+        out.insert("mode".into(), json!(mode));
+    }
+    if f.get("append").and_then(Value::as_bool) == Some(true) {
+        out.insert("append".into(), json!(true));
+    }
+    Ok(Value::Object(out))
+}
+
+fn text(bytes: Vec<u8>, field: &str) -> Result<String, TranslateError> {
+    String::from_utf8(bytes).map_err(|_| {
+        terr(
+            format!("{field}.content"),
+            "is not the base64 text its encoding says",
+        )
+    })
+}
+
+/// v1beta2 `kubeletExtraArgs: [{name, value}]` → flag name → value. Repeated names cannot be
+/// expressed as flags the agent sets (one value per flag) and are refused.
+pub fn kubelet_args(args: &Value, field: &str) -> Result<Map<String, Value>, TranslateError> {
+    let list = args.as_array().ok_or_else(|| {
+        terr(
+            field,
+            "is not a list of {name, value} (KubeadmConfig v1beta2); the v1beta1 map form is not \
+             supported",
+        )
+    })?;
+    let mut set = Map::new();
+    for (i, arg) in list.iter().enumerate() {
+        let name = arg.get("name").and_then(Value::as_str).unwrap_or("");
+        let value = arg.get("value").and_then(Value::as_str).unwrap_or("");
+        let name = name.trim_start_matches('-');
+        if name.is_empty() {
+            return Err(terr(format!("{field}[{i}].name"), "missing"));
+        }
+        if set.insert(name.to_owned(), json!(value)).is_some() {
+            return Err(terr(
+                format!("{field}[{i}].name"),
+                format!("{name:?} is repeated; the agent sets one value per kubelet flag"),
+            ));
+        }
+    }
+    Ok(set)
+}
+
+/// The value at `path` in `v`.
+pub fn lookup<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, k| v.get(*k))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::Defaults;
+
+    fn settings() -> Settings {
+        Settings::defaults(&Defaults::default())
+    }
+
+    #[test]
+    fn the_plan_id_ignores_key_order_and_changes_with_the_spec() {
+        let a = json!({"metadata": {"name": "m", "namespace": "ns"}, "spec": {"version": "v1.35.2", "clusterName": "c"}});
+        let b = json!({"spec": {"clusterName": "c", "version": "v1.35.2"}, "metadata": {"namespace": "ns", "name": "m"}});
+        let c = json!({"metadata": {"name": "m", "namespace": "ns"}, "spec": {"version": "v1.35.3", "clusterName": "c"}});
+        let id = |m: &Value| {
+            plan_id(&Desired {
+                machine: m,
+                infrastructure: None,
+                bootstrap: None,
+            })
+        };
+        assert_eq!(id(&a), id(&b));
+        assert_ne!(id(&a), id(&c));
+        assert!(id(&a).starts_with("ns/m@"));
+        assert_eq!(id(&a).len(), "ns/m@".len() + 12);
+    }
+
+    #[test]
+    fn versions_map_onto_package_patterns() {
+        assert_eq!(package_version("v1.35.2").as_deref(), Some("1.35.2"));
+        assert_eq!(package_version("1.35.2").as_deref(), Some("1.35.2"));
+        assert_eq!(package_version("v1.36.0-rc.1"), None);
+        assert_eq!(package_version("v1.35"), None);
+    }
+
+    #[test]
+    fn every_capi_encoding_becomes_the_same_bytes() {
+        use std::io::Write;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(b"hello\n").unwrap();
+        let gz = gz.finish().unwrap();
+        struct S(Vec<u8>);
+        impl SecretSource for S {
+            fn secret(&self, _: &str, _: &str) -> Result<Vec<u8>, String> {
+                Ok(self.0.clone())
+            }
+        }
+        let machine = json!({"metadata": {"name": "m", "namespace": "ns"}, "spec": {}});
+        let cases: Vec<(Value, Vec<u8>)> = vec![
+            (json!({"path": "/etc/a", "content": "hello\n"}), vec![]),
+            (
+                json!({"path": "/etc/a", "content": BASE64.encode("hello\n"), "encoding": "base64"}),
+                vec![],
+            ),
+            (
+                json!({"path": "/etc/a", "content": BASE64.encode(&gz), "encoding": "gzip+base64"}),
+                vec![],
+            ),
+            (
+                json!({"path": "/etc/a", "contentFrom": {"secret": {"name": "s", "key": "k"}}}),
+                b"hello\n".to_vec(),
+            ),
+            (
+                json!({"path": "/etc/a", "contentFrom": {"secret": {"name": "s", "key": "k"}}, "encoding": "gzip"}),
+                gz.clone(),
+            ),
+            (
+                json!({"path": "/etc/a", "contentFrom": {"secret": {"name": "s", "key": "k"}}, "encoding": "base64"}),
+                BASE64.encode("hello\n").into_bytes(),
+            ),
+        ];
+        for (file, secret) in cases {
+            let bootstrap = json!({"kind": "KubeadmConfig", "spec": {"files": [file.clone()]}});
+            let t = translate(
+                &Desired {
+                    machine: &machine,
+                    infrastructure: None,
+                    bootstrap: Some(&bootstrap),
+                },
+                &settings(),
+                &NodeFacts::assumed("n1"),
+                &S(secret),
+            )
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+            match &t.plan.changes[0] {
+                inplace_plan::Change::File(f) => assert_eq!(&f.content[..], b"hello\n", "{file}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn unsupported_fields_are_named() {
+        let machine = json!({"metadata": {"name": "m", "namespace": "ns"}, "spec": {}});
+        let bootstrap = json!({"kind": "KubeadmConfig", "spec": {"files": [{"path": "/etc/a", "content": "x", "contentFormat": "Template"}]}});
+        let e = translate(
+            &Desired {
+                machine: &machine,
+                infrastructure: None,
+                bootstrap: Some(&bootstrap),
+            },
+            &settings(),
+            &NodeFacts::assumed("n1"),
+            &NoSecrets,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "bootstrapConfig.spec.files[0].contentFormat");
+        let bootstrap = json!({"kind": "KubeadmConfig", "spec": {"files": [{"path": "/etc/a", "permissions": "0999", "content": "x"}]}});
+        let e = translate(
+            &Desired {
+                machine: &machine,
+                infrastructure: None,
+                bootstrap: Some(&bootstrap),
+            },
+            &settings(),
+            &NodeFacts::assumed("n1"),
+            &NoSecrets,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "bootstrapConfig.spec.files[0]", "{e}");
+        assert!(e.message.contains("mode"), "{e}");
+    }
+}

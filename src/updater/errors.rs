@@ -1,7 +1,0 @@
-//! How the updater says what went wrong.
-
-/// An error and its causes, each said once (errors here often repeat their source's text);
-/// the one rendering both binaries use ([`crate::base::chain`]).
-pub fn chain(e: &anyhow::Error) -> String {
-    crate::base::chain(e.as_ref())
-}

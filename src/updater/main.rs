@@ -1,7 +1,0 @@
-//! The `inplace-updater` binary: the Cluster API Runtime Extension; see
-//! `inplace_agent::updater` and docs/updater.md.
-#![forbid(unsafe_code)]
-
-fn main() -> std::process::ExitCode {
-    inplace_agent::updater::cli::main()
-}
