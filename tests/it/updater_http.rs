@@ -368,3 +368,74 @@ fn a_missing_certificate_stops_serve_with_the_file_named_once() {
         "{line}"
     );
 }
+
+const DISCOVERY: &[u8] =
+    br#"{"kind":"DiscoveryRequest","apiVersion":"hooks.runtime.cluster.x-k8s.io/v1alpha1"}"#;
+
+/// Cluster API's client sends its next call on the pooled connection when the updater asked
+/// it to come back (`retryAfterSeconds`: 10 while a plan runs). The updater's old 10 s header
+/// timeout closed that idle connection just as the call went out (`EOF`, a spurious hook
+/// failure). Now the connection outlives the wait: the next call goes out on the same
+/// connection, past the request limit of 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_outlives_the_wait_capi_is_asked_for() {
+    let w = world(33).await;
+    let mut client = w.client();
+    let r = client.call(Hook::Discovery, DISCOVERY).await.unwrap();
+    assert_eq!(r.status, 200);
+    // 1.1 × the request limit (10 s) and more than the retryAfterSeconds of a running plan.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let r = client.call(Hook::Discovery, DISCOVERY).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        client.connections(),
+        1,
+        "the second call went out on the pooled connection"
+    );
+}
+
+/// With the server's idle limit shortened to 3 s and a client whose pool keeps connections
+/// for 2.25 s (Go's 90 s against the default 120 s), calls 0.9×, 1.0× and 1.1× the server's
+/// limit after the last never meet a connection closed under them; a request that has
+/// started and stalls is still cut off after 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_at_the_idle_limit_never_meet_a_closed_connection_and_a_stalled_request_is_cut() {
+    let mut w = World::new(34).await;
+    w.start_updater_with(&["--idle-timeout", "3"]);
+    let mut client = w.client().with_idle_timeout(Duration::from_millis(2250));
+    client.call(Hook::Discovery, DISCOVERY).await.unwrap();
+    for wait_ms in [2700, 3000, 3300] {
+        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+        let r = client.call(Hook::Discovery, DISCOVERY).await;
+        assert!(r.is_ok(), "after {wait_ms} ms: {r:?}");
+    }
+    // A client that keeps its connection longer than the server's limit finds it closed
+    // before it sends (as Go's read loop would), never after.
+    let mut late = w.client().with_idle_timeout(Duration::from_secs(90));
+    late.call(Hook::Discovery, DISCOVERY).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(3300)).await;
+    late.call(Hook::Discovery, DISCOVERY).await.unwrap();
+    assert_eq!(late.connections(), 2, "the server closed the idle one");
+
+    // A request whose head stalls is closed 10 s after its first byte.
+    let mut conn = w.client().connect().await.unwrap();
+    conn.write_all(
+        b"POST /hooks.runtime.cluster.x-k8s.io/v1alpha1/discovery HTTP/1.1\r\nHost: x\r\n",
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::io::AsyncReadExt::read_to_end(&mut conn, &mut rest),
+    )
+    .await
+    .expect("the server closes a stalled request");
+    let _ = read;
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(9) && took < Duration::from_secs(20),
+        "closed after {took:?}"
+    );
+}

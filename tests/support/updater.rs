@@ -170,6 +170,11 @@ impl World {
 
     /// Starts the updater binary against the stand-in.
     pub fn start_updater(&mut self) -> SocketAddr {
+        self.start_updater_with(&[])
+    }
+
+    /// Starts the updater binary against the stand-in, with `extra` flags for `serve`.
+    pub fn start_updater_with(&mut self, extra: &[&str]) -> SocketAddr {
         let serving = self
             .pki
             .server("serving", &[SERVICE_HOST, "localhost", "127.0.0.1"])
@@ -191,6 +196,7 @@ impl World {
             .arg(self.agent_port.to_string())
             .arg("--kubeconfig")
             .arg(&kubeconfig)
+            .args(extra)
             .env("INPLACE_UPDATER_LOG", "debug");
         let proc = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("updater: {e}"));
         let addr: SocketAddr = proc

@@ -8,8 +8,10 @@ use serde_json::Value;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use super::agent::paths;
+use super::deadlines::ConnectionLimits;
 use super::errors::chain;
 use super::server::Server;
 use super::settings::{Defaults, Settings};
@@ -86,6 +88,10 @@ struct ServeArgs {
     /// Runtime worker threads
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Seconds an idle kept-alive connection stays open; keep it above Cluster API's client
+    /// pool (Go: 90 s), or a pooled connection may be closed as a call is sent on it
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout: u64,
 }
 
 /// Output format of `translate`.
@@ -230,7 +236,11 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             args.kubeconfig.as_deref(),
         )
         .await?;
-        let server = Server::start(args.listen, tls, updater).await?;
+        let limits = ConnectionLimits {
+            idle: Duration::from_secs(args.idle_timeout),
+            ..ConnectionLimits::default()
+        };
+        let server = Server::start(args.listen, tls, updater, limits).await?;
         tracing::info!(
             "inplace-updater {} listening on {}",
             env!("CARGO_PKG_VERSION"),

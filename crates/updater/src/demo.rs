@@ -257,7 +257,13 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         Some(&kubeconfig),
     )
     .await?;
-    let server = super::server::Server::start("127.0.0.1:0".parse()?, tls, updater).await?;
+    let server = super::server::Server::start(
+        "127.0.0.1:0".parse()?,
+        tls,
+        updater,
+        super::deadlines::ConnectionLimits::default(),
+    )
+    .await?;
     println!(
         "agent demo-node on 127.0.0.1:{port}, Kubernetes API stand-in on {}, updater on {}",
         api.addr, server.addr

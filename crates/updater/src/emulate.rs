@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use rcgen::{
@@ -19,6 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
+use super::deadlines::GO_CLIENT_IDLE;
 use super::hooks::Hook;
 use inplace_api::pki::DEFAULT_UPDATER_IDENTITY;
 
@@ -126,12 +127,18 @@ impl HttpResponse {
     }
 }
 
-/// An HTTPS client that calls like CAPI's runtime client.
+/// An HTTPS client that calls like CAPI's runtime client, Go's `http.Transport`: one
+/// connection kept alive between calls and dropped after [`GO_CLIENT_IDLE`] unused; a pooled
+/// connection the server has already closed is noticed before it is used (Go's read loop
+/// sees the close) and replaced; a call whose request was sent on a connection that then
+/// closes fails (`EOF`), not retried, as Go does for a POST.
 pub struct CapiClient {
     addr: SocketAddr,
     host: String,
     config: Arc<rustls::ClientConfig>,
-    conn: Option<TlsStream<TcpStream>>,
+    conn: Option<(TlsStream<TcpStream>, Instant)>,
+    idle_timeout: Duration,
+    connections: usize,
 }
 
 impl CapiClient {
@@ -169,7 +176,21 @@ impl CapiClient {
             host: host.to_owned(),
             config: Arc::new(config),
             conn: None,
+            idle_timeout: GO_CLIENT_IDLE,
+            connections: 0,
         })
+    }
+
+    /// The same client with a pool that drops a connection unused for `idle` (Go's
+    /// `IdleConnTimeout`).
+    pub fn with_idle_timeout(mut self, idle: Duration) -> CapiClient {
+        self.idle_timeout = idle;
+        self
+    }
+
+    /// How many connections this client has opened for its calls.
+    pub fn connections(&self) -> usize {
+        self.connections
     }
 
     /// A new TLS connection (for writing raw requests).
@@ -228,32 +249,50 @@ impl CapiClient {
             self.host,
             body.len()
         );
-        for attempt in 0..2 {
-            let mut conn = match self.conn.take() {
-                Some(c) => c,
-                None => self.connect().await?,
-            };
-            let sent = async {
-                conn.write_all(head.as_bytes()).await?;
-                conn.write_all(body).await?;
-                conn.flush().await?;
-                read_response(&mut conn).await
-            };
-            match tokio::time::timeout(Duration::from_secs(30), sent).await {
-                Ok(Ok(response)) => {
-                    if response.header("connection") != Some("close") {
-                        self.conn = Some(conn);
-                    }
-                    return Ok(response);
-                }
-                // A kept-alive connection the server closed: once more on a new one.
-                Ok(Err(_)) if attempt == 0 => continue,
-                Ok(Err(e)) => return Err(e),
-                Err(_) => anyhow::bail!("{method} {path_and_query}: no response within 30 s"),
+        let pooled = match self.conn.take() {
+            Some((conn, since)) if since.elapsed() < self.idle_timeout => Some(conn),
+            _ => None,
+        };
+        let reused = match pooled {
+            Some(mut conn) => still_open(&mut conn).await.then_some(conn),
+            None => None,
+        };
+        let mut conn = match reused {
+            Some(conn) => conn,
+            None => {
+                self.connections += 1;
+                self.connect().await?
             }
+        };
+        let sent = async {
+            conn.write_all(head.as_bytes()).await?;
+            conn.write_all(body).await?;
+            conn.flush().await?;
+            read_response(&mut conn).await
+        };
+        match tokio::time::timeout(Duration::from_secs(30), sent).await {
+            Ok(Ok(response)) => {
+                if response.header("connection") != Some("close") {
+                    self.conn = Some((conn, Instant::now()));
+                }
+                Ok(response)
+            }
+            Ok(Err(e)) => Err(e.context(format!(
+                "{method} {path_and_query}: the connection closed after the request was sent"
+            ))),
+            Err(_) => anyhow::bail!("{method} {path_and_query}: no response within 30 s"),
         }
-        anyhow::bail!("{method} {path_and_query}: the connection was closed twice")
     }
+}
+
+/// Whether a pooled connection is still open: nothing to read and no end seen (what Go's
+/// read loop of an idle connection would have noticed).
+async fn still_open(conn: &mut TlsStream<TcpStream>) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(
+        tokio::time::timeout(Duration::from_millis(1), conn.read(&mut byte)).await,
+        Err(_elapsed)
+    )
 }
 
 /// Reads one HTTP/1.1 response with a Content-Length body.

@@ -442,15 +442,21 @@ pub struct UpdateMachineResponse {
     pub retry_after_seconds: i32,
 }
 
+/// The longest `retryAfterSeconds` the updater answers with (an agent that is rebooting its
+/// node asks for 60). The server keeps an idle connection open longer than this
+/// (`deadlines::ConnectionLimits`), so a client that comes back when asked finds its pooled
+/// connection still open.
+pub const MAX_RETRY_SECONDS: i32 = 60;
+
 impl UpdateMachineResponse {
-    /// A response with these values.
+    /// A response with these values; `retry` is bounded to `0..=MAX_RETRY_SECONDS`.
     pub fn new(status: Status, message: impl Into<String>, retry: i32) -> UpdateMachineResponse {
         UpdateMachineResponse {
             kind: Hook::UpdateMachine.response_kind(),
             api_version: HOOKS_API_VERSION,
             status,
             message: message.into(),
-            retry_after_seconds: retry,
+            retry_after_seconds: retry.clamp(0, MAX_RETRY_SECONDS),
         }
     }
 }

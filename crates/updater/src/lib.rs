@@ -33,6 +33,7 @@
 pub(crate) mod agent;
 pub mod cli;
 pub(crate) mod cluster;
+pub mod deadlines;
 pub(crate) mod demo;
 pub mod emulate;
 pub(crate) mod errors;

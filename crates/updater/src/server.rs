@@ -27,6 +27,7 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
+use super::deadlines::{ConnectionLimits, Deadlines};
 use super::handlers::Updater;
 use super::hooks::{FailureResponse, Hook};
 use super::metrics::Scraped;
@@ -39,8 +40,10 @@ pub const MAX_BODY_BYTES: usize = 16 << 20;
 /// Most connections served at once.
 const MAX_CONNECTIONS: usize = 1024;
 
-/// Time for the TLS handshake and for the request head; time for the body.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time for the TLS handshake; time for a request's body once its head is read. How long a
+/// connection may be idle, and how long a request may take to arrive, is
+/// [`ConnectionLimits`].
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often the certificate files are looked at.
@@ -148,6 +151,7 @@ impl Server {
         listen: SocketAddr,
         tls: Arc<ServingTls>,
         updater: Arc<Updater>,
+        limits: ConnectionLimits,
     ) -> anyhow::Result<Server> {
         let listener = TcpListener::bind(listen)
             .await
@@ -181,7 +185,7 @@ impl Server {
                 tokio::spawn(async move {
                     let _permit = permit;
                     let stream =
-                        match tokio::time::timeout(HEAD_TIMEOUT, acceptor.accept(tcp)).await {
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(s)) => s,
                             Ok(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "tls handshake failed");
@@ -198,11 +202,13 @@ impl Server {
                             Ok::<_, std::convert::Infallible>(route(req, &updater, &ready).await)
                         }
                     });
+                    // Hyper's header timeout would also close an idle kept-alive
+                    // connection: the connection's own deadlines replace it.
                     let conn = hyper::server::conn::http1::Builder::new()
                         .timer(TokioTimer::new())
-                        .header_read_timeout(HEAD_TIMEOUT)
+                        .header_read_timeout(None)
                         .max_buf_size(64 * 1024)
-                        .serve_connection(TokioIo::new(stream), service);
+                        .serve_connection(TokioIo::new(Deadlines::new(stream, limits)), service);
                     if let Err(e) = conn.await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
