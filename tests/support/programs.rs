@@ -36,15 +36,23 @@ pub fn check_fresh() {
     static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
     let verdict = CHECKED.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let mut source = None;
-        newest(&root.join("crates"), &mut source);
-        newest(&root.join("Cargo.lock"), &mut source);
-        if let Ok(m) = std::fs::metadata(root.join("Cargo.lock")).and_then(|m| m.modified())
-            && source.as_ref().is_none_or(|(t, _)| m > *t)
-        {
-            source = Some((m, "Cargo.lock".into()));
-        }
-        for program in [AGENT, UPDATER] {
+        // Each program against the crates it is built from.
+        let shared = [
+            "crates/base",
+            "crates/plan",
+            "crates/api",
+            "crates/demo-node",
+        ];
+        for (program, own) in [(AGENT, "crates/agent"), (UPDATER, "crates/updater")] {
+            let mut source = None;
+            for dir in shared.iter().chain([&own]) {
+                newest(&root.join(dir), &mut source);
+            }
+            if let Ok(m) = std::fs::metadata(root.join("Cargo.lock")).and_then(|m| m.modified())
+                && source.as_ref().is_none_or(|(t, _)| m > *t)
+            {
+                source = Some((m, "Cargo.lock".into()));
+            }
             let built = std::fs::metadata(program)
                 .and_then(|m| m.modified())
                 .map_err(|e| {
