@@ -50,7 +50,8 @@ async fn progress_pushed_by_the_agent_is_followed_from_memory_and_a_new_desired_
     w.add_agent("node-m", "v1.35.2");
     w.start_updater();
     let mut capi = w.client();
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "3"});
+    // The first call answers at once (no wait for the plan): what follows is from memory.
+    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "3", "updateWaitSeconds": "0"});
     let (machine, config) = w.put_machine(
         "mem-0",
         0,
@@ -153,7 +154,7 @@ async fn an_agent_killed_and_restarted_mid_plan_keeps_being_followed() {
     w.start_updater();
     let mut capi = w.client();
     // A gate that waits 4 s and fails: the plan is in flight long enough to kill the agent.
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "4"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "4", "updateWaitSeconds": "0"});
     let (machine, config) = w.put_machine(
         "mem-1",
         0,
@@ -195,5 +196,58 @@ async fn an_agent_killed_and_restarted_mid_plan_keeps_being_followed() {
     assert!(
         log.matches("plan stream opened").count() >= 2,
         "the stream was opened again after the restart:\n{log}"
+    );
+}
+
+/// The first UpdateMachine call of a plan waits (up to `updateWaitSeconds`, 3 by default)
+/// for the node: a plan the agent finishes in that time is done in that very call, so
+/// Cluster API does not wait out a retryAfterSeconds for a node that is already done. A plan
+/// that takes longer answers in progress, with retryAfterSeconds paced by what it still has
+/// to do (a health gate: 2 s), not the agent's flat 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_call_answers_done_for_a_fast_plan_and_paces_a_slow_one() {
+    let mut w = World::new(27).await;
+    w.add_agent("node-fast", "v1.35.2");
+    w.add_agent("node-slow", "v1.35.2");
+    w.start_updater();
+    let mut capi = w.client();
+    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "20"});
+    let files = json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "fast\n"}]);
+    let (machine, config) = w.put_machine("fast-0", 0, "v1.35.2", bootstrap_spec(files));
+    let fast = capi
+        .call(
+            Hook::UpdateMachine,
+            &update_request(&machine, Some(&config), settings.clone()),
+        )
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(fast["status"], "Success", "{fast}");
+    assert_eq!(
+        fast["retryAfterSeconds"], 0,
+        "done in the first call: {fast}"
+    );
+    assert!(
+        fast["message"].as_str().unwrap().contains("succeeded"),
+        "{fast}"
+    );
+
+    // The Machine wants a version its kubelet does not report: the version gate waits (20 s).
+    let files = json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "slow\n"}]);
+    let (machine, config) = w.put_machine("slow-0", 1, "v1.35.3", bootstrap_spec(files));
+    let body = update_request(&machine, Some(&config), settings);
+    let slow = capi.call(Hook::UpdateMachine, &body).await.unwrap().json();
+    assert_eq!(slow["status"], "Success", "{slow}");
+    let retry = slow["retryAfterSeconds"].as_i64().unwrap();
+    assert!(
+        (1..10).contains(&retry),
+        "in progress, asked back sooner than the agent's 10 s: {slow}"
+    );
+    // From memory, still paced while the gate waits.
+    let again = capi.call(Hook::UpdateMachine, &body).await.unwrap().json();
+    assert_eq!(again["status"], "Success", "{again}");
+    assert!(
+        (1..10).contains(&again["retryAfterSeconds"].as_i64().unwrap()),
+        "{again}"
     );
 }

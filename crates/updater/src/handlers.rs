@@ -150,7 +150,7 @@ impl Updater {
                     this.plans.refreshed(&key, &fingerprint, recorded);
                 });
             }
-            let mut answer = hook_answer(&known.heard);
+            let mut answer = hook_answer(&known.heard, &known.plan.costs);
             answer.object = machine;
             return answer;
         }
@@ -453,6 +453,7 @@ impl Updater {
         settings: &Settings,
         fingerprint: &Fingerprint,
     ) -> Result<(Answer, bool), Failure> {
+        let began = std::time::Instant::now();
         let desired = request.object("desired", "machine")?;
         desired.expect("Machine", "cluster.x-k8s.io")?;
         let desired_b = request.optional_object("desired", "bootstrapConfig")?;
@@ -562,20 +563,23 @@ impl Updater {
         })?;
         // Both definitions: an agent before digests v2 reports the first (the updater's
         // plans are small, so computing it costs nothing worth saving).
+        let wire = plan_to_pb(&translation.plan);
         let plan = PlanRef {
             id: translation.id,
             digest: translation.plan.digest(),
             digest_v1: translation.plan.digest_v1(),
             target,
             node,
+            costs: super::pace::costs(&wire),
         };
-        let wire = plan_to_pb(&translation.plan);
         if self.plans.knows(&key, &plan) {
             // Known here already (its stream broke, a check is repeated): ask the agent.
             return self.clone().submit(key, *fingerprint, plan, wire).await;
         }
-        // A new plan for this Machine: submitted in the background; the agent's answer is
-        // given when it comes within SUBMIT_WAIT, otherwise "being submitted".
+        // A new plan for this Machine: submitted in the background. This call waits for the
+        // node to finish it, up to `updateWaitSeconds` after the call began: a plan the
+        // agent finishes in that time is done in this very call (CAPI would otherwise wait
+        // out a whole retryAfterSeconds); otherwise the answer says where it is.
         let heard = Heard {
             attempt: 0,
             phase: pb::Phase::Unspecified as i32,
@@ -587,16 +591,32 @@ impl Updater {
                     plan.id, plan.node
                 ),
             },
+            step: None,
+            rebooting: false,
         };
         self.plans
             .submitting(&key, *fingerprint, plan.clone(), heard.clone());
         let this = self.clone();
         let fingerprint = *fingerprint;
-        let mut task = tokio::spawn(async move { this.submit(key, fingerprint, plan, wire).await });
-        match tokio::time::timeout(SUBMIT_WAIT, &mut task).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(e)) => Err(Failure(format!("the submission task ended: {e}"))),
-            Err(_) => Ok((hook_answer(&heard), true)),
+        let (task_key, task_plan) = (key.clone(), plan.clone());
+        let mut task =
+            tokio::spawn(async move { this.submit(task_key, fingerprint, task_plan, wire).await });
+        let until = began + settings.update_wait.max(SUBMIT_WAIT);
+        let answered = match tokio::time::timeout_at(until.into(), &mut task).await {
+            Ok(Ok(result)) => result?,
+            Ok(Err(e)) => return Err(Failure(format!("the submission task ended: {e}"))),
+            Err(_) => return Ok((hook_answer(&heard, &plan.costs), true)),
+        };
+        if !answered.1 || answered.0.outcome != "in_progress" {
+            return Ok(answered);
+        }
+        // Submitted and running: the agent's stream reaches the memory; done when it ends.
+        if let Some(done) = self.plans.settled(&key, &plan, until).await {
+            return Ok((hook_answer(&done, &plan.costs), true));
+        }
+        match self.plans.last_heard(&key, &plan) {
+            Some(now) => Ok((hook_answer(&now, &plan.costs), true)),
+            None => Ok(answered),
         }
     }
 
@@ -609,6 +629,7 @@ impl Updater {
         plan: PlanRef,
         wire: pb::Plan,
     ) -> Result<(Answer, bool), Failure> {
+        let costs = plan.costs.clone();
         let outcome = self.ask_agent(&key, &plan, wire).await;
         let status = match outcome {
             Ok(status) => status,
@@ -629,7 +650,7 @@ impl Updater {
             ));
             self.plans.started(&key, generation, task.abort_handle());
         }
-        Ok((hook_answer(&Heard::of(&status)), true))
+        Ok((hook_answer(&Heard::of(&status), &costs), true))
     }
 
     /// The agent's status of `plan`, after submitting it if it did not know it; `Err` holds
@@ -675,10 +696,17 @@ impl Updater {
     }
 }
 
-/// The answer for what the agent said: its hook response as it is.
-fn hook_answer(heard: &Heard) -> Answer {
+/// The answer for what the agent said: its hook response, with `retryAfterSeconds` of a plan
+/// in progress paced by what the plan still has to do (`costs`: its changes' expected times;
+/// empty: as the agent said).
+fn hook_answer(heard: &Heard, costs: &[u32]) -> Answer {
     let hook = &heard.hook;
     let ok = hook.status == pb::HookStatus::Success as i32;
+    let retry = if ok && hook.retry_after_seconds > 0 && !costs.is_empty() {
+        super::pace::retry_after(costs, heard.position(), hook.retry_after_seconds)
+    } else {
+        hook.retry_after_seconds
+    };
     let outcome = match (ok, hook.retry_after_seconds) {
         (true, 0) => "done",
         (true, _) => "in_progress",
@@ -688,11 +716,7 @@ fn hook_answer(heard: &Heard) -> Answer {
         &UpdateMachineResponse::new(
             if ok { Status::Success } else { Status::Failure },
             hook.message.clone(),
-            if ok {
-                hook.retry_after_seconds.max(0)
-            } else {
-                0
-            },
+            if ok { retry.max(0) } else { 0 },
         ),
         &hook.message,
         outcome,

@@ -40,6 +40,7 @@ pub(crate) mod errors;
 pub mod handlers;
 pub mod hooks;
 pub(crate) mod metrics;
+pub mod pace;
 pub mod patch;
 pub(crate) mod progress;
 pub(crate) mod server;

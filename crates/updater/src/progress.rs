@@ -64,6 +64,8 @@ pub struct PlanRef {
     pub target: String,
     /// The node name its certificate must carry.
     pub node: String,
+    /// The expected time of each change, for pacing CAPI's calls ([`super::pace::costs`]).
+    pub costs: Vec<u32>,
 }
 
 impl PlanRef {
@@ -82,6 +84,10 @@ pub struct Heard {
     pub phase: i32,
     /// The hook response the agent computed for that status.
     pub hook: pb::HookResponse,
+    /// The step in progress and how many there are, when the agent said.
+    pub step: Option<(u32, u32)>,
+    /// The node is rebooting for the plan.
+    pub rebooting: bool,
 }
 
 impl Heard {
@@ -91,6 +97,21 @@ impl Heard {
             attempt: status.attempt,
             phase: status.phase,
             hook: status.hook_response.clone().unwrap_or_default(),
+            step: status
+                .step
+                .as_ref()
+                .filter(|s| s.total > 0)
+                .map(|s| (s.index, s.total)),
+            rebooting: status.rebooting,
+        }
+    }
+
+    /// Where the plan is, for pacing.
+    pub fn position(&self) -> super::pace::Position {
+        super::pace::Position {
+            phase: self.phase,
+            step: self.step,
+            rebooting: self.rebooting,
         }
     }
 }
@@ -173,6 +194,8 @@ pub struct Plans {
     by_fingerprint: Mutex<HashMap<Fingerprint, String>>,
     generation: std::sync::atomic::AtomicU64,
     swept: Mutex<Option<Instant>>,
+    /// Told whenever what the agent said of a plan changes ([`Plans::settled`] waits on it).
+    changed: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Plans {
@@ -252,6 +275,18 @@ impl Plans {
     /// its plan: remember it. Another request or plan replaces the entry (and stops its
     /// follower).
     pub fn record(
+        &self,
+        machine: &str,
+        fingerprint: Fingerprint,
+        plan: PlanRef,
+        status: &pb::PlanStatus,
+    ) -> Follow {
+        let follow = self.record_status(machine, fingerprint, plan, status);
+        self.changed.notify_waiters();
+        follow
+    }
+
+    fn record_status(
         &self,
         machine: &str,
         fingerprint: Fingerprint,
@@ -358,6 +393,43 @@ impl Plans {
         {
             e.submit = Submit::Failed;
         }
+        self.changed.notify_waiters();
+    }
+
+    /// What the agent said of `plan` once it is terminal, waiting for that until `until`;
+    /// `None` when it is not terminal by then (or the entry is of another plan, or its
+    /// submission failed).
+    pub async fn settled(&self, machine: &str, plan: &PlanRef, until: Instant) -> Option<Heard> {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            // Registered before looking, so a change between the look and the wait wakes it.
+            changed.as_mut().enable();
+            {
+                let entries = self.lock();
+                let e = entries.get(machine).filter(|e| &e.plan == plan)?;
+                if e.submit == Submit::Failed {
+                    return None;
+                }
+                if e.submit == Submit::Answered && terminal(e.heard.phase) {
+                    return Some(e.heard.clone());
+                }
+            }
+            if tokio::time::timeout_at(until.into(), changed)
+                .await
+                .is_err()
+            {
+                return None;
+            }
+        }
+    }
+
+    /// What the agent last said of `plan`, if this entry is about it.
+    pub fn last_heard(&self, machine: &str, plan: &PlanRef) -> Option<Heard> {
+        self.lock()
+            .get(machine)
+            .filter(|e| &e.plan == plan && e.submit == Submit::Answered)
+            .map(|e| e.heard.clone())
     }
 
     fn next_generation(&self) -> u64 {
@@ -424,6 +496,12 @@ impl Plans {
 
     /// A snapshot arrived on the stream of `generation`; false: stop following.
     fn heard(&self, machine: &str, generation: u64, status: &pb::PlanStatus) -> bool {
+        let more = self.heard_snapshot(machine, generation, status);
+        self.changed.notify_waiters();
+        more
+    }
+
+    fn heard_snapshot(&self, machine: &str, generation: u64, status: &pb::PlanStatus) -> bool {
         let mut entries = self.lock();
         let Some(e) = entries.get_mut(machine) else {
             return false;
@@ -551,6 +629,7 @@ mod tests {
             digest_v1: format!("v1 of {digest}"),
             target: "https://127.0.0.1:1".into(),
             node: "n".into(),
+            costs: vec![20],
         }
     }
 

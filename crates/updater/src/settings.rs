@@ -42,6 +42,11 @@ pub const KEYS: &[(&str, &str)] = &[
         "the plan's overall timeout on the agent (default 0: the agent's, 900)",
     ),
     (
+        "updateWaitSeconds",
+        "how long the first UpdateMachine call of a plan waits for the node to finish it, so \
+         a fast plan is done in that call (default 3, at most 8; 0: answer at once)",
+    ),
+    (
         "disableInPlaceUpdates",
         "\"true\": CanUpdate* cover nothing (every change rolls out)",
     ),
@@ -82,6 +87,8 @@ pub struct Settings {
     pub plan_timeout_seconds: u32,
     /// Cover nothing.
     pub disable_in_place: bool,
+    /// How long the first call of a plan waits for the agent to finish it.
+    pub update_wait: std::time::Duration,
 }
 
 impl Settings {
@@ -96,6 +103,7 @@ impl Settings {
             gate_timeout_seconds: 120,
             plan_timeout_seconds: 0,
             disable_in_place: false,
+            update_wait: std::time::Duration::from_secs(3),
         }
     }
 
@@ -194,6 +202,10 @@ impl Settings {
                 })
                 .transpose()
         };
+        // Below Cluster API's 10 s hook timeout, with room for the rest of the call.
+        if let Some(n) = seconds("updateWaitSeconds", 8)? {
+            s.update_wait = std::time::Duration::from_secs(n.into());
+        }
         if let Some(n) = seconds("gateTimeoutSeconds", 3600)? {
             s.gate_timeout_seconds = n.max(1);
         }
