@@ -7,10 +7,12 @@
 //! without waiting (the harshest polling: a throughput figure).
 //!
 //! ```text
-//! updater [--agents N] [--callers C] [--start-concurrency S] [--json FILE]
+//! updater [--agents N] [--callers C] [--slow M] [--start-concurrency S] [--json FILE]
 //! ```
 //!
-//! Figures: UpdateMachine latency p50/p99/max polled as CAPI does, in the closed loop while
+//! Figures: for each Machine polled as CAPI does, how long after its first UpdateMachine
+//! call it was answered done (a plan of one file, and, on M of the Machines, a plan whose
+//! version gate waits 30 s); UpdateMachine latency p50/p99/max polled as CAPI does, in the closed loop while
 //! the fleet converges and once it has (the plan is known: GetPlanStatus only); time until
 //! all N converged; the updater's RSS
 //! idle (before any call, after 3 s), after the load, and its peak (VmHWM). Baseline in the
@@ -42,6 +44,9 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 const HOST: &str = "inplace-updater.inplace-system.svc";
 
+/// How long a slow plan's version gate waits (the kubelet stand-in's script).
+const SLOW_PLAN_SECONDS: u64 = 30;
+
 fn bin(name: &str, built: &str) -> PathBuf {
     let var = format!(
         "INPLACE_{}_BIN",
@@ -55,6 +60,7 @@ fn bin(name: &str, built: &str) -> PathBuf {
 struct Options {
     agents: usize,
     callers: usize,
+    slow: usize,
     start_concurrency: usize,
     json: Option<PathBuf>,
 }
@@ -63,6 +69,7 @@ fn options() -> Result<Options, Error> {
     let mut o = Options {
         agents: 500,
         callers: 100,
+        slow: 100,
         start_concurrency: 16,
         json: None,
     };
@@ -73,6 +80,7 @@ fn options() -> Result<Options, Error> {
             "--bench" => {}
             "--agents" => o.agents = value()?.parse()?,
             "--callers" => o.callers = value()?.parse()?,
+            "--slow" => o.slow = value()?.parse()?,
             "--start-concurrency" => o.start_concurrency = value()?.parse()?,
             "--json" => o.json = Some(value()?.into()),
             other => return Err(format!("unknown option {other}").into()),
@@ -104,7 +112,18 @@ fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Starting, E
     inplace_demo_node::build_kubeadm_worker(&root)?;
     let kubelet = root.join("usr/local/bin/kubelet");
     std::fs::create_dir_all(kubelet.parent().ok_or("no parent")?)?;
-    std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;
+    // A kubelet at v1.35.2, except for 30 s after a plan wrote "slow" into the Machine's
+    // file: then it still says v1.35.1, and the plan's version gate waits (a 30 s plan).
+    let file = root.join("etc/kubernetes/inplace-demo.conf");
+    std::fs::write(
+        &kubelet,
+        format!(
+            "#!/bin/sh\nf='{}'\nif grep -q slow \"$f\" 2>/dev/null && \
+             [ $(( $(date +%s) - $(stat -c %Y \"$f\") )) -lt {SLOW_PLAN_SECONDS} ]; then\n  \
+             echo 'Kubernetes v1.35.1'\nelse\n  echo 'Kubernetes v1.35.2'\nfi\n",
+            file.display()
+        ),
+    )?;
     std::fs::set_permissions(
         &kubelet,
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
@@ -229,7 +248,7 @@ async fn converge_as_capi(
     ca: &Path,
     bodies: Arc<Vec<Vec<u8>>>,
     callers: usize,
-) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>, Duration), Error> {
+) -> Result<CapiLike, Error> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..callers {
@@ -242,7 +261,8 @@ async fn converge_as_capi(
                 .map(|i| (Instant::now(), i))
                 .collect();
             let (mut out, mut firsts, mut later) = (Vec::new(), Vec::new(), Vec::new());
-            let mut called = std::collections::HashSet::new();
+            let mut first_call = std::collections::HashMap::new();
+            let mut done_after = Vec::new();
             let deadline = Instant::now() + Duration::from_secs(600);
             while !queue.is_empty() {
                 queue.sort_by_key(|(at, _)| *at);
@@ -255,7 +275,8 @@ async fn converge_as_capi(
                     .map_err(|e| e.to_string())?;
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 out.push(ms);
-                if called.insert(i) {
+                if let std::collections::hash_map::Entry::Vacant(e) = first_call.entry(i) {
+                    e.insert(t);
                     firsts.push(ms);
                 } else {
                     later.push(ms);
@@ -267,22 +288,39 @@ async fn converge_as_capi(
                 let retry = v["retryAfterSeconds"].as_u64().unwrap_or(0);
                 if retry > 0 {
                     queue.push((Instant::now() + Duration::from_secs(retry), i));
+                } else {
+                    done_after.push(first_call[&i].elapsed().as_secs_f64());
                 }
                 if Instant::now() > deadline {
                     return Err("not converged in 600 s".to_string());
                 }
             }
-            Ok::<_, String>((out, firsts, later))
+            Ok::<_, String>((out, firsts, later, done_after))
         }));
     }
-    let (mut all, mut firsts, mut later) = (Vec::new(), Vec::new(), Vec::new());
+    let mut got = CapiLike::default();
     for t in tasks {
-        let (a, f, l) = t.await??;
-        all.extend(a);
-        firsts.extend(f);
-        later.extend(l);
+        let (a, f, l, d) = t.await??;
+        got.all_ms.extend(a);
+        got.first_ms.extend(f);
+        got.later_ms.extend(l);
+        got.done_after_s.extend(d);
     }
-    Ok((all, firsts, later, started.elapsed()))
+    got.took = started.elapsed();
+    Ok(got)
+}
+
+/// What a CAPI-like run measured.
+#[derive(Default)]
+struct CapiLike {
+    /// Every call's latency (ms), each Machine's first, the later ones.
+    all_ms: Vec<f64>,
+    first_ms: Vec<f64>,
+    later_ms: Vec<f64>,
+    /// For each Machine, seconds from the start of its first call to the done answer.
+    done_after_s: Vec<f64>,
+    /// Until all were done.
+    took: Duration,
 }
 
 /// Every Machine once more per caller round, `rounds` times: the steady state (plan known).
@@ -391,6 +429,21 @@ fn summary(name: &str, mut v: Vec<f64>) -> Value {
     s
 }
 
+/// Median, p99 and max of seconds, printed and as JSON.
+fn seconds_summary(name: &str, mut v: Vec<f64>) -> Value {
+    v.sort_by(f64::total_cmp);
+    let (p50, p99, max) = (
+        percentile(&v, 0.5),
+        percentile(&v, 0.99),
+        v.last().copied().unwrap_or(0.0),
+    );
+    println!(
+        "{name}: p50 {p50:.2} s, p99 {p99:.2} s, max {max:.2} s (n={})",
+        v.len()
+    );
+    json!({"n": v.len(), "p50_s": p50, "p99_s": p99, "max_s": max})
+}
+
 fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .unwrap_or_default()
@@ -480,11 +533,34 @@ fn main() -> Result<(), Error> {
         let load_start = loadavg();
         // First as CAPI polls (every retryAfterSeconds), then, with new plans (another
         // file content), in a closed loop: the harshest polling.
-        let (capi_ms, capi_first_ms, capi_later_ms, capi_took) = converge_as_capi(addr, &pki.ca(), bodies.clone(), o.callers).await?;
+        let capi = converge_as_capi(addr, &pki.ca(), bodies.clone(), o.callers).await?;
+        let capi_took = capi.took;
         println!("CAPI-like polling: all {} Machines converged in {:.2} s", o.agents, capi_took.as_secs_f64());
-        let capi_s = summary("UpdateMachine, polled as CAPI does (every retryAfterSeconds)", capi_ms);
-        let capi_first_s = summary("  of which each Machine's first call (in one burst: check, translate, submit)", capi_first_ms);
-        let capi_later_s = summary("  of which the later calls", capi_later_ms);
+        let capi_s = summary("UpdateMachine, polled as CAPI does (every retryAfterSeconds)", capi.all_ms);
+        let capi_first_s = summary("  of which each Machine's first call (in one burst: check, translate, submit)", capi.first_ms);
+        let capi_later_s = summary("  of which the later calls", capi.later_ms);
+        let done_fast = seconds_summary("a plan of one file: done to CAPI after the Machine's first call", capi.done_after_s);
+
+        // A 30 s plan on the first `slow` Machines: their file says "slow", and the kubelet
+        // stand-in reports the old version for 30 s after it was written.
+        let slow = o.slow.min(o.agents);
+        for i in 0..slow {
+            let mut c = config(i);
+            c["spec"]["files"][0]["content"] = json!("slow\n");
+            api.put(c);
+        }
+        let slow_bodies = Arc::new((0..slow).map(|i| {
+            let mut v: Value = serde_json::from_slice(&request(i, port)).unwrap_or(Value::Null);
+            v["desired"]["bootstrapConfig"]["spec"]["files"][0]["content"] = json!("slow\n");
+            serde_json::to_vec(&v).unwrap_or_default()
+        }).collect::<Vec<_>>());
+        let done_slow = if slow > 0 {
+            let got = converge_as_capi(addr, &pki.ca(), slow_bodies, o.callers.min(slow)).await?;
+            println!("CAPI-like polling: {slow} Machines with a {SLOW_PLAN_SECONDS} s plan converged in {:.2} s", got.took.as_secs_f64());
+            seconds_summary(&format!("a {SLOW_PLAN_SECONDS} s plan: done to CAPI after the Machine's first call"), got.done_after_s)
+        } else {
+            Value::Null
+        };
         for i in 0..o.agents {
             let mut c = config(i);
             c["spec"]["files"][0]["content"] = json!("mode=v3\n");
@@ -520,6 +596,9 @@ fn main() -> Result<(), Error> {
             "update_machine_capi_like": capi_s,
             "update_machine_capi_like_first_calls": capi_first_s,
             "update_machine_capi_like_later_calls": capi_later_s,
+            "done_after_first_call_fast": done_fast,
+            "done_after_first_call_slow": done_slow,
+            "slow_machines": slow,
             "closed_loop_converged_seconds": took.as_secs_f64(),
             "update_machine_converging": during,
             "update_machine_converged": steady_s,
