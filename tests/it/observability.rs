@@ -833,7 +833,7 @@ async fn a_thousand_concurrent_status_requests_during_an_apply_all_succeed() {
     let pki = pki();
     let agent = Agent::start_env(&node, &pki, &[], &[]);
     let mut admin = pki.client(&agent.addr, As::Updater).await;
-    let flag = node.root().with_extension("release");
+    let flag = node.beside("release");
     let mut body = String::from("changes:\n");
     for i in 0..FILES {
         body.push_str(&format!(

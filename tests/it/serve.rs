@@ -50,7 +50,7 @@ fn plan_yaml(id: &str, body: &str) -> String {
 /// `spiffe://inplace-agent/` identity reader) and `grpc` as its `[grpc]` section.
 fn config_file(node: &Node, pki: &NodePki, grpc: &str) -> PathBuf {
     let f = &pki.files;
-    let config = node.root().with_extension("toml");
+    let config = node.beside("toml");
     std::fs::write(
         &config,
         format!(
@@ -668,7 +668,7 @@ async fn two_hundred_watchers_see_every_phase_in_order() {
     let agent = Agent::start(&node, &pki, &[]);
     let mut admin = pki.client(&agent.addr, As::Updater).await;
     // A plan that holds the engine in a gate, so the watched plan waits in Pending.
-    let flag = node.root().with_extension("release");
+    let flag = node.beside("release");
     apply(&mut admin, &gated_plan("blocker", &flag))
         .await
         .unwrap();
@@ -744,7 +744,7 @@ async fn a_watcher_that_falls_behind_still_sees_every_phase() {
     let daemon = Daemon::start(settings).await.unwrap();
     let addr = daemon.addr().to_string();
     let mut admin = pki.client(&addr, As::Updater).await;
-    let flag = node.root().with_extension("release");
+    let flag = node.beside("release");
     apply(&mut admin, &gated_plan("blocker", &flag))
         .await
         .unwrap();
@@ -1132,7 +1132,7 @@ async fn submit_and_status_against_serve() {
     let node = Node::new();
     let pki = pki();
     let agent = Agent::start(&node, &pki, &[]);
-    let plans = node.root().with_extension("plans");
+    let plans = node.beside("plans");
     std::fs::create_dir_all(&plans).unwrap();
     let write = |name: &str, yaml: &str| {
         let path = plans.join(name);

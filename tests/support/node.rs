@@ -37,6 +37,8 @@ pub fn require_root(test: &str, why: &str) -> bool {
 /// A sandbox node: a temp dir holding a kubeadm worker tree.
 pub struct Node {
     pub dir: tempfile::TempDir,
+    /// Files a test keeps beside the node (configuration, flags, plans): removed with it.
+    scratch: tempfile::TempDir,
 }
 
 impl Node {
@@ -48,7 +50,17 @@ impl Node {
             .tempdir()
             .expect("tempdir");
         inplace_demo_node::build_kubeadm_worker(dir.path()).expect("sandbox tree");
-        Node { dir }
+        let scratch = tempfile::Builder::new()
+            .prefix("inplace-test-scratch-")
+            .tempdir()
+            .expect("tempdir");
+        Node { dir, scratch }
+    }
+
+    /// A path outside the node's tree for the test's own files (`name`), removed when the
+    /// node is dropped.
+    pub fn beside(&self, name: &str) -> PathBuf {
+        self.scratch.path().join(name)
     }
 
     /// The root path.
