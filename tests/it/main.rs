@@ -32,6 +32,7 @@ mod systemd_agent;
 mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
+mod updater_bootstrap_files;
 mod updater_e2e;
 mod updater_http;
 mod updater_memory;

@@ -65,8 +65,8 @@ async fn progress_pushed_by_the_agent_is_followed_from_memory_and_a_new_desired_
     let gets = w.api.requests().len();
     assert_eq!(
         gets,
-        2,
-        "the Machine and its KubeadmConfig: {:?}",
+        3,
+        "the Machine, its KubeadmConfig and its bootstrap data Secret: {:?}",
         w.api.requests()
     );
 

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::agent::{AgentError, Agents};
+use super::bootstrap_data;
 use super::cluster::Cluster;
 use super::hooks::{
     CanUpdateMachineResponse, CanUpdateMachineSetResponse, FailureResponse, HOOKS_API_VERSION,
@@ -32,7 +33,7 @@ use super::patch::{Coverage, cover_kubeadm, cover_machine, spec_patch};
 use super::progress::{Fingerprint, Follow, Heard, PlanRef, Plans, follow};
 use super::settings::{Defaults, Settings};
 use super::translate::{
-    Desired, NodeFacts, SecretSource, TranslateError, lookup, translate, write_canonical,
+    Desired, NodeFacts, SecretSource, TranslateError, lookup, translate_removing, write_canonical,
 };
 use inplace_api::convert::plan_to_pb;
 use inplace_api::pb;
@@ -390,10 +391,11 @@ impl Updater {
             _ => Coverage::default(),
         };
         // Would the node accept the desired state at all?
-        let fetched = self
-            .secrets(desired.namespace(), desired_b.as_ref().map(|o| &o.value))
-            .await;
-        let translation = translate(
+        let (fetched, written) = tokio::join!(
+            self.secrets(desired.namespace(), desired_b.as_ref().map(|o| &o.value)),
+            bootstrap_data::written(&self.cluster, &live, desired_b.as_ref().map(|o| &o.value)),
+        );
+        let translation = translate_removing(
             &Desired {
                 machine: &desired.value,
                 infrastructure: infra.as_ref().map(|o| &o.value),
@@ -402,6 +404,7 @@ impl Updater {
             settings,
             &facts,
             &fetched,
+            &written,
         );
         let translation = match translation {
             Ok(t) => t,
@@ -547,8 +550,11 @@ impl Updater {
             Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&e), false)),
             Err(e) => return Err(Failure(e.to_string())),
         };
-        let fetched = self.secrets(desired.namespace(), bootstrap.as_ref()).await;
-        let translation = translate(
+        let (fetched, written) = tokio::join!(
+            self.secrets(desired.namespace(), bootstrap.as_ref()),
+            bootstrap_data::written(&self.cluster, &live, bootstrap.as_ref()),
+        );
+        let translation = translate_removing(
             &Desired {
                 machine: &live,
                 infrastructure: infra.as_ref().map(|o| &o.value),
@@ -557,6 +563,7 @@ impl Updater {
             settings,
             &facts,
             &fetched,
+            &written,
         )
         .map_err(|e: TranslateError| {
             Failure(format!("Machine {key}: cannot update in place: {e}"))

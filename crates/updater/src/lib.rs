@@ -13,6 +13,8 @@
 //!
 //! - [`hooks`]: the wire types (requests checked field by field, responses in CAPI's order).
 //! - [`translate`]: desired objects → plan document → validated [`inplace_plan::Plan`].
+//! - [`bootstrap_data`]: the user files a Machine's bootstrap data wrote (CABPK's own left
+//!   out), so a file dropped from `files[]` is removed although no plan wrote it.
 //! - [`patch`]: what is covered in place and the JSON Patches that say so.
 //! - [`settings`]: the ExtensionConfig's `settings`.
 //! - [`handlers`]: the hooks; [`server`]: HTTPS, routing, limits; [`metrics`].
@@ -31,6 +33,7 @@
 #![warn(missing_docs)]
 
 pub(crate) mod agent;
+pub mod bootstrap_data;
 pub mod cli;
 pub(crate) mod cluster;
 pub mod deadlines;

@@ -4,7 +4,9 @@
 //! - `files[]` → one `file` change each, in order (inline content or the resolved
 //!   `contentFrom.secret`, every CAPI encoding, owner, permissions, append); the plan's
 //!   `prune: {set: kubeadmconfig-files}` makes the agent remove a file an earlier plan of
-//!   the set wrote and this one no longer lists;
+//!   the set wrote and this one no longer lists; a user file the Machine's bootstrap data
+//!   wrote (no plan did) and no `file` change names becomes an `absent` change
+//!   ([`translate_removing`], [`super::bootstrap_data`]);
 //! - `joinConfiguration.nodeRegistration.kubeletExtraArgs` (v1beta2 `[{name, value}]`) →
 //!   `kubeletFlags.set`;
 //! - `Machine.spec.version` → the optional repository switch file, then the upstream kubeadm
@@ -16,9 +18,10 @@
 //!   `unitActive kubelet.service` and the kubelet healthz, when the agent manages services.
 //!
 //! Nothing here does I/O: Secrets come in through [`SecretSource`], the node's abilities as
-//! [`NodeFacts`]. The plan id is `<namespace>/<machine>@<12 hex of sha256 over the desired
-//! specs>` ([`plan_id`]), so every replica, before and after a restart, names the same work
-//! the same way.
+//! [`NodeFacts`], the paths the bootstrap data wrote as a list. The plan id is
+//! `<namespace>/<machine>@<12 hex of sha256 over the desired specs>` ([`plan_id`]; and the
+//! bootstrap data's removals, when there are any), so every replica, before and after a
+//! restart, names the same work the same way.
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -175,16 +178,25 @@ pub struct Translation {
 /// Machine, InfraMachine and BootstrapConfig, each in canonical JSON (keys sorted), so the
 /// key order CAPI happened to marshal does not matter.
 pub fn plan_id(desired: &Desired<'_>) -> String {
+    plan_id_removing(desired, &[])
+}
+
+/// [`plan_id`] of a plan that also removes `removed` (files the bootstrap data wrote); the
+/// same as [`plan_id`] when there are none, so plans from before such removals keep their id.
+fn plan_id_removing(desired: &Desired<'_>, removed: &[String]) -> String {
     let spec = |v: Option<&Value>| {
         v.and_then(|v| v.get("spec"))
             .cloned()
             .unwrap_or(Value::Null)
     };
-    let specs = json!({
+    let mut specs = json!({
         "machine": spec(Some(desired.machine)),
         "infrastructureMachine": spec(desired.infrastructure),
         "bootstrapConfig": spec(desired.bootstrap),
     });
+    if !removed.is_empty() {
+        specs["bootstrapRemovals"] = json!(removed);
+    }
     let mut canonical = String::new();
     write_canonical(&specs, &mut canonical);
     let hash = hex::encode(Sha256::digest(canonical.as_bytes()));
@@ -270,11 +282,26 @@ pub fn translate(
     node: &NodeFacts,
     secrets: &dyn SecretSource,
 ) -> Result<Translation, TranslateError> {
-    let id = plan_id(desired);
+    translate_removing(desired, settings, node, secrets, &[])
+}
+
+/// [`translate`], and remove what the Machine's bootstrap data wrote that the plan no longer
+/// writes: `bootstrap_written` holds the paths of the user files it wrote
+/// ([`super::bootstrap_data`]); each one no `file` change of the plan names becomes an
+/// `absent` change after the `files[]` changes (a no-op once the file is gone; rolled back
+/// with the rest). They enter the plan id, so the id stays a function of the inputs.
+pub fn translate_removing(
+    desired: &Desired<'_>,
+    settings: &Settings,
+    node: &NodeFacts,
+    secrets: &dyn SecretSource,
+    bootstrap_written: &[String],
+) -> Result<Translation, TranslateError> {
     let machine_spec = desired.machine.get("spec").unwrap_or(&Value::Null);
     let mut changes: Vec<Value> = Vec::new();
     let mut sources: Vec<String> = Vec::new();
     let mut restarts_kubelet = false;
+    let mut files_end = 0;
 
     if let Some(bootstrap) = desired.bootstrap {
         let kind = bootstrap.get("kind").and_then(Value::as_str).unwrap_or("");
@@ -297,6 +324,7 @@ pub fn translate(
             changes.push(json!({"file": file_change(file, &field, secrets)?}));
             sources.push(field);
         }
+        files_end = changes.len();
         if let Some(args) = lookup(spec, KUBELET_ARGS) {
             let field = "bootstrapConfig.spec.joinConfiguration.nodeRegistration.kubeletExtraArgs";
             let set = kubelet_args(args, field)?;
@@ -371,6 +399,21 @@ pub fn translate(
         }
     }
 
+    let removed = if desired.bootstrap.is_some() && node.kind("absent") {
+        bootstrap_removals(&changes, bootstrap_written)
+    } else {
+        Vec::new()
+    };
+    let absent = removed.iter().map(|p| json!({"absent": {"path": p}}));
+    changes.splice(files_end..files_end, absent);
+    sources.splice(
+        files_end..files_end,
+        removed
+            .iter()
+            .map(|_| "machine.spec.bootstrap.dataSecretName".to_owned()),
+    );
+    let id = plan_id_removing(desired, &removed);
+
     let mut options = Map::new();
     options.insert("rollbackOnFailure".into(), json!(true));
     if settings.plan_timeout_seconds > 0 {
@@ -414,6 +457,20 @@ pub fn translate(
         terr(field, message)
     })?;
     Ok(Translation { id, document, plan })
+}
+
+/// The paths of `written` that no `file` change of `changes` writes, in order, once each.
+fn bootstrap_removals(changes: &[Value], written: &[String]) -> Vec<String> {
+    let kept: std::collections::BTreeSet<&str> = changes
+        .iter()
+        .filter_map(|c| lookup(c, &["file", "path"]).and_then(Value::as_str))
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    written
+        .iter()
+        .filter(|p| !kept.contains(p.as_str()) && seen.insert(p.as_str()))
+        .cloned()
+        .collect()
 }
 
 fn ensure_newline(mut s: String) -> String {
@@ -628,6 +685,70 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn files_the_bootstrap_data_wrote_and_the_plan_no_longer_writes_are_removed() {
+        let machine =
+            json!({"metadata": {"name": "m", "namespace": "ns"}, "spec": {"version": "v1.35.2"}});
+        let bootstrap = json!({"kind": "KubeadmConfig", "spec": {"files": [
+            {"path": "/etc/kubernetes/a", "content": "a"},
+            {"path": "/etc/kubernetes/c", "content": "c"},
+        ]}});
+        let desired = Desired {
+            machine: &machine,
+            infrastructure: None,
+            bootstrap: Some(&bootstrap),
+        };
+        let mut settings = settings();
+        settings.repository = Some((
+            "/etc/apt/sources.list.d/kubernetes.list".into(),
+            "deb x\n".into(),
+        ));
+        let written: Vec<String> = [
+            "/etc/kubernetes/a",
+            "/etc/kubernetes/b",
+            "/etc/apt/sources.list.d/kubernetes.list",
+            "/etc/kubernetes/b",
+        ]
+        .map(str::to_owned)
+        .into();
+        let node = NodeFacts::assumed("n1");
+        let t = translate_removing(&desired, &settings, &node, &NoSecrets, &written).unwrap();
+        let kinds: Vec<String> = t
+            .plan
+            .changes
+            .iter()
+            .map(|c| format!("{} {}", c.kind(), c.target()))
+            .collect();
+        assert_eq!(
+            kinds[..4],
+            [
+                "file /etc/kubernetes/a",
+                "file /etc/kubernetes/c",
+                "absent /etc/kubernetes/b",
+                "file /etc/apt/sources.list.d/kubernetes.list"
+            ],
+            "{kinds:?}"
+        );
+        assert_eq!(kinds.iter().filter(|k| k.starts_with("absent")).count(), 1);
+        // The id is the plain one without removals, and another with them.
+        let plain = translate(&desired, &settings, &node, &NoSecrets).unwrap();
+        assert_eq!(plain.id, plan_id(&desired));
+        assert_ne!(t.id, plain.id);
+        let none: Vec<String> = vec!["/etc/kubernetes/a".into()];
+        let kept = translate_removing(&desired, &settings, &node, &NoSecrets, &none).unwrap();
+        assert_eq!(kept.id, plain.id, "nothing removed: the id of before");
+        // An agent without the absent kind gets no removals.
+        let mut old = NodeFacts::assumed("n1");
+        old.change_kinds.retain(|k| k != "absent");
+        let t = translate_removing(&desired, &settings, &old, &NoSecrets, &written).unwrap();
+        assert!(
+            t.plan
+                .changes
+                .iter()
+                .all(|c| c.kind().to_string() != "absent")
+        );
     }
 
     #[test]
