@@ -40,6 +40,7 @@ pub async fn build(
             agents: Arc::new(agents),
             plans: Arc::new(Plans::new()),
             metrics,
+            recovery: super::recovery::Recovery::new(),
         }
     });
     let tls = Arc::new(
