@@ -30,6 +30,7 @@ use super::hooks::{
 use super::metrics::Metrics;
 use super::patch::{Coverage, cover_kubeadm, cover_machine, spec_patch};
 use super::progress::{Fingerprint, Follow, Heard, PlanRef, Plans, follow};
+use super::recovery::{Recovery, Wish};
 use super::settings::{Defaults, Settings};
 use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate, write_canonical,
@@ -83,7 +84,7 @@ pub struct Updater {
     /// Counters.
     pub metrics: Arc<Metrics>,
     /// Failed plans reported as Events, retried on request ([`super::recovery`]).
-    pub recovery: super::recovery::Recovery,
+    pub recovery: Arc<Recovery>,
 }
 
 fn to_bytes<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -237,6 +238,14 @@ impl Updater {
                 answer
             }
             Err(Failure(message)) => self.failure(hook, &object, message),
+        }
+    }
+
+    /// After a call was answered: a failed plan's `UpdateMachine` Failure becomes an Event.
+    fn answered(&self, hook: Hook, answer: &Answer) {
+        if hook == Hook::UpdateMachine && answer.outcome == "failure" {
+            self.recovery
+                .answered_failure(&self.plans, &answer.object, &answer.message);
         }
     }
 
@@ -481,7 +490,7 @@ impl Updater {
             }
         });
         let live = live?;
-        let wish = self.read_live(&key, &live);
+        let wish = self.recovery.read_live(&key, &live);
         let annotations = lookup(&live, &["metadata", "annotations"]);
         let annotation = |k: &str| annotations.and_then(|a| a.get(k)).and_then(Value::as_str);
         let pending = annotation(PENDING_HOOKS_ANNOTATION)
@@ -640,7 +649,7 @@ impl Updater {
         fingerprint: Fingerprint,
         plan: PlanRef,
         wire: pb::Plan,
-        wish: Option<super::recovery::Wish>,
+        wish: Option<Wish>,
     ) -> Result<(Answer, bool), Failure> {
         let costs = plan.costs.clone();
         let outcome = self.ask_agent(&key, &plan, wire).await;
@@ -652,6 +661,7 @@ impl Updater {
             }
         };
         let status = self
+            .recovery
             .retry_if_asked(&key, &plan, wish.as_ref(), status)
             .await;
         if let Follow::Start(generation) =

@@ -27,9 +27,9 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::handlers::{Answer, Updater};
-use super::hooks::Hook;
-use super::progress::{Heard, PlanRef, terminal};
+use super::agent::Agents;
+use super::cluster::Cluster;
+use super::progress::{Heard, PlanRef, Plans, terminal};
 use super::translate::lookup;
 use inplace_api::pb;
 
@@ -239,35 +239,13 @@ struct Known {
     reported: Option<(String, u32)>,
 }
 
-/// What this replica reported, and who it is in the Events.
-#[derive(Debug)]
-pub struct Recovery {
-    /// By Machine (`namespace/name`).
-    machines: Mutex<HashMap<String, Known>>,
-    /// `reportingInstance`: the pod's name.
-    instance: String,
-}
+/// By Machine (`namespace/name`): its uid, and what was reported (pure memory).
+#[derive(Debug, Default)]
+struct Machines(Mutex<HashMap<String, Known>>);
 
-impl Default for Recovery {
-    fn default() -> Recovery {
-        Recovery::new()
-    }
-}
-
-impl Recovery {
-    /// Nothing reported yet; the instance is the host (pod) name.
-    pub fn new() -> Recovery {
-        Recovery {
-            machines: Mutex::new(HashMap::new()),
-            instance: std::env::var("HOSTNAME")
-                .ok()
-                .filter(|h| !h.is_empty())
-                .unwrap_or_else(|| COMPONENT.to_owned()),
-        }
-    }
-
+impl Machines {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Known>> {
-        self.machines.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn known(&self, machine: &str, f: impl FnOnce(&mut Known)) {
@@ -308,29 +286,56 @@ impl Recovery {
     }
 }
 
-impl Updater {
+/// Reports failed plans as Events and retries them on request, for one replica.
+pub struct Recovery {
+    cluster: Cluster,
+    agents: Arc<Agents>,
+    machines: Machines,
+    /// `reportingInstance`: the pod's name.
+    instance: String,
+}
+
+impl std::fmt::Debug for Recovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recovery")
+            .field("instance", &self.instance)
+            .finish()
+    }
+}
+
+impl Recovery {
+    /// Nothing reported yet; the instance is the host (pod) name.
+    pub fn new(cluster: Cluster, agents: Arc<Agents>) -> Recovery {
+        Recovery {
+            cluster,
+            agents,
+            machines: Machines::default(),
+            instance: std::env::var("HOSTNAME")
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| COMPONENT.to_owned()),
+        }
+    }
+
     /// The slow way read the live Machine `machine` (`namespace/name`): its uid is kept for
     /// its Events, and what it asks of a failed plan is returned.
-    pub(crate) fn read_live(&self, machine: &str, live: &Value) -> Option<Wish> {
+    pub fn read_live(&self, machine: &str, live: &Value) -> Option<Wish> {
         if let Some(uid) = lookup(live, &["metadata", "uid"]).and_then(Value::as_str) {
-            self.recovery.read(machine, uid);
+            self.machines.read(machine, uid);
         }
         Wish::of(live)
     }
 
-    /// After a hook call was answered: an `UpdateMachine` Failure that is the agent's word
-    /// on a failed attempt is reported as an Event (in the background, once per attempt).
-    pub(crate) fn answered(self: &Arc<Self>, hook: Hook, answer: &Answer) {
-        if hook != Hook::UpdateMachine || answer.outcome != "failure" {
-            return;
-        }
-        let machine = answer.object.as_str();
-        let Some((plan, heard)) = self.plans.current(machine) else {
+    /// `UpdateMachine` of `machine` was answered `Failure` with `message`: when that is the
+    /// agent's word on a failed attempt (`plans`), it is reported as an Event, in the
+    /// background, once per attempt.
+    pub fn answered_failure(self: &Arc<Self>, plans: &Plans, machine: &str, message: &str) {
+        let Some((plan, heard)) = plans.current(machine) else {
             return;
         };
         if !failed(&heard)
-            || heard.hook.message != answer.message
-            || !self.recovery.first(machine, &plan.id, heard.attempt)
+            || heard.hook.message != message
+            || !self.machines.first(machine, &plan.id, heard.attempt)
         {
             return;
         }
@@ -342,7 +347,7 @@ impl Updater {
                 .emit(&machine, &plan.id, heard.attempt, what, &message)
                 .await
             {
-                this.recovery.unreported(&machine, &plan.id, heard.attempt);
+                this.machines.unreported(&machine, &plan.id, heard.attempt);
             }
         });
     }
@@ -358,7 +363,7 @@ impl Updater {
         message: &str,
     ) -> bool {
         let (namespace, name) = machine.split_once('/').unwrap_or(("", machine));
-        let uid = match self.recovery.uid(machine) {
+        let uid = match self.machines.uid(machine) {
             Some(uid) => uid,
             None => match self.cluster.machine(namespace, name).await {
                 Ok(Some(live)) => lookup(&live, &["metadata", "uid"])
@@ -385,7 +390,7 @@ impl Updater {
             &event_name,
             what,
             message,
-            &self.recovery.instance,
+            &self.instance,
             inplace_base::time::now_ms(),
         );
         match self.cluster.create_event(&event).await {
@@ -407,7 +412,7 @@ impl Updater {
     /// The agent said `status` of `plan`: when it failed and the live Machine asks for a
     /// retry not yet acted on, record it and start the next attempt; the status to answer
     /// with (the new attempt's, or `status` as it was).
-    pub(crate) async fn retry_if_asked(
+    pub async fn retry_if_asked(
         self: &Arc<Self>,
         machine: &str,
         plan: &PlanRef,
@@ -636,7 +641,7 @@ mod tests {
 
     #[test]
     fn a_failure_is_reported_once_per_attempt_unless_the_report_failed() {
-        let r = Recovery::new();
+        let r = Machines::default();
         assert!(r.first("ns/m", "p", 1));
         assert!(!r.first("ns/m", "p", 1));
         assert!(r.first("ns/m", "p", 2));
