@@ -37,6 +37,7 @@ mod updater_e2e;
 mod updater_http;
 mod updater_memory;
 mod updater_packaging;
+mod updater_retry;
 mod updater_translate;
 
 /// A test file in `tests/it/` that is not a module of this binary is never compiled, so its

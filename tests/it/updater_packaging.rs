@@ -177,7 +177,7 @@ fn the_kustomization_holds_what_capi_and_the_updater_need_and_agrees_with_itself
 }
 
 #[test]
-fn rbac_only_gets_machines_kubeadmconfigs_and_secrets() {
+fn rbac_gets_machines_kubeadmconfigs_and_secrets_patches_machines_and_creates_events() {
     let all = all();
     let mut seen = Vec::new();
     for role in all
@@ -185,13 +185,15 @@ fn rbac_only_gets_machines_kubeadmconfigs_and_secrets() {
         .filter(|d| d["kind"] == "ClusterRole" || d["kind"] == "Role")
     {
         for rule in role["rules"].as_array().unwrap() {
-            assert_eq!(rule["verbs"], serde_json::json!(["get"]), "{role}");
             for r in rule["resources"].as_array().unwrap() {
-                seen.push(format!(
-                    "{}/{}",
-                    rule["apiGroups"][0].as_str().unwrap(),
-                    r.as_str().unwrap()
-                ));
+                for verb in rule["verbs"].as_array().unwrap() {
+                    seen.push(format!(
+                        "{}/{} {}",
+                        rule["apiGroups"][0].as_str().unwrap(),
+                        r.as_str().unwrap(),
+                        verb.as_str().unwrap()
+                    ));
+                }
             }
         }
     }
@@ -200,9 +202,11 @@ fn rbac_only_gets_machines_kubeadmconfigs_and_secrets() {
     assert_eq!(
         seen,
         [
-            "/secrets",
-            "bootstrap.cluster.x-k8s.io/kubeadmconfigs",
-            "cluster.x-k8s.io/machines"
+            "/events create",
+            "/secrets get",
+            "bootstrap.cluster.x-k8s.io/kubeadmconfigs get",
+            "cluster.x-k8s.io/machines get",
+            "cluster.x-k8s.io/machines patch",
         ]
     );
     let binding = find(&all, "ClusterRoleBinding", "inplace-updater");

@@ -314,6 +314,29 @@ impl Agents {
             .map_err(|s| self.status_error(target, node, "ApplyPlan", s))
     }
 
+    /// `RetryPlan` of the attempt `from_attempt` that was seen to fail: a new attempt
+    /// starts only while that is still the latest one, so the same request sent twice (by
+    /// two replicas, or again after a restart) starts one attempt.
+    pub async fn retry(
+        &self,
+        target: &str,
+        node: &str,
+        id: &str,
+        from_attempt: u32,
+    ) -> Result<pb::PlanStatus, AgentError> {
+        let mut client = self.entry(target, node).await?.client;
+        let mut request = tonic::Request::new(pb::RetryPlanRequest {
+            id: id.to_owned(),
+            from_attempt,
+        });
+        request.set_timeout(CALL_TIMEOUT);
+        client
+            .retry_plan(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| self.status_error(target, node, "RetryPlan", s))
+    }
+
     /// Where the client certificate comes from.
     pub fn paths(&self) -> &ClientTlsPaths {
         &self.paths

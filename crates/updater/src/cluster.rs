@@ -1,6 +1,8 @@
 //! The management cluster, through kube-rs: the live Machine (status: nodeRef, addresses;
-//! annotations), its KubeadmConfig, and the Secrets `files[].contentFrom` names. Only `get`
-//! by name: the updater never lists or watches (its RBAC allows exactly this).
+//! annotations), its KubeadmConfig, and the Secrets `files[].contentFrom` names, each by
+//! `get` by name; the updater never lists or watches. Two writes, for a failed plan
+//! ([`super::recovery`]): `create` of an Event on the Machine, and a merge `patch` of one
+//! annotation of the Machine (the retry it acted on). Its RBAC allows exactly this.
 //!
 //! Objects come back as JSON values (`DynamicObject` serialised), so the handlers read the
 //! same shapes as in hook requests.
@@ -11,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, ApiResource, DynamicObject};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::Value;
 
@@ -37,10 +39,23 @@ pub fn kubeadm_config_resource() -> ApiResource {
     }
 }
 
-/// A read from the API server failed (not a 404, which is `Ok(None)`).
+/// `v1` Event (the core API's, which `kubectl describe` lists).
+pub fn event_resource() -> ApiResource {
+    ApiResource {
+        group: String::new(),
+        version: "v1".into(),
+        api_version: "v1".into(),
+        kind: "Event".into(),
+        plural: "events".into(),
+    }
+}
+
+/// A request to the API server failed (not a 404 of a get, which is `Ok(None)`).
 #[derive(Debug, thiserror::Error)]
-#[error("get {what} {namespace}/{name}: {detail}")]
+#[error("{op} {what} {namespace}/{name}: {detail}")]
 pub struct ClusterError {
+    /// `get`, `create`, `patch`.
+    pub op: &'static str,
     /// `Machine`, `KubeadmConfig`, `Secret`.
     pub what: &'static str,
     /// Namespace.
@@ -95,6 +110,7 @@ impl Cluster {
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), namespace, resource);
         let err = |detail: String| ClusterError {
+            op: "get",
             what,
             namespace: namespace.to_owned(),
             name: name.to_owned(),
@@ -134,6 +150,7 @@ impl Cluster {
     ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ClusterError> {
         let api: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
         let secret = api.get_opt(name).await.map_err(|e| ClusterError {
+            op: "get",
             what: "Secret",
             namespace: namespace.to_owned(),
             name: name.to_owned(),
@@ -152,4 +169,59 @@ impl Cluster {
             data
         }))
     }
+
+    /// Creates an Event (a `v1` Event object as JSON); `Ok(false)` when one of that name
+    /// exists already (409 AlreadyExists: another replica, or this one before a restart,
+    /// created it).
+    pub async fn create_event(&self, event: &Value) -> Result<bool, ClusterError> {
+        let meta = |k: &str| {
+            lookup_str(event, &["metadata", k])
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let (namespace, name) = (meta("namespace"), meta("name"));
+        let err = |detail: String| ClusterError {
+            op: "create",
+            what: "Event",
+            namespace: namespace.clone(),
+            name: name.clone(),
+            detail,
+        };
+        let object: DynamicObject =
+            serde_json::from_value(event.clone()).map_err(|e| err(e.to_string()))?;
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), &namespace, &event_resource());
+        match api.create(&PostParams::default(), &object).await {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+            Err(e) => Err(err(e.to_string())),
+        }
+    }
+
+    /// Sets one annotation of a Machine (a JSON merge patch of that key alone).
+    pub async fn annotate_machine(
+        &self,
+        namespace: &str,
+        name: &str,
+        key: &str,
+        value: &str,
+    ) -> Result<(), ClusterError> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &machine_resource());
+        let patch = serde_json::json!({"metadata": {"annotations": {key: value}}});
+        api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(drop)
+            .map_err(|e| ClusterError {
+                op: "patch",
+                what: "Machine",
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                detail: e.to_string(),
+            })
+    }
+}
+
+fn lookup_str<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
+    path.iter().try_fold(v, |v, k| v.get(*k))?.as_str()
 }

@@ -31,6 +31,7 @@ use super::hooks::{
 use super::metrics::Metrics;
 use super::patch::{Coverage, cover_kubeadm, cover_machine, spec_patch};
 use super::progress::{Fingerprint, Follow, Heard, PlanRef, Plans, follow};
+use super::recovery::{Recovery, Wish};
 use super::settings::{Defaults, Settings};
 use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate_removing, write_canonical,
@@ -83,6 +84,8 @@ pub struct Updater {
     pub plans: Arc<Plans>,
     /// Counters.
     pub metrics: Arc<Metrics>,
+    /// Failed plans reported as Events, retried on request ([`super::recovery`]).
+    pub recovery: Arc<Recovery>,
 }
 
 fn to_bytes<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -153,9 +156,12 @@ impl Updater {
             }
             let mut answer = hook_answer(&known.heard, &known.plan.costs);
             answer.object = machine;
+            self.answered(hook, &answer);
             return answer;
         }
-        self.handle_parsed(hook, body, fingerprint).await
+        let answer = self.handle_parsed(hook, body, fingerprint).await;
+        self.answered(hook, &answer);
+        answer
     }
 
     /// An UpdateMachine request checked again the slow way; true when the agent's answer
@@ -233,6 +239,14 @@ impl Updater {
                 answer
             }
             Err(Failure(message)) => self.failure(hook, &object, message),
+        }
+    }
+
+    /// After a call was answered: a failed plan's `UpdateMachine` Failure becomes an Event.
+    fn answered(&self, hook: Hook, answer: &Answer) {
+        if hook == Hook::UpdateMachine && answer.outcome == "failure" {
+            self.recovery
+                .answered_failure(&self.plans, &answer.object, &answer.message);
         }
     }
 
@@ -479,6 +493,7 @@ impl Updater {
             }
         });
         let live = live?;
+        let wish = self.recovery.read_live(&key, &live);
         let annotations = lookup(&live, &["metadata", "annotations"]);
         let annotation = |k: &str| annotations.and_then(|a| a.get(k)).and_then(Value::as_str);
         let pending = annotation(PENDING_HOOKS_ANNOTATION)
@@ -581,7 +596,10 @@ impl Updater {
         };
         if self.plans.knows(&key, &plan) {
             // Known here already (its stream broke, a check is repeated): ask the agent.
-            return self.clone().submit(key, *fingerprint, plan, wire).await;
+            return self
+                .clone()
+                .submit(key, *fingerprint, plan, wire, wish)
+                .await;
         }
         // A new plan for this Machine: submitted in the background. This call waits for the
         // node to finish it, up to `updateWaitSeconds` after the call began: a plan the
@@ -606,8 +624,10 @@ impl Updater {
         let this = self.clone();
         let fingerprint = *fingerprint;
         let (task_key, task_plan) = (key.clone(), plan.clone());
-        let mut task =
-            tokio::spawn(async move { this.submit(task_key, fingerprint, task_plan, wire).await });
+        let mut task = tokio::spawn(async move {
+            this.submit(task_key, fingerprint, task_plan, wire, wish)
+                .await
+        });
         let until = began + settings.update_wait.max(SUBMIT_WAIT);
         let answered = match tokio::time::timeout_at(until.into(), &mut task).await {
             Ok(Ok(result)) => result?,
@@ -628,13 +648,15 @@ impl Updater {
     }
 
     /// Asks the agent about `plan` (`GetPlanStatus`), submits it when the agent does not
-    /// know it (`ApplyPlan`), remembers the answer and starts following the plan.
+    /// know it (`ApplyPlan`), retries it when it failed and the Machine asks (`wish`),
+    /// remembers the answer and starts following the plan.
     async fn submit(
         self: Arc<Self>,
         key: String,
         fingerprint: Fingerprint,
         plan: PlanRef,
         wire: pb::Plan,
+        wish: Option<Wish>,
     ) -> Result<(Answer, bool), Failure> {
         let costs = plan.costs.clone();
         let outcome = self.ask_agent(&key, &plan, wire).await;
@@ -645,6 +667,10 @@ impl Updater {
                 return e;
             }
         };
+        let status = self
+            .recovery
+            .retry_if_asked(&key, &plan, wish.as_ref(), status)
+            .await;
         if let Follow::Start(generation) =
             self.plans.record(&key, fingerprint, plan.clone(), &status)
         {

@@ -20,14 +20,17 @@
 //! - [`handlers`]: the hooks; [`server`]: HTTPS, routing, limits; [`metrics`].
 //! - [`cluster`]: the management cluster (kube-rs); [`agent`]: the agents (gRPC client pool).
 //! - [`progress`]: what the agents last said about each Machine's plan, kept between calls.
+//! - [`recovery`]: a failed plan as an Event on its Machine, and its retry by annotation.
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
 //! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
 //! `rpc::convert`, `rpc::tls`) and of the plan model (`plan`); it never uses `engine`,
 //! `steps`, `host` or `journal` (tests/it/updater_translate.rs enforces it). It keeps no
-//! durable state: the plan id is derived from the desired specs, the agent's journal is the
-//! truth about progress, so any replica answers any call and a restarted updater answers as
-//! before. What it remembers ([`progress`]: the agents' last word on each Machine's plan,
+//! durable state of its own: the plan id is derived from the desired specs, the agent's
+//! journal is the truth about progress, so any replica answers any call and a restarted
+//! updater answers as before. Its only writes are for a failed plan ([`recovery`]): an
+//! Event on the Machine, and the record of a retry it acted on, an annotation on the
+//! Machine. What it remembers ([`progress`]: the agents' last word on each Machine's plan,
 //! pushed by their `WatchPlan` streams) only saves round trips.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -46,6 +49,7 @@ pub(crate) mod metrics;
 pub mod pace;
 pub mod patch;
 pub(crate) mod progress;
+pub(crate) mod recovery;
 pub(crate) mod server;
 pub mod settings;
 pub(crate) mod setup;

@@ -432,6 +432,15 @@ impl Plans {
             .map(|e| e.heard.clone())
     }
 
+    /// The plan of `machine`'s entry and what the agent last said of it (no effect on the
+    /// entry: not a read that keeps it or asks for a refresh).
+    pub fn current(&self, machine: &str) -> Option<(PlanRef, Heard)> {
+        self.lock()
+            .get(machine)
+            .filter(|e| e.submit == Submit::Answered)
+            .map(|e| (e.plan.clone(), e.heard.clone()))
+    }
+
     fn next_generation(&self) -> u64 {
         self.generation
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)

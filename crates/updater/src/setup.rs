@@ -10,6 +10,7 @@ use super::cluster::Cluster;
 use super::handlers::Updater;
 use super::metrics::Metrics;
 use super::progress::Plans;
+use super::recovery::Recovery;
 use super::server::ServingTls;
 use super::settings::Defaults;
 
@@ -21,8 +22,9 @@ pub async fn build(
     agent_port: u16,
     kubeconfig: Option<&std::path::Path>,
 ) -> anyhow::Result<(Arc<Updater>, Arc<ServingTls>)> {
-    let agents = Agents::new(agent_paths).context("agent client certificate")?;
+    let agents = Arc::new(Agents::new(agent_paths).context("agent client certificate")?);
     let cluster = Cluster::connect(kubeconfig).await?;
+    let recovery = Arc::new(Recovery::new(cluster.clone(), agents.clone()));
     let updater = Arc::new_cyclic(|weak: &std::sync::Weak<Updater>| {
         let weak = weak.clone();
         let metrics = Metrics::new(Arc::new(move || {
@@ -37,9 +39,10 @@ pub async fn build(
         Updater {
             defaults: Defaults { agent_port },
             cluster,
-            agents: Arc::new(agents),
+            agents,
             plans: Arc::new(Plans::new()),
             metrics,
+            recovery,
         }
     });
     let tls = Arc::new(

@@ -1,11 +1,13 @@
-//! A STAND-IN for the Kubernetes API server: the few paths the updater reads (`get` of a
-//! Machine with status, a KubeadmConfig, a Secret), serving the objects' real JSON shapes
-//! and the API server's `Status` object for errors, over plain HTTP/1.1 on loopback. It is
-//! not a Kubernetes API server (no auth, no watch, no list, no resourceVersion semantics):
-//! no kube-apiserver can be installed on the machines this project is built and tested on,
-//! so the tests, the demo and the benchmark run the updater's real kube-rs client against
-//! this. Every request is recorded, so tests can assert the updater only ever `get`s by
-//! name (never lists or watches Secrets).
+//! A STAND-IN for the Kubernetes API server: the few paths the updater uses (`get` of a
+//! Machine with status, a KubeadmConfig, a Secret; `create` of a `v1` Event, 409
+//! AlreadyExists for a name taken; a JSON merge `patch` of a Machine), serving the objects'
+//! real JSON shapes and the API server's `Status` object for errors, over plain HTTP/1.1 on
+//! loopback. It is not a Kubernetes API server (no auth, no watch, no list, no validation,
+//! resourceVersion only counted): no kube-apiserver can be installed on the machines this
+//! project is built and tested on, so the tests, the demo and the benchmark run the
+//! updater's real kube-rs client against this. Every request is recorded, so tests can
+//! assert the updater only ever `get`s by name (never lists or watches Secrets) and writes
+//! only what it should.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -14,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
@@ -24,6 +26,10 @@ use serde_json::{Value, json};
 pub struct Store {
     objects: BTreeMap<String, Value>,
     requests: Vec<(String, String)>,
+    /// Created Events, in order.
+    events: Vec<Value>,
+    /// The last resourceVersion handed out.
+    version: u64,
 }
 
 /// A running stand-in.
@@ -83,7 +89,26 @@ impl ApiStandin {
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                         let store = store.clone();
-                        async move { Ok::<_, std::convert::Infallible>(handle(&store, &req)) }
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let body = body
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            let content_type = parts
+                                .headers
+                                .get(http::header::CONTENT_TYPE)
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("");
+                            Ok::<_, std::convert::Infallible>(handle(
+                                &store,
+                                &parts.method,
+                                &parts.uri,
+                                content_type,
+                                &body,
+                            ))
+                        }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(tcp), service)
@@ -98,11 +123,25 @@ impl ApiStandin {
         self.store.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Stores (or replaces) an object; Secrets are given with `stringData` or `data`.
-    pub fn put(&self, object: Value) {
+    /// Stores (or replaces) an object; Secrets are given with `stringData` or `data`. An
+    /// object without `metadata.uid` gets one from its path, as the API server gives every
+    /// object a uid (the same path, the same uid).
+    pub fn put(&self, mut object: Value) {
         let Some(path) = object_path(&object) else {
             panic!("stand-in object without apiVersion/kind/metadata.namespace/name");
         };
+        if object["metadata"].get("uid").is_none() {
+            use sha2::Digest as _;
+            let hash = hex::encode(sha2::Sha256::digest(path.as_bytes()));
+            object["metadata"]["uid"] = json!(format!(
+                "{}-{}-{}-{}-{}",
+                &hash[..8],
+                &hash[8..12],
+                &hash[12..16],
+                &hash[16..20],
+                &hash[20..32]
+            ));
+        }
         self.lock().objects.insert(path, object);
     }
 
@@ -123,6 +162,12 @@ impl ApiStandin {
         }
     }
 
+    /// The Events created so far, in order, as stored (with `metadata.uid`,
+    /// `creationTimestamp` and `resourceVersion` set).
+    pub fn events(&self) -> Vec<Value> {
+        self.lock().events.clone()
+    }
+
     /// Every request so far as (method, path with query).
     pub fn requests(&self) -> Vec<(String, String)> {
         self.lock().requests.clone()
@@ -140,29 +185,146 @@ impl ApiStandin {
     }
 }
 
-fn handle(store: &Mutex<Store>, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-    let path = req.uri().path().to_owned();
-    let full = req
-        .uri()
-        .path_and_query()
-        .map_or(path.clone(), |p| p.to_string());
+fn json_response(code: StatusCode, object: &Value) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(object.to_string())))
+        .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())))
+}
+
+/// RFC 7386 JSON merge patch.
+fn merge(target: &mut Value, patch: &Value) {
+    let Value::Object(fields) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = Value::Object(serde_json::Map::new());
+    }
+    if let Value::Object(t) = target {
+        for (k, v) in fields {
+            if v.is_null() {
+                t.remove(k);
+            } else {
+                merge(t.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+    }
+}
+
+impl Store {
+    fn next_version(&mut self) -> String {
+        self.version += 1;
+        self.version.to_string()
+    }
+
+    /// POST .../namespaces/<ns>/events: stored under its name, 409 when taken.
+    fn create_event(&mut self, path: &str, ns: &str, body: &[u8]) -> Response<Full<Bytes>> {
+        let mut event: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => {
+                return status(StatusCode::BAD_REQUEST, "BadRequest", format!("{e}"));
+            }
+        };
+        let name = event["metadata"]["name"].as_str().unwrap_or("").to_owned();
+        if name.is_empty() || event["metadata"]["namespace"].as_str().unwrap_or(ns) != ns {
+            return status(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "metadata.name: required, metadata.namespace: must be the path's".into(),
+            );
+        }
+        let at = format!("{path}/{name}");
+        if self.objects.contains_key(&at) {
+            let mut r = status(
+                StatusCode::CONFLICT,
+                "AlreadyExists",
+                format!("events \"{name}\" already exists"),
+            );
+            let body = json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": format!("events \"{name}\" already exists"), "reason": "AlreadyExists",
+                "details": {"name": name, "kind": "events"}, "code": 409,
+            });
+            *r.body_mut() = Full::new(Bytes::from(body.to_string()));
+            return r;
+        }
+        let version = self.next_version();
+        let meta = &mut event["metadata"];
+        meta["namespace"] = json!(ns);
+        meta["uid"] = json!(format!("standin-event-{version}"));
+        meta["resourceVersion"] = json!(version);
+        meta["creationTimestamp"] = json!("2025-01-01T00:00:00Z");
+        self.objects.insert(at, event.clone());
+        self.events.push(event.clone());
+        json_response(StatusCode::CREATED, &event)
+    }
+
+    /// PATCH of a stored object with a JSON merge patch.
+    fn patch(&mut self, path: &str, content_type: &str, body: &[u8]) -> Response<Full<Bytes>> {
+        if content_type != "application/merge-patch+json" {
+            return status(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "UnsupportedMediaType",
+                format!("the stand-in takes only JSON merge patches, not {content_type:?}"),
+            );
+        }
+        let patch: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", format!("{e}")),
+        };
+        let version = self.next_version();
+        let Some(object) = self.objects.get_mut(path) else {
+            return status(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                format!("{path} not found"),
+            );
+        };
+        merge(object, &patch);
+        object["metadata"]["resourceVersion"] = json!(version);
+        json_response(StatusCode::OK, object)
+    }
+}
+
+fn handle(
+    store: &Mutex<Store>,
+    method: &Method,
+    uri: &http::Uri,
+    content_type: &str,
+    body: &[u8],
+) -> Response<Full<Bytes>> {
+    let path = uri.path().to_owned();
+    let full = uri.path_and_query().map_or(path.clone(), |p| p.to_string());
     let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
-    store.requests.push((req.method().to_string(), full));
-    if req.method() != Method::GET {
+    store.requests.push((method.to_string(), full));
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    // POST /api/v1/namespaces/<ns>/events
+    if method == Method::POST
+        && segments.len() == 5
+        && segments[..3] == ["api", "v1", "namespaces"]
+        && segments[4] == "events"
+    {
+        let ns = segments[3].to_owned();
+        return store.create_event(&path, &ns, body);
+    }
+    if method == Method::PATCH && segments.get(1) == Some(&"cluster.x-k8s.io") {
+        return store.patch(&path, content_type, body);
+    }
+    if method != Method::GET {
         return status(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
             format!(
-                "the stand-in serves only get; {} {path} is not served",
-                req.method()
+                "the stand-in serves only get, create of events and patch of machines; {method} {path} is not served"
             ),
         );
     }
-    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     // .../namespaces/<ns>/<plural>/<name> : a get; anything shorter is a list or watch.
     let ns_at = segments.iter().position(|s| *s == "namespaces");
     let named = ns_at.is_some_and(|i| segments.len() == i + 4);
-    if !named || req.uri().query().is_some_and(|q| q.contains("watch")) {
+    if !named || uri.query().is_some_and(|q| q.contains("watch")) {
         return status(
             StatusCode::FORBIDDEN,
             "Forbidden",
