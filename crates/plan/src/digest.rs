@@ -12,11 +12,13 @@
 //! agents before v2 journaled and reported it, so a plan is still recognised by it
 //! ([`super::Plan::has_digest`]).
 
+use std::collections::HashMap;
 
 use base64::Engine as _;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
+use super::hasher::KnownSums;
 use super::*;
 
 /// Prefix hashed before the document by the first definition (v1).
@@ -42,11 +44,35 @@ impl ContentSums {
     /// The sums of `plan`'s contents, hashed on up to four threads when the plan is large
     /// (each content by one thread, the next free thread taking the next content).
     pub fn of(plan: &Plan) -> ContentSums {
+        ContentSums::of_known(plan, KnownSums::default())
+    }
+
+    /// [`ContentSums::of`] taking the sum of each content that `known` holds: a content of
+    /// the plan at the address and of the length of a content `known` keeps alive is that
+    /// content (its memory cannot have been reused, and `Bytes` never changes what it
+    /// holds). Contents copied or built since are not found that way and are hashed here.
+    pub fn of_known(plan: &Plan, known: KnownSums) -> ContentSums {
+        let known = known.resolve();
+        let by_memory: HashMap<(usize, usize), [u8; 32]> = known
+            .iter()
+            .map(|(b, sum)| ((b.as_ptr() as usize, b.len()), *sum))
+            .collect();
         let mut sums = vec![None; plan.changes.len()];
         let mut todo: Vec<(usize, &[u8])> = Vec::new();
         for (i, change) in plan.changes.iter().enumerate() {
-            if let Change::File(f) = change {
-                todo.push((i, &f.content[..]));
+            let Change::File(f) = change else {
+                continue;
+            };
+            match by_memory.get(&(f.content.as_ptr() as usize, f.content.len())) {
+                Some(sum) => {
+                    debug_assert_eq!(
+                        *sum,
+                        <[u8; 32]>::from(Sha256::digest(&f.content)),
+                        "the known sum of change {i}"
+                    );
+                    sums[i] = Some(*sum);
+                }
+                None => todo.push((i, &f.content[..])),
             }
         }
         let total: usize = todo.iter().map(|(_, c)| c.len()).sum();

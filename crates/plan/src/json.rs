@@ -26,8 +26,15 @@ use std::io::Read;
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
+use super::hasher::{Hasher, KnownSums};
+
 /// Strings of at least this many bytes (as written) are decoded while reading.
 pub(super) const LONG: usize = 4096;
+
+/// `content` strings of at least this many bytes are hashed while the plan is read; the
+/// sums of smaller ones cost less than handing them over (a plan of 500 files of 4 KiB
+/// hashes its contents in about a millisecond once read).
+const HASH_AHEAD: usize = 64 << 10;
 
 /// How much of the plan is read at once.
 const CHUNK: usize = 1 << 20;
@@ -39,7 +46,9 @@ const MARK_WRITTEN: &str = r"\u0000\u0000iplong:";
 /// A plan read into its skeleton and its long strings.
 pub(super) struct Split {
     skeleton: Vec<u8>,
-    long: Vec<Option<String>>,
+    long: Vec<Option<Long>>,
+    /// Hashing the long `content` strings, by number, when asked to.
+    hasher: Option<Hasher>,
     /// For each placeholder, in order: its end in the skeleton and how many bytes of the
     /// text it stands for beyond its own length.
     removed: Vec<(usize, isize)>,
@@ -54,19 +63,44 @@ pub(super) enum SplitError {
     TooLarge(usize),
 }
 
+/// A long string as decoded.
+enum Long {
+    Text(String),
+    /// The value of a `content` key, shared with the hasher (valid UTF-8).
+    Content(Bytes),
+}
+
+impl Long {
+    fn into_string(self) -> String {
+        match self {
+            Long::Text(s) => s,
+            // Copied only while the hasher still holds it.
+            Long::Content(b) => String::from_utf8(Vec::from(b)).expect("decoded as UTF-8"),
+        }
+    }
+}
+
 /// Reads the JSON plan whose first `head` bytes were already read from `input`; at most
-/// `max` bytes in all.
-pub(super) fn split(head: Vec<u8>, input: &mut dyn Read, max: usize) -> Result<Split, SplitError> {
+/// `max` bytes in all. With `hash`, each long `content` string is hashed on another thread
+/// while the rest is read ([`Split::into_document`] gives the sums).
+pub(super) fn split(
+    head: Vec<u8>,
+    input: &mut dyn Read,
+    max: usize,
+    hash: bool,
+) -> Result<Split, SplitError> {
     let mut s = Scanner::new(head, input, max);
+    s.out.hasher = hash.then(Hasher::default);
     s.run()?;
     Ok(s.out)
 }
 
 /// A plan document with the plain contents of its `file` changes taken out, by change
-/// index.
+/// index, and the sums of those that were hashed while it was read.
 pub(super) struct Document {
     pub(super) value: Value,
     pub(super) bodies: HashMap<usize, Bytes>,
+    pub(super) sums: KnownSums,
 }
 
 impl Split {
@@ -80,10 +114,11 @@ impl Split {
 
     /// [`Split::into_value`] with the content of each `file` change whose encoding is
     /// plain taken out where it was a long string (an empty string left in its place, as
-    /// `parse::validate_document_with_bodies` expects).
+    /// `parse::validate_document_with_bodies` expects), with its sum when it was hashed.
     pub(super) fn into_document(mut self) -> Result<Document, String> {
         let mut value = self.skeleton_value()?;
         let mut bodies = HashMap::new();
+        let mut hashed = Vec::new();
         let changes = value.get_mut("changes").and_then(Value::as_array_mut);
         for (i, change) in changes.into_iter().flatten().enumerate() {
             let Some(file) = change.get_mut("file").and_then(Value::as_object_mut) else {
@@ -99,14 +134,27 @@ impl Split {
             if !plain {
                 continue;
             }
-            let Some(text) = self.long.get_mut(n).and_then(Option::take) else {
-                continue;
+            let body = match self.long.get_mut(n).and_then(Option::take) {
+                Some(Long::Content(b)) => {
+                    hashed.push((n, b.clone()));
+                    b
+                }
+                Some(Long::Text(s)) => Bytes::from(s.into_bytes()),
+                None => continue,
             };
             content.clear();
-            bodies.insert(i, Bytes::from(text.into_bytes()));
+            bodies.insert(i, body);
+        }
+        if let Some(hasher) = &self.hasher {
+            let wanted: std::collections::HashSet<usize> = hashed.iter().map(|(n, _)| *n).collect();
+            hasher.retain(|n| wanted.contains(&n));
         }
         restore(&mut value, &mut self.long)?;
-        Ok(Document { value, bodies })
+        Ok(Document {
+            value,
+            bodies,
+            sums: KnownSums::new(self.hasher.take(), hashed),
+        })
     }
 
     /// The skeleton parsed, with its placeholders (errors as serde_json words them, at
@@ -151,7 +199,7 @@ impl Split {
 }
 
 /// Replaces every placeholder in `v` (values and keys) by its long string.
-fn restore(v: &mut Value, long: &mut [Option<String>]) -> Result<(), String> {
+fn restore(v: &mut Value, long: &mut [Option<Long>]) -> Result<(), String> {
     match v {
         Value::String(s) => {
             if let Some(full) = take(s, long) {
@@ -190,8 +238,8 @@ fn restore(v: &mut Value, long: &mut [Option<String>]) -> Result<(), String> {
     Ok(())
 }
 
-fn take(s: &str, long: &mut [Option<String>]) -> Option<String> {
-    long.get_mut(number(s)?)?.take()
+fn take(s: &str, long: &mut [Option<Long>]) -> Option<String> {
+    long.get_mut(number(s)?)?.take().map(Long::into_string)
 }
 
 /// Whether a `file` change's object says its content is plain (no `encoding`, or `plain`):
@@ -252,6 +300,7 @@ impl<'a> Scanner<'a> {
             out: Split {
                 skeleton: Vec::new(),
                 long: Vec::new(),
+                hasher: None,
                 removed: Vec::new(),
             },
         }
@@ -460,6 +509,7 @@ impl Scanner<'_> {
                     )
                 })?;
                 let n = self.out.long.len();
+                let start = self.out.skeleton.len();
                 let placeholder = format!("\"{MARK_WRITTEN}{n}\"");
                 self.out.skeleton.extend_from_slice(placeholder.as_bytes());
                 let text_len = s.written + 2;
@@ -469,7 +519,18 @@ impl Scanner<'_> {
                 ));
                 let mut decoded = decoded;
                 decoded.shrink_to_fit();
-                self.out.long.push(Some(decoded));
+                let long = match &mut self.out.hasher {
+                    Some(hasher)
+                        if decoded.len() >= HASH_AHEAD
+                            && is_content_value(&self.out.skeleton[..start]) =>
+                    {
+                        let bytes = Bytes::from(decoded.into_bytes());
+                        hasher.push(n, bytes.clone());
+                        Long::Content(bytes)
+                    }
+                    _ => Long::Text(decoded),
+                };
+                self.out.long.push(Some(long));
             }
         }
         Ok(())
@@ -485,6 +546,22 @@ impl Str {
     }
 }
 
+/// Whether the skeleton `before` a string ends with the key `"content"` and its colon: the
+/// string is the value of a `content` key (a key written with escapes is not seen as one;
+/// its content is then hashed after the plan is read).
+fn is_content_value(before: &[u8]) -> bool {
+    fn trim(b: &[u8]) -> &[u8] {
+        let end = b
+            .iter()
+            .rposition(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+            .map_or(0, |p| p + 1);
+        &b[..end]
+    }
+    match trim(before).strip_suffix(b":") {
+        Some(key) => trim(key).ends_with(b"\"content\""),
+        None => false,
+    }
+}
 
 /// The offset of the first byte of `b` that ends a run of plain string bytes: a quote, a
 /// backslash or a control character; `b.len()` when there is none. Eight bytes at a time.
@@ -542,7 +619,7 @@ mod tests {
 
     fn read(text: &[u8], step: usize) -> Result<Value, String> {
         let mut input = Trickle { data: text, step };
-        match split(Vec::new(), &mut input, usize::MAX) {
+        match split(Vec::new(), &mut input, usize::MAX, false) {
             Ok(s) => s.into_value(),
             Err(SplitError::Syntax(e)) => Err(e),
             Err(e) => Err(format!("{e:?}")),
@@ -708,7 +785,7 @@ mod tests {
         s.run().unwrap();
         assert_eq!(s.buf.capacity(), CHUNK);
         assert!(s.out.skeleton.len() < 64, "{}", s.out.skeleton.len());
-        assert!(matches!(&s.out.long[0], Some(t) if *t == long));
+        assert!(matches!(&s.out.long[0], Some(Long::Text(t)) if *t == long));
     }
 
     #[test]
@@ -719,7 +796,7 @@ mod tests {
             step: 1 << 20,
         };
         assert!(matches!(
-            split(Vec::new(), &mut input, 2 << 20),
+            split(Vec::new(), &mut input, 2 << 20, false),
             Err(SplitError::TooLarge(_))
         ));
     }

@@ -11,7 +11,9 @@
 
 mod digest;
 pub use digest::ContentSums;
+pub use hasher::KnownSums;
 mod error;
+mod hasher;
 mod json;
 pub mod kinds;
 pub mod parse;
@@ -29,7 +31,7 @@ pub use kinds::{
 };
 pub use parse::{
     API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,
-    parse_mode, parse_owner, parse_plan, read_plan, sysctl_segments,
+    parse_mode, parse_owner, parse_plan, read_plan, read_plan_hashed, sysctl_segments,
     validate_document, validate_document_with_bodies, validate_value,
 };
 pub use parse::{Cx, ReadPlanError};

@@ -113,6 +113,26 @@ pub fn read_plan(
     source: &str,
     limits: &Limits,
 ) -> Result<Plan, ReadPlanError> {
+    read(input, source, limits, false).map(|(plan, _)| plan)
+}
+
+/// [`read_plan`] for a plan that is going to be submitted: the long contents of a JSON plan
+/// are hashed on another thread while the rest of it is read (`plan::hasher`), and their
+/// sums come with the plan, for [`super::ContentSums::of_known`].
+pub fn read_plan_hashed(
+    input: &mut dyn Read,
+    source: &str,
+    limits: &Limits,
+) -> Result<(Plan, KnownSums), ReadPlanError> {
+    read(input, source, limits, true)
+}
+
+fn read(
+    input: &mut dyn Read,
+    source: &str,
+    limits: &Limits,
+    hash: bool,
+) -> Result<(Plan, KnownSums), ReadPlanError> {
     let fail = |message: String| {
         ReadPlanError::Invalid(InvalidPlan {
             source: source.to_string(),
@@ -143,7 +163,7 @@ pub fn read_plan(
         return Err(too_large(max));
     }
     if first == Some(b'{') {
-        let document = super::json::split(head, input, max)
+        let document = super::json::split(head, input, max, hash)
             .map_err(|e| match e {
                 super::json::SplitError::Read(e) => ReadPlanError::Read(e),
                 super::json::SplitError::TooLarge(max) => too_large(max),
@@ -153,7 +173,7 @@ pub fn read_plan(
             .map_err(|e| fail(format!("malformed JSON: {e}")))?;
         let plan = validate_document_with_bodies(document.value, document.bodies, source, limits)
             .map_err(ReadPlanError::Invalid)?;
-        return Ok(plan);
+        return Ok((plan, document.sums));
     }
     // YAML (or white space only): parsed from the whole text.
     let mut bytes = head;
@@ -164,7 +184,8 @@ pub fn read_plan(
     if bytes.len() > max {
         return Err(too_large(max));
     }
-    parse_whole(&bytes, source, limits).map_err(ReadPlanError::Invalid)
+    let plan = parse_whole(&bytes, source, limits).map_err(ReadPlanError::Invalid)?;
+    Ok((plan, KnownSums::default()))
 }
 
 /// Converts YAML to JSON values: string keys only, finite numbers, no tags.
@@ -1279,9 +1300,10 @@ mod tests {
         }
     }
 
-    /// A JSON plan read in pieces of any size is the same plan, with the same digest, as
-    /// the text parsed whole: long strings under `content` that are not plain file contents
-    /// (base64, a unit's drop-in) are put back in place as text.
+    /// A JSON plan read for submitting: the same plan as parsed whole, and the sum of each
+    /// long plain `file` content known from the read — the sum of those very bytes. Long
+    /// strings under `content` that are not plain file contents (base64, a unit's drop-in)
+    /// are put back in place as text.
     #[test]
     fn a_plan_read_for_submitting_knows_the_sums_of_its_long_plain_contents() {
         let long = |c: &str| c.repeat(70_000);
@@ -1324,10 +1346,26 @@ mod tests {
         let whole = parse_whole(text.as_bytes(), "t", &Limits::replay()).unwrap();
         for step in [7, 4096, 1 << 20] {
             let mut input = std::io::BufReader::with_capacity(step, text.as_bytes());
-            let plan = read_plan(&mut input, "t", &Limits::replay()).unwrap();
-            assert_eq!(plan, whole, "reads of {step}");
-            assert_eq!(plan.digest(), whole.digest());
+            let (plan, known) = read_plan_hashed(&mut input, "t", &Limits::replay()).unwrap();
+            assert_eq!(plan, whole);
+            // a, b and c; not the base64 one, the short ones (g is long, but under 64 KiB),
+            // the drop-in or the escaped key.
+            assert_eq!(known.len(), 3, "reads of {step}");
+            let sums = ContentSums::of_known(&plan, known);
+            assert_eq!(sums, ContentSums::of(&plan));
+            let mut input = std::io::BufReader::with_capacity(step, text.as_bytes());
+            let (_, known) = read_plan_hashed(&mut input, "t", &Limits::replay()).unwrap();
+            let for_whole = ContentSums::of_known(&whole, known);
+            assert_eq!(for_whole, sums, "contents of another plan are hashed again");
+            assert_eq!(plan.digest_with(&sums), whole.digest());
         }
+        let (_, known) = read_plan_hashed(
+            &mut format!("{HEAD}changes: []\n").as_bytes(),
+            "t",
+            &Limits::default(),
+        )
+        .unwrap();
+        assert!(known.is_empty(), "YAML is not hashed while read");
     }
 
     #[test]

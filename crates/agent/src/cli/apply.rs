@@ -12,7 +12,7 @@ use crate::engine::{Engine, Event, Submission, SubmitError};
 use crate::host::Host;
 use crate::host::systemd::SystemdError;
 use inplace_plan::{
-    InvalidPlan, Limits, Plan, ReadPlanError, read_plan,
+    InvalidPlan, KnownSums, Limits, Plan, ReadPlanError, read_plan, read_plan_hashed,
 };
 
 /// Reads and validates a plan file; prints the errors and returns the exit code on failure.
@@ -23,8 +23,25 @@ pub fn load_plan(path: &Path, settings: &Settings, output: Output) -> Result<Pla
 /// Reads and validates the plan at `path` (`-`: standard input) within `limits`; prints what
 /// is wrong with it.
 pub(super) fn read_plan_path(path: &Path, limits: &Limits, output: Output) -> Result<Plan, Exit> {
+    read_path(path, limits, output, false).map(|(plan, _)| plan)
+}
+
+/// [`read_plan_path`], with `hash` the long contents hashed while the plan is read
+/// (`plan::read_plan_hashed`), for a plan about to be submitted.
+fn read_path(
+    path: &Path,
+    limits: &Limits,
+    output: Output,
+    hash: bool,
+) -> Result<(Plan, KnownSums), Exit> {
     let name = path.display().to_string();
-    let read = |input: &mut dyn std::io::Read| read_plan(input, &name, limits);
+    let read = |input: &mut dyn std::io::Read| {
+        if hash {
+            read_plan_hashed(input, &name, limits)
+        } else {
+            read_plan(input, &name, limits).map(|plan| (plan, KnownSums::default()))
+        }
+    };
     let result = if name == "-" {
         read(&mut std::io::stdin().lock())
     } else {
@@ -164,7 +181,7 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
         Ok(s) => s,
         Err(code) => return code,
     };
-    let plan = match read_plan_path(plan_path, &settings.limits, output) {
+    let (plan, known) = match read_path(plan_path, &settings.limits, output, true) {
         Ok(p) => p,
         Err(code) => return code,
     };
@@ -200,7 +217,7 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
             torn.offset
         );
     }
-    match run_plan(&engine, plan, retry, plain, false) {
+    match run_known(&engine, plan, known, retry, plain, false) {
         Ok(status) => {
             match output {
                 Output::Json => outln!("{:#}", status_json(&status)),
@@ -267,6 +284,25 @@ pub fn run_plan(
     plain: bool,
     quiet_unchanged: bool,
 ) -> Result<PlanStatus, Exit> {
+    run_known(
+        engine,
+        plan,
+        KnownSums::default(),
+        retry,
+        plain,
+        quiet_unchanged,
+    )
+}
+
+/// [`run_plan`] of a plan some of whose contents were hashed while it was read.
+fn run_known(
+    engine: &Engine,
+    plan: Plan,
+    known: KnownSums,
+    retry: bool,
+    plain: bool,
+    quiet_unchanged: bool,
+) -> Result<PlanStatus, Exit> {
     let mut events = engine.subscribe();
     if let Some(current) = engine.current()
         && (current.id != plan.id || !plan.has_digest(&current.digest))
@@ -279,7 +315,7 @@ pub fn run_plan(
         );
     }
     let submission = engine
-        .submit(plan, "cli", retry)
+        .submit_known(plan, known, "cli", retry)
         .map_err(|e| super::fail(&e.into()))?;
     let status = submission.status().clone();
     if let Submission::Existing(s) = &submission

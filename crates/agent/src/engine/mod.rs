@@ -31,7 +31,7 @@ use crate::journal::backup::BackupStore;
 use crate::journal::{Journal, JournalError, OpenReport, Record};
 use crate::steps::{self, Capabilities};
 use inplace_plan::{
-    ContentSums, FieldError, InvalidPlan, Limits, Plan, validate_document,
+    ContentSums, FieldError, InvalidPlan, KnownSums, Limits, Plan, validate_document,
 };
 use state::{Phase, PlanStatus};
 use table::Table;
@@ -175,11 +175,11 @@ pub(crate) struct Inner {
 /// compaction, even if the journal itself is still small.
 pub(crate) const COMPACT_BODIES_BYTES: u64 = 64 << 20;
 
-/// The sums of a plan's contents, when it is accepted: known already, or to be hashed beside
-/// staging.
+/// The sums of a plan's contents, when it is accepted: all of them, or those known before
+/// (the rest are hashed beside staging).
 enum Sums {
     All(ContentSums),
-    Beside,
+    Known(KnownSums),
 }
 
 /// How many runs keep their phase snapshots (see [`Engine::phase_history`]). A snapshot is
@@ -485,6 +485,18 @@ impl Engine {
     /// Submits a plan. The same id + digest returns the existing status (running or
     /// finished) and never runs again unless `retry` is set and the last attempt failed.
     pub fn submit(&self, plan: Plan, source: &str, retry: bool) -> Result<Submission, SubmitError> {
+        self.submit_known(plan, KnownSums::default(), source, retry)
+    }
+
+    /// [`Engine::submit`] of a plan some of whose contents were hashed already, while it
+    /// was read (`plan::read_plan_hashed`).
+    pub fn submit_known(
+        &self,
+        plan: Plan,
+        known: KnownSums,
+        source: &str,
+        retry: bool,
+    ) -> Result<Submission, SubmitError> {
         // An id this agent has never seen cannot be a repeat: its digest (a hash over all of
         // its content) is computed while its contents are staged, not before.
         let fresh = self.shared.lock().table.latest(&plan.id).is_none();
@@ -492,10 +504,10 @@ impl Engine {
             let prepared = self.admit(&plan)?;
             let _submitting = self.submission_lock();
             if self.shared.lock().table.latest(&plan.id).is_none() {
-                return self.accept(plan, None, Sums::Beside, 1, source, &prepared);
+                return self.accept(plan, None, Sums::Known(known), 1, source, &prepared);
             }
         }
-        let sums = ContentSums::of(&plan);
+        let sums = ContentSums::of_known(&plan, known);
         let digest = self.identity(&plan, &sums);
         {
             let inner = self.shared.lock();
@@ -577,9 +589,9 @@ impl Engine {
             // staging them.
             let hashing = match sums {
                 Sums::All(sums) => Err(sums),
-                Sums::Beside => {
+                Sums::Known(known) => {
                     let plan = &plan;
-                    Ok(s.spawn(move || ContentSums::of(plan)))
+                    Ok(s.spawn(move || ContentSums::of_known(plan, known)))
                 }
             };
             let picks = staging::candidates(host, &plan, prepared);
@@ -757,7 +769,7 @@ impl Engine {
         self.accept(
             plan,
             Some(status.digest.clone()),
-            Sums::Beside,
+            Sums::Known(KnownSums::default()),
             status.attempt + 1,
             source,
             &prepared,
@@ -1550,7 +1562,7 @@ mod tests {
                     .accept(
                         plan.clone(),
                         v1,
-                        Sums::Beside,
+                        Sums::Known(KnownSums::default()),
                         1,
                         "old agent",
                         &prepared,

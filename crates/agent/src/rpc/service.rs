@@ -35,7 +35,7 @@ use inplace_api::authz::Caller;
 use inplace_api::convert::{plan_error_status, validate_owned};
 use inplace_api::pb;
 use inplace_api::pb::node_agent_server::NodeAgent;
-use inplace_plan::{ChangeKind, FieldError, Limits, ReadPlanError, read_plan};
+use inplace_plan::{ChangeKind, FieldError, KnownSums, Limits, ReadPlanError, read_plan_hashed};
 
 use inplace_api::document;
 
@@ -199,12 +199,13 @@ fn submit_valid(
     counters: &ServiceCounters,
     who: &str,
     plan: inplace_plan::Plan,
+    known: KnownSums,
     retry: bool,
 ) -> Result<(PlanStatus, bool), Status> {
     // The digest is the engine's to compute (for a new id, beside staging the contents):
     // the status carries it.
     let id = plan.id.clone();
-    match engine.submit(plan, GRPC_SOURCE, retry) {
+    match engine.submit_known(plan, known, GRPC_SOURCE, retry) {
         Ok(Submission::Accepted(status)) => {
             counters.accepted.fetch_add(1, Ordering::Relaxed);
             tracing::info!(caller = %who, %id, digest = %status.digest, attempt = status.attempt, run = status.run, "plan accepted");
@@ -355,7 +356,7 @@ impl NodeAgent for AgentService {
                 tracing::info!(caller = %who, id = %wire_id, problems = e.errors.len(), "ApplyPlan refused: invalid plan");
                 plan_error_status(&e)
             })?;
-            submit_valid("ApplyPlan", &engine, &counters, &who, plan, retry)
+            submit_valid("ApplyPlan", &engine, &counters, &who, plan, KnownSums::default(), retry)
         })
         .await??;
         Ok(Response::new(pb::ApplyPlanResponse {
@@ -391,7 +392,7 @@ impl NodeAgent for AgentService {
         std::thread::Builder::new()
             .name("inplace-document".into())
             .spawn(move || {
-                let read = read_plan(&mut document::Pieces::new(rx), &name, &limits);
+                let read = read_plan_hashed(&mut document::Pieces::new(rx), &name, &limits);
                 let submitted = read
                     .map_err(|e| {
                         counters.refused.fetch_add(1, Ordering::Relaxed);
@@ -406,8 +407,8 @@ impl NodeAgent for AgentService {
                             }
                         }
                     })
-                    .and_then(|plan| {
-                        submit_valid("SubmitPlanDocument", &engine, &counters, &who, plan, retry)
+                    .and_then(|(plan, known)| {
+                        submit_valid("SubmitPlanDocument", &engine, &counters, &who, plan, known, retry)
                     });
                 let _ = answer.send(submitted);
             })
