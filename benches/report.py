@@ -342,7 +342,8 @@ if av:
 # Sections written by hand (what the targets' figures mean) or by suites run on their own (the
 # updater under CAPI's load, memory under abuse, about an hour of power cuts under software
 # emulation): kept as they are.
-for title in ("Where the write-once and footprint targets stand", "Updater", "Memory under abuse",
+for title in ("Where the write-once and footprint targets stand", "Audit of the performance mechanisms",
+              "Updater", "Memory under abuse",
               "Power cuts on a VM node"):
     section = old_section(title)
     if section:
