@@ -112,10 +112,12 @@ pub enum TlsError {
         detail: String,
     },
     /// A certificate file holds no certificate.
-    #[error("{}: no certificate found", path.display())]
+    #[error("{}: no certificate found: {found}", path.display())]
     NoCertificate {
         /// The file.
         path: PathBuf,
+        /// What the file holds instead ([`what_it_holds`]).
+        found: String,
     },
     /// The CA bundle holds no certificate usable as a trust anchor.
     #[error("{}: no usable CA certificate: {detail}", path.display())]
@@ -157,9 +159,33 @@ pub fn load_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, Tl
     if certs.is_empty() {
         return Err(TlsError::NoCertificate {
             path: path.to_owned(),
+            found: what_it_holds(&pem),
         });
     }
     Ok(certs)
+}
+
+/// What a file that should hold PEM certificates holds instead, in words (never its content
+/// beyond a PEM label or the manifests' placeholder word).
+pub fn what_it_holds(text: &[u8]) -> String {
+    let text = String::from_utf8_lossy(text);
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return "the file is empty".into();
+    }
+    if trimmed.starts_with("REPLACE") {
+        return "it still holds the placeholder of the manifests (\"REPLACE: ...\"); put the \
+                PEM certificate there"
+            .into();
+    }
+    if let Some(label) = trimmed
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("-----BEGIN "))
+        .and_then(|l| l.strip_suffix("-----"))
+    {
+        return format!("it holds PEM of another kind ({label}), not a CERTIFICATE");
+    }
+    "it is not PEM (no -----BEGIN CERTIFICATE----- line)".into()
 }
 
 /// Reads the first private key of a PEM file.
@@ -1206,6 +1232,27 @@ pub async fn connect(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_without_certificates_says_what_it_holds() {
+        assert_eq!(what_it_holds(b" \n"), "the file is empty");
+        assert!(
+            what_it_holds(b"REPLACE: the agents' CA certificate (PEM)").contains("placeholder")
+        );
+        assert!(
+            what_it_holds(b"-----BEGIN PRIVATE KEY-----\nMC4C\n-----END PRIVATE KEY-----\n")
+                .contains("(PRIVATE KEY), not a CERTIFICATE")
+        );
+        assert!(what_it_holds(b"hello").contains("not PEM"));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ca.crt");
+        std::fs::write(&path, "REPLACE: the agents' CA certificate (PEM)").unwrap();
+        let e = load_certificates(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("no certificate found: it still holds the placeholder"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn failure_labels_are_unique_and_indexed() {

@@ -4,6 +4,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod addr;
 pub mod build;
 mod error;
 mod file_meta;
@@ -15,6 +16,7 @@ pub mod units;
 mod writeback;
 mod writers;
 
+pub use addr::parse_socket_addr;
 pub use error::{ErrorInfo, ErrorKind, StepError, chain};
 pub use file_meta::{Compared, Existing, FileMeta};
 pub use writeback::start_writeback;

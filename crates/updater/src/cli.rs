@@ -59,7 +59,7 @@ enum LogFormat {
 #[derive(Debug, clap::Args)]
 struct ServeArgs {
     /// Address to listen on (HTTPS)
-    #[arg(long, default_value = "0.0.0.0:9443")]
+    #[arg(long, default_value = "0.0.0.0:9443", value_parser = inplace_base::parse_socket_addr)]
     listen: SocketAddr,
     /// Serving certificate (PEM; re-read when it changes)
     #[arg(long)]

@@ -50,8 +50,9 @@ pub enum RemoteOutput {
 /// How to reach the agent.
 #[derive(Debug, Args, Clone)]
 pub struct TlsArgs {
-    /// CA bundle the agent's certificate must chain to
-    #[arg(long, env = "INPLACE_AGENT_CA", value_name = "FILE")]
+    /// CA bundle the agent's certificate must chain to (`--cacert`, as curl names it, is
+    /// taken too)
+    #[arg(long, alias = "cacert", env = "INPLACE_AGENT_CA", value_name = "FILE")]
     pub ca: Option<PathBuf>,
     /// Client certificate (must carry the clientAuth usage)
     #[arg(long, env = "INPLACE_AGENT_CERT", value_name = "FILE")]

@@ -46,7 +46,7 @@ pub struct ServeArgs {
     #[arg(long, env = "INPLACE_AGENT_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Address to listen on (grpc.listen) [default: 0.0.0.0:9443]
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = inplace_base::parse_socket_addr)]
     pub listen: Option<SocketAddr>,
     /// The node's root directory (node.root) [default: /]
     #[arg(long, env = "INPLACE_AGENT_ROOT")]
@@ -109,7 +109,7 @@ pub struct ServeArgs {
     pub status_group: Option<String>,
     /// Also serve /metrics over plain TCP on this address, for scraping (metrics.listen)
     /// [default: off]
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = inplace_base::parse_socket_addr)]
     pub metrics_listen: Option<SocketAddr>,
     /// How log lines look (log.format) [default: plain]
     #[arg(long, value_enum, value_name = "FORMAT")]
