@@ -53,3 +53,55 @@ fn cacert_is_taken_for_ca() {
     assert!(!err.contains("unexpected argument"), "{err}");
     assert!(err.contains("/nonexistent/"), "{err}");
 }
+
+/// A refused permission when not root ends with what to do: run as root. (Run as root, the
+/// test drops to uid 65534 with `setpriv`; as another user it cannot make a directory that
+/// user may not write, and says so.)
+#[test]
+fn a_permission_refused_to_a_non_root_user_says_run_as_root() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!(
+            "\n*** SKIPPED a_permission_refused_to_a_non_root_user_says_run_as_root: needs root \
+             to make a directory another user may not write; CI runs it as root ***\n"
+        );
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI runs as root: this test must run there"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("plan.yaml");
+    std::fs::write(
+        &plan,
+        "apiVersion: inplace.agent/v1\nkind: Plan\nid: t/1\nchanges:\n  - file: {path: /etc/kubernetes/x.conf, content: \"x\\n\"}\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::set_permissions(&plan, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(env!("CARGO_BIN_EXE_inplace-agent"))
+        .args(["apply", "--services", "off", "--root"])
+        .arg(dir.path())
+        .arg("--state-dir")
+        .arg(&state)
+        .arg(&plan)
+        .output()
+        .expect("run setpriv (util-linux)");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("Permission denied"), "{err}");
+    assert!(
+        err.contains("not root") && err.contains("run it as root"),
+        "{err}"
+    );
+}

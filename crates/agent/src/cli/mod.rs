@@ -140,7 +140,28 @@ impl Invalid {
 /// journal in /var/lib/…: …: Permission denied (os error 13)`) and says how the command ends.
 pub fn fail(e: &anyhow::Error) -> Exit {
     errln!("error: {}", inplace_base::chain(e.as_ref()));
+    if let Some(hint) = not_root_hint(e) {
+        errln!("{hint}");
+    }
     Exit::of_error(e)
+}
+
+/// When a permission was refused and this process is not root: what to do about it (the
+/// agent reads and writes the node's files, its journal and state directory as root).
+fn not_root_hint(e: &anyhow::Error) -> Option<String> {
+    let refused = e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+    });
+    let uid = rustix::process::geteuid();
+    (refused && !uid.is_root()).then(|| {
+        format!(
+            "hint: inplace-agent runs as uid {} here, not root: it changes the node's files and \
+             keeps its journal as root; run it as root (or with sudo)",
+            uid.as_raw()
+        )
+    })
 }
 
 #[derive(Debug, Parser)]
