@@ -82,6 +82,18 @@ impl<S> Deadlines<S> {
         }
     }
 
+    /// After a write: bytes of an answer went out, so the connection waits for the next
+    /// request from now on.
+    fn answered(&mut self, written: &Poll<io::Result<usize>>) {
+        if let Poll::Ready(Ok(n)) = written
+            && *n > 0
+        {
+            self.waiting = Waiting::Idle {
+                since: Instant::now(),
+            };
+        }
+    }
+
     fn deadline(&self) -> Instant {
         match self.waiting {
             Waiting::Request { since } => since + self.limits.request,
@@ -140,14 +152,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Deadlines<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = Pin::new(&mut this.inner).poll_write(cx, data);
-        if let Poll::Ready(Ok(n)) = written
-            && n > 0
-        {
-            // An answer: the connection waits for the next request from now on.
-            this.waiting = Waiting::Idle {
-                since: Instant::now(),
-            };
-        }
+        this.answered(&written);
         written
     }
 
@@ -158,13 +163,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Deadlines<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let written = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        if let Poll::Ready(Ok(n)) = written
-            && n > 0
-        {
-            this.waiting = Waiting::Idle {
-                since: Instant::now(),
-            };
-        }
+        this.answered(&written);
         written
     }
 
