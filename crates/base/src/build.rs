@@ -9,8 +9,8 @@ pub fn commit() -> Option<&'static str> {
     Some(env!("INPLACE_AGENT_GIT_COMMIT")).filter(|c| !c.is_empty())
 }
 
-/// Whether the sources of the binary (`src/`, `proto/`, `build.rs`, `Cargo.*`) differed from
-/// that commit when it was built; `None` when unknown.
+/// Whether the sources of the binary (the workspace's `crates/`, `Cargo.toml`, `Cargo.lock`)
+/// differed from that commit when it was built; `None` when unknown.
 pub fn modified() -> Option<bool> {
     match env!("INPLACE_AGENT_GIT_MODIFIED") {
         "true" => Some(true),

@@ -17,6 +17,8 @@ use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams}
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::Value;
 
+use super::translate::lookup;
+
 /// `cluster.x-k8s.io/v1beta2` Machine.
 pub fn machine_resource() -> ApiResource {
     ApiResource {
@@ -175,7 +177,8 @@ impl Cluster {
     /// created it).
     pub async fn create_event(&self, event: &Value) -> Result<bool, ClusterError> {
         let meta = |k: &str| {
-            lookup_str(event, &["metadata", k])
+            lookup(event, &["metadata", k])
+                .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_owned()
         };
@@ -220,8 +223,4 @@ impl Cluster {
                 detail: e.to_string(),
             })
     }
-}
-
-fn lookup_str<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
-    path.iter().try_fold(v, |v, k| v.get(*k))?.as_str()
 }

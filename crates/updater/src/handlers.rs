@@ -641,9 +641,9 @@ impl Updater {
         if let Some(done) = self.plans.settled(&key, &plan, until).await {
             return Ok((hook_answer(&done, &plan.costs), true));
         }
-        match self.plans.last_heard(&key, &plan) {
-            Some(now) => Ok((hook_answer(&now, &plan.costs), true)),
-            None => Ok(answered),
+        match self.plans.current(&key) {
+            Some((now_plan, now)) if now_plan == plan => Ok((hook_answer(&now, &plan.costs), true)),
+            _ => Ok(answered),
         }
     }
 
@@ -658,7 +658,6 @@ impl Updater {
         wire: pb::Plan,
         wish: Option<Wish>,
     ) -> Result<(Answer, bool), Failure> {
-        let costs = plan.costs.clone();
         let outcome = self.ask_agent(&key, &plan, wire).await;
         let status = match outcome {
             Ok(status) => status,
@@ -671,6 +670,7 @@ impl Updater {
             .recovery
             .retry_if_asked(&key, &plan, wish.as_ref(), status)
             .await;
+        let answer = hook_answer(&Heard::of(&status), &plan.costs);
         if let Follow::Start(generation) =
             self.plans.record(&key, fingerprint, plan.clone(), &status)
         {
@@ -683,7 +683,7 @@ impl Updater {
             ));
             self.plans.started(&key, generation, task.abort_handle());
         }
-        Ok((hook_answer(&Heard::of(&status), &costs), true))
+        Ok((answer, true))
     }
 
     /// The agent's status of `plan`, after submitting it if it did not know it; `Err` holds

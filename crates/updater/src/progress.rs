@@ -424,14 +424,6 @@ impl Plans {
         }
     }
 
-    /// What the agent last said of `plan`, if this entry is about it.
-    pub fn last_heard(&self, machine: &str, plan: &PlanRef) -> Option<Heard> {
-        self.lock()
-            .get(machine)
-            .filter(|e| &e.plan == plan && e.submit == Submit::Answered)
-            .map(|e| e.heard.clone())
-    }
-
     /// The plan of `machine`'s entry and what the agent last said of it (no effect on the
     /// entry: not a read that keeps it or asks for a refresh).
     pub fn current(&self, machine: &str) -> Option<(PlanRef, Heard)> {
