@@ -699,7 +699,7 @@ async fn metrics_parse_as_prometheus_text_and_count_what_happened() {
         get("inplace_agent_journal_records", &[]),
         journal_lines as f64
     );
-    let commit = inplace_base::build::commit_label();
+    let commit = inplace_agent::BUILD.commit_label();
     assert_eq!(
         get(
             "inplace_agent_build_info",

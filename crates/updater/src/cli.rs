@@ -128,7 +128,11 @@ pub fn main() -> ExitCode {
     };
     match cli.command {
         Command::Version => {
-            println!("inplace-updater {}", env!("CARGO_PKG_VERSION"));
+            println!(
+                "inplace-updater {} ({})",
+                crate::BUILD.version,
+                crate::BUILD.describe_commit()
+            );
             ExitCode::SUCCESS
         }
         Command::Translate(args) => match translate_cmd(&args) {

@@ -55,3 +55,6 @@ pub mod settings;
 pub(crate) mod setup;
 pub mod standin;
 pub mod translate;
+
+/// The updater's version and the commit it was built from (`inplace-updater version`).
+pub const BUILD: inplace_base::build::Build = inplace_base::build!();

@@ -400,9 +400,9 @@ fn version(output: Output) -> Exit {
             let v = serde_json::json!({
                 "apiVersion": inplace_plan::API_VERSION,
                 "kind": "Version",
-                "version": inplace_base::build::VERSION,
-                "commit": inplace_base::build::commit(),
-                "modified": inplace_base::build::modified(),
+                "version": crate::BUILD.version,
+                "commit": crate::BUILD.commit(),
+                "modified": crate::BUILD.modified(),
                 "changeKinds": kinds,
                 "failpoints": cfg!(feature = "failpoints"),
             });
@@ -411,8 +411,8 @@ fn version(output: Output) -> Exit {
         Output::Text => {
             outln!(
                 "inplace-agent {} ({})",
-                inplace_base::build::VERSION,
-                inplace_base::build::describe_commit()
+                crate::BUILD.version,
+                crate::BUILD.describe_commit()
             );
             outln!("change kinds: {}", kinds.join(", "));
             if cfg!(feature = "failpoints") {

@@ -261,7 +261,7 @@ impl Daemon {
             metrics,
             AgentInfo {
                 version: env!("CARGO_PKG_VERSION").to_string(),
-                commit: inplace_base::build::commit_label(),
+                commit: crate::BUILD.commit_label(),
                 pid: std::process::id(),
                 started_at_ms,
                 uptime_seconds: 0,

@@ -146,7 +146,7 @@ impl Metrics {
             "The agent's version and commit",
             Info::new(vec![
                 ("version", env!("CARGO_PKG_VERSION").to_string()),
-                ("commit", inplace_base::build::commit_label()),
+                ("commit", crate::BUILD.commit_label()),
             ]),
         );
         if let Some(at) = sources.engine.read(|t| {
