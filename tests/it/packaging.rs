@@ -951,10 +951,13 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
         .expect("a container port named metrics");
     assert_eq!(named["containerPort"], port);
     let scraped = http_get_in_netns(&node, port, "/metrics");
+    let counted = format!(
+        "inplace_agent_plans_total{{result=\"{}\"}} 1",
+        applied["phase"].as_str().unwrap_or_default()
+    );
     assert!(
-        scraped.starts_with("HTTP/1.1 200")
-            && scraped.contains("inplace_agent_plans_total{result=\"Succeeded\"} 1"),
-        "GET 127.0.0.1:{port}/metrics in the node:\n{scraped}"
+        scraped.starts_with("HTTP/1.1 200") && scraped.contains(&counted),
+        "GET 127.0.0.1:{port}/metrics in the node has no {counted}:\n{scraped}"
     );
     let exit = agent.terminate();
     let log = agent.log();
