@@ -15,6 +15,10 @@ render FILE [VAR=VALUE]...
                   the arguments, else the default; a variable with neither is an error that
                   names it, as clusterctl's is. Prints the result.
 variables FILE    the variables a file uses, one a line: NAME or NAME=default.
+promql FILE...    parses every PromQL expression: the `expr` of each PrometheusRule rule in
+                  YAML files, each ```promql block of Markdown files (promql-parser, the
+                  Python binding of the Rust crate, from PyPI); a query that does not parse,
+                  or a file with none, is an error. A broken query must fail first.
 selftest FILE...  proves that check is strict for every kind in the files: a copy of one
                   object of each kind with an unknown field (in spec, else at the top) must
                   fail, and every schema in packaging/schemas/ must have been used.
@@ -161,6 +165,43 @@ def check_objects(objects, versions):
     return errors, count
 
 
+def promql(files):
+    import promql_parser
+
+    def parses(query):
+        try:
+            promql_parser.parse(query)
+            return None
+        except Exception as e:  # the binding raises its own error types
+            return str(e)
+
+    if parses("sum(rate(inplace_agent_plans_total[5m])") is None:
+        fail("promql: an unclosed parenthesis parsed: the parser accepts anything")
+    errors = []
+    count = 0
+    for f in files:
+        queries = []
+        if f.endswith(".md"):
+            blocks = re.findall(r"```promql\n(.*?)```", Path(f).read_text(), re.S)
+            queries = [q for b in blocks for q in b.splitlines() if q.strip()]
+        else:
+            for obj in objects_of(f):
+                if obj.get("kind") == "PrometheusRule":
+                    for group in obj["spec"]["groups"]:
+                        queries += [rule["expr"] for rule in group["rules"]]
+        if not queries:
+            errors.append(f"{f}: no PromQL found")
+        for q in queries:
+            count += 1
+            error = parses(q)
+            if error is not None:
+                errors.append(f"{f}: {q}: {error}")
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        fail(f"promql: {len(errors)} error(s)")
+    print(f"manifests.py: {count} PromQL queries in {len(files)} file(s) parse", file=sys.stderr)
+
+
 def variables(text):
     found = {}
     for m in VARIABLE.finditer(text):
@@ -197,6 +238,8 @@ def main(argv):
         if not args:
             fail(f"{command}: no files")
         (check if command == "check" else selftest)(args, versions)
+    elif command == "promql" and args:
+        promql(args)
     elif command == "render" and args:
         render(args[0], args[1:])
     elif command == "variables" and len(args) == 1:
