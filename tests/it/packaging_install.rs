@@ -11,6 +11,8 @@
 //!   registry.example and this version;
 //! - monitoring: the PodMonitor, ServiceMonitor and PrometheusRule agree with the DaemonSet,
 //!   the updater's Service and Certificate, and the metric names the docs list;
+//! - `packaging/kubectl`: PyPI's pinned kubectl (a machine without a recent one) builds the
+//!   same objects as the machine's, and a kubectl with an old kustomize is refused;
 //! - the docs (README.md, docs/ but for the decision records, which are history): every
 //!   `kubectl apply -k` / `delete -k` they show names a kustomization, and every
 //!   `packaging/...` path they name exists.
@@ -412,4 +414,87 @@ fn every_kustomization_and_path_the_docs_name_exists() {
         }
     }
     assert!(checked > 10, "only {checked} paths found");
+}
+
+/// `packaging/kubectl`, the kustomize that packaging/validate and packaging/clusterctl/build
+/// use: PyPI's pinned kubectl (what a machine without a recent kubectl gets) builds every
+/// kustomization into the same objects as the machine's kubectl, and a kubectl whose
+/// kustomize is too old (Debian's 1.20 has v2.0.3) is refused by name.
+#[test]
+fn the_pinned_kubectl_builds_what_the_machines_kubectl_builds_and_an_old_one_is_refused() {
+    let script = Path::new(REPO).join("packaging/kubectl");
+    let kubectl = |pick: &str| {
+        let out = Command::new("bash")
+            .arg(&script)
+            .env("PACKAGING_KUBECTL", pick)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, pinned, err) = kubectl("pinned");
+    assert!(ok, "packaging/kubectl (pinned): {err}");
+
+    let old = tempfile::Builder::new()
+        .prefix("inplace-test-kubectl-")
+        .tempdir()
+        .unwrap();
+    let fake = old.path().join("kubectl");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho 'Client Version: v1.20.2'\necho 'Kustomize Version: v2.0.3'\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let (ok, _, err) = kubectl(fake.to_str().unwrap());
+    assert!(
+        !ok && err.contains("no kustomize v5") && err.contains("v2.0.3"),
+        "{err}"
+    );
+
+    let machine = Command::new("bash")
+        .arg(&script)
+        .env_remove("PACKAGING_KUBECTL")
+        .output()
+        .unwrap();
+    let machine = String::from_utf8_lossy(&machine.stdout).trim().to_string();
+    if machine == pinned {
+        crate::support::say("no kubectl with kustomize v5 on PATH: the pinned one is the only one");
+        return;
+    }
+    let build = |kubectl: &str, dir: &str| -> Vec<Value> {
+        let out = Command::new(kubectl)
+            .args(["kustomize", dir])
+            .current_dir(REPO)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{kubectl} kustomize {dir}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut docs = documents(&String::from_utf8(out.stdout).unwrap());
+        docs.sort_by_key(|d| {
+            format!(
+                "{} {} {}",
+                d["kind"], d["metadata"]["namespace"], d["metadata"]["name"]
+            )
+        });
+        docs
+    };
+    for dir in [
+        "packaging/kubernetes/agent/kubelet-serving",
+        "packaging/kubernetes/agent/cert-manager",
+        "packaging/clusterctl",
+        "packaging/examples/fleet-client-ca",
+    ] {
+        assert_eq!(
+            build(&machine, dir),
+            build(&pinned, dir),
+            "{dir}: {machine} and {pinned} differ"
+        );
+    }
 }
