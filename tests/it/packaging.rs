@@ -9,8 +9,9 @@
 //! - the DaemonSet's flags (packaging/kubernetes/agent/base/daemonset.yaml) run against a sandboxed node
 //!   exactly as the pod sees the host, with the node's root where the pod has `/host`;
 //! - the .rpm (`rpm -qp`), the packaged config.toml, the unit's `systemd-analyze security`
-//!   exposure (printed, and compared with docs/hardening.md), and `packaging/validate` (the
-//!   manifests against the Kubernetes schemas, the Containerfile, the shell scripts).
+//!   exposure (printed, and compared with docs/hardening.md), and `packaging/validate` (every
+//!   kustomization built and each object validated, clusterctl's repository, the example's
+//!   Secrets, PromQL, the Containerfiles, the shell scripts).
 //!
 //! The sandbox tests need root and print a SKIP line without it (and fail when CI=true).
 
