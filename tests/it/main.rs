@@ -26,6 +26,7 @@ mod observability;
 mod operator;
 mod packages_plan;
 mod packaging;
+mod packaging_install;
 mod properties;
 mod serve;
 mod systemd_agent;

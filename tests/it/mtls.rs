@@ -1409,7 +1409,7 @@ async fn a_tcp_probe_is_not_a_failed_handshake() {
 /// kubelet): one PEM file with certificate and key, reached through the symlink
 /// `kubelet-server-current.pem` that the kubelet points at a new dated file when it renews.
 /// The agent serves it and picks the renewed one up without a restart
-/// (packaging/kubernetes/kubelet-serving, docs/pki.md).
+/// (packaging/kubernetes/agent/kubelet-serving, docs/pki.md).
 #[tokio::test]
 async fn a_kubelet_serving_certificate_is_served_and_its_renewal_picked_up() {
     let dir = tempfile::tempdir().unwrap();

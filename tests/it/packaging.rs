@@ -6,11 +6,12 @@
 //!   driven over mutual TLS: a plan that changes the kubelet stand-in's configuration, sets a
 //!   sysctl and installs a package; `kill -9` in the middle of a plan; an upgrade in the
 //!   middle of a plan that keeps the edited conffile and the journal; remove and purge;
-//! - the DaemonSet's flags (packaging/kubernetes/daemonset.yaml) run against a sandboxed node
+//! - the DaemonSet's flags (packaging/kubernetes/agent/base/daemonset.yaml) run against a sandboxed node
 //!   exactly as the pod sees the host, with the node's root where the pod has `/host`;
 //! - the .rpm (`rpm -qp`), the packaged config.toml, the unit's `systemd-analyze security`
-//!   exposure (printed, and compared with docs/hardening.md), and `packaging/validate` (the
-//!   manifests against the Kubernetes schemas, the Containerfile, the shell scripts).
+//!   exposure (printed, and compared with docs/hardening.md), and `packaging/validate` (every
+//!   kustomization built and each object validated, clusterctl's repository, the example's
+//!   Secrets, PromQL, the Containerfiles, the shell scripts).
 //!
 //! The sandbox tests need root and print a SKIP line without it (and fail when CI=true).
 
@@ -391,6 +392,34 @@ fn grpc_health(node: &SandboxNode, pki: &Path, server_name: &str) -> Result<i32,
     .map_err(|_| "health check thread panicked".to_string())?
 }
 
+/// `GET path` on 127.0.0.1:`port` from the node's network namespace (as Prometheus scrapes
+/// a hostNetwork pod): the whole answer, head and body.
+fn http_get_in_netns(node: &SandboxNode, port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let netns = format!("/proc/{}/ns/net", node.pid());
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    // setns() moves only the calling thread.
+    std::thread::spawn(move || {
+        let ns = std::fs::File::open(&netns).unwrap();
+        rustix::thread::move_into_link_name_space(
+            ns.as_fd(),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        )
+        .unwrap();
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))
+            .unwrap_or_else(|e| panic!("connect 127.0.0.1:{port} in the node: {e}"));
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    })
+    .join()
+    .unwrap()
+}
+
 /// `MainPID` of the agent's unit and that process's `/proc/<pid>/<file>` (inside the node).
 fn agent_proc(node: &SandboxNode, file: &str) -> String {
     let pid = unit_property(node, AGENT, "MainPID");
@@ -766,18 +795,22 @@ fn the_deb_runs_hardened_under_systemd_survives_kill_9_and_upgrades_keeping_conf
 
 // === The DaemonSet's flags against a sandboxed node ===
 
-/// The agent container of packaging/kubernetes/daemonset.yaml.
+/// The agent container of packaging/kubernetes/agent/base/daemonset.yaml.
 fn daemonset_container() -> Value {
-    let text = std::fs::read_to_string(Path::new(REPO).join("packaging/kubernetes/daemonset.yaml"))
-        .unwrap();
+    let text = std::fs::read_to_string(
+        Path::new(REPO).join("packaging/kubernetes/agent/base/daemonset.yaml"),
+    )
+    .unwrap();
     let ds: Value = serde_yaml_ng::from_str(&text).unwrap();
     ds["spec"]["template"]["spec"]["containers"][0].clone()
 }
 
-/// The config.toml of packaging/kubernetes/configmap.yaml.
+/// The config.toml of packaging/kubernetes/agent/base/configmap.yaml.
 fn configmap_config() -> String {
-    let text = std::fs::read_to_string(Path::new(REPO).join("packaging/kubernetes/configmap.yaml"))
-        .unwrap();
+    let text = std::fs::read_to_string(
+        Path::new(REPO).join("packaging/kubernetes/agent/base/configmap.yaml"),
+    )
+    .unwrap();
     let cm: Value = serde_yaml_ng::from_str(&text).unwrap();
     cm["data"]["config.toml"].as_str().unwrap().to_string()
 }
@@ -832,6 +865,9 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
                 Some(("--bus", bus)) if bus.starts_with("unix:path=/host/") => {
                     format!("--bus={}", bus.replacen("/host", &root, 1))
                 }
+                // hostNetwork: the node's addresses, which here are the node's network
+                // namespace's.
+                Some(("--metrics-listen", _)) => a.to_string(),
                 None if a == "serve" => a.to_string(),
                 _ => panic!("daemonset.yaml: an argument this test does not know: {a}"),
             }
@@ -899,6 +935,31 @@ fn the_daemonset_flags_run_the_agent_against_the_node_through_host() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(failures, 0.0, "no handshake failed for the probes");
+
+    // The metrics port the PodMonitor scrapes (packaging/kubernetes/monitoring/agent): the
+    // container port named metrics is the one --metrics-listen binds, and it serves /metrics
+    // in the node's network namespace, with the plan just applied counted.
+    let listen = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--metrics-listen="))
+        .expect("the DaemonSet serves metrics on TCP");
+    let port: u16 = listen.rsplit(':').next().unwrap().parse().unwrap();
+    let named = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "metrics")
+        .expect("a container port named metrics");
+    assert_eq!(named["containerPort"], port);
+    let scraped = http_get_in_netns(&node, port, "/metrics");
+    let counted = format!(
+        "inplace_agent_plans_total{{result=\"{}\"}} 1",
+        applied["phase"].as_str().unwrap_or_default()
+    );
+    assert!(
+        scraped.starts_with("HTTP/1.1 200") && scraped.contains(&counted),
+        "GET 127.0.0.1:{port}/metrics in the node has no {counted}:\n{scraped}"
+    );
     let exit = agent.terminate();
     let log = agent.log();
     assert_node_plan_applied(&node, starts, &applied);
@@ -1139,27 +1200,19 @@ fn yaml_documents(rel: &str) -> Vec<Value> {
 fn the_manifests_validate_and_agree_with_each_other() {
     run(Command::new("bash").arg(Path::new(REPO).join("packaging/validate")));
 
-    // Every resource a kustomization names exists.
-    for dir in [
-        "packaging/kubernetes",
-        "packaging/kubernetes/cert-manager",
-        "packaging/kubernetes/kubelet-serving",
-    ] {
-        let k = &yaml_documents(&format!("{dir}/kustomization.yaml"))[0];
-        for r in k["resources"].as_array().unwrap() {
-            let path = Path::new(REPO).join(dir).join(r.as_str().unwrap());
-            assert!(
-                path.exists(),
-                "{dir}/kustomization.yaml: {} is missing",
-                path.display()
-            );
-        }
+    // (packaging/validate built every kustomization with kustomize: each resource exists.)
+    // The overlays are siblings of the agent's base, which kustomize requires.
+    for overlay in ["cert-manager", "kubelet-serving"] {
+        let k = &yaml_documents(&format!(
+            "packaging/kubernetes/agent/{overlay}/kustomization.yaml"
+        ))[0];
+        assert_eq!(k["resources"][0], "../base", "{overlay}");
     }
     // A certificate per node: the overlay replaces the base ConfigMap (same name) with one
     // whose certificate and key are the node's kubelet serving certificate under /host, a
     // path the pod has (the host's / is mounted there).
-    let base = &yaml_documents("packaging/kubernetes/configmap.yaml")[0];
-    let per_node = &yaml_documents("packaging/kubernetes/kubelet-serving/configmap.yaml")[0];
+    let base = &yaml_documents("packaging/kubernetes/agent/base/configmap.yaml")[0];
+    let per_node = &yaml_documents("packaging/kubernetes/agent/kubelet-serving/configmap.yaml")[0];
     assert_eq!(per_node["metadata"], base["metadata"]);
     let config = parse_config(
         per_node["data"]["config.toml"].as_str().unwrap(),
@@ -1169,11 +1222,12 @@ fn the_manifests_validate_and_agree_with_each_other() {
     let kubelet = Path::new("/host/var/lib/kubelet/pki/kubelet-server-current.pem");
     assert_eq!(config.tls_cert.as_deref(), Some(kubelet));
     assert_eq!(config.tls_key.as_deref(), Some(kubelet));
-    let overlay = &yaml_documents("packaging/kubernetes/kubelet-serving/kustomization.yaml")[0];
+    let overlay =
+        &yaml_documents("packaging/kubernetes/agent/kubelet-serving/kustomization.yaml")[0];
     assert_eq!(overlay["patches"][0]["path"], "configmap.yaml");
 
     // The DaemonSet as the issue asks for it.
-    let ds = &yaml_documents("packaging/kubernetes/daemonset.yaml")[0];
+    let ds = &yaml_documents("packaging/kubernetes/agent/base/daemonset.yaml")[0];
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostPID"], true);
     assert_eq!(pod["priorityClassName"], "system-node-critical");
@@ -1197,8 +1251,9 @@ fn the_manifests_validate_and_agree_with_each_other() {
     let secret = volume("/etc/inplace-agent/tls")["secret"]["secretName"].clone();
     // cert-manager writes the Secret the DaemonSet mounts, with an issuer that exists, whose
     // CA Secret is the one the CA Certificate writes.
-    let issuers = yaml_documents("packaging/kubernetes/cert-manager/issuer.yaml");
-    let certificate = &yaml_documents("packaging/kubernetes/cert-manager/certificate.yaml")[0];
+    let issuers = yaml_documents("packaging/kubernetes/agent/cert-manager/issuer.yaml");
+    let certificate =
+        &yaml_documents("packaging/kubernetes/agent/cert-manager/certificate.yaml")[0];
     assert_eq!(certificate["spec"]["secretName"], secret);
     assert_eq!(
         certificate["spec"]["usages"],
