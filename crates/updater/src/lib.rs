@@ -19,8 +19,10 @@
 //! - [`settings`]: the ExtensionConfig's `settings`.
 //! - [`handlers`]: the hooks; [`server`]: HTTPS, routing, limits; [`metrics`].
 //! - [`cluster`]: the management cluster (kube-rs); [`agent`]: the agents (gRPC client pool).
+//! - [`trust`]: which CA verifies a Machine's agent (the fleet's, or its cluster's).
 //! - [`progress`]: what the agents last said about each Machine's plan, kept between calls.
 //! - [`recovery`]: a failed plan as an Event on its Machine, and its retry by annotation.
+//! - [`unreachable`]: an agent that does not answer: Events, a deadline, then Failure.
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
 //! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
@@ -55,3 +57,5 @@ pub mod settings;
 pub(crate) mod setup;
 pub mod standin;
 pub mod translate;
+pub(crate) mod trust;
+pub mod unreachable;

@@ -2,12 +2,13 @@
 //! latency, plans submitted, agents found unreachable, serving certificate reloads. Label
 //! values are bounded (hook names and outcome words, never Machine names).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -66,6 +67,42 @@ impl prometheus_client::collector::Collector for ScrapedCollector {
     }
 }
 
+/// Machines waiting on an unreachable agent, read at scrape time: how many, and the age in
+/// seconds of the oldest wait ([`super::unreachable::Waits::gauges`]).
+pub type WaitGauges = Arc<dyn Fn() -> (u64, f64) + Send + Sync>;
+
+#[derive(Default)]
+struct WaitCollector(Arc<Mutex<Option<WaitGauges>>>);
+
+impl std::fmt::Debug for WaitCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WaitCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for WaitCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let read = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (machines, oldest) = read.map_or((0, 0.0), |f| f());
+        let g = ConstGauge::new(i64::try_from(machines).unwrap_or(i64::MAX));
+        let e = encoder.encode_descriptor(
+            "unreachable_machines",
+            "Machines whose UpdateMachine waits on an agent that cannot be reached",
+            None,
+            g.metric_type(),
+        )?;
+        g.encode(e)?;
+        let g = ConstGauge::new(oldest);
+        let e = encoder.encode_descriptor(
+            "unreachable_oldest_seconds",
+            "Age of the oldest wait on an unreachable agent (0: none)",
+            None,
+            g.metric_type(),
+        )?;
+        g.encode(e)
+    }
+}
+
 /// The registry and the counters the server feeds.
 #[derive(Debug)]
 pub struct Metrics {
@@ -73,6 +110,8 @@ pub struct Metrics {
     requests: Family<Labels2, Counter>,
     latency: Family<Labels1, Histogram, fn() -> Histogram>,
     plans_submitted: Counter,
+    plan_failures: Family<Labels1, Counter>,
+    waits: WaitCollector,
     /// Counters read at scrape time.
     pub scraped: Arc<Scraped>,
 }
@@ -100,6 +139,14 @@ impl Metrics {
             "Plans an agent accepted as new work (ApplyPlan created an attempt)",
             plans_submitted.clone(),
         );
+        let plan_failures = Family::<Labels1, Counter>::default();
+        registry.register(
+            "plan_failures",
+            "Machines whose update ended badly, by kind (failed, rolled_back, unreachable_timeout, refused)",
+            plan_failures.clone(),
+        );
+        let waits = WaitCollector::default();
+        registry.register_collector(Box::new(WaitCollector(waits.0.clone())));
         let scraped = Arc::new(Scraped::default());
         registry.register_collector(Box::new(ScrapedCollector(scraped.clone(), unreachable)));
         Arc::new(Metrics {
@@ -107,6 +154,8 @@ impl Metrics {
             requests,
             latency,
             plans_submitted,
+            plan_failures,
+            waits,
             scraped,
         })
     }
@@ -124,6 +173,17 @@ impl Metrics {
     /// Counts a plan an agent accepted as new.
     pub fn plan_submitted(&self) {
         self.plans_submitted.inc();
+    }
+
+    /// Counts a Machine whose update ended badly (`kind`: `failed`, `rolled_back`,
+    /// `unreachable_timeout`, `refused`).
+    pub fn plan_failure(&self, kind: &'static str) {
+        self.plan_failures.get_or_create(&[("kind", kind)]).inc();
+    }
+
+    /// Where the unreachable-agent gauges are read from.
+    pub fn read_waits(&self, gauges: WaitGauges) {
+        *self.waits.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(gauges);
     }
 
     /// How many requests of `hook` ended with `outcome` (tests).

@@ -43,8 +43,16 @@ pub async fn build(
             plans: Arc::new(Plans::new()),
             metrics,
             recovery,
+            cluster_cas: Default::default(),
+            waits: Default::default(),
         }
     });
+    let waits = Arc::downgrade(&updater.waits);
+    updater.metrics.read_waits(Arc::new(move || {
+        waits
+            .upgrade()
+            .map_or((0, 0.0), |w| w.gauges(inplace_base::time::now_ms()))
+    }));
     let tls = Arc::new(
         ServingTls::new(
             tls_cert.to_path_buf(),
