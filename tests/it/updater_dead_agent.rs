@@ -80,6 +80,15 @@ async fn an_unreachable_agent_is_reported_and_fails_the_machine_after_the_deadli
         metric(&mut capi, "inplace_updater_unreachable_machines").await,
         1.0
     );
+    assert_eq!(
+        metric(
+            &mut capi,
+            "inplace_updater_machines{cluster=\"capi-quickstart\",phase=\"unreachable\"}"
+        )
+        .await,
+        1.0
+    );
+    assert!(metric(&mut capi, "inplace_updater_unreachable_oldest_seconds").await >= 0.0);
     let deadline_at = deadline();
     let events = loop {
         let events = w.api.events();

@@ -96,6 +96,23 @@ async fn one_updater_verifies_each_clusters_agents_against_that_clusters_ca() {
         );
         assert_eq!(on_node(&w, agent).as_deref(), Some(content.as_str()));
     }
+    // The fleet metrics: one Machine of each cluster updated, each plan's duration.
+    let metrics =
+        String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
+    for line in [
+        "inplace_updater_machines{cluster=\"red\",phase=\"succeeded\"} 1",
+        "inplace_updater_machines{cluster=\"blue\",phase=\"succeeded\"} 1",
+        "inplace_updater_plan_duration_seconds_count{outcome=\"succeeded\"} 2",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in\n{metrics}"
+        );
+    }
+    assert!(
+        !metrics.contains("inplace_updater_oldest_update_seconds{"),
+        "nothing unfinished\n{metrics}"
+    );
 
     // A node of cluster blue presenting a certificate of red's CA is refused, and the
     // message says which cluster, Machine, node and CA.

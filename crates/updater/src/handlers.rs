@@ -167,7 +167,20 @@ impl Updater {
                     this.plans.refreshed(&key, &fingerprint, recorded);
                 });
             }
-            let mut answer = hook_answer(&known.heard, &known.plan.costs);
+            let mut heard = known.heard;
+            if known.word_stale
+                && let Ok(Some(status)) = self
+                    .agents
+                    .status(&known.plan.target, &known.plan.node, &known.plan.id)
+                    .await
+                && known.plan.has_digest(&status.digest)
+                && status.hook_response.is_some()
+                && let Some(now) = self.plans.heard_by_call(&machine, &known.plan, &status)
+            {
+                // The stream tells phases and steps; a gate's attempts only a call does.
+                heard = now;
+            }
+            let mut answer = hook_answer(&heard, &known.plan.costs);
             answer.object = machine;
             self.answered(hook, &answer);
             return answer;
@@ -369,7 +382,10 @@ impl Updater {
                 }
             },
         };
-        let emitted = self.waits.missed(&key, since);
+        let cluster = lookup(desired.spec(), &["clusterName"])
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let emitted = self.waits.missed(&key, cluster, since);
         let timeout = settings.unreachable_timeout;
         match judge(since, now, timeout, emitted) {
             Verdict::Wait { elapsed, event } => {
@@ -540,10 +556,15 @@ impl Updater {
         settings: &Settings,
     ) -> Result<Vec<(String, NodeFacts)>, String> {
         let key = key_of(set);
-        let labels = lookup(&set.value, &["spec", "selector", "matchLabels"])
+        // Cluster API's MachineSets always have a selector; a request without one names no
+        // Machines (answered with what a current agent can do, as for an empty set).
+        let Some(labels) = lookup(&set.value, &["spec", "selector", "matchLabels"])
             .and_then(Value::as_object)
             .filter(|m| !m.is_empty())
-            .ok_or_else(|| format!("MachineSet {key} has no spec.selector.matchLabels"))?;
+        else {
+            tracing::debug!(machine_set = %key, "no spec.selector.matchLabels: no Machines to ask");
+            return Ok(Vec::new());
+        };
         let selector = labels
             .iter()
             .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
@@ -927,6 +948,10 @@ impl Updater {
             target,
             node,
             costs: super::pace::costs(&wire),
+            cluster: lookup(&live, &["spec", "clusterName"])
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
         };
         if self.plans.knows(&key, &plan) {
             // Known here already (its stream broke, a check is repeated): ask the agent.
@@ -1053,7 +1078,10 @@ impl Updater {
                 Err(e @ AgentError::Unreachable { .. }) => {
                     return Err(Ok((waiting(key, &e), false)));
                 }
-                Err(e) => return Err(Err(Failure(format!("Machine {key}: {e}")))),
+                Err(e) => {
+                    self.metrics.plan_failure("refused");
+                    return Err(Err(Failure(format!("Machine {key}: {e}"))));
+                }
             },
         };
         if status.hook_response.is_none() {

@@ -103,6 +103,64 @@ impl prometheus_client::collector::Collector for WaitCollector {
     }
 }
 
+/// The fleet's progress, read at scrape time ([`super::progress::Plans::census`]).
+pub type FleetCensus = Arc<dyn Fn() -> super::progress::Census + Send + Sync>;
+
+/// At most this many `cluster` label values; the Machines of the rest are `cluster="other"`.
+pub const MAX_CLUSTERS: usize = 500;
+
+const DURATION_BUCKETS: [f64; 12] = [
+    1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+];
+
+fn duration_histogram() -> Histogram {
+    Histogram::new(DURATION_BUCKETS)
+}
+
+#[derive(Default)]
+struct FleetCollector(Arc<Mutex<Option<FleetCensus>>>);
+
+impl std::fmt::Debug for FleetCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FleetCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for FleetCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let read = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let census = read.map(|f| f()).unwrap_or_default();
+        let help = format!(
+            "Machines this updater is updating in place or updated in the last 10 minutes, by \
+             workload cluster and plan phase (submitting, pending, running, rebooting, \
+             succeeded, failed, rolled_back, unreachable); at most {MAX_CLUSTERS} clusters, \
+             the rest under cluster=\"other\""
+        );
+        let mut family = encoder.encode_descriptor(
+            "machines",
+            &help,
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (cluster, phase, n) in &census.machines {
+            let g = ConstGauge::new(i64::try_from(*n).unwrap_or(i64::MAX));
+            g.encode(family.encode_family(&[("cluster", cluster.as_str()), ("phase", phase)])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "oldest_update_seconds",
+            "Age of the oldest unfinished in-place update by workload cluster (since this \
+             replica took it up)",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (cluster, age) in &census.oldest {
+            ConstGauge::new(*age)
+                .encode(family.encode_family(&[("cluster", cluster.as_str())])?)?;
+        }
+        Ok(())
+    }
+}
+
 /// The registry and the counters the server feeds.
 #[derive(Debug)]
 pub struct Metrics {
@@ -112,6 +170,8 @@ pub struct Metrics {
     plans_submitted: Counter,
     plan_failures: Family<Labels1, Counter>,
     waits: WaitCollector,
+    fleet: FleetCollector,
+    plan_duration: Family<Labels1, Histogram, fn() -> Histogram>,
     /// Counters read at scrape time.
     pub scraped: Arc<Scraped>,
 }
@@ -145,6 +205,16 @@ impl Metrics {
             "Machines whose update ended badly, by kind (failed, rolled_back, unreachable_timeout, refused)",
             plan_failures.clone(),
         );
+        let plan_duration = Family::<Labels1, Histogram, fn() -> Histogram>::new_with_constructor(
+            duration_histogram,
+        );
+        registry.register(
+            "plan_duration_seconds",
+            "Time from a plan's submission (or this replica taking it up) to its terminal phase, by outcome (succeeded, failed, rolled_back)",
+            plan_duration.clone(),
+        );
+        let fleet = FleetCollector::default();
+        registry.register_collector(Box::new(FleetCollector(fleet.0.clone())));
         let waits = WaitCollector::default();
         registry.register_collector(Box::new(WaitCollector(waits.0.clone())));
         let scraped = Arc::new(Scraped::default());
@@ -156,6 +226,8 @@ impl Metrics {
             plans_submitted,
             plan_failures,
             waits,
+            fleet,
+            plan_duration,
             scraped,
         })
     }
@@ -179,6 +251,22 @@ impl Metrics {
     /// `unreachable_timeout`, `refused`).
     pub fn plan_failure(&self, kind: &'static str) {
         self.plan_failures.get_or_create(&[("kind", kind)]).inc();
+    }
+
+    /// A plan reached a terminal phase after `seconds`: its duration, and a failure of
+    /// kind `failed` or `rolled_back`.
+    pub fn plan_ended(&self, outcome: &'static str, seconds: f64) {
+        self.plan_duration
+            .get_or_create(&[("outcome", outcome)])
+            .observe(seconds);
+        if outcome == "failed" || outcome == "rolled_back" {
+            self.plan_failure(outcome);
+        }
+    }
+
+    /// Where the fleet gauges are read from.
+    pub fn read_fleet(&self, census: FleetCensus) {
+        *self.fleet.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(census);
     }
 
     /// Where the unreachable-agent gauges are read from.

@@ -80,6 +80,7 @@ pub fn expired_message(
 
 #[derive(Debug, Clone)]
 struct Waiting {
+    cluster: String,
     since_ms: u64,
     heard: Instant,
     emitted: Option<u64>,
@@ -101,11 +102,12 @@ impl Waits {
         self.lock().get(machine).map(|w| w.since_ms)
     }
 
-    /// Records a miss of a wait that began at `since_ms` and returns the Event numbers
-    /// already created for it.
-    pub fn missed(&self, machine: &str, since_ms: u64) -> Option<u64> {
+    /// Records a miss of a wait of `machine` (of workload cluster `cluster`) that began at
+    /// `since_ms` and returns the Event numbers already created for it.
+    pub fn missed(&self, machine: &str, cluster: &str, since_ms: u64) -> Option<u64> {
         let mut machines = self.lock();
         let w = machines.entry(machine.to_owned()).or_insert(Waiting {
+            cluster: cluster.to_owned(),
             since_ms,
             heard: Instant::now(),
             emitted: None,
@@ -128,6 +130,16 @@ impl Waits {
     /// The agent answered again (or the Machine is no longer waited on).
     pub fn answered(&self, machine: &str) -> bool {
         self.lock().remove(machine).is_some()
+    }
+
+    /// The Machines waiting now, with their cluster.
+    pub fn clusters(&self) -> HashMap<String, String> {
+        let mut machines = self.lock();
+        machines.retain(|_, w| w.heard.elapsed() < FORGET_AFTER);
+        machines
+            .iter()
+            .map(|(m, w)| (m.clone(), w.cluster.clone()))
+            .collect()
     }
 
     /// How many Machines wait now, and the age in seconds of the oldest wait.
@@ -227,16 +239,17 @@ mod tests {
     fn waits_count_machines_and_the_oldest_and_forget_answered_ones() {
         let w = Waits::default();
         assert_eq!(w.gauges(10_000), (0, 0.0));
-        assert_eq!(w.missed("ns/a", 4_000), None);
+        assert_eq!(w.missed("ns/a", "c", 4_000), None);
         w.emitted("ns/a", 0);
-        assert_eq!(w.missed("ns/a", 4_000), Some(0));
-        w.missed("ns/b", 8_000);
+        assert_eq!(w.missed("ns/a", "c", 4_000), Some(0));
+        w.missed("ns/b", "d", 8_000);
+        assert_eq!(w.clusters().get("ns/b").map(String::as_str), Some("d"));
         assert_eq!(w.gauges(10_000), (2, 6.0));
         assert!(w.answered("ns/a"));
         assert_eq!(w.gauges(10_000), (1, 2.0));
         // A new wait of the same Machine starts its Events again.
         w.emitted("ns/b", 3);
-        assert_eq!(w.missed("ns/b", 9_000), None);
+        assert_eq!(w.missed("ns/b", "d", 9_000), None);
     }
 
     #[test]
