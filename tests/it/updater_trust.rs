@@ -126,6 +126,7 @@ async fn one_updater_verifies_each_clusters_agents_against_that_clusters_ca() {
         .unwrap()
         .json();
     let message = r["message"].as_str().unwrap_or_default();
+    eprintln!("a certificate of the other cluster's CA: {message}");
     for words in [
         "Machine default/blue-1",
         "node node-stray",

@@ -403,11 +403,12 @@ impl Updater {
             Verdict::Expired { elapsed } => {
                 let message = expired_message(&key, &error, elapsed, timeout);
                 tracing::warn!(machine = %key, waited_seconds = elapsed.as_secs(), error = %error, "agent unreachable past the deadline; answering Failure");
+                // Once per wait and replica: the failure counted, its Event created.
                 if emitted != Some(u64::MAX) {
                     self.metrics.plan_failure("unreachable_timeout");
                     self.waits.emitted(&key, u64::MAX);
+                    self.unreachable_event(&key, since, u64::MAX, message.clone());
                 }
-                self.unreachable_event(&key, since, u64::MAX, message.clone());
                 Err(Failure(message))
             }
         }

@@ -32,7 +32,9 @@
 //! journal is the truth about progress, so any replica answers any call and a restarted
 //! updater answers as before. Its only writes are for a failed plan ([`recovery`]): an
 //! Event on the Machine, and the record of a retry it acted on, an annotation on the
-//! Machine. What it remembers ([`progress`]: the agents' last word on each Machine's plan,
+//! Machine; and for an agent that does not answer ([`unreachable`]): Events, and when the
+//! wait began, an annotation on the Machine (so the deadline survives a restart). What it
+//! remembers ([`progress`]: the agents' last word on each Machine's plan,
 //! pushed by their `WatchPlan` streams) only saves round trips.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
