@@ -27,9 +27,19 @@ pub const RECHECK: Duration = Duration::from_secs(30);
 pub const CA_KEY: &str = "tls.crt";
 
 /// The workload clusters' CAs read so far, by Secret (`namespace/name`).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ClusterCas {
     cache: Mutex<HashMap<String, (Instant, Arc<ClusterCa>)>>,
+    recheck: Duration,
+}
+
+impl Default for ClusterCas {
+    fn default() -> Self {
+        ClusterCas {
+            cache: Mutex::default(),
+            recheck: RECHECK,
+        }
+    }
 }
 
 /// The name of a cluster's CA Secret.
@@ -76,7 +86,7 @@ impl ClusterCas {
         let secret = format!("{namespace}/{}", secret_name(name));
         let cached = self.lock().get(&secret).cloned();
         if let Some((at, ca)) = &cached
-            && at.elapsed() < RECHECK
+            && at.elapsed() < self.recheck
         {
             return Ok(ca.clone());
         }
@@ -127,5 +137,74 @@ impl ClusterCas {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Instant, Arc<ClusterCa>)>> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::standin::{ApiStandin, secret};
+
+    #[tokio::test]
+    async fn a_clusters_ca_is_read_once_per_recheck_and_taken_again_on_a_new_version() {
+        let api = ApiStandin::start().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let cluster = Cluster::connect(Some(&kubeconfig)).await.unwrap();
+        let with_version = |pem: &[u8], version: &str| {
+            let mut s = secret("ns", "red-ca", &[(CA_KEY, pem)]);
+            s["metadata"]["resourceVersion"] = serde_json::json!(version);
+            s
+        };
+        api.put(with_version(b"PEM 1", "7"));
+        let gets = |api: &ApiStandin| {
+            api.requests()
+                .iter()
+                .filter(|(_, p)| p.ends_with("/secrets/red-ca"))
+                .count()
+        };
+
+        // Within the recheck: one read.
+        let cas = ClusterCas::default();
+        let one = cas.get(&cluster, "ns", "red").await.unwrap();
+        assert_eq!(
+            (one.version.as_str(), one.pem.as_slice()),
+            ("7", &b"PEM 1"[..])
+        );
+        assert_eq!(one.secret, "ns/red-ca");
+        assert!(Arc::ptr_eq(
+            &one,
+            &cas.get(&cluster, "ns", "red").await.unwrap()
+        ));
+        assert_eq!(gets(&api), 1);
+
+        // Read again after it: the same version is the same CA (its channels are kept); a
+        // new version is taken.
+        let cas = ClusterCas {
+            recheck: Duration::ZERO,
+            ..ClusterCas::default()
+        };
+        let first = cas.get(&cluster, "ns", "red").await.unwrap();
+        let again = cas.get(&cluster, "ns", "red").await.unwrap();
+        assert!(Arc::ptr_eq(&first, &again));
+        api.put(with_version(b"PEM 2", "8"));
+        let rotated = cas.get(&cluster, "ns", "red").await.unwrap();
+        assert_eq!(
+            (rotated.version.as_str(), rotated.pem.as_slice()),
+            ("8", &b"PEM 2"[..])
+        );
+        assert_ne!(Trust::Cluster(first), Trust::Cluster(rotated));
+
+        // No Secret, or no tls.crt: named, with what to do.
+        let e = cas.get(&cluster, "ns", "green").await.unwrap_err();
+        assert!(
+            e.contains("Secret ns/green-ca does not exist")
+                && e.contains("settings.agentCA to File"),
+            "{e}"
+        );
+        api.put(secret("ns", "blue-ca", &[("ca.crt", b"x")]));
+        let e = cas.get(&cluster, "ns", "blue").await.unwrap_err();
+        assert!(e.contains("has no key tls.crt"), "{e}");
     }
 }
