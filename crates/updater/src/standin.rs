@@ -1,8 +1,9 @@
 //! A STAND-IN for the Kubernetes API server: the few paths the updater uses (`get` of a
-//! Machine with status, a KubeadmConfig, a Secret; `list` of Machines by label selector; `create` of a `v1` Event, 409
-//! AlreadyExists for a name taken; a JSON merge `patch` of a Machine), serving the objects'
-//! real JSON shapes and the API server's `Status` object for errors, over plain HTTP/1.1 on
-//! loopback. It is not a Kubernetes API server (no auth, no watch, no list, no validation,
+//! Machine with status, a KubeadmConfig, a Secret; `list` of Machines by label selector;
+//! `create` of a `v1` Event, 409 AlreadyExists for a name taken; a JSON merge `patch` of a
+//! Machine), serving the objects' real JSON shapes and the API server's `Status` object for
+//! errors, over plain HTTP/1.1 on loopback. It is not a Kubernetes API server (no auth, no
+//! watch, no list but of Machines by equality label selector, no validation,
 //! resourceVersion only counted): no kube-apiserver can be installed on the machines this
 //! project is built and tested on, so the tests, the demo and the benchmark run the
 //! updater's real kube-rs client against this. Every request is recorded, so tests can
@@ -406,7 +407,7 @@ fn handle(
             StatusCode::FORBIDDEN,
             "Forbidden",
             format!(
-                "list and watch are forbidden here (the updater's RBAC allows get only): {path}"
+                "list (but of machines by labelSelector) and watch are forbidden here (the updater's RBAC allows get only): {path}"
             ),
         );
     }
