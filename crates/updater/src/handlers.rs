@@ -45,6 +45,9 @@ use inplace_api::pb;
 /// gives a hook 10 s).
 pub const SET_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(6);
 
+/// How many agents `CanUpdateMachineSet` asks at once.
+pub const SET_CHECK_CONCURRENCY: usize = 32;
+
 /// Seconds until CAPI asks again while the agent cannot be reached.
 pub const UNREACHABLE_RETRY_SECONDS: i32 = 15;
 
@@ -589,10 +592,14 @@ impl Updater {
                 })
         });
         let mut asks = tokio::task::JoinSet::new();
+        // At most this many handshakes at once: a MachineSet of hundreds of Machines.
+        let at_once = Arc::new(tokio::sync::Semaphore::new(SET_CHECK_CONCURRENCY));
         for live in owned {
             let (this, settings) = (self.clone(), settings.clone());
             let namespace = set.namespace().to_owned();
+            let at_once = at_once.clone();
             asks.spawn(async move {
+                let _turn = at_once.acquire().await.map_err(|e| e.to_string())?;
                 let name = lookup(&live, &["metadata", "name"])
                     .and_then(Value::as_str)
                     .unwrap_or_default();
