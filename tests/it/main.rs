@@ -34,12 +34,14 @@ mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
 mod updater_bootstrap_files;
+mod updater_dead_agent;
 mod updater_e2e;
 mod updater_http;
 mod updater_memory;
 mod updater_packaging;
 mod updater_retry;
 mod updater_translate;
+mod updater_trust;
 
 /// A test file in `tests/it/` that is not a module of this binary is never compiled, so its
 /// tests would silently not run.

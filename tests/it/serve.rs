@@ -1328,6 +1328,8 @@ async fn clients_that_cannot_connect_say_why_and_what_to_do() {
     drop(free);
     let said = run(&nobody, pki.client_flags(As::Reader));
     assert!(said.contains("Connection refused"), "{said}");
+    // Each cause once (issue 39: it was said three times).
+    assert_eq!(said.matches("Connection refused").count(), 1, "{said}");
     assert!(said.contains("systemctl status inplace-agent"), "{said}");
 
     let said = run(&agent.addr, with("--server-name", "worker-7"));

@@ -3,7 +3,8 @@
 //! plan submitted) later calls make no Kubernetes request and no agent round trip, and still
 //! follow the progress the agent pushes on its WatchPlan stream, through a failing gate to
 //! `Failure`; another desired state is another plan; an agent killed and restarted mid-plan
-//! keeps being followed. The real `inplace-updater serve` binary, real agents, the stand-in
+//! keeps being followed; a health gate's attempts, which the stream does not carry, reach
+//! the answer (one `GetPlanStatus` once the word is older than the grace). The real `inplace-updater serve` binary, real agents, the stand-in
 //! Kubernetes API.
 
 use std::path::Path;
@@ -260,4 +261,58 @@ async fn the_first_call_answers_done_for_a_fast_plan_and_paces_a_slow_one() {
         (1..10).contains(&again["retryAfterSeconds"].as_i64().unwrap()),
         "{again}"
     );
+}
+
+/// The message of a remembered in-flight answer follows the agent's health gate attempt by
+/// attempt: the stream sends phases and steps, not a gate's attempts (status notes), so a
+/// word older than the grace is asked for again (issue 39: "attempt 1" for 25 s while the
+/// agent was at attempt 11).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remembered_answer_shows_the_gates_current_attempt() {
+    let mut w = World::new(64).await;
+    // The kubelet reports v1.35.2 and the Machine wants v1.35.3: the version gate retries.
+    w.add_agent("node-g", "v1.35.2");
+    w.start_updater();
+    let mut capi = w.client();
+    let (machine, config) = w.put_machine(
+        "gate-0",
+        0,
+        "v1.35.3",
+        bootstrap_spec(json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "g\n"}])),
+    );
+    let body = update_request(
+        &machine,
+        Some(&config),
+        json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "30", "updateWaitSeconds": "0"}),
+    );
+    let deadline_at = deadline();
+    let mut attempts: Vec<u32> = Vec::new();
+    let gets_before = loop {
+        let v = capi.call(Hook::UpdateMachine, &body).await.unwrap().json();
+        assert_eq!(v["status"], "Success", "{v}");
+        let message = v["message"].as_str().unwrap_or_default();
+        if let Some(n) = message
+            .split("attempt ")
+            .nth(1)
+            .and_then(|rest| rest.split(':').next())
+            .and_then(|n| n.parse().ok())
+        {
+            attempts.push(n);
+        }
+        if attempts.last().is_some_and(|n| *n >= 3) {
+            break reads(&w).len();
+        }
+        assert!(
+            Instant::now() < deadline_at,
+            "the answer never showed attempt 3: {attempts:?} {v}\n{}",
+            w.updater_log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(attempts.windows(2).all(|p| p[0] <= p[1]), "{attempts:?}");
+    // Asking the agent again is no Kubernetes request.
+    for _ in 0..5 {
+        capi.call(Hook::UpdateMachine, &body).await.unwrap();
+    }
+    assert_eq!(reads(&w).len(), gets_before, "{:?}", reads(&w));
 }

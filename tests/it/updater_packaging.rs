@@ -206,6 +206,7 @@ fn rbac_gets_machines_kubeadmconfigs_and_secrets_patches_machines_and_creates_ev
             "/secrets get",
             "bootstrap.cluster.x-k8s.io/kubeadmconfigs get",
             "cluster.x-k8s.io/machines get",
+            "cluster.x-k8s.io/machines list",
             "cluster.x-k8s.io/machines patch",
         ]
     );

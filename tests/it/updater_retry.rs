@@ -180,6 +180,19 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
         "the failed step and why: {text}"
     );
     assert_eq!(attempts(&state), [1]);
+    // The fleet metrics say so: one rolled-back plan, the Machine in that phase.
+    let metrics =
+        String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
+    for line in [
+        "inplace_updater_plan_failures_total{kind=\"rolled_back\"} 1",
+        "inplace_updater_machines{cluster=\"capi-quickstart\",phase=\"rolled_back\"} 1",
+        "inplace_updater_plan_duration_seconds_count{outcome=\"rolled_back\"} 1",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in\n{metrics}"
+        );
+    }
 
     // A restarted updater (or another replica) reports the same Event again: the API
     // server's AlreadyExists, ignored; the answer is unchanged.

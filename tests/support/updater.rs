@@ -87,6 +87,18 @@ impl World {
     /// Starts an agent for `node` on a fresh kubeadm-like tree whose kubelet (the stand-in)
     /// reports `kubelet_version`. Service management is off (no systemd in a tree).
     pub fn add_agent(&mut self, node: &str, kubelet_version: &str) -> usize {
+        self.add_agent_signed_by(node, kubelet_version, None)
+    }
+
+    /// [`World::add_agent`] with the agent's serving certificate signed by `signer` (another
+    /// workload cluster's CA) instead of this world's CA; it still trusts this world's CA for
+    /// the updater's client certificate (the management side's).
+    pub fn add_agent_signed_by(
+        &mut self,
+        node: &str,
+        kubelet_version: &str,
+        signer: Option<&Pki>,
+    ) -> usize {
         let tree = tempfile::Builder::new()
             .prefix("inplace-updater-node-")
             .tempdir()
@@ -97,12 +109,23 @@ impl World {
         std::fs::copy(KUBELET_STANDIN, bin.join("kubelet")).unwrap();
         std::fs::write(bin.join("kubelet.version"), format!("{kubelet_version}\n")).unwrap();
         let root = tree.path().to_path_buf();
-        let i = self.start_agent(
+        let ip = format!("127.0.{}.{}", self.subnet, self.agents.len() + 2);
+        let proc = self.spawn_agent_signed_by(
             node,
+            &ip,
             &root,
             &["--no-chroot"],
             &[("INPLACE_AGENT_SERVICES", "off")],
+            signer.unwrap_or(&self.pki),
         );
+        self.agents.push(Agent {
+            node: node.to_owned(),
+            ip,
+            root: root.clone(),
+            _tree: None,
+            proc,
+        });
+        let i = self.agents.len() - 1;
         self.agents[i]._tree = Some(tree);
         i
     }
@@ -146,7 +169,19 @@ impl World {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Daemon {
-        let server = self.pki.server(node, &[node, ip]).unwrap();
+        self.spawn_agent_signed_by(node, ip, root, extra, env, &self.pki)
+    }
+
+    fn spawn_agent_signed_by(
+        &self,
+        node: &str,
+        ip: &str,
+        root: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        signer: &Pki,
+    ) -> Daemon {
+        let server = signer.server(node, &[node, ip]).unwrap();
         let state = self.dir.path().join(format!("state-{node}"));
         let mut cmd = serve_command(
             Path::new(AGENT),

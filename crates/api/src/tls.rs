@@ -833,8 +833,49 @@ async fn linger(mut tcp: TcpStream) {
 /// bundle, client certificate presented. For the `submit` CLI and tests.
 pub fn client_config(paths: &ClientTlsPaths) -> Result<ClientConfig, TlsError> {
     let roots = load_roots(&paths.ca)?;
-    let chain = load_certificates(&paths.cert)?;
-    let key = load_private_key(&paths.key)?;
+    client_config_with_roots(roots, &paths.cert, &paths.key)
+}
+
+/// Like [`client_config`], but the agent's certificate must chain to the CA certificates
+/// in `ca_pem` (PEM held elsewhere than in a file: a workload cluster's `<cluster>-ca`
+/// Secret); `origin` names where they came from in errors.
+pub fn client_config_trusting(
+    ca_pem: &[u8],
+    origin: &str,
+    cert: &Path,
+    key: &Path,
+) -> Result<ClientConfig, TlsError> {
+    let path = PathBuf::from(origin);
+    let certs = CertificateDer::pem_slice_iter(ca_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Parse {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate {
+            path,
+            found: what_it_holds(ca_pem),
+        });
+    }
+    let mut roots = RootCertStore::empty();
+    let (added, ignored) = roots.add_parsable_certificates(certs);
+    if added == 0 {
+        return Err(TlsError::NoTrustAnchor {
+            path,
+            detail: format!("{ignored} certificate(s), none parsable as a trust anchor"),
+        });
+    }
+    client_config_with_roots(roots, cert, key)
+}
+
+fn client_config_with_roots(
+    roots: RootCertStore,
+    cert: &Path,
+    key: &Path,
+) -> Result<ClientConfig, TlsError> {
+    let chain = load_certificates(cert)?;
+    let key = load_private_key(key)?;
     let mut config = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|source| TlsError::Rustls {
@@ -930,6 +971,20 @@ pub enum ConnectProblem {
 }
 
 impl ConnectProblem {
+    /// The agent's certificate itself was refused (issuer, signature, name, validity, usage):
+    /// which CA or name was verified is worth saying.
+    pub fn is_certificate(&self) -> bool {
+        matches!(
+            self,
+            ConnectProblem::WrongName { .. }
+                | ConnectProblem::UnknownIssuer
+                | ConnectProblem::BadSignature
+                | ConnectProblem::Expired { .. }
+                | ConnectProblem::NotYetValid { .. }
+                | ConnectProblem::WrongKeyUsage
+        )
+    }
+
     /// What it is, in words, for the place in the cause chain where it was found; `None`
     /// keeps the error's own words (refused, timed out).
     fn describe(&self) -> Option<String> {

@@ -9,6 +9,11 @@ pub struct FieldError {
     pub field: String,
     /// What is wrong, lowercase, no trailing period.
     pub message: String,
+    /// Why, when it was not the plan but the node that could not be read or written (a
+    /// refused permission, an I/O error): the kind of the error underneath. Not part of the
+    /// wire shape; a caller decides by it whether the plan or the environment is at fault.
+    #[serde(skip)]
+    pub cause: Option<inplace_base::ErrorKind>,
 }
 
 impl FieldError {
@@ -17,7 +22,27 @@ impl FieldError {
         FieldError {
             field: field.into(),
             message: message.into(),
+            cause: None,
         }
+    }
+
+    /// An error at `field` whose cause has the kind `cause`.
+    pub fn caused(
+        field: impl Into<String>,
+        message: impl Into<String>,
+        cause: inplace_base::ErrorKind,
+    ) -> FieldError {
+        FieldError {
+            cause: Some(cause),
+            ..FieldError::new(field, message)
+        }
+    }
+
+    /// The node, not the plan, is at fault: it could not be read or written (the kind
+    /// underneath is `io` or `disk_full`).
+    pub fn of_environment(&self) -> bool {
+        use inplace_base::ErrorKind;
+        matches!(self.cause, Some(ErrorKind::Io | ErrorKind::DiskFull))
     }
 }
 

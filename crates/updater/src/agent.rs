@@ -6,6 +6,11 @@
 //!
 //! The client certificate files are re-read when they change (cert-manager rotates the
 //! Secret they come from); channels made with the old certificate are dropped then.
+//!
+//! Which CA an agent's certificate must chain to is set per (address, node) by
+//! [`Agents::trust`] before the first call ([`Trust`]): the `--agent-ca` file, or the CA of
+//! the Machine's workload cluster (its `<cluster>-ca` Secret, [`super::trust`]). A channel
+//! made under another CA (or an older version of the Secret) is dropped when it changes.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -18,7 +23,43 @@ use tonic::transport::Channel;
 use super::translate::NodeFacts;
 use inplace_api::pb;
 use inplace_api::pb::node_agent_client::NodeAgentClient;
-use inplace_api::tls::{ClientTlsPaths, client_config, connect};
+use inplace_api::tls::{ClientTlsPaths, client_config, client_config_trusting, connect};
+
+/// Which CA verifies an agent's certificate.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Trust {
+    /// The `--agent-ca` file (one fleet CA).
+    #[default]
+    File,
+    /// The CA of the Machine's workload cluster.
+    Cluster(Arc<ClusterCa>),
+}
+
+/// A workload cluster's CA as read from its Secret.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ClusterCa {
+    /// The Cluster, `namespace/name`.
+    pub cluster: String,
+    /// The Secret, `namespace/name`.
+    pub secret: String,
+    /// The Secret's resourceVersion when read.
+    pub version: String,
+    /// Its `tls.crt` (PEM).
+    pub pem: Vec<u8>,
+}
+
+impl Trust {
+    /// Which CA, in words for a message.
+    pub fn describe(&self, file: &std::path::Path) -> String {
+        match self {
+            Trust::File => format!("the --agent-ca file {}", file.display()),
+            Trust::Cluster(ca) => format!(
+                "the CA of cluster {} (Secret {}, key tls.crt)",
+                ca.cluster, ca.secret
+            ),
+        }
+    }
+}
 
 /// How long a `GetNodeInfo` answer is reused.
 const FACTS_TTL: Duration = Duration::from_secs(30);
@@ -58,6 +99,8 @@ pub enum AgentError {
 
 struct Tls {
     config: Arc<ClientConfig>,
+    /// Configurations trusting a cluster's CA, by Secret, with its resourceVersion.
+    by_cluster: HashMap<String, (String, Arc<ClientConfig>)>,
     stamp: Vec<Option<(SystemTime, u64)>>,
     checked: Instant,
 }
@@ -73,6 +116,7 @@ pub struct Agents {
     paths: ClientTlsPaths,
     tls: Mutex<Tls>,
     pool: Mutex<HashMap<(String, String), Entry>>,
+    trusts: Mutex<HashMap<(String, String), Trust>>,
     /// Calls that found the agent unreachable (for the metrics).
     pub unreachable: std::sync::atomic::AtomicU64,
 }
@@ -103,11 +147,13 @@ impl Agents {
         Ok(Agents {
             tls: Mutex::new(Tls {
                 config,
+                by_cluster: HashMap::new(),
                 stamp: stamp(&paths),
                 checked: Instant::now(),
             }),
             paths,
             pool: Mutex::new(HashMap::new()),
+            trusts: Mutex::new(HashMap::new()),
             unreachable: Default::default(),
         })
     }
@@ -127,6 +173,7 @@ impl Agents {
                     Ok(config) => {
                         tracing::info!("agent client certificate reloaded");
                         tls.config = Arc::new(config);
+                        tls.by_cluster.clear();
                         tls.stamp = now;
                         self.lock_pool().clear();
                     }
@@ -137,6 +184,51 @@ impl Agents {
             }
         }
         tls.config.clone()
+    }
+
+    /// Sets which CA verifies the agent at `target` for `node`; a channel made under
+    /// another one is dropped.
+    pub fn trust(&self, target: &str, node: &str, trust: Trust) {
+        let key = (target.to_owned(), node.to_owned());
+        let mut trusts = self.trusts.lock().unwrap_or_else(|e| e.into_inner());
+        if trusts.get(&key).unwrap_or(&Trust::File) != &trust {
+            self.lock_pool().remove(&key);
+        }
+        if trust == Trust::File {
+            trusts.remove(&key);
+        } else {
+            trusts.insert(key, trust);
+        }
+    }
+
+    fn trust_of(&self, target: &str, node: &str) -> Trust {
+        self.trusts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(target.to_owned(), node.to_owned()))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The client configuration for `trust` (built once per version of a cluster's CA).
+    fn config_for(&self, trust: &Trust) -> Result<Arc<ClientConfig>, String> {
+        let file = self.config();
+        let Trust::Cluster(ca) = trust else {
+            return Ok(file);
+        };
+        let mut tls = self.tls.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((version, config)) = tls.by_cluster.get(&ca.secret)
+            && *version == ca.version
+        {
+            return Ok(config.clone());
+        }
+        let origin = format!("Secret {} key tls.crt", ca.secret);
+        let config = client_config_trusting(&ca.pem, &origin, &self.paths.cert, &self.paths.key)
+            .map(Arc::new)
+            .map_err(|e| format!("the CA of cluster {}: {e}", ca.cluster))?;
+        tls.by_cluster
+            .insert(ca.secret.clone(), (ca.version.clone(), config.clone()));
+        Ok(config)
     }
 
     fn unreachable(&self, node: &str, target: &str, detail: impl Into<String>) -> AgentError {
@@ -151,7 +243,10 @@ impl Agents {
 
     async fn entry(&self, target: &str, node: &str) -> Result<Entry, AgentError> {
         let key = (target.to_owned(), node.to_owned());
-        let config = self.config();
+        let trust = self.trust_of(target, node);
+        let config = self
+            .config_for(&trust)
+            .map_err(|e| self.unreachable(node, target, e))?;
         if let Some(entry) = self.lock_pool().get(&key) {
             return Ok(entry.clone());
         }
@@ -159,12 +254,13 @@ impl Agents {
             .await
             .map_err(|_| self.unreachable(node, target, "connect timed out"))?
             .map_err(|e| {
+                // The error's display is its cause chain, each cause once.
                 let mut detail = e.to_string();
-                let mut source = std::error::Error::source(&e);
-                while let Some(s) = source {
-                    detail.push_str(": ");
-                    detail.push_str(&s.to_string());
-                    source = s.source();
+                if e.problem().is_some_and(|p| p.is_certificate()) {
+                    detail.push_str(&format!(
+                        " (verified against {})",
+                        trust.describe(&self.paths.ca)
+                    ));
                 }
                 self.unreachable(node, target, detail)
             })?;
@@ -364,4 +460,74 @@ pub fn facts_from(info: &pb::GetNodeInfoResponse, node: &str) -> NodeFacts {
 /// The agent client certificate paths of the `serve` flags.
 pub fn paths(ca: PathBuf, cert: PathBuf, key: PathBuf) -> ClientTlsPaths {
     ClientTlsPaths { ca, cert, key }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_unreachable_agent_says_each_cause_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = crate::emulate::Pki::new(dir.path()).unwrap();
+        let client = pki.updater_client().unwrap();
+        let agents = Agents::new(paths(pki.ca(), client.cert, client.key)).unwrap();
+        // A port nothing listens on.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let target = format!("https://127.0.0.1:{port}");
+        let e = agents
+            .facts(&target, "node-a")
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!(
+                "inplace-agent on node node-a at {target} is unreachable: "
+            )),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_lowercase().matches("connection refused").count(),
+            1,
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_changed_trust_drops_the_channel_made_under_the_old_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = crate::emulate::Pki::new(dir.path()).unwrap();
+        let client = pki.updater_client().unwrap();
+        let agents = Agents::new(paths(pki.ca(), client.cert, client.key)).unwrap();
+        let ca = |version: &str| {
+            Trust::Cluster(Arc::new(ClusterCa {
+                cluster: "ns/c".into(),
+                secret: "ns/c-ca".into(),
+                version: version.into(),
+                pem: std::fs::read(pki.ca()).unwrap(),
+            }))
+        };
+        agents.trust("t", "n", ca("1"));
+        assert_eq!(agents.trust_of("t", "n"), ca("1"));
+        let one = agents.config_for(&ca("1")).unwrap();
+        assert!(Arc::ptr_eq(&one, &agents.config_for(&ca("1")).unwrap()));
+        assert!(!Arc::ptr_eq(&one, &agents.config_for(&ca("2")).unwrap()));
+        agents.trust("t", "n", Trust::File);
+        assert_eq!(agents.trust_of("t", "n"), Trust::File);
+        let bad = Trust::Cluster(Arc::new(ClusterCa {
+            cluster: "ns/d".into(),
+            secret: "ns/d-ca".into(),
+            version: "1".into(),
+            pem: b"REPLACE".to_vec(),
+        }));
+        let e = agents.config_for(&bad).unwrap_err();
+        assert!(
+            e.contains("the CA of cluster ns/d") && e.contains("Secret ns/d-ca key tls.crt"),
+            "{e}"
+        );
+    }
 }

@@ -1,6 +1,8 @@
 //! The management cluster, through kube-rs: the live Machine (status: nodeRef, addresses;
-//! annotations), its KubeadmConfig, and the Secrets `files[].contentFrom` names, each by
-//! `get` by name; the updater never lists or watches. Two writes, for a failed plan
+//! annotations), its KubeadmConfig, the Secrets `files[].contentFrom` names and the
+//! workload cluster's `<cluster>-ca` Secret ([`super::trust`]), each by `get` by name; one
+//! `list`, of the Machines of a MachineSet by its label selector (`CanUpdateMachineSet`);
+//! the updater never watches. Two writes, for a failed plan
 //! ([`super::recovery`]): `create` of an Event on the Machine, and a merge `patch` of one
 //! annotation of the Machine (the retry it acted on). Its RBAC allows exactly this.
 //!
@@ -134,6 +136,32 @@ impl Cluster {
             .await
     }
 
+    /// The Machines of `namespace` with the labels of `selector` (`k=v,k=v`): the Machines
+    /// of a MachineSet, by its `spec.selector` (`CanUpdateMachineSet`).
+    pub async fn machines(
+        &self,
+        namespace: &str,
+        selector: &str,
+    ) -> Result<Vec<Value>, ClusterError> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &machine_resource());
+        let err = |detail: String| ClusterError {
+            op: "list",
+            what: "Machine",
+            namespace: namespace.to_owned(),
+            name: format!("?labelSelector={selector}"),
+            detail,
+        };
+        let list = api
+            .list(&kube::api::ListParams::default().labels(selector))
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        list.items
+            .into_iter()
+            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
+            .collect()
+    }
+
     /// The live KubeadmConfig, or `None`.
     pub async fn kubeadm_config(
         &self,
@@ -150,6 +178,18 @@ impl Cluster {
         namespace: &str,
         name: &str,
     ) -> Result<Option<BTreeMap<String, Vec<u8>>>, ClusterError> {
+        Ok(self
+            .secret_versioned(namespace, name)
+            .await?
+            .map(|(_, data)| data))
+    }
+
+    /// A Secret's resourceVersion and data, or `None`.
+    pub async fn secret_versioned(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<(String, BTreeMap<String, Vec<u8>>)>, ClusterError> {
         let api: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
         let secret = api.get_opt(name).await.map_err(|e| ClusterError {
             op: "get",
@@ -159,6 +199,7 @@ impl Cluster {
             detail: e.to_string(),
         })?;
         Ok(secret.map(|s| {
+            let version = s.metadata.resource_version.unwrap_or_default();
             let mut data: BTreeMap<String, Vec<u8>> = s
                 .string_data
                 .unwrap_or_default()
@@ -168,7 +209,7 @@ impl Cluster {
             for (k, v) in s.data.unwrap_or_default() {
                 data.insert(k, v.0);
             }
-            data
+            (version, data)
         }))
     }
 
@@ -208,6 +249,28 @@ impl Cluster {
         name: &str,
         key: &str,
         value: &str,
+    ) -> Result<(), ClusterError> {
+        self.patch_annotation(namespace, name, key, Value::from(value))
+            .await
+    }
+
+    /// Removes one annotation of a Machine (a JSON merge patch of that key to null).
+    pub async fn unannotate_machine(
+        &self,
+        namespace: &str,
+        name: &str,
+        key: &str,
+    ) -> Result<(), ClusterError> {
+        self.patch_annotation(namespace, name, key, Value::Null)
+            .await
+    }
+
+    async fn patch_annotation(
+        &self,
+        namespace: &str,
+        name: &str,
+        key: &str,
+        value: Value,
     ) -> Result<(), ClusterError> {
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), namespace, &machine_resource());

@@ -36,8 +36,17 @@ use super::settings::{Defaults, Settings};
 use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate_removing, write_canonical,
 };
+use super::trust::ClusterCas;
+use super::unreachable::{SINCE_ANNOTATION, Verdict, Waits};
 use inplace_api::convert::plan_to_pb;
 use inplace_api::pb;
+
+/// How long `CanUpdateMachineSet` may spend asking the MachineSet's agents (Cluster API
+/// gives a hook 10 s).
+pub const SET_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(6);
+
+/// How many agents `CanUpdateMachineSet` asks at once.
+pub const SET_CHECK_CONCURRENCY: usize = 32;
 
 /// Seconds until CAPI asks again while the agent cannot be reached.
 pub const UNREACHABLE_RETRY_SECONDS: i32 = 15;
@@ -70,6 +79,8 @@ pub struct Answer {
     pub outcome: &'static str,
     /// The Machine (or MachineSet) it was about, for the log.
     pub object: String,
+    /// The agent could not be reached: why (the answer is a wait).
+    pub unreachable: Option<String>,
 }
 
 /// The updater: configuration, the cluster and the agents.
@@ -86,6 +97,10 @@ pub struct Updater {
     pub metrics: Arc<Metrics>,
     /// Failed plans reported as Events, retried on request ([`super::recovery`]).
     pub recovery: Arc<Recovery>,
+    /// The workload clusters' CAs that verify their agents ([`super::trust`]).
+    pub cluster_cas: Arc<ClusterCas>,
+    /// Machines waiting on an unreachable agent ([`super::unreachable`]).
+    pub waits: Arc<Waits>,
 }
 
 fn to_bytes<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -99,6 +114,7 @@ impl Answer {
             message: message.to_owned(),
             outcome,
             object: String::new(),
+            unreachable: None,
         }
     }
 
@@ -154,7 +170,20 @@ impl Updater {
                     this.plans.refreshed(&key, &fingerprint, recorded);
                 });
             }
-            let mut answer = hook_answer(&known.heard, &known.plan.costs);
+            let mut heard = known.heard;
+            if known.word_stale
+                && let Ok(Some(status)) = self
+                    .agents
+                    .status(&known.plan.target, &known.plan.node, &known.plan.id)
+                    .await
+                && known.plan.has_digest(&status.digest)
+                && status.hook_response.is_some()
+                && let Some(now) = self.plans.heard_by_call(&machine, &known.plan, &status)
+            {
+                // The stream tells phases and steps; a gate's attempts only a call does.
+                heard = now;
+            }
+            let mut answer = hook_answer(&heard, &known.plan.costs);
             answer.object = machine;
             self.answered(hook, &answer);
             return answer;
@@ -226,11 +255,13 @@ impl Updater {
         };
         let result = match hook {
             Hook::CanUpdateMachine => self.can_update_machine(&request, &settings).await,
-            Hook::CanUpdateMachineSet => can_update_machine_set(&request, &settings),
-            Hook::UpdateMachine => self
-                .update_machine(&request, &settings, &fingerprint)
-                .await
-                .map(|(answer, _)| answer),
+            Hook::CanUpdateMachineSet => self.can_update_machine_set(&request, &settings).await,
+            Hook::UpdateMachine => {
+                match self.update_machine(&request, &settings, &fingerprint).await {
+                    Ok((answer, _)) => self.watch_unreachable(&request, &settings, answer).await,
+                    Err(f) => Err(f),
+                }
+            }
             Hook::Discovery => unreachable_discovery(),
         };
         match result {
@@ -295,6 +326,330 @@ impl Updater {
             address.to_owned()
         };
         Ok((node, format!("https://{host}:{}", settings.agent_port)))
+    }
+
+    /// After `UpdateMachine` answered: a wait on an unreachable agent is logged, its start
+    /// kept on the Machine, reported as Events at a bounded rate, and past
+    /// `settings.unreachableTimeoutSeconds` answered as Failure; an agent that answers
+    /// again ends the wait ([`super::unreachable`]).
+    async fn watch_unreachable(
+        &self,
+        request: &HookRequest,
+        settings: &Settings,
+        answer: Answer,
+    ) -> Result<Answer, Failure> {
+        use super::unreachable::{expired_message, format_since, judge, parse_since};
+        let Ok(desired) = request.object("desired", "machine") else {
+            return Ok(answer);
+        };
+        let key = key_of(&desired);
+        let (namespace, name) = (desired.namespace().to_owned(), desired.name().to_owned());
+        let since_of = |machine: &Value| {
+            lookup(machine, &["metadata", "annotations", SINCE_ANNOTATION])
+                .and_then(Value::as_str)
+                .and_then(parse_since)
+        };
+        let in_request = since_of(&desired.value);
+        let Some(error) = answer.unreachable.clone() else {
+            if self.waits.answered(&key) || in_request.is_some() {
+                tracing::info!(machine = %key, "the agent answers again");
+                let cluster = self.cluster.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = cluster
+                        .unannotate_machine(&namespace, &name, SINCE_ANNOTATION)
+                        .await
+                    {
+                        tracing::warn!(machine = %format!("{namespace}/{name}"), error = %e, "annotation not removed");
+                    }
+                });
+            }
+            return Ok(answer);
+        };
+        let now = inplace_base::time::now_ms();
+        let since = match in_request.or_else(|| self.waits.since(&key)) {
+            Some(since) => since,
+            // The first miss as far as this request and replica know: the live Machine
+            // may say otherwise (a request built before the annotation, another replica).
+            None => match self.cluster.machine(&namespace, &name).await {
+                Ok(Some(live)) if since_of(&live).is_some() => since_of(&live).unwrap_or(now),
+                _ => {
+                    let at = format_since(now);
+                    if let Err(e) = self
+                        .cluster
+                        .annotate_machine(&namespace, &name, SINCE_ANNOTATION, &at)
+                        .await
+                    {
+                        tracing::warn!(machine = %key, error = %e, "the start of the wait is not kept on the Machine");
+                    }
+                    now - now % 1000
+                }
+            },
+        };
+        let cluster = lookup(desired.spec(), &["clusterName"])
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let emitted = self.waits.missed(&key, cluster, since);
+        let timeout = settings.unreachable_timeout;
+        match judge(since, now, timeout, emitted) {
+            Verdict::Wait { elapsed, event } => {
+                tracing::warn!(machine = %key, waited_seconds = elapsed.as_secs(), error = %error, "agent unreachable; waiting");
+                if let Some(n) = event {
+                    let message = format!(
+                        "{error}; waiting since {} (Failure after {}s: settings.unreachableTimeoutSeconds)",
+                        format_since(since),
+                        timeout.as_secs()
+                    );
+                    self.unreachable_event(&key, since, n, message);
+                }
+                Ok(answer)
+            }
+            Verdict::Expired { elapsed } => {
+                let message = expired_message(&key, &error, elapsed, timeout);
+                tracing::warn!(machine = %key, waited_seconds = elapsed.as_secs(), error = %error, "agent unreachable past the deadline; answering Failure");
+                // Once per wait and replica: the failure counted, its Event created.
+                if emitted != Some(u64::MAX) {
+                    self.metrics.plan_failure("unreachable_timeout");
+                    self.waits.emitted(&key, u64::MAX);
+                    self.unreachable_event(&key, since, u64::MAX, message.clone());
+                }
+                Err(Failure(message))
+            }
+        }
+    }
+
+    /// Creates Event `n` of the wait that began at `since` on `machine`, behind the answer.
+    fn unreachable_event(&self, machine: &str, since: u64, n: u64, message: String) {
+        use super::recovery::{Involved, event, event_name};
+        let (cluster, waits) = (self.cluster.clone(), self.waits.clone());
+        let (machine, instance) = (machine.to_owned(), self.recovery.instance().to_owned());
+        tokio::spawn(async move {
+            let (namespace, name) = machine.split_once('/').unwrap_or(("", &machine));
+            let uid = match cluster.machine(namespace, name).await {
+                Ok(Some(live)) => lookup(&live, &["metadata", "uid"])
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned(),
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(%machine, error = %e, "event not created");
+                    return;
+                }
+            };
+            let involved = Involved {
+                api_version: super::cluster::machine_resource().api_version,
+                kind: "Machine".into(),
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                uid,
+            };
+            let which = if n == u64::MAX {
+                "expired".to_owned()
+            } else {
+                n.to_string()
+            };
+            let event_name = event_name(
+                &involved,
+                &format!("{}-{since}-{which}", super::unreachable::EVENT_REASON),
+                0,
+                super::unreachable::EVENT_REASON,
+            );
+            let event = event(
+                &involved,
+                &event_name,
+                (super::unreachable::EVENT_REASON, "Warning"),
+                &bounded(&message, 1024),
+                &instance,
+                inplace_base::time::now_ms(),
+            );
+            match cluster.create_event(&event).await {
+                Ok(_) => {
+                    if n != u64::MAX {
+                        waits.emitted(&machine, n);
+                    }
+                }
+                Err(e) => tracing::warn!(%machine, error = %e, "event not created"),
+            }
+        });
+    }
+
+    /// `CanUpdateMachineSet`: the agents of the current MachineSet's Machines are asked
+    /// (cached `GetNodeInfo`, all within [`SET_CHECK_TIMEOUT`]): any that cannot be reached
+    /// covers nothing (a rollout is safe; an in-place update would wait on it), and the
+    /// coverage is what every one of them can do.
+    async fn can_update_machine_set(
+        self: &Arc<Self>,
+        request: &HookRequest,
+        settings: &Settings,
+    ) -> Result<Answer, Failure> {
+        if settings.disable_in_place {
+            return can_update_machine_set(request, settings);
+        }
+        let current = request.object("current", "machineSet")?;
+        let set = key_of(&current);
+        let not_covered = |message: String| {
+            let message = bounded(&message, 1024);
+            Ok(Answer::new(
+                &CanUpdateMachineSetResponse {
+                    kind: Hook::CanUpdateMachineSet.response_kind(),
+                    api_version: HOOKS_API_VERSION,
+                    status: Status::Success,
+                    message: message.clone(),
+                    machine_set_patch: None,
+                    infrastructure_machine_template_patch: None,
+                    bootstrap_config_template_patch: None,
+                    affects_availability: None,
+                },
+                &message,
+                "not_covered",
+            ))
+        };
+        let asked = tokio::time::timeout(
+            SET_CHECK_TIMEOUT,
+            self.machine_set_facts(&current, settings),
+        )
+        .await;
+        let facts = match asked {
+            Err(_) => {
+                return not_covered(format!(
+                    "MachineSet {set}: its nodes' agents did not all answer within {}s; a rollout \
+                     replaces the Machines",
+                    SET_CHECK_TIMEOUT.as_secs()
+                ));
+            }
+            Ok(Err(problems)) => {
+                return not_covered(format!(
+                    "MachineSet {set}: {}; a rollout replaces the Machines",
+                    problems
+                ));
+            }
+            Ok(Ok(facts)) => facts,
+        };
+        let assumed = NodeFacts::assumed("").capabilities();
+        let mut caps = assumed;
+        let mut lacking = Vec::new();
+        for (machine, f) in &facts {
+            let c = set_capabilities(f);
+            let missing = missing(c);
+            if !missing.is_empty() {
+                lacking.push(format!(
+                    "node {} (Machine {machine}) cannot move {}",
+                    f.node_name,
+                    missing.join(", ")
+                ));
+            }
+            caps = super::translate::Capabilities {
+                files: caps.files && c.files,
+                prune: caps.prune && c.prune,
+                kubelet_flags: caps.kubelet_flags && c.kubelet_flags,
+                version: caps.version && c.version,
+            };
+        }
+        let note = match lacking.len() {
+            0 => String::new(),
+            1..=3 => lacking.join("; "),
+            n => format!("{} and {} more", lacking[..3].join("; "), n - 3),
+        };
+        can_update_machine_set_for(request, settings, caps, &note)
+    }
+
+    /// What the agents of the MachineSet's Machines say (by Machine), or what kept some
+    /// from answering.
+    async fn machine_set_facts(
+        self: &Arc<Self>,
+        set: &Object,
+        settings: &Settings,
+    ) -> Result<Vec<(String, NodeFacts)>, String> {
+        let key = key_of(set);
+        // Cluster API's MachineSets always have a selector; a request without one names no
+        // Machines (answered with what a current agent can do, as for an empty set).
+        let Some(labels) = lookup(&set.value, &["spec", "selector", "matchLabels"])
+            .and_then(Value::as_object)
+            .filter(|m| !m.is_empty())
+        else {
+            tracing::debug!(machine_set = %key, "no spec.selector.matchLabels: no Machines to ask");
+            return Ok(Vec::new());
+        };
+        let selector = labels
+            .iter()
+            .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+            .collect::<Vec<_>>()
+            .join(",");
+        let machines = self
+            .cluster
+            .machines(set.namespace(), &selector)
+            .await
+            .map_err(|e| e.to_string())?;
+        // Owned by this MachineSet (CAPI's MachineSet controller adopts by selector and
+        // sets itself as the controller).
+        let owned = machines.into_iter().filter(|m| {
+            lookup(m, &["metadata", "ownerReferences"])
+                .and_then(Value::as_array)
+                .is_none_or(|refs| {
+                    refs.iter().any(|r| {
+                        r.get("kind").and_then(Value::as_str) == Some("MachineSet")
+                            && r.get("name").and_then(Value::as_str) == Some(set.name())
+                    })
+                })
+        });
+        let mut asks = tokio::task::JoinSet::new();
+        // At most this many handshakes at once: a MachineSet of hundreds of Machines.
+        let at_once = Arc::new(tokio::sync::Semaphore::new(SET_CHECK_CONCURRENCY));
+        for live in owned {
+            let (this, settings) = (self.clone(), settings.clone());
+            let namespace = set.namespace().to_owned();
+            let at_once = at_once.clone();
+            asks.spawn(async move {
+                let _turn = at_once.acquire().await.map_err(|e| e.to_string())?;
+                let name = lookup(&live, &["metadata", "name"])
+                    .and_then(Value::as_str)
+                    .unwrap_or_default();
+                let machine = format!("{namespace}/{name}");
+                let (node, target) = Self::locate(&live, &settings, &machine).map_err(|f| f.0)?;
+                this.verify_with(&live, &settings, &machine, &target, &node)
+                    .await
+                    .map_err(|f| f.0)?;
+                let facts = this
+                    .agents
+                    .facts(&target, &node)
+                    .await
+                    .map_err(|e| format!("Machine {machine}: {e}"))?;
+                Ok::<_, String>((machine, facts))
+            });
+        }
+        let mut facts = Vec::new();
+        let mut problems = Vec::new();
+        while let Some(answer) = asks.join_next().await {
+            match answer {
+                Ok(Ok(f)) => facts.push(f),
+                Ok(Err(e)) => problems.push(e),
+                Err(e) => problems.push(format!("asking an agent: {e}")),
+            }
+        }
+        facts.sort_by(|a, b| a.0.cmp(&b.0));
+        problems.sort();
+        match problems.len() {
+            0 => Ok(facts),
+            1..=2 => Err(problems.join("; ")),
+            n => Err(format!("{} and {} more", problems[..2].join("; "), n - 2)),
+        }
+    }
+
+    /// Sets which CA verifies the agent of the live Machine `key` (`settings.agentCA`).
+    async fn verify_with(
+        &self,
+        live: &Value,
+        settings: &Settings,
+        key: &str,
+        target: &str,
+        node: &str,
+    ) -> Result<(), Failure> {
+        let trust = self
+            .cluster_cas
+            .trust_for(&self.cluster, settings.agent_ca, live, key)
+            .await
+            .map_err(|e| Failure(format!("Machine {key} (node {node}): {e}")))?;
+        self.agents.trust(target, node, trust);
+        Ok(())
     }
 
     async fn live_machine(&self, object: &Object) -> Result<Value, Failure> {
@@ -393,9 +748,15 @@ impl Updater {
             Ok(x) => x,
             Err(Failure(m)) => return not_covered(m),
         };
+        if let Err(e) = self
+            .verify_with(&live, settings, &key, &target, &node)
+            .await
+        {
+            return not_covered(e.0);
+        }
         let facts = match self.agents.facts(&target, &node).await {
             Ok(f) => f,
-            Err(e) => return not_covered(e.to_string()),
+            Err(e) => return not_covered(format!("Machine {key}: {e}")),
         };
         let caps = facts.capabilities();
         let machine = cover_machine(current.spec(), desired.spec(), caps);
@@ -560,9 +921,11 @@ impl Updater {
             }
         };
         let (node, target) = Self::locate(&live, settings, &key)?;
+        self.verify_with(&live, settings, &key, &target, &node)
+            .await?;
         let facts = match self.agents.facts(&target, &node).await {
             Ok(f) => f,
-            Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&e), false)),
+            Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&key, &e), false)),
             Err(e) => return Err(Failure(e.to_string())),
         };
         let (fetched, written) = tokio::join!(
@@ -593,6 +956,10 @@ impl Updater {
             target,
             node,
             costs: super::pace::costs(&wire),
+            cluster: lookup(&live, &["spec", "clusterName"])
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
         };
         if self.plans.knows(&key, &plan) {
             // Known here already (its stream broke, a check is repeated): ask the agent.
@@ -703,7 +1070,7 @@ impl Updater {
         } = plan;
         let known = match self.agents.status(target, node, id).await {
             Ok(s) => s.filter(|s| plan.has_digest(&s.digest)),
-            Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(&e), false))),
+            Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(key, &e), false))),
             Err(e) => return Err(Err(Failure(e.to_string()))),
         };
         let status = match known {
@@ -716,8 +1083,13 @@ impl Updater {
                     }
                     r.status.unwrap_or_default()
                 }
-                Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(&e), false))),
-                Err(e) => return Err(Err(Failure(format!("Machine {key}: {e}")))),
+                Err(e @ AgentError::Unreachable { .. }) => {
+                    return Err(Ok((waiting(key, &e), false)));
+                }
+                Err(e) => {
+                    self.metrics.plan_failure("refused");
+                    return Err(Err(Failure(format!("Machine {key}: {e}"))));
+                }
             },
         };
         if status.hook_response.is_none() {
@@ -764,13 +1136,15 @@ fn unreachable_discovery() -> Result<Answer, Failure> {
 
 /// In progress while the agent cannot be reached: the message shows in the Machine's
 /// `Updating` condition, and CAPI asks again.
-fn waiting(e: &AgentError) -> Answer {
-    let message = bounded(&format!("waiting: {e}"), 512);
-    Answer::new(
+fn waiting(machine: &str, e: &AgentError) -> Answer {
+    let message = bounded(&format!("waiting: Machine {machine}: {e}"), 1024);
+    let mut answer = Answer::new(
         &UpdateMachineResponse::new(Status::Success, message.clone(), UNREACHABLE_RETRY_SECONDS),
         &message,
         "in_progress",
-    )
+    );
+    answer.unreachable = Some(e.to_string());
+    answer
 }
 
 fn not_applicable(check: &pb::CheckPlanResponse) -> String {
@@ -817,15 +1191,54 @@ fn coverage_message(machine: &Coverage, bootstrap: &Coverage) -> String {
     bounded(&format!("not in place: {}", uncovered.join("; ")), 1024)
 }
 
+/// What a node can do for a MachineSet's in-place update: its agent's abilities, and kubelet
+/// flags only where the agent can restart the kubelet (service management).
+fn set_capabilities(facts: &NodeFacts) -> super::translate::Capabilities {
+    let mut caps = facts.capabilities();
+    caps.kubelet_flags &= facts.services_managed;
+    caps
+}
+
+/// What `caps` lacks of what a current agent can do, in words.
+fn missing(caps: super::translate::Capabilities) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if !caps.version {
+        out.push("the Kubernetes version (no package manager or kubeadm upgrade)");
+    }
+    if !caps.kubelet_flags {
+        out.push("kubelet flags (no service management to restart the kubelet)");
+    }
+    if !caps.files {
+        out.push("files");
+    }
+    if !caps.prune {
+        out.push("removed files");
+    }
+    out
+}
+
 fn bounded(s: &str, max: usize) -> String {
     inplace_api::bounded::bounded(s, max)
 }
 
-/// `CanUpdateMachineSet`: no node to ask, so coverage is what a current agent on a kubeadm
-/// node can do ([`NodeFacts::assumed`]); each Machine's `UpdateMachine` checks its node.
+/// `CanUpdateMachineSet` without asking any node: coverage is what a current agent on a
+/// kubeadm node can do ([`NodeFacts::assumed`]). The updater asks the agents of the current
+/// MachineSet's Machines first ([`Updater::handle`]) and answers with
+/// [`can_update_machine_set_for`] with what they can all do.
 pub fn can_update_machine_set(
     request: &HookRequest,
     settings: &Settings,
+) -> Result<Answer, Failure> {
+    can_update_machine_set_for(request, settings, NodeFacts::assumed("").capabilities(), "")
+}
+
+/// `CanUpdateMachineSet` for nodes that can do `caps`; `note` (why less than a current
+/// agent can) goes into the message.
+pub fn can_update_machine_set_for(
+    request: &HookRequest,
+    settings: &Settings,
+    caps: super::translate::Capabilities,
+    note: &str,
 ) -> Result<Answer, Failure> {
     let current = request.object("current", "machineSet")?;
     current.expect("MachineSet", "cluster.x-k8s.io")?;
@@ -875,7 +1288,6 @@ pub fn can_update_machine_set(
         ));
     }
     const TEMPLATE_SPEC: &[&str] = &["spec", "template", "spec"];
-    let caps = NodeFacts::assumed("").capabilities();
     let null = Value::Null;
     let spec_of = |o: &Object| {
         lookup(&o.value, TEMPLATE_SPEC)
@@ -899,7 +1311,10 @@ pub fn can_update_machine_set(
     let template_patch = current_t
         .as_ref()
         .and_then(|c| Patch::json_patch(&spec_patch(&c.value, TEMPLATE_SPEC, &bootstrap.spec)));
-    let message = coverage_message(&machine, &bootstrap);
+    let mut message = coverage_message(&machine, &bootstrap);
+    if !message.is_empty() && !note.is_empty() {
+        message = bounded(&format!("{message} ({note})"), 1024);
+    }
     Ok(Answer::new(
         &CanUpdateMachineSetResponse {
             kind: Hook::CanUpdateMachineSet.response_kind(),

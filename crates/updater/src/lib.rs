@@ -19,8 +19,10 @@
 //! - [`settings`]: the ExtensionConfig's `settings`.
 //! - [`handlers`]: the hooks; [`server`]: HTTPS, routing, limits; [`metrics`].
 //! - [`cluster`]: the management cluster (kube-rs); [`agent`]: the agents (gRPC client pool).
+//! - [`trust`]: which CA verifies a Machine's agent (the fleet's, or its cluster's).
 //! - [`progress`]: what the agents last said about each Machine's plan, kept between calls.
 //! - [`recovery`]: a failed plan as an Event on its Machine, and its retry by annotation.
+//! - [`unreachable`]: an agent that does not answer: Events, a deadline, then Failure.
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
 //! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
@@ -30,7 +32,9 @@
 //! journal is the truth about progress, so any replica answers any call and a restarted
 //! updater answers as before. Its only writes are for a failed plan ([`recovery`]): an
 //! Event on the Machine, and the record of a retry it acted on, an annotation on the
-//! Machine. What it remembers ([`progress`]: the agents' last word on each Machine's plan,
+//! Machine; and for an agent that does not answer ([`unreachable`]): Events, and when the
+//! wait began, an annotation on the Machine (so the deadline survives a restart). What it
+//! remembers ([`progress`]: the agents' last word on each Machine's plan,
 //! pushed by their `WatchPlan` streams) only saves round trips.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -55,6 +59,8 @@ pub mod settings;
 pub(crate) mod setup;
 pub mod standin;
 pub mod translate;
+pub(crate) mod trust;
+pub mod unreachable;
 
 /// The updater's version and the commit it was built from (`inplace-updater version`).
 pub const BUILD: inplace_base::build::Build = inplace_base::build!();

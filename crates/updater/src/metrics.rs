@@ -2,12 +2,13 @@
 //! latency, plans submitted, agents found unreachable, serving certificate reloads. Label
 //! values are bounded (hook names and outcome words, never Machine names).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -66,6 +67,100 @@ impl prometheus_client::collector::Collector for ScrapedCollector {
     }
 }
 
+/// Machines waiting on an unreachable agent, read at scrape time: how many, and the age in
+/// seconds of the oldest wait ([`super::unreachable::Waits::gauges`]).
+pub type WaitGauges = Arc<dyn Fn() -> (u64, f64) + Send + Sync>;
+
+#[derive(Default)]
+struct WaitCollector(Arc<Mutex<Option<WaitGauges>>>);
+
+impl std::fmt::Debug for WaitCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WaitCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for WaitCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let read = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (machines, oldest) = read.map_or((0, 0.0), |f| f());
+        let g = ConstGauge::new(i64::try_from(machines).unwrap_or(i64::MAX));
+        let e = encoder.encode_descriptor(
+            "unreachable_machines",
+            "Machines whose UpdateMachine waits on an agent that cannot be reached",
+            None,
+            g.metric_type(),
+        )?;
+        g.encode(e)?;
+        let g = ConstGauge::new(oldest);
+        let e = encoder.encode_descriptor(
+            "unreachable_oldest_seconds",
+            "Age of the oldest wait on an unreachable agent (0: none)",
+            None,
+            g.metric_type(),
+        )?;
+        g.encode(e)
+    }
+}
+
+/// The fleet's progress, read at scrape time ([`super::progress::Plans::census`]).
+pub type FleetCensus = Arc<dyn Fn() -> super::progress::Census + Send + Sync>;
+
+/// At most this many `cluster` label values; the Machines of the rest are `cluster="other"`.
+pub const MAX_CLUSTERS: usize = 500;
+
+const DURATION_BUCKETS: [f64; 12] = [
+    1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+];
+
+fn duration_histogram() -> Histogram {
+    Histogram::new(DURATION_BUCKETS)
+}
+
+#[derive(Default)]
+struct FleetCollector(Arc<Mutex<Option<FleetCensus>>>);
+
+impl std::fmt::Debug for FleetCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FleetCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for FleetCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let read = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let census = read.map(|f| f()).unwrap_or_default();
+        let help = format!(
+            "Machines this updater is updating in place or updated in the last 10 minutes, by \
+             workload cluster and plan phase (submitting, pending, running, rebooting, \
+             succeeded, failed, rolled_back, unreachable); at most {MAX_CLUSTERS} clusters, \
+             the rest under cluster=\"other\""
+        );
+        let mut family = encoder.encode_descriptor(
+            "machines",
+            &help,
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (cluster, phase, n) in &census.machines {
+            let g = ConstGauge::new(i64::try_from(*n).unwrap_or(i64::MAX));
+            g.encode(family.encode_family(&[("cluster", cluster.as_str()), ("phase", phase)])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "oldest_update_seconds",
+            "Age of the oldest unfinished in-place update by workload cluster (since this \
+             replica took it up)",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (cluster, age) in &census.oldest {
+            ConstGauge::new(*age)
+                .encode(family.encode_family(&[("cluster", cluster.as_str())])?)?;
+        }
+        Ok(())
+    }
+}
+
 /// The registry and the counters the server feeds.
 #[derive(Debug)]
 pub struct Metrics {
@@ -73,6 +168,10 @@ pub struct Metrics {
     requests: Family<Labels2, Counter>,
     latency: Family<Labels1, Histogram, fn() -> Histogram>,
     plans_submitted: Counter,
+    plan_failures: Family<Labels1, Counter>,
+    waits: WaitCollector,
+    fleet: FleetCollector,
+    plan_duration: Family<Labels1, Histogram, fn() -> Histogram>,
     /// Counters read at scrape time.
     pub scraped: Arc<Scraped>,
 }
@@ -100,6 +199,24 @@ impl Metrics {
             "Plans an agent accepted as new work (ApplyPlan created an attempt)",
             plans_submitted.clone(),
         );
+        let plan_failures = Family::<Labels1, Counter>::default();
+        registry.register(
+            "plan_failures",
+            "Machines whose update ended badly, by kind (failed, rolled_back, unreachable_timeout, refused)",
+            plan_failures.clone(),
+        );
+        let plan_duration = Family::<Labels1, Histogram, fn() -> Histogram>::new_with_constructor(
+            duration_histogram,
+        );
+        registry.register(
+            "plan_duration_seconds",
+            "Time from a plan's submission (or this replica taking it up) to its terminal phase, by outcome (succeeded, failed, rolled_back)",
+            plan_duration.clone(),
+        );
+        let fleet = FleetCollector::default();
+        registry.register_collector(Box::new(FleetCollector(fleet.0.clone())));
+        let waits = WaitCollector::default();
+        registry.register_collector(Box::new(WaitCollector(waits.0.clone())));
         let scraped = Arc::new(Scraped::default());
         registry.register_collector(Box::new(ScrapedCollector(scraped.clone(), unreachable)));
         Arc::new(Metrics {
@@ -107,6 +224,10 @@ impl Metrics {
             requests,
             latency,
             plans_submitted,
+            plan_failures,
+            waits,
+            fleet,
+            plan_duration,
             scraped,
         })
     }
@@ -124,6 +245,33 @@ impl Metrics {
     /// Counts a plan an agent accepted as new.
     pub fn plan_submitted(&self) {
         self.plans_submitted.inc();
+    }
+
+    /// Counts a Machine whose update ended badly (`kind`: `failed`, `rolled_back`,
+    /// `unreachable_timeout`, `refused`).
+    pub fn plan_failure(&self, kind: &'static str) {
+        self.plan_failures.get_or_create(&[("kind", kind)]).inc();
+    }
+
+    /// A plan reached a terminal phase after `seconds`: its duration, and a failure of
+    /// kind `failed` or `rolled_back`.
+    pub fn plan_ended(&self, outcome: &'static str, seconds: f64) {
+        self.plan_duration
+            .get_or_create(&[("outcome", outcome)])
+            .observe(seconds);
+        if outcome == "failed" || outcome == "rolled_back" {
+            self.plan_failure(outcome);
+        }
+    }
+
+    /// Where the fleet gauges are read from.
+    pub fn read_fleet(&self, census: FleetCensus) {
+        *self.fleet.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(census);
+    }
+
+    /// Where the unreachable-agent gauges are read from.
+    pub fn read_waits(&self, gauges: WaitGauges) {
+        *self.waits.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(gauges);
     }
 
     /// How many requests of `hook` ended with `outcome` (tests).

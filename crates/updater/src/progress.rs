@@ -66,6 +66,8 @@ pub struct PlanRef {
     pub node: String,
     /// The expected time of each change, for pacing CAPI's calls ([`super::pace::costs`]).
     pub costs: Vec<u32>,
+    /// The Machine's workload cluster (`spec.clusterName`), for the fleet metrics.
+    pub cluster: String,
 }
 
 impl PlanRef {
@@ -148,6 +150,9 @@ struct Entry {
     follower: Option<tokio::task::AbortHandle>,
     refreshing: bool,
     submit: Submit,
+    /// When this replica first took up the plan (its submission, or the first call that
+    /// found it on the agent): the start of its duration in the fleet metrics.
+    began: Instant,
 }
 
 /// Where the submission of an entry's plan is.
@@ -183,6 +188,11 @@ pub struct Remembered {
     pub plan: PlanRef,
     /// The request is due to be checked again (the caller starts that, in the background).
     pub refresh: bool,
+    /// The plan is in flight and the agent's word is older than [`GRACE`]: the stream
+    /// sends a snapshot when the phase or step moves, not when only the message does (a
+    /// gate's attempts are status notes, not events), so the caller asks the agent
+    /// (`GetPlanStatus`, no cluster reads) before answering ([`Plans::heard_by_call`]).
+    pub word_stale: bool,
 }
 
 /// The remembered plans, by Machine (`namespace/name`).
@@ -196,6 +206,43 @@ pub struct Plans {
     swept: Mutex<Option<Instant>>,
     /// Told whenever what the agent said of a plan changes ([`Plans::settled`] waits on it).
     changed: tokio::sync::Notify,
+    /// Told when a plan this replica took up reaches a terminal phase (the metrics).
+    on_end: std::sync::OnceLock<OnEnd>,
+}
+
+/// Called with the outcome word and the duration of a plan that reached a terminal phase.
+pub type OnEnd = Box<dyn Fn(&'static str, Duration) + Send + Sync>;
+
+/// The Machines in the memory by workload cluster and plan phase, for the fleet metrics.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Census {
+    /// (cluster, phase word, Machines), sorted.
+    pub machines: Vec<(String, &'static str, u64)>,
+    /// (cluster, age in seconds of its oldest unfinished update), sorted.
+    pub oldest: Vec<(String, f64)>,
+}
+
+/// The cluster label of the Machines of clusters beyond the cap.
+pub const OTHER_CLUSTERS: &str = "other";
+
+/// The word of a phase in the fleet metrics (`None`: not counted: superseded, cancelled).
+pub fn phase_word(phase: i32, rebooting: bool) -> Option<&'static str> {
+    use pb::Phase;
+    let phase = Phase::try_from(phase).unwrap_or(Phase::Unspecified);
+    Some(match phase {
+        Phase::Unspecified => "submitting",
+        Phase::Pending => "pending",
+        _ if rebooting => "rebooting",
+        Phase::Preparing
+        | Phase::Applying
+        | Phase::Restarting
+        | Phase::Verifying
+        | Phase::RollingBack => "running",
+        Phase::Succeeded => "succeeded",
+        Phase::Failed => "failed",
+        Phase::RolledBack => "rolled_back",
+        Phase::Superseded | Phase::Cancelled => return None,
+    })
 }
 
 impl std::fmt::Debug for Plans {
@@ -264,10 +311,14 @@ impl Plans {
         if refresh {
             e.refreshing = true;
         }
+        let word_stale = e.submit == Submit::Answered
+            && !terminal(e.heard.phase)
+            && now.duration_since(e.heard_at) >= GRACE;
         Some(Remembered {
             heard: e.heard.clone(),
             plan: e.plan.clone(),
             refresh,
+            word_stale,
         })
     }
 
@@ -310,6 +361,9 @@ impl Plans {
             // A call's answer may be older than the stream's last snapshot: an attempt that
             // ended does not go back to running (a retry is a new attempt).
             let older = heard.attempt == e.heard.attempt && terminal(e.heard.phase) && !done;
+            if !older && done && !terminal(e.heard.phase) {
+                self.ended(heard.phase, e.began);
+            }
             if !older {
                 e.heard = heard;
                 e.heard_at = now;
@@ -338,6 +392,7 @@ impl Plans {
                 follower: None,
                 refreshing: false,
                 submit: Submit::Answered,
+                began: now,
             },
         ) && let Some(f) = old.follower
         {
@@ -378,6 +433,7 @@ impl Plans {
                 follower: None,
                 refreshing: false,
                 submit: Submit::Running,
+                began: now,
             },
         ) && let Some(f) = old.follower
         {
@@ -510,6 +566,9 @@ impl Plans {
         if e.generation != generation {
             return false;
         }
+        if terminal(status.phase) && !terminal(e.heard.phase) {
+            self.ended(status.phase, e.began);
+        }
         e.heard = Heard::of(status);
         e.heard_at = Instant::now();
         e.streaming = true;
@@ -539,6 +598,100 @@ impl Plans {
             e.streaming = false;
             e.following = false;
             e.follower = None;
+        }
+    }
+
+    /// The agent answered a call about `plan` (`GetPlanStatus`) with `status`: it becomes the
+    /// entry's word unless it is older than what the entry holds (an attempt that ended does
+    /// not go back to running). The word to answer with; `None` when the entry is of
+    /// another plan.
+    pub fn heard_by_call(
+        &self,
+        machine: &str,
+        plan: &PlanRef,
+        status: &pb::PlanStatus,
+    ) -> Option<Heard> {
+        let heard = Heard::of(status);
+        let word = {
+            let mut entries = self.lock();
+            let e = entries.get_mut(machine).filter(|e| &e.plan == plan)?;
+            let older = heard.attempt < e.heard.attempt
+                || (heard.attempt == e.heard.attempt
+                    && terminal(e.heard.phase)
+                    && !terminal(heard.phase));
+            if !older {
+                if terminal(heard.phase) && !terminal(e.heard.phase) {
+                    self.ended(heard.phase, e.began);
+                }
+                e.heard = heard;
+                e.heard_at = Instant::now();
+            }
+            e.heard.clone()
+        };
+        self.changed.notify_waiters();
+        Some(word)
+    }
+
+    /// Who is told when a plan reaches a terminal phase (set once).
+    pub fn on_end(&self, f: OnEnd) {
+        let _ = self.on_end.set(f);
+    }
+
+    fn ended(&self, phase: i32, began: Instant) {
+        if let (Some(f), Some(word)) = (self.on_end.get(), phase_word(phase, false)) {
+            f(word, began.elapsed());
+        }
+    }
+
+    /// The Machines remembered by (cluster, phase), those in `unreachable` (Machine →
+    /// cluster) counted as `unreachable` instead, and each cluster's oldest unfinished
+    /// update. At most `cap` clusters by name; the Machines of the rest count under
+    /// [`OTHER_CLUSTERS`].
+    pub fn census(&self, unreachable: &HashMap<String, String>, cap: usize) -> Census {
+        let now = Instant::now();
+        let mut rows: Vec<(String, &'static str, Option<f64>)> = Vec::new();
+        {
+            let entries = self.lock();
+            for (machine, e) in entries.iter() {
+                if unreachable.contains_key(machine) {
+                    continue;
+                }
+                let word = match e.submit {
+                    Submit::Answered => phase_word(e.heard.phase, e.heard.rebooting),
+                    Submit::Running | Submit::Failed => Some("submitting"),
+                };
+                let Some(word) = word else { continue };
+                let unfinished = !(e.submit == Submit::Answered && terminal(e.heard.phase));
+                let age = unfinished.then(|| now.duration_since(e.began).as_secs_f64());
+                rows.push((e.plan.cluster.clone(), word, age));
+            }
+        }
+        for cluster in unreachable.values() {
+            rows.push((cluster.clone(), "unreachable", None));
+        }
+        let mut clusters: Vec<&String> = rows.iter().map(|r| &r.0).collect();
+        clusters.sort();
+        clusters.dedup();
+        let kept: std::collections::HashSet<String> =
+            clusters.into_iter().take(cap).cloned().collect();
+        let mut machines: std::collections::BTreeMap<(String, &'static str), u64> =
+            Default::default();
+        let mut oldest: std::collections::BTreeMap<String, f64> = Default::default();
+        for (cluster, word, age) in rows {
+            let cluster = if kept.contains(&cluster) {
+                cluster
+            } else {
+                OTHER_CLUSTERS.to_owned()
+            };
+            if let Some(age) = age {
+                let o = oldest.entry(cluster.clone()).or_insert(0.0);
+                *o = o.max(age);
+            }
+            *machines.entry((cluster, word)).or_default() += 1;
+        }
+        Census {
+            machines: machines.into_iter().map(|((c, w), n)| (c, w, n)).collect(),
+            oldest: oldest.into_iter().collect(),
         }
     }
 
@@ -631,6 +784,7 @@ mod tests {
             target: "https://127.0.0.1:1".into(),
             node: "n".into(),
             costs: vec![20],
+            cluster: "c".into(),
         }
     }
 
@@ -644,6 +798,163 @@ mod tests {
             }),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_census_counts_machines_by_cluster_and_phase_and_ends_are_told_once() {
+        let plans = Plans::new();
+        let ended = Arc::new(Mutex::new(Vec::new()));
+        let seen = ended.clone();
+        plans.on_end(Box::new(move |word, _| {
+            seen.lock().unwrap().push(word);
+        }));
+        let in_cluster = |cluster: &str, id: &str| PlanRef {
+            cluster: cluster.into(),
+            ..plan(id, "d")
+        };
+        let Follow::Start(g) = plans.record(
+            "ns/a",
+            [1u8; 32],
+            in_cluster("red", "pa"),
+            &status(pb::Phase::Applying, 10, "applying"),
+        ) else {
+            panic!("a follower is wanted");
+        };
+        plans.record(
+            "ns/b",
+            [2u8; 32],
+            in_cluster("red", "pb"),
+            &status(pb::Phase::Pending, 10, "pending"),
+        );
+        plans.submitting(
+            "ns/c",
+            [3u8; 32],
+            in_cluster("blue", "pc"),
+            Heard::of(&status(pb::Phase::Unspecified, 5, "submitting")),
+        );
+        plans.record(
+            "ns/d",
+            [4u8; 32],
+            in_cluster("green", "pd"),
+            &status(pb::Phase::Applying, 10, "applying"),
+        );
+        let unreachable: HashMap<String, String> = [("ns/d".to_owned(), "green".to_owned())].into();
+        let census = plans.census(&unreachable, 10);
+        assert_eq!(
+            census.machines,
+            vec![
+                ("blue".to_owned(), "submitting", 1),
+                ("green".to_owned(), "unreachable", 1),
+                ("red".to_owned(), "pending", 1),
+                ("red".to_owned(), "running", 1),
+            ]
+        );
+        assert_eq!(
+            census
+                .oldest
+                .iter()
+                .map(|o| o.0.as_str())
+                .collect::<Vec<_>>(),
+            ["blue", "red"]
+        );
+        // The terminal snapshot is told once, and the Machine stays, as succeeded, with no
+        // unfinished update.
+        assert!(!plans.heard("ns/a", g, &status(pb::Phase::Succeeded, 0, "done")));
+        plans.record(
+            "ns/a",
+            [1u8; 32],
+            in_cluster("red", "pa"),
+            &status(pb::Phase::Succeeded, 0, "done"),
+        );
+        assert_eq!(*ended.lock().unwrap(), ["succeeded"]);
+        let census = plans.census(&HashMap::new(), 10);
+        assert!(
+            census
+                .machines
+                .contains(&("red".to_owned(), "succeeded", 1))
+        );
+        // Beyond the cap, clusters count as "other".
+        let census = plans.census(&HashMap::new(), 1);
+        assert_eq!(
+            census
+                .machines
+                .iter()
+                .map(|m| (m.0.as_str(), m.1))
+                .collect::<Vec<_>>(),
+            [
+                ("blue", "submitting"),
+                ("other", "pending"),
+                ("other", "running"),
+                ("other", "succeeded"),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_in_flight_word_older_than_the_grace_is_asked_for_again() {
+        let plans = Plans::new();
+        let a = [1u8; 32];
+        let Follow::Start(g) = plans.record(
+            "ns/m",
+            a,
+            plan("p1", "d1"),
+            &status(
+                pb::Phase::Verifying,
+                10,
+                "verify[0] kubeletVersion: attempt 1",
+            ),
+        ) else {
+            panic!("a follower is wanted");
+        };
+        // The stream is open (a snapshot came) and silent: the answer may be given, but its
+        // word is stale once older than the grace.
+        assert!(plans.heard(
+            "ns/m",
+            g,
+            &status(
+                pb::Phase::Verifying,
+                10,
+                "verify[0] kubeletVersion: attempt 1"
+            )
+        ));
+        assert!(!plans.answer("ns/m", &a).unwrap().word_stale);
+        std::thread::sleep(GRACE + Duration::from_millis(50));
+        let known = plans.answer("ns/m", &a).unwrap();
+        assert!(known.word_stale);
+        let now = plans
+            .heard_by_call(
+                "ns/m",
+                &known.plan,
+                &status(
+                    pb::Phase::Verifying,
+                    10,
+                    "verify[0] kubeletVersion: attempt 11",
+                ),
+            )
+            .unwrap();
+        assert!(now.hook.message.ends_with("attempt 11"));
+        let known = plans.answer("ns/m", &a).unwrap();
+        assert!(!known.word_stale);
+        assert!(known.heard.hook.message.ends_with("attempt 11"));
+        // A terminal word is never stale, and an older call's answer does not replace it.
+        assert!(!plans.heard("ns/m", g, &status(pb::Phase::RolledBack, 0, "rolled back")));
+        let word = plans
+            .heard_by_call(
+                "ns/m",
+                &known.plan,
+                &status(pb::Phase::Verifying, 10, "late"),
+            )
+            .unwrap();
+        assert_eq!(word.hook.message, "rolled back");
+        assert!(
+            plans
+                .heard_by_call(
+                    "ns/m",
+                    &plan("p2", "d2"),
+                    &status(pb::Phase::Verifying, 10, "x")
+                )
+                .is_none()
+        );
     }
 
     #[test]

@@ -317,6 +317,11 @@ impl Recovery {
         }
     }
 
+    /// The `reportingInstance` of its Events (the pod's name).
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
     /// The slow way read the live Machine `machine` (`namespace/name`): its uid is kept for
     /// its Events, and what it asks of a failed plan is returned.
     pub fn read_live(&self, machine: &str, live: &Value) -> Option<Wish> {

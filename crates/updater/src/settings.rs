@@ -47,6 +47,16 @@ pub const KEYS: &[(&str, &str)] = &[
          a fast plan is done in that call (default 3, at most 8; 0: answer at once)",
     ),
     (
+        "unreachableTimeoutSeconds",
+        "how long UpdateMachine waits for an unreachable agent before it answers Failure \
+         (default 300; 0: wait for ever)",
+    ),
+    (
+        "agentCA",
+        "which CA verifies the agents' certificates: File (the --agent-ca file, default) or \
+         ClusterSecret (the Machine's cluster's <cluster>-ca Secret, key tls.crt)",
+    ),
+    (
         "disableInPlaceUpdates",
         "\"true\": CanUpdate* cover nothing (every change rolls out)",
     ),
@@ -66,6 +76,16 @@ impl Default for Defaults {
     fn default() -> Self {
         Defaults { agent_port: 9443 }
     }
+}
+
+/// Which CA verifies an agent's certificate (`settings.agentCA`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AgentCa {
+    /// The `--agent-ca` file: one fleet CA for every agent.
+    #[default]
+    File,
+    /// The CA of the Machine's workload cluster: its `<cluster>-ca` Secret.
+    ClusterSecret,
 }
 
 /// Settings of one request.
@@ -89,6 +109,10 @@ pub struct Settings {
     pub disable_in_place: bool,
     /// How long the first call of a plan waits for the agent to finish it.
     pub update_wait: std::time::Duration,
+    /// Which CA verifies the agents.
+    pub agent_ca: AgentCa,
+    /// How long `UpdateMachine` waits for an unreachable agent (zero: for ever).
+    pub unreachable_timeout: std::time::Duration,
 }
 
 impl Settings {
@@ -104,6 +128,8 @@ impl Settings {
             plan_timeout_seconds: 0,
             disable_in_place: false,
             update_wait: std::time::Duration::from_secs(3),
+            agent_ca: AgentCa::File,
+            unreachable_timeout: std::time::Duration::from_secs(300),
         }
     }
 
@@ -212,6 +238,21 @@ impl Settings {
         if let Some(n) = seconds("planTimeoutSeconds", 7 * 86400)? {
             s.plan_timeout_seconds = n;
         }
+        if let Some(n) = seconds("unreachableTimeoutSeconds", 7 * 86400)? {
+            s.unreachable_timeout = std::time::Duration::from_secs(n.into());
+        }
+        if let Some(v) = get("agentCA") {
+            s.agent_ca = match v.trim() {
+                "File" | "" => AgentCa::File,
+                "ClusterSecret" => AgentCa::ClusterSecret,
+                other => {
+                    return Err(bad(
+                        "agentCA",
+                        format!("{other:?} is not File or ClusterSecret"),
+                    ));
+                }
+            };
+        }
         if let Some(v) = get("disableInPlaceUpdates") {
             s.disable_in_place = match v {
                 "true" => true,
@@ -265,6 +306,15 @@ mod tests {
                 .unwrap_err()
                 .field,
             "settings.packageRepositoryTemplate"
+        );
+        assert_eq!(parse(json!({})).unwrap().agent_ca, AgentCa::File);
+        assert_eq!(
+            parse(json!({"agentCA": "ClusterSecret"})).unwrap().agent_ca,
+            AgentCa::ClusterSecret
+        );
+        assert_eq!(
+            parse(json!({"agentCA": "Secret"})).unwrap_err().field,
+            "settings.agentCA"
         );
         assert_eq!(
             parse(json!({"kubeletHealthzURL": ""}))

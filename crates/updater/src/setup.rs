@@ -43,8 +43,33 @@ pub async fn build(
             plans: Arc::new(Plans::new()),
             metrics,
             recovery,
+            cluster_cas: Default::default(),
+            waits: Default::default(),
         }
     });
+    let waits = Arc::downgrade(&updater.waits);
+    updater.metrics.read_waits(Arc::new(move || {
+        waits
+            .upgrade()
+            .map_or((0, 0.0), |w| w.gauges(inplace_base::time::now_ms()))
+    }));
+    let metrics = Arc::downgrade(&updater.metrics);
+    updater.plans.on_end(Box::new(move |outcome, took| {
+        if let Some(m) = metrics.upgrade() {
+            m.plan_ended(outcome, took.as_secs_f64());
+        }
+    }));
+    let (plans, waits) = (
+        Arc::downgrade(&updater.plans),
+        Arc::downgrade(&updater.waits),
+    );
+    updater.metrics.read_fleet(Arc::new(move || {
+        let unreachable = waits.upgrade().map(|w| w.clusters()).unwrap_or_default();
+        plans
+            .upgrade()
+            .map(|p| p.census(&unreachable, super::metrics::MAX_CLUSTERS))
+            .unwrap_or_default()
+    }));
     let tls = Arc::new(
         ServingTls::new(
             tls_cert.to_path_buf(),

@@ -1,8 +1,9 @@
 //! A STAND-IN for the Kubernetes API server: the few paths the updater uses (`get` of a
-//! Machine with status, a KubeadmConfig, a Secret; `create` of a `v1` Event, 409
-//! AlreadyExists for a name taken; a JSON merge `patch` of a Machine), serving the objects'
-//! real JSON shapes and the API server's `Status` object for errors, over plain HTTP/1.1 on
-//! loopback. It is not a Kubernetes API server (no auth, no watch, no list, no validation,
+//! Machine with status, a KubeadmConfig, a Secret; `list` of Machines by label selector;
+//! `create` of a `v1` Event, 409 AlreadyExists for a name taken; a JSON merge `patch` of a
+//! Machine), serving the objects' real JSON shapes and the API server's `Status` object for
+//! errors, over plain HTTP/1.1 on loopback. It is not a Kubernetes API server (no auth, no
+//! watch, no list but of Machines by equality label selector, no validation,
 //! resourceVersion only counted): no kube-apiserver can be installed on the machines this
 //! project is built and tested on, so the tests, the demo and the benchmark run the
 //! updater's real kube-rs client against this. Every request is recorded, so tests can
@@ -213,7 +214,81 @@ fn merge(target: &mut Value, patch: &Value) {
     }
 }
 
+/// `%XX` and `+` of a query value, decoded.
+fn query_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(b) => {
+                        out.push(b);
+                        i += 3;
+                        continue;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 impl Store {
+    /// GET .../namespaces/<ns>/machines?labelSelector=k=v,...: the Machines of the namespace
+    /// with all those labels, as a `MachineList` (equality selectors only; the only list
+    /// the stand-in serves). `None` for any other request.
+    fn list_machines(
+        &self,
+        segments: &[&str],
+        ns_at: Option<usize>,
+        query: Option<&str>,
+    ) -> Option<Response<Full<Bytes>>> {
+        let i = ns_at?;
+        if segments.len() != i + 3 || segments[i + 2] != "machines" {
+            return None;
+        }
+        let query = query.unwrap_or_default();
+        if query.contains("watch") {
+            return None;
+        }
+        let selector = query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("labelSelector="))
+            .map(query_decode)?;
+        let wanted: Vec<(&str, &str)> = selector
+            .split(',')
+            .filter_map(|kv| kv.split_once('='))
+            .collect();
+        let prefix = format!("/{}/", segments.join("/"));
+        let items: Vec<Value> = self
+            .objects
+            .iter()
+            .filter(|(path, _)| path.starts_with(&prefix))
+            .filter(|(_, o)| {
+                wanted.iter().all(|(k, v)| {
+                    o["metadata"]["labels"].get(*k).and_then(Value::as_str) == Some(*v)
+                })
+            })
+            .map(|(_, o)| o.clone())
+            .collect();
+        Some(json_response(
+            StatusCode::OK,
+            &json!({
+                "kind": "MachineList",
+                "apiVersion": format!("{}/{}", segments[1], segments[2]),
+                "metadata": {"resourceVersion": self.version.to_string()},
+                "items": items,
+            }),
+        ))
+    }
+
     fn next_version(&mut self) -> String {
         self.version += 1;
         self.version.to_string()
@@ -323,13 +398,16 @@ fn handle(
     }
     // .../namespaces/<ns>/<plural>/<name> : a get; anything shorter is a list or watch.
     let ns_at = segments.iter().position(|s| *s == "namespaces");
+    if let Some(list) = store.list_machines(&segments, ns_at, uri.query()) {
+        return list;
+    }
     let named = ns_at.is_some_and(|i| segments.len() == i + 4);
     if !named || uri.query().is_some_and(|q| q.contains("watch")) {
         return status(
             StatusCode::FORBIDDEN,
             "Forbidden",
             format!(
-                "list and watch are forbidden here (the updater's RBAC allows get only): {path}"
+                "list (but of machines by labelSelector) and watch are forbidden here (the updater's RBAC allows get only): {path}"
             ),
         );
     }

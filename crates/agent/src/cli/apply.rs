@@ -170,6 +170,13 @@ pub fn check(plan_path: &Path, node: &NodeArgs, output: Output) -> Exit {
     }
     if report.applicable {
         Exit::Ok
+    } else if let Some(first) = report.environment.first() {
+        // Not the plan: the node could not be read (a refused permission, an I/O error).
+        errln!("error: the node could not be checked, the plan was not judged: {first}");
+        if let Some(hint) = super::not_root_hint_for_node() {
+            errln!("{hint}");
+        }
+        Exit::Failed
     } else {
         Exit::Invalid
     }

@@ -154,8 +154,18 @@ fn not_root_hint(e: &anyhow::Error) -> Option<String> {
             .downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
     });
+    if refused {
+        not_root_hint_for_node()
+    } else {
+        None
+    }
+}
+
+/// When this process is not root: that it reads and changes the node's files as root, and
+/// what to do (for an error of the node's files, such as a check that could not read them).
+pub(crate) fn not_root_hint_for_node() -> Option<String> {
     let uid = rustix::process::geteuid();
-    (refused && !uid.is_root()).then(|| {
+    (!uid.is_root()).then(|| {
         format!(
             "hint: inplace-agent runs as uid {} here, not root: it changes the node's files and \
              keeps its journal as root; run it as root (or with sudo)",

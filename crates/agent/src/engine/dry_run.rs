@@ -9,6 +9,7 @@ use super::EngineConfig;
 use super::units;
 use crate::host::Host;
 use crate::steps;
+use inplace_base::ErrorKind;
 use inplace_plan::{Change, Disruption, FieldError, Plan};
 
 /// What one change would do.
@@ -83,6 +84,11 @@ pub struct DryRunReport {
     pub daemon_reload: bool,
     /// How this agent manages units (`systemd on ...`, `off`).
     pub services: String,
+    /// What could not be read or written on this node while checking (a refused
+    /// permission, an I/O error): the node, not the plan, is at fault. Also in the changes'
+    /// details; not part of the JSON shape.
+    #[serde(skip)]
+    pub environment: Vec<String>,
     /// Plan-level problems (node name, accounts).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<FieldError>,
@@ -104,6 +110,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunRepo
         restart_units: Vec::new(),
         daemon_reload: false,
         services: host.services_description(),
+        environment: Vec::new(),
         errors: Vec::new(),
         changes: Vec::new(),
         checks: Vec::new(),
@@ -152,6 +159,12 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunRepo
             .filter(|e| e.field.starts_with(&prefix))
             .map(|e| e.to_string())
             .collect();
+        report.environment.extend(
+            field_errors
+                .iter()
+                .filter(|e| e.field.starts_with(&prefix) && e.of_environment())
+                .map(|e| e.to_string()),
+        );
         let mut disruption = change.spec().disruption();
         let unsupported = config.capabilities.unsupported(change).or_else(|| {
             host.services()
@@ -197,7 +210,16 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunRepo
                     parts.extend(d.note);
                     (ChangeVerdict::WouldChange, parts.join("; "))
                 }
-                Err(e) => (ChangeVerdict::Invalid, e.detail),
+                Err(e) => {
+                    if matches!(e.kind, ErrorKind::Io | ErrorKind::DiskFull) {
+                        report.environment.push(format!(
+                            "changes[{i}].{}: {}",
+                            change.kind(),
+                            e.detail
+                        ));
+                    }
+                    (ChangeVerdict::Invalid, e.detail)
+                }
             }
         };
         if result == ChangeVerdict::WouldChange {

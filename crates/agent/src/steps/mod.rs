@@ -194,10 +194,16 @@ pub fn preflight(host: &Host, plan: &Plan) -> Result<Prepared, Vec<FieldError>> 
             match host.root.check_path_in(&w.path, &mut dirs) {
                 Ok(Some(kind)) => in_the_way.push((w, kind)),
                 Ok(None) => {}
-                Err(e) => errors.push(FieldError::new(
-                    format!("{base}.{}", w.field),
-                    e.to_string(),
-                )),
+                Err(e) => {
+                    // The kind travels with it: a refused permission is the node's, not
+                    // the plan's (the dry run says so and `check` exits accordingly).
+                    let e = StepError::from(e);
+                    errors.push(FieldError::caused(
+                        format!("{base}.{}", w.field),
+                        e.detail,
+                        e.kind,
+                    ));
+                }
             }
         }
         let ids = spec
