@@ -1,6 +1,7 @@
 //! The management cluster, through kube-rs: the live Machine (status: nodeRef, addresses;
 //! annotations), its KubeadmConfig, and the Secrets `files[].contentFrom` names, each by
-//! `get` by name; the updater never lists or watches. Two writes, for a failed plan
+//! `get` by name; the updater never watches, and lists only MachineDrainRules (for the
+//! drain, [`super::drain`], with `get` of the `<cluster>-kubeconfig` Secret). Two writes, for a failed plan
 //! ([`super::recovery`]): `create` of an Event on the Machine, and a merge `patch` of one
 //! annotation of the Machine (the retry it acted on). Its RBAC allows exactly this.
 //!
@@ -222,5 +223,40 @@ impl Cluster {
                 name: name.to_owned(),
                 detail: e.to_string(),
             })
+    }
+}
+
+/// `cluster.x-k8s.io/v1beta2` MachineDrainRule.
+pub fn machine_drain_rule_resource() -> ApiResource {
+    ApiResource {
+        group: "cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "cluster.x-k8s.io/v1beta2".into(),
+        kind: "MachineDrainRule".into(),
+        plural: "machinedrainrules".into(),
+    }
+}
+
+impl Cluster {
+    /// The MachineDrainRules of `namespace` (the drain's only `list`; they live beside the
+    /// Machines, and CAPI's drain lists them the same way).
+    pub async fn machine_drain_rules(&self, namespace: &str) -> Result<Vec<Value>, ClusterError> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &machine_drain_rule_resource());
+        let list = api
+            .list(&kube::api::ListParams::default())
+            .await
+            .map_err(|e| ClusterError {
+                op: "list",
+                what: "MachineDrainRule",
+                namespace: namespace.to_owned(),
+                name: "*".into(),
+                detail: e.to_string(),
+            })?;
+        Ok(list
+            .items
+            .iter()
+            .filter_map(|o| serde_json::to_value(o).ok())
+            .collect())
     }
 }

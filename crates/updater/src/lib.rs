@@ -21,6 +21,8 @@
 //! - [`cluster`]: the management cluster (kube-rs); [`agent`]: the agents (gRPC client pool).
 //! - [`progress`]: what the agents last said about each Machine's plan, kept between calls.
 //! - [`recovery`]: a failed plan as an Event on its Machine, and its retry by annotation.
+//! - [`drain`]: the drain before a disruptive plan (pure); [`workload`]: the workload
+//!   cluster's Node, Pods and Evictions (kube-rs, from the `<cluster>-kubeconfig` Secret).
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
 //! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
@@ -41,6 +43,7 @@ pub mod cli;
 pub(crate) mod cluster;
 pub mod deadlines;
 pub(crate) mod demo;
+pub mod drain;
 pub mod emulate;
 pub(crate) mod errors;
 pub mod handlers;
@@ -55,3 +58,4 @@ pub mod settings;
 pub(crate) mod setup;
 pub mod standin;
 pub mod translate;
+pub mod workload;

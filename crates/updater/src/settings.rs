@@ -4,6 +4,7 @@
 
 use serde_json::{Map, Value};
 
+use super::drain::{DrainMode, OnTimeout};
 use super::hooks::RequestError;
 
 /// Every settings key the updater reads, with its one-line meaning (docs/updater.md has the
@@ -50,6 +51,23 @@ pub const KEYS: &[(&str, &str)] = &[
         "disableInPlaceUpdates",
         "\"true\": CanUpdate* cover nothing (every change rolls out)",
     ),
+    (
+        "drain",
+        "Never, Disruptive or Always: when to cordon and drain the node before a plan (default Disruptive)",
+    ),
+    (
+        "drainOnRestartOf",
+        "units whose restart drains under Disruptive, comma-separated (default containerd)",
+    ),
+    (
+        "drainTimeoutSeconds",
+        "how long a drain may take when the Machine sets no spec.deletion.nodeDrainTimeoutSeconds \
+         (default 0: no limit)",
+    ),
+    (
+        "onDrainTimeout",
+        "Fail or Proceed when the drain timed out (default Fail)",
+    ),
 ];
 
 /// The managed set the KubeadmConfig's `files[]` belong to on the node.
@@ -89,6 +107,14 @@ pub struct Settings {
     pub disable_in_place: bool,
     /// How long the first call of a plan waits for the agent to finish it.
     pub update_wait: std::time::Duration,
+    /// When to drain.
+    pub drain: DrainMode,
+    /// Units whose restart drains under [`DrainMode::Disruptive`].
+    pub drain_on_restart_of: Vec<String>,
+    /// The drain's limit when the Machine sets none (0: none).
+    pub drain_timeout_seconds: u32,
+    /// What a timed-out drain does.
+    pub on_drain_timeout: OnTimeout,
 }
 
 impl Settings {
@@ -104,6 +130,10 @@ impl Settings {
             plan_timeout_seconds: 0,
             disable_in_place: false,
             update_wait: std::time::Duration::from_secs(3),
+            drain: DrainMode::Disruptive,
+            drain_on_restart_of: vec!["containerd".into()],
+            drain_timeout_seconds: 0,
+            on_drain_timeout: OnTimeout::Fail,
         }
     }
 
@@ -224,7 +254,46 @@ impl Settings {
                 }
             };
         }
+        s.read_drain(settings, seconds("drainTimeoutSeconds", 30 * 86400)?)?;
         Ok(s)
+    }
+
+    /// The drain's keys (docs/updater.md, "Drain").
+    fn read_drain(
+        &mut self,
+        settings: &Map<String, Value>,
+        timeout: Option<u32>,
+    ) -> Result<(), RequestError> {
+        let get = |key: &str| settings.get(key).and_then(Value::as_str);
+        let bad =
+            |key: &str, message: String| RequestError::new(format!("settings.{key}"), message);
+        if let Some(v) = get("drain") {
+            self.drain = DrainMode::parse(v).ok_or_else(|| {
+                bad(
+                    "drain",
+                    format!("{v:?} is not Never, Disruptive or Always"),
+                )
+            })?;
+        }
+        if let Some(v) = get("drainOnRestartOf") {
+            self.drain_on_restart_of = list(v);
+        }
+        if let Some(n) = timeout {
+            self.drain_timeout_seconds = n;
+        }
+        if let Some(v) = get("onDrainTimeout") {
+            self.on_drain_timeout = match v {
+                "Fail" => OnTimeout::Fail,
+                "Proceed" => OnTimeout::Proceed,
+                other => {
+                    return Err(bad(
+                        "onDrainTimeout",
+                        format!("{other:?} is not Fail or Proceed"),
+                    ));
+                }
+            };
+        }
+        Ok(())
     }
 }
 
@@ -247,7 +316,7 @@ mod tests {
 
     #[test]
     fn settings_win_over_flags_and_errors_name_the_key() {
-        let s = parse(json!({"agentPort": "8443", "drain": "true"})).unwrap();
+        let s = parse(json!({"agentPort": "8443", "otherExtension": "true"})).unwrap();
         assert_eq!(s.agent_port, 8443);
         assert_eq!(parse(json!({})).unwrap().agent_port, 9443);
         assert_eq!(
@@ -272,6 +341,23 @@ mod tests {
                 .kubelet_healthz_url,
             None
         );
+    }
+
+    #[test]
+    fn drain_settings_have_defaults_and_errors_name_the_key() {
+        let d = parse(json!({})).unwrap();
+        assert_eq!(d.drain, DrainMode::Disruptive);
+        assert_eq!(d.drain_on_restart_of, ["containerd"]);
+        assert_eq!((d.drain_timeout_seconds, d.on_drain_timeout), (0, OnTimeout::Fail));
+        let s = parse(json!({"drain": "Always", "drainOnRestartOf": "containerd, crio.service",
+            "drainTimeoutSeconds": "600", "onDrainTimeout": "Proceed"}))
+        .unwrap();
+        assert_eq!(s.drain, DrainMode::Always);
+        assert_eq!(s.drain_on_restart_of, ["containerd", "crio.service"]);
+        assert_eq!((s.drain_timeout_seconds, s.on_drain_timeout), (600, OnTimeout::Proceed));
+        for (key, value) in [("drain", "true"), ("onDrainTimeout", "Wait"), ("drainTimeoutSeconds", "-1")] {
+            assert_eq!(parse(json!({key: value})).unwrap_err().field, format!("settings.{key}"));
+        }
     }
 
     #[test]
