@@ -53,7 +53,7 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
         &[("password", SECRET_CONTENT.as_bytes())],
     ));
     let mut capi = w.client();
-    let settings = json!({"agentPort": w.agent_port.to_string(), "drain": "true"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "drain": "Disruptive"});
 
     // Discovery, as the ExtensionConfig controller calls it.
     let r = capi
@@ -210,7 +210,9 @@ async fn a_failing_gate_answers_failure_on_every_later_call_and_the_node_is_rest
     w.add_agent("node-a", "v1.35.2");
     w.start_updater();
     let mut capi = w.client();
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2"});
+    // The version differs: without "drain": "Never" the node would be drained first
+    // (tests/it/updater_drain.rs).
+    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "drain": "Never"});
     let (machine, config) = w.put_machine(
         "cp-0",
         0,
@@ -437,7 +439,7 @@ async fn a_node_on_real_systemd_moves_to_the_new_version_in_place() {
     let mut capi = w.client();
     // The kubelet's healthz is in the node's network namespace, out of the agent's reach
     // here: no httpGet gate (unitActive and kubeletVersion remain).
-    let settings = json!({"agentPort": w.agent_port.to_string(), "kubeletHealthzURL": "", "gateTimeoutSeconds": "60"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "kubeletHealthzURL": "", "gateTimeoutSeconds": "60", "drain": "Never"});
     let version = format!("v{new_upstream}");
     let (machine, config) = w.put_machine(
         "sys-0",

@@ -136,7 +136,7 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
     let case = Case {
         machine_path: object_path(&machine).unwrap(),
         config,
-        settings: json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "updateWaitSeconds": "0"}),
+        settings: json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "updateWaitSeconds": "0", "drain": "Never"}),
     };
     w.api.edit(&case.machine_path, |m| {
         m["metadata"]["uid"] = json!("0b5c1d7e-uid-retry-0");

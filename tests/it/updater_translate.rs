@@ -383,6 +383,7 @@ fn the_plan_follows_what_the_node_reports() {
         features: vec![],
         services_managed: false,
         package_manager: String::new(),
+        kubelet_version: String::new(),
     };
     let t = translate(&desired, &settings(), &node, &NoSecrets).unwrap();
     let kinds: Vec<String> = t

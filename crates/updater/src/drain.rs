@@ -148,6 +148,18 @@ pub fn drain_reason(
     }
 }
 
+/// `CanUpdateMachineSet` (no node to ask): whether the Machines' plans will drain, from the
+/// template's changes alone — under `Disruptive` when the version moves (a reboot or a
+/// runtime restart shows only on the node; each Machine's `CanUpdateMachine` says), under
+/// `Always` when anything changes.
+pub fn machine_set_drains(mode: DrainMode, version_changes: bool, changes: bool) -> bool {
+    match mode {
+        DrainMode::Never => false,
+        DrainMode::Disruptive => version_changes,
+        DrainMode::Always => changes,
+    }
+}
+
 /// `containerd` names `containerd.service`.
 fn unit_is(unit: &str, name: &str) -> bool {
     unit == name || unit.strip_suffix(".service") == Some(name)

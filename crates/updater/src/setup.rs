@@ -43,6 +43,7 @@ pub async fn build(
             plans: Arc::new(Plans::new()),
             metrics,
             recovery,
+            drains: Arc::new(super::handlers::Drains::default()),
         }
     });
     let tls = Arc::new(
