@@ -33,6 +33,7 @@ mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
 mod updater_bootstrap_files;
+mod updater_drain;
 mod updater_e2e;
 mod updater_http;
 mod updater_memory;

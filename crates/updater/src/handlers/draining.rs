@@ -157,8 +157,10 @@ impl Updater {
             version_differs(facts, wanted),
         );
         let node = &plan.node;
-        let Some(reason) = drain_reason(settings.drain, &settings.drain_on_restart_of, &effect)
-        else {
+        let reason = drain_reason(settings.drain, &settings.drain_on_restart_of, &effect);
+        tracing::debug!(machine = %key, %node, plan = %plan.id, ?effect, kubelet = %facts.kubelet_version,
+            reason = reason.as_deref().unwrap_or("none"), "drain decided");
+        let Some(reason) = reason else {
             self.drains.settle(key, &plan.id, "any", None);
             return Ok(None);
         };
