@@ -35,24 +35,60 @@ const WEB_PDB: &str = "/apis/policy/v1/namespaces/default/poddisruptionbudgets/w
 /// another node.
 fn workload(w: &World, kubelet_version: &str, allowed: i64) -> String {
     let name = w.agents[0].node.clone();
-    w.api.put(w.api.workload_secret("default", "capi-quickstart"));
+    w.api
+        .put(w.api.workload_secret("default", "capi-quickstart"));
     w.api.put(node(&name, kubelet_version));
     w.api.put(namespace("default", json!({})));
     w.api.put(namespace("kube-system", json!({})));
-    w.api.put(json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+    w.api
+        .put(json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
         "metadata": {"name": "kube-proxy", "namespace": "kube-system"}, "spec": {}}));
     let rs = Some(("ReplicaSet", "web-7d9"));
-    w.api.put(pod("default", "web-0", &name, rs, json!({"app": "web"})));
-    w.api.put(pod("default", "web-1", &name, rs, json!({"app": "web"})));
-    w.api.put(pod("default", "api-0", &name, None, json!({"app": "api"})));
-    w.api.put(pod("default", "db-0", &name, Some(("StatefulSet", "db")), json!({"tier": "db"})));
-    w.api.put(pod("kube-system", "kube-proxy-a", &name, Some(("DaemonSet", "kube-proxy")), json!({})));
-    let mut mirror = pod("kube-system", &format!("etcd-{name}"), &name, None, json!({}));
+    w.api
+        .put(pod("default", "web-0", &name, rs, json!({"app": "web"})));
+    w.api
+        .put(pod("default", "web-1", &name, rs, json!({"app": "web"})));
+    w.api
+        .put(pod("default", "api-0", &name, None, json!({"app": "api"})));
+    w.api.put(pod(
+        "default",
+        "db-0",
+        &name,
+        Some(("StatefulSet", "db")),
+        json!({"tier": "db"}),
+    ));
+    w.api.put(pod(
+        "kube-system",
+        "kube-proxy-a",
+        &name,
+        Some(("DaemonSet", "kube-proxy")),
+        json!({}),
+    ));
+    let mut mirror = pod(
+        "kube-system",
+        &format!("etcd-{name}"),
+        &name,
+        None,
+        json!({}),
+    );
     mirror["metadata"]["annotations"] = json!({"kubernetes.io/config.mirror": "abc"});
     w.api.put(mirror);
-    w.api.put(pod("default", "keep", &name, None, json!({"cluster.x-k8s.io/drain": "skip"})));
-    w.api.put(pod("default", "elsewhere", "node-x", rs, json!({"app": "web"})));
-    w.api.put(pdb("default", "web", json!({"app": "web"}), allowed));
+    w.api.put(pod(
+        "default",
+        "keep",
+        &name,
+        None,
+        json!({"cluster.x-k8s.io/drain": "skip"}),
+    ));
+    w.api.put(pod(
+        "default",
+        "elsewhere",
+        "node-x",
+        rs,
+        json!({"app": "web"}),
+    ));
+    w.api
+        .put(pdb("default", "web", json!({"app": "web"}), allowed));
     w.api.put(json!({"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineDrainRule",
         "metadata": {"name": "db-last", "namespace": "default"},
         "spec": {"drain": {"behavior": "Drain", "order": 10},
@@ -142,7 +178,12 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
     // The first call cordons, evicts what the budget allows and answers in progress.
     let first = call(&mut capi, &body).await;
     assert_eq!(first["status"], "Success", "{first}");
-    assert_eq!(first["retryAfterSeconds"], 5, "{first}\n{}", w.updater_log());
+    assert_eq!(
+        first["retryAfterSeconds"],
+        5,
+        "{first}\n{}",
+        w.updater_log()
+    );
     assert_eq!(
         message(&first),
         "draining node node-d: 4 pods left; default/web-1 blocked by PodDisruptionBudget default/web; then default/db-0",
@@ -179,17 +220,26 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
     // The budget holds: retried on every call, never bypassed; nothing submitted yet.
     for _ in 0..3 {
         let v = call(&mut capi, &body).await;
-        assert!(message(&v).contains("default/web-1 blocked by PodDisruptionBudget default/web"), "{v}");
+        assert!(
+            message(&v).contains("default/web-1 blocked by PodDisruptionBudget default/web"),
+            "{v}"
+        );
     }
     let state = w.dir.path().join("state-node-d");
-    assert!(!std::fs::read_to_string(inplace_agent::journal::file_path(&state))
-        .unwrap_or_default()
-        .contains("planAccepted"));
+    assert!(
+        !std::fs::read_to_string(inplace_agent::journal::file_path(&state))
+            .unwrap_or_default()
+            .contains("planAccepted")
+    );
 
     // The budget allows one more: web-1 goes, then db-0 (order 10), then the plan.
-    w.api.edit(WEB_PDB, |b| b["status"]["disruptionsAllowed"] = json!(1));
+    w.api
+        .edit(WEB_PDB, |b| b["status"]["disruptionsAllowed"] = json!(1));
     let v = call(&mut capi, &body).await;
-    assert!(message(&v).starts_with("draining node node-d: 2 pods left"), "{v}");
+    assert!(
+        message(&v).starts_with("draining node node-d: 2 pods left"),
+        "{v}"
+    );
     let v = call(&mut capi, &body).await;
     assert_eq!(message(&v), "draining node node-d: 1 pod left", "{v}");
     drain_through(&mut capi, &body).await;
@@ -208,8 +258,16 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
     assert_eq!(on_node(&w, &node), stayed);
     let n = node_object(&w, &node);
     assert!(!cordoned(&n), "uncordoned after Succeeded: {n}");
-    assert!(n["metadata"]["annotations"].get(CORDONED_BY_ANNOTATION).is_none(), "{n}");
-    assert!(n["metadata"]["annotations"].get(DRAIN_ANNOTATION).is_none(), "{n}");
+    assert!(
+        n["metadata"]["annotations"]
+            .get(CORDONED_BY_ANNOTATION)
+            .is_none(),
+        "{n}"
+    );
+    assert!(
+        n["metadata"]["annotations"].get(DRAIN_ANNOTATION).is_none(),
+        "{n}"
+    );
 
     // Evictions only, never a delete; the Secret read by name, the rules listed.
     let requests = w.api.requests();
@@ -220,11 +278,22 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
         .map(|(_, p)| p.as_str())
         .collect();
     assert!(evictions.iter().any(|p| p.contains("/pods/db-0/eviction")));
-    assert!(!evictions.iter().any(|p| p.contains("kube-proxy") || p.contains("etcd-") || p.contains("/keep/")));
-    assert!(requests.iter().any(|(m, p)| m == "GET"
-        && p == "/api/v1/namespaces/default/secrets/capi-quickstart-kubeconfig"));
-    assert!(!requests.iter().any(|(_, p)| p.ends_with("/secrets") || p.contains("/secrets?")));
-    let metrics = String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
+    assert!(
+        !evictions
+            .iter()
+            .any(|p| p.contains("kube-proxy") || p.contains("etcd-") || p.contains("/keep/"))
+    );
+    assert!(
+        requests.iter().any(|(m, p)| m == "GET"
+            && p == "/api/v1/namespaces/default/secrets/capi-quickstart-kubeconfig")
+    );
+    assert!(
+        !requests
+            .iter()
+            .any(|(_, p)| p.ends_with("/secrets") || p.contains("/secrets?"))
+    );
+    let metrics =
+        String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
     for (name, at_least) in [
         ("inplace_updater_drains_started_total", 1),
         ("inplace_updater_drains_finished_total", 1),
@@ -236,10 +305,16 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
             .lines()
             .find_map(|l| l.strip_prefix(&format!("{name} ")))
             .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"));
-        assert!(value.trim().parse::<f64>().unwrap() >= at_least as f64, "{name} {value}");
+        assert!(
+            value.trim().parse::<f64>().unwrap() >= at_least as f64,
+            "{name} {value}"
+        );
     }
     let log = w.updater_log();
-    assert!(log.contains("eviction refused by a PodDisruptionBudget") && log.contains("default/web"), "{log}");
+    assert!(
+        log.contains("eviction refused by a PodDisruptionBudget") && log.contains("default/web"),
+        "{log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,11 +328,17 @@ async fn a_files_only_plan_does_not_drain() {
     let body = update_request(&machine, Some(&config), settings);
     let seen = poll_update(&mut capi, &body, SCALE).await;
     assert_eq!(seen.last().unwrap()["retryAfterSeconds"], 0, "{seen:?}");
-    assert!(seen.iter().all(|v| !message(v).contains("draining")), "{seen:?}");
+    assert!(
+        seen.iter().all(|v| !message(v).contains("draining")),
+        "{seen:?}"
+    );
     assert!(!cordoned(&node_object(&w, &node)));
     assert_eq!(on_node(&w, &node).len(), 8);
     assert!(
-        !w.api.requests().iter().any(|(_, p)| p.starts_with(NODE_PATH) || p.contains("/pods")),
+        !w.api
+            .requests()
+            .iter()
+            .any(|(_, p)| p.starts_with(NODE_PATH) || p.contains("/pods")),
         "the workload cluster was not touched: {:?}",
         w.api.requests()
     );
@@ -277,7 +358,10 @@ async fn a_failing_gate_leaves_the_node_cordoned_and_says_so() {
     let last = seen.last().unwrap();
     assert_eq!(last["status"], "Failure", "{seen:?}");
     assert!(message(last).contains("kubeletVersion"), "{last}");
-    assert!(message(last).contains("node node-d stays cordoned"), "{last}");
+    assert!(
+        message(last).contains("node node-d stays cordoned"),
+        "{last}"
+    );
     assert!(cordoned(&node_object(&w, &node)));
     // Every later call says it again.
     let again = call(&mut capi, &body).await;
@@ -290,22 +374,35 @@ async fn a_persons_cordon_survives_the_update() {
     let mut w = World::new(53).await;
     setup(&mut w, "v1.35.1");
     let node = workload(&w, "v1.35.1", 5);
-    w.api.edit(&format!("{NODE_PATH}{node}"), |n| n["spec"]["unschedulable"] = json!(true));
+    w.api.edit(&format!("{NODE_PATH}{node}"), |n| {
+        n["spec"]["unschedulable"] = json!(true)
+    });
     let mut capi = w.client();
     let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "30"});
     let (machine, config) = w.put_machine("md-3", 0, "v1.35.2", files("person\n"));
     let body = update_request(&machine, Some(&config), settings);
     let first = call(&mut capi, &body).await;
-    assert!(message(&first).starts_with("draining node node-d"), "{first}");
+    assert!(
+        message(&first).starts_with("draining node node-d"),
+        "{first}"
+    );
     let n = node_object(&w, &node);
-    assert!(n["metadata"]["annotations"].get(CORDONED_BY_ANNOTATION).is_none(), "{n}");
+    assert!(
+        n["metadata"]["annotations"]
+            .get(CORDONED_BY_ANNOTATION)
+            .is_none(),
+        "{n}"
+    );
     drain_through(&mut capi, &body).await;
     upgrade_kubelet(&w);
     let seen = poll_update(&mut capi, &body, SCALE).await;
     assert_eq!(seen.last().unwrap()["retryAfterSeconds"], 0, "{seen:?}");
     let n = node_object(&w, &node);
     assert!(cordoned(&n), "the person's cordon stays: {n}");
-    assert!(n["metadata"]["annotations"].get(DRAIN_ANNOTATION).is_none(), "{n}");
+    assert!(
+        n["metadata"]["annotations"].get(DRAIN_ANNOTATION).is_none(),
+        "{n}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -342,20 +439,33 @@ async fn a_drain_past_its_timeout_fails_then_proceeds_when_told() {
         json!({"agentPort": port, "gateTimeoutSeconds": "30", "drainTimeoutSeconds": "1"}),
     );
     let first = call(&mut capi, &fail).await;
-    assert!(message(&first).contains("blocked by PodDisruptionBudget default/web"), "{first}");
+    assert!(
+        message(&first).contains("blocked by PodDisruptionBudget default/web"),
+        "{first}"
+    );
     tokio::time::sleep(Duration::from_millis(2200)).await;
     let failed = call(&mut capi, &fail).await;
     assert_eq!(failed["status"], "Failure", "{failed}");
     let m = message(&failed);
-    assert!(m.contains("drain of node node-d timed out after 1 s (settings.drainTimeoutSeconds)"), "{m}");
-    assert!(m.contains("default/web-0") && m.contains("stays cordoned"), "{m}");
+    assert!(
+        m.contains("drain of node node-d timed out after 1 s (settings.drainTimeoutSeconds)"),
+        "{m}"
+    );
+    assert!(
+        m.contains("default/web-0") && m.contains("stays cordoned"),
+        "{m}"
+    );
     assert!(cordoned(&node_object(&w, &node)));
 
     // The Machine's own nodeDrainTimeoutSeconds wins over the setting.
     let mut long = machine.clone();
     long["spec"]["deletion"] = json!({"nodeDrainTimeoutSeconds": 3600});
     w.api.put(long.clone());
-    let body = update_request(&long, Some(&config), json!({"agentPort": port, "gateTimeoutSeconds": "30", "drainTimeoutSeconds": "1"}));
+    let body = update_request(
+        &long,
+        Some(&config),
+        json!({"agentPort": port, "gateTimeoutSeconds": "30", "drainTimeoutSeconds": "1"}),
+    );
     let v = call(&mut capi, &body).await;
     assert_eq!(v["status"], "Success", "{v}");
     assert!(message(&v).starts_with("draining"), "{v}");
@@ -369,9 +479,20 @@ async fn a_drain_past_its_timeout_fails_then_proceeds_when_told() {
     drain_through(&mut capi, &proceed).await;
     upgrade_kubelet(&w);
     let seen = poll_update(&mut capi, &proceed, SCALE).await;
-    assert_eq!(seen.last().unwrap()["retryAfterSeconds"], 0, "{seen:?}\n{}", w.updater_log());
-    assert!(on_node(&w, &node).contains(&"default/web-0".to_owned()), "still there");
-    assert!(!cordoned(&node_object(&w, &node)), "uncordoned after Succeeded");
+    assert_eq!(
+        seen.last().unwrap()["retryAfterSeconds"],
+        0,
+        "{seen:?}\n{}",
+        w.updater_log()
+    );
+    assert!(
+        on_node(&w, &node).contains(&"default/web-0".to_owned()),
+        "still there"
+    );
+    assert!(
+        !cordoned(&node_object(&w, &node)),
+        "uncordoned after Succeeded"
+    );
     assert!(w.updater_log().contains("drain timed out; proceeding"));
 }
 
@@ -384,7 +505,10 @@ async fn a_restarted_updater_continues_a_drain_half_done() {
     let (machine, config) = w.put_machine("md-6", 0, "v1.35.2", files("restart\n"));
     let body = update_request(&machine, Some(&config), settings);
     let first = call(&mut w.client(), &body).await;
-    assert!(message(&first).contains("blocked by PodDisruptionBudget"), "{first}");
+    assert!(
+        message(&first).contains("blocked by PodDisruptionBudget"),
+        "{first}"
+    );
     let mark = node_object(&w, &node)["metadata"]["annotations"][DRAIN_ANNOTATION].clone();
 
     // A new updater process: nothing in memory, the Node says where the drain is.
@@ -398,13 +522,30 @@ async fn a_restarted_updater_continues_a_drain_half_done() {
         "draining node node-d: 3 pods left; default/web-0 blocked by PodDisruptionBudget default/web; \
          default/web-1 blocked by PodDisruptionBudget default/web; then default/db-0"
     );
-    assert_eq!(node_object(&w, &node)["metadata"]["annotations"][DRAIN_ANNOTATION], mark, "not begun again");
-    let metrics = String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
-    assert!(metrics.contains("inplace_updater_drains_started_total 0"), "{metrics}");
-    w.api.edit(WEB_PDB, |b| b["status"]["disruptionsAllowed"] = json!(5));
+    assert_eq!(
+        node_object(&w, &node)["metadata"]["annotations"][DRAIN_ANNOTATION],
+        mark,
+        "not begun again"
+    );
+    let metrics =
+        String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
+    assert!(
+        metrics.contains("inplace_updater_drains_started_total 0"),
+        "{metrics}"
+    );
+    w.api
+        .edit(WEB_PDB, |b| b["status"]["disruptionsAllowed"] = json!(5));
     drain_through(&mut capi, &body).await;
     upgrade_kubelet(&w);
     let seen = poll_update(&mut capi, &body, SCALE).await;
-    assert_eq!(seen.last().unwrap()["retryAfterSeconds"], 0, "{seen:?}\n{}", w.updater_log());
-    assert!(!cordoned(&node_object(&w, &node)), "the new process uncordons what the old cordoned");
+    assert_eq!(
+        seen.last().unwrap()["retryAfterSeconds"],
+        0,
+        "{seen:?}\n{}",
+        w.updater_log()
+    );
+    assert!(
+        !cordoned(&node_object(&w, &node)),
+        "the new process uncordons what the old cordoned"
+    );
 }

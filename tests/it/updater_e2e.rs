@@ -212,7 +212,8 @@ async fn a_failing_gate_answers_failure_on_every_later_call_and_the_node_is_rest
     let mut capi = w.client();
     // The version differs: without "drain": "Never" the node would be drained first
     // (tests/it/updater_drain.rs).
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "drain": "Never"});
+    let settings =
+        json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "drain": "Never"});
     let (machine, config) = w.put_machine(
         "cp-0",
         0,

@@ -241,8 +241,11 @@ impl Cluster {
     /// The MachineDrainRules of `namespace` (the drain's only `list`; they live beside the
     /// Machines, and CAPI's drain lists them the same way).
     pub async fn machine_drain_rules(&self, namespace: &str) -> Result<Vec<Value>, ClusterError> {
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, &machine_drain_rule_resource());
+        let api: Api<DynamicObject> = Api::namespaced_with(
+            self.client.clone(),
+            namespace,
+            &machine_drain_rule_resource(),
+        );
         let list = api
             .list(&kube::api::ListParams::default())
             .await

@@ -351,7 +351,10 @@ pub struct Rule {
 /// The MachineDrainRules of the Machine's namespace that apply to the Machine, in name
 /// order. A rule with a `clusterSelector` is refused: the updater does not read Cluster
 /// objects (its RBAC has no `get` on them), and guessing would drain Pods the rule keeps.
-pub fn rules_for_machine(rules: &[Value], machine_labels: &BTreeMap<String, String>) -> Result<Vec<Rule>, String> {
+pub fn rules_for_machine(
+    rules: &[Value],
+    machine_labels: &BTreeMap<String, String>,
+) -> Result<Vec<Rule>, String> {
     let mut out = Vec::new();
     for r in rules {
         let name = lookup(r, &["metadata", "name"])
@@ -460,10 +463,7 @@ pub fn classify(pod: &Pod, rules: &[Rule], cx: &Context) -> Result<Behavior, Str
         return Ok(Behavior::Drain(0));
     }
     let Some(ns_labels) = cx.namespaces.get(&pod.namespace) else {
-        return Err(format!(
-            "Pod {}: its namespace does not exist",
-            pod.key()
-        ));
+        return Err(format!("Pod {}: its namespace does not exist", pod.key()));
     };
     for rule in rules {
         let applies = rule.pods.is_empty()
@@ -538,7 +538,12 @@ impl Round {
 /// default/web-0 blocked by PodDisruptionBudget default/web`. `left` counts the Pods still
 /// on the node after this call's evictions; `blocked` are (Pod, PDB) pairs whose eviction
 /// was refused.
-pub fn progress_message(node: &str, left: usize, blocked: &[(String, String)], round: &Round) -> String {
+pub fn progress_message(
+    node: &str,
+    left: usize,
+    blocked: &[(String, String)],
+    round: &Round,
+) -> String {
     let mut m = format!(
         "draining node {node}: {left} {} left",
         if left == 1 { "pod" } else { "pods" }
@@ -602,9 +607,17 @@ mod tests {
         let files = effect(false, false, &[]);
         let kubelet = effect(false, false, &["kubelet.service"]);
         assert_eq!(d(DrainMode::Disruptive, &files), None);
-        assert_eq!(d(DrainMode::Disruptive, &kubelet), None, "a kubelet restart keeps pods");
         assert_eq!(
-            d(DrainMode::Disruptive, &effect(false, false, &["containerd.service"])).as_deref(),
+            d(DrainMode::Disruptive, &kubelet),
+            None,
+            "a kubelet restart keeps pods"
+        );
+        assert_eq!(
+            d(
+                DrainMode::Disruptive,
+                &effect(false, false, &["containerd.service"])
+            )
+            .as_deref(),
             Some("the plan restarts containerd.service (settings.drainOnRestartOf)")
         );
         assert_eq!(
@@ -612,13 +625,21 @@ mod tests {
             Some("the plan reboots the node")
         );
         assert_eq!(
-            d(DrainMode::Disruptive, &effect(false, true, &["kubelet.service"])).as_deref(),
+            d(
+                DrainMode::Disruptive,
+                &effect(false, true, &["kubelet.service"])
+            )
+            .as_deref(),
             Some("the plan changes the Kubernetes version")
         );
         assert_eq!(d(DrainMode::Never, &effect(true, true, &[])), None);
         assert!(d(DrainMode::Always, &files).is_some());
         let unchanged = PlanEffect::default();
-        assert_eq!(d(DrainMode::Always, &unchanged), None, "nothing changes: no drain");
+        assert_eq!(
+            d(DrainMode::Always, &unchanged),
+            None,
+            "nothing changes: no drain"
+        );
     }
 
     #[test]
@@ -650,7 +671,10 @@ mod tests {
         assert!(PlanEffect::from_check(&check, &packages, false).reboots);
         check.would_change = false;
         let e = PlanEffect::from_check(&check, &packages, true);
-        assert!(!e.reboots && !e.version_changes, "a plan already applied changes nothing");
+        assert!(
+            !e.reboots && !e.version_changes,
+            "a plan already applied changes nothing"
+        );
     }
 
     fn pod(v: Value) -> Pod {
@@ -674,38 +698,62 @@ mod tests {
 
     #[test]
     fn daemon_set_mirror_label_and_deleted_pods_are_not_evicted() {
-        let ds = pod(json!({"metadata": {"namespace": "kube-system", "name": "kube-proxy-x",
+        let ds = pod(
+            json!({"metadata": {"namespace": "kube-system", "name": "kube-proxy-x",
             "ownerReferences": [{"kind": "DaemonSet", "name": "kube-proxy", "controller": true}]},
-            "status": {"phase": "Running"}}));
+            "status": {"phase": "Running"}}),
+        );
         assert_eq!(classify(&ds, &[], &cx()), Ok(Behavior::Skip("DaemonSet")));
         let mut orphan = ds.clone();
         orphan.controller = Some(("DaemonSet".into(), "gone".into()));
-        assert_eq!(classify(&orphan, &[], &cx()), Ok(Behavior::Drain(0)), "orphans go");
+        assert_eq!(
+            classify(&orphan, &[], &cx()),
+            Ok(Behavior::Drain(0)),
+            "orphans go"
+        );
         let mut done = ds.clone();
         done.phase = "Succeeded".into();
-        assert_eq!(classify(&done, &[], &cx()), Ok(Behavior::Drain(0)), "finished ones go");
-        let mirror = pod(json!({"metadata": {"namespace": "kube-system", "name": "etcd-n",
-            "annotations": {MIRROR_ANNOTATION: "abc"}}}));
-        assert_eq!(classify(&mirror, &[], &cx()), Ok(Behavior::Skip("mirror Pod")));
+        assert_eq!(
+            classify(&done, &[], &cx()),
+            Ok(Behavior::Drain(0)),
+            "finished ones go"
+        );
+        let mirror = pod(
+            json!({"metadata": {"namespace": "kube-system", "name": "etcd-n",
+            "annotations": {MIRROR_ANNOTATION: "abc"}}}),
+        );
+        assert_eq!(
+            classify(&mirror, &[], &cx()),
+            Ok(Behavior::Skip("mirror Pod"))
+        );
         let labelled = pod(json!({"metadata": {"namespace": "default", "name": "a",
             "labels": {DRAIN_LABEL: "skip"}}}));
-        assert!(matches!(classify(&labelled, &[], &cx()), Ok(Behavior::Skip(_))));
+        assert!(matches!(
+            classify(&labelled, &[], &cx()),
+            Ok(Behavior::Skip(_))
+        ));
         let waits = pod(json!({"metadata": {"namespace": "default", "name": "a",
             "labels": {DRAIN_LABEL: "wait-completed"}}}));
         assert_eq!(classify(&waits, &[], &cx()), Ok(Behavior::WaitCompleted(0)));
         let stuck = pod(json!({"metadata": {"namespace": "default", "name": "a",
             "deletionTimestamp": "1970-01-12T13:00:00Z"}}));
         assert_eq!(stuck.deleting_since, Some(11 * 86400 + 13 * 3600));
-        assert!(matches!(classify(&stuck, &[], &cx()), Ok(Behavior::Skip(_))));
+        assert!(matches!(
+            classify(&stuck, &[], &cx()),
+            Ok(Behavior::Skip(_))
+        ));
         let mut fresh = stuck.clone();
         fresh.deleting_since = Some(cx().now - 10);
-        assert_eq!(classify(&fresh, &[], &cx()), Ok(Behavior::Drain(0)), "waited for");
+        assert_eq!(
+            classify(&fresh, &[], &cx()),
+            Ok(Behavior::Drain(0)),
+            "waited for"
+        );
     }
 
     #[test]
     fn machine_drain_rules_apply_by_machine_and_pod_in_name_order() {
-        let machine: BTreeMap<String, String> =
-            [("role".to_owned(), "worker".to_owned())].into();
+        let machine: BTreeMap<String, String> = [("role".to_owned(), "worker".to_owned())].into();
         let rules = rules_for_machine(
             &[
                 json!({"metadata": {"name": "b-db-last"}, "spec": {"drain": {"behavior": "Drain", "order": 10},
@@ -731,12 +779,22 @@ mod tests {
         let db = p("db", "pg-0", json!({}));
         let web = p("default", "web-0", json!({}));
         let job = p("default", "job-1", json!({"job": "batch"}));
-        assert_eq!(classify(&agent, &rules, &cx()), Ok(Behavior::Skip("MachineDrainRule")));
+        assert_eq!(
+            classify(&agent, &rules, &cx()),
+            Ok(Behavior::Skip("MachineDrainRule"))
+        );
         assert_eq!(classify(&db, &rules, &cx()), Ok(Behavior::Drain(10)));
         assert_eq!(classify(&web, &rules, &cx()), Ok(Behavior::Drain(0)));
-        assert_eq!(classify(&job, &rules, &cx()), Ok(Behavior::WaitCompleted(0)));
+        assert_eq!(
+            classify(&job, &rules, &cx()),
+            Ok(Behavior::WaitCompleted(0))
+        );
         let nowhere = p("gone", "x", json!({}));
-        assert!(classify(&nowhere, &rules, &cx()).unwrap_err().contains("gone/x"));
+        assert!(
+            classify(&nowhere, &rules, &cx())
+                .unwrap_err()
+                .contains("gone/x")
+        );
 
         let classified: Vec<(Pod, Behavior)> = [db.clone(), web.clone(), job.clone(), agent]
             .into_iter()
@@ -754,12 +812,17 @@ mod tests {
         assert_eq!(only_db.evict, ["db/pg-0"], "then the higher order goes");
 
         let refused = rules_for_machine(
-            &[json!({"metadata": {"name": "by-cluster"}, "spec": {"drain": {"behavior": "Skip"},
-                "machines": [{"clusterSelector": {"matchLabels": {"env": "prod"}}}]}})],
+            &[
+                json!({"metadata": {"name": "by-cluster"}, "spec": {"drain": {"behavior": "Skip"},
+                "machines": [{"clusterSelector": {"matchLabels": {"env": "prod"}}}]}}),
+            ],
             &machine,
         )
         .unwrap_err();
-        assert!(refused.contains("MachineDrainRule by-cluster spec.machines[0].clusterSelector"), "{refused}");
+        assert!(
+            refused.contains("MachineDrainRule by-cluster spec.machines[0].clusterSelector"),
+            "{refused}"
+        );
         let bad = rules_for_machine(
             &[json!({"metadata": {"name": "odd"}, "spec": {"drain": {"behavior": "Later"}}})],
             &machine,
@@ -793,7 +856,10 @@ mod tests {
             progress_message("w", 1, &[], &waiting),
             "draining node w: 1 pod left; waiting for default/job-1 to complete; then db/pg-0"
         );
-        assert_eq!(parse_drain_mark(&drain_mark("p-1@x", 42)), Some(("p-1@x", 42)));
+        assert_eq!(
+            parse_drain_mark(&drain_mark("p-1@x", 42)),
+            Some(("p-1@x", 42))
+        );
         assert_eq!(parse_drain_mark("nonsense"), None);
     }
 }

@@ -268,12 +268,8 @@ impl Settings {
         let bad =
             |key: &str, message: String| RequestError::new(format!("settings.{key}"), message);
         if let Some(v) = get("drain") {
-            self.drain = DrainMode::parse(v).ok_or_else(|| {
-                bad(
-                    "drain",
-                    format!("{v:?} is not Never, Disruptive or Always"),
-                )
-            })?;
+            self.drain = DrainMode::parse(v)
+                .ok_or_else(|| bad("drain", format!("{v:?} is not Never, Disruptive or Always")))?;
         }
         if let Some(v) = get("drainOnRestartOf") {
             self.drain_on_restart_of = list(v);
@@ -348,15 +344,30 @@ mod tests {
         let d = parse(json!({})).unwrap();
         assert_eq!(d.drain, DrainMode::Disruptive);
         assert_eq!(d.drain_on_restart_of, ["containerd"]);
-        assert_eq!((d.drain_timeout_seconds, d.on_drain_timeout), (0, OnTimeout::Fail));
-        let s = parse(json!({"drain": "Always", "drainOnRestartOf": "containerd, crio.service",
-            "drainTimeoutSeconds": "600", "onDrainTimeout": "Proceed"}))
+        assert_eq!(
+            (d.drain_timeout_seconds, d.on_drain_timeout),
+            (0, OnTimeout::Fail)
+        );
+        let s = parse(
+            json!({"drain": "Always", "drainOnRestartOf": "containerd, crio.service",
+            "drainTimeoutSeconds": "600", "onDrainTimeout": "Proceed"}),
+        )
         .unwrap();
         assert_eq!(s.drain, DrainMode::Always);
         assert_eq!(s.drain_on_restart_of, ["containerd", "crio.service"]);
-        assert_eq!((s.drain_timeout_seconds, s.on_drain_timeout), (600, OnTimeout::Proceed));
-        for (key, value) in [("drain", "true"), ("onDrainTimeout", "Wait"), ("drainTimeoutSeconds", "-1")] {
-            assert_eq!(parse(json!({key: value})).unwrap_err().field, format!("settings.{key}"));
+        assert_eq!(
+            (s.drain_timeout_seconds, s.on_drain_timeout),
+            (600, OnTimeout::Proceed)
+        );
+        for (key, value) in [
+            ("drain", "true"),
+            ("onDrainTimeout", "Wait"),
+            ("drainTimeoutSeconds", "-1"),
+        ] {
+            assert_eq!(
+                parse(json!({key: value})).unwrap_err().field,
+                format!("settings.{key}")
+            );
         }
     }
 

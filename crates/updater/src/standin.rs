@@ -286,9 +286,8 @@ impl Store {
             })
             .map(|(_, o)| o)
             .filter(|o| {
-                node.as_deref().is_none_or(|n| {
-                    o.pointer("/spec/nodeName").and_then(Value::as_str) == Some(n)
-                })
+                node.as_deref()
+                    .is_none_or(|n| o.pointer("/spec/nodeName").and_then(Value::as_str) == Some(n))
             })
             .cloned()
             .collect();
@@ -512,7 +511,11 @@ fn handle(
         return json_response(StatusCode::OK, object);
     }
     // A list: /api/v1/<plural>, /api(s)/<gv>/<plural>, or .../namespaces/<ns>/<plural>.
-    let version_at = if segments.first() == Some(&"api") { 2 } else { 3 };
+    let version_at = if segments.first() == Some(&"api") {
+        2
+    } else {
+        3
+    };
     let rest = segments.get(version_at..).unwrap_or_default();
     let (list_ns, plural) = match rest {
         [plural] => (None, *plural),
@@ -525,7 +528,8 @@ fn handle(
     // .../namespaces/<ns>/<plural>/<name> : a get; anything shorter is a list.
     let ns_at = segments.iter().position(|s| *s == "namespaces");
     let named = ns_at.is_some_and(|i| segments.len() == i + 4)
-        || (segments.len() == version_at + 2 && CLUSTER_SCOPED_PLURALS.contains(&segments[version_at]));
+        || (segments.len() == version_at + 2
+            && CLUSTER_SCOPED_PLURALS.contains(&segments[version_at]));
     if !named {
         return status(
             StatusCode::FORBIDDEN,
@@ -578,7 +582,13 @@ pub fn node(name: &str, kubelet_version: &str) -> Value {
 }
 
 /// A running Pod bound to `node`; `owner` is its controller (kind, name), if any.
-pub fn pod(namespace: &str, name: &str, node: &str, owner: Option<(&str, &str)>, labels: Value) -> Value {
+pub fn pod(
+    namespace: &str,
+    name: &str,
+    node: &str,
+    owner: Option<(&str, &str)>,
+    labels: Value,
+) -> Value {
     let mut pod = json!({
         "apiVersion": "v1",
         "kind": "Pod",

@@ -99,9 +99,13 @@ impl Workloads {
         let client = match cached {
             Some(c) => c,
             None => {
-                let client = build(value)
-                    .await
-                    .map_err(|e| err(format!("load the kubeconfig in Secret {namespace}/{secret}"), e, false))?;
+                let client = build(value).await.map_err(|e| {
+                    err(
+                        format!("load the kubeconfig in Secret {namespace}/{secret}"),
+                        e,
+                        false,
+                    )
+                })?;
                 tracing::info!(cluster = %id, "workload cluster client built from its kubeconfig Secret");
                 self.clients
                     .lock()
@@ -110,7 +114,10 @@ impl Workloads {
                 client
             }
         };
-        Ok(Workload { client, cluster: id })
+        Ok(Workload {
+            client,
+            cluster: id,
+        })
     }
 }
 
@@ -189,7 +196,9 @@ impl Workload {
     }
 
     /// Every Namespace's labels.
-    pub async fn namespaces(&self) -> Result<HashMap<String, BTreeMap<String, String>>, WorkloadError> {
+    pub async fn namespaces(
+        &self,
+    ) -> Result<HashMap<String, BTreeMap<String, String>>, WorkloadError> {
         let api: Api<Namespace> = Api::all(self.client.clone());
         let list = api
             .list(&ListParams::default())
@@ -209,7 +218,11 @@ impl Workload {
     }
 
     /// Whether the DaemonSet exists.
-    pub async fn daemon_set_exists(&self, namespace: &str, name: &str) -> Result<bool, WorkloadError> {
+    pub async fn daemon_set_exists(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<bool, WorkloadError> {
         let api: Api<DaemonSet> = Api::namespaced(self.client.clone(), namespace);
         api.get_opt(name)
             .await
@@ -246,9 +259,12 @@ impl Workload {
                 let v = to_value(b);
                 // policy/v1: an empty selector selects every Pod of the namespace.
                 let selector = Selector::from_json(v.pointer("/spec/selector"), "").ok()?;
-                selector
-                    .matches(labels)
-                    .then(|| format!("{namespace}/{}", b.metadata.name.clone().unwrap_or_default()))
+                selector.matches(labels).then(|| {
+                    format!(
+                        "{namespace}/{}",
+                        b.metadata.name.clone().unwrap_or_default()
+                    )
+                })
             })
             .collect())
     }

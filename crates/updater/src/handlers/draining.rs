@@ -19,8 +19,8 @@ use super::{Answer, Failure, Updater, bounded, key_of, waiting};
 use crate::agent::AgentError;
 use crate::drain::{
     Behavior, CORDONED_BY_ANNOTATION, Context, DRAIN_ANNOTATION, DrainMode, EXCLUDE_ANNOTATION,
-    OnTimeout, PlanEffect, Pod, Round, classify, drain_mark, drain_reason, list,
-    parse_drain_mark, progress_message, rules_for_machine, string_map,
+    OnTimeout, PlanEffect, Pod, Round, classify, drain_mark, drain_reason, list, parse_drain_mark,
+    progress_message, rules_for_machine, string_map,
 };
 use crate::hooks::{Hook, HookRequest, Status, UpdateMachineResponse};
 use crate::progress::PlanRef;
@@ -137,7 +137,11 @@ impl Updater {
             self.drains.settle(key, &plan.id, "any", None);
             return Ok(None);
         }
-        let check = match self.agents.check(&plan.target, &plan.node, wire.clone()).await {
+        let check = match self
+            .agents
+            .check(&plan.target, &plan.node, wire.clone())
+            .await
+        {
             Ok(c) => c,
             Err(e @ AgentError::Unreachable { .. }) => return Ok(Some(waiting(&e))),
             Err(e) => return Err(Failure(e.to_string())),
@@ -256,8 +260,12 @@ impl Updater {
             .filter(|n| *n > 0)
             .map(|n| (n, "the Machine's spec.deletion.nodeDrainTimeoutSeconds"))
             .or_else(|| {
-                (settings.drain_timeout_seconds > 0)
-                    .then(|| (u64::from(settings.drain_timeout_seconds), "settings.drainTimeoutSeconds"))
+                (settings.drain_timeout_seconds > 0).then(|| {
+                    (
+                        u64::from(settings.drain_timeout_seconds),
+                        "settings.drainTimeoutSeconds",
+                    )
+                })
             });
 
         let (namespace, _) = machine_cluster(live, key)?;
@@ -274,7 +282,9 @@ impl Updater {
             .map_err(|e| Failure(format!("cannot drain node {node}: {e}")))?;
         let machine_labels = string_map(lookup(live, &["metadata", "labels"]));
         let rules = rules_for_machine(&rules_json, &machine_labels).map_err(|e| {
-            Failure(format!("cannot drain node {node}: {e}; nothing was started"))
+            Failure(format!(
+                "cannot drain node {node}: {e}; nothing was started"
+            ))
         })?;
         let mut cx = Context {
             now,
@@ -294,9 +304,8 @@ impl Updater {
         }
         let mut classified = Vec::with_capacity(pods.len());
         for pod in pods {
-            let behavior = classify(&pod, &rules, &cx).map_err(|e| {
-                Failure(format!("cannot drain node {node}: {e}"))
-            })?;
+            let behavior = classify(&pod, &rules, &cx)
+                .map_err(|e| Failure(format!("cannot drain node {node}: {e}")))?;
             if let Behavior::Skip(why) = behavior {
                 tracing::debug!(%cluster, %node, pod = %pod.key(), why, "not evicted");
             }
@@ -316,7 +325,14 @@ impl Updater {
                 OnTimeout::Proceed => {
                     tracing::warn!(%cluster, machine = %key, %node, plan = %plan.id,
                         pods = %list(&pods, 10), "drain timed out; proceeding (settings.onDrainTimeout)");
-                    self.drain_finished(key, cluster, node, plan, now - since, "timed out, proceeding");
+                    self.drain_finished(
+                        key,
+                        cluster,
+                        node,
+                        plan,
+                        now - since,
+                        "timed out, proceeding",
+                    );
                     return Ok(Step::Drained);
                 }
                 OnTimeout::Fail => {
@@ -337,8 +353,7 @@ impl Updater {
         let mut blocked: Vec<(String, String)> = Vec::new();
         let mut gone = 0usize;
         let mut budgets: HashMap<String, Vec<String>> = HashMap::new();
-        let labels: BTreeMap<String, &Pod> =
-            classified.iter().map(|(p, _)| (p.key(), p)).collect();
+        let labels: BTreeMap<String, &Pod> = classified.iter().map(|(p, _)| (p.key(), p)).collect();
         for pod_key in &round.evict {
             if began.elapsed() > EVICTION_BUDGET {
                 break;
