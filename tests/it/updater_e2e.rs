@@ -540,6 +540,9 @@ fn the_demo_drives_an_agent_through_emulated_capi_calls() {
         "retryAfterSeconds=0",
         "/etc/kubernetes/inplace-demo.conf: \"mode=v2\"",
         "/etc/kubernetes/registry-auth: (absent)",
+        "default/web-1 blocked by PodDisruptionBudget default/web",
+        "pods left on demo-node: kube-system/kube-proxy-demo, kube-system/etcd-demo-node",
+        "cordoned after the plan succeeded: false",
         "UpdateMachine → Failure",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
