@@ -203,17 +203,14 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
             .starts_with(&format!("{plan}@")),
         "{n}"
     );
-    let mut left = vec![
-        "default/db-0",
-        "default/elsewhere",
-        "default/keep",
-        "default/web-1",
-        &format!("kube-system/etcd-{node}"),
-        "kube-system/kube-proxy-a",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect::<Vec<_>>();
+    let mut left = [
+        "default/db-0".to_owned(),
+        "default/elsewhere".to_owned(),
+        "default/keep".to_owned(),
+        "default/web-1".to_owned(),
+        format!("kube-system/etcd-{node}"),
+        "kube-system/kube-proxy-a".to_owned(),
+    ];
     left.sort();
     assert_eq!(on_node(&w, &node), left);
 
