@@ -546,3 +546,43 @@ async fn a_restarted_updater_continues_a_drain_half_done() {
         "the new process uncordons what the old cordoned"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn can_update_machine_says_a_plan_that_drains_affects_availability() {
+    let mut w = World::new(57).await;
+    setup(&mut w, "v1.35.1");
+    let mut capi = w.client();
+    let mut req: Value = serde_json::from_slice(
+        &std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/updater/can-update-machine-request.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
+    let name = req["desired"]["machine"]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut live = machine(&name, "v1.35.2", "node-d", &w.agents[0].ip, true);
+    live["spec"] = req["desired"]["machine"]["spec"].clone();
+    w.api.put(live);
+    // The kubelet runs v1.35.1 and the Machine wants v1.35.2: the plan drains.
+    let v = capi
+        .call(Hook::CanUpdateMachine, &go_json(&req))
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert_eq!(v["affectsAvailability"], true, "{v}");
+    // Without the drain the kubelet restart still affects availability: the field is unset.
+    req["settings"]["drain"] = json!("Never");
+    let v = capi
+        .call(Hook::CanUpdateMachine, &go_json(&req))
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert!(v.get("affectsAvailability").is_none(), "{v}");
+}

@@ -634,6 +634,11 @@ mod tests {
         );
         assert_eq!(d(DrainMode::Never, &effect(true, true, &[])), None);
         assert!(d(DrainMode::Always, &files).is_some());
+        assert!(machine_set_drains(DrainMode::Disruptive, true, true));
+        assert!(!machine_set_drains(DrainMode::Disruptive, false, true));
+        assert!(machine_set_drains(DrainMode::Always, false, true));
+        assert!(!machine_set_drains(DrainMode::Always, false, false));
+        assert!(!machine_set_drains(DrainMode::Never, true, true));
         let unchanged = PlanEffect::default();
         assert_eq!(
             d(DrainMode::Always, &unchanged),
