@@ -269,3 +269,60 @@ impl Workload {
             .collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::standin::{ApiStandin, node};
+
+    /// The management stand-in holds the Secret; two workload stand-ins: a rotation of the
+    /// Secret to the second is followed, an unchanged Secret keeps the client.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_kubeconfig_secret_is_read_each_time_and_a_rotation_is_followed() {
+        let management = ApiStandin::start().await.unwrap();
+        let (one, two) = (
+            ApiStandin::start().await.unwrap(),
+            ApiStandin::start().await.unwrap(),
+        );
+        one.put(node("n", "v1.35.1"));
+        two.put(node("n", "v1.35.2"));
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        management.write_kubeconfig(&kubeconfig).unwrap();
+        let cluster = Cluster::connect(Some(&kubeconfig)).await.unwrap();
+        let workloads = Workloads::default();
+        let version = |n: Option<Value>| {
+            n.and_then(|n| n.pointer("/status/nodeInfo/kubeletVersion").cloned())
+        };
+
+        let missing = workloads
+            .client(&cluster, "default", "c")
+            .await
+            .err()
+            .unwrap();
+        assert!(missing.no_secret, "{missing}");
+        assert!(
+            missing.to_string().contains("Secret default/c-kubeconfig"),
+            "{missing}"
+        );
+
+        management.put(one.workload_secret("default", "c"));
+        let w = workloads.client(&cluster, "default", "c").await.unwrap();
+        assert_eq!(version(w.node("n").await.unwrap()), Some("v1.35.1".into()));
+        workloads.client(&cluster, "default", "c").await.unwrap();
+        management.put(two.workload_secret("default", "c"));
+        let w = workloads.client(&cluster, "default", "c").await.unwrap();
+        assert_eq!(version(w.node("n").await.unwrap()), Some("v1.35.2".into()));
+        let secret_gets = management
+            .requests()
+            .iter()
+            .filter(|(m, p)| m == "GET" && p == "/api/v1/namespaces/default/secrets/c-kubeconfig")
+            .count();
+        assert_eq!(secret_gets, 4, "read on every use");
+        assert_eq!(
+            workloads.clients.lock().unwrap().len(),
+            1,
+            "one client per cluster"
+        );
+    }
+}
