@@ -23,7 +23,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde_json::Value;
 
-use super::translate::lookup;
 use inplace_api::pb;
 
 /// On the workload Node: the plan whose drain cordoned it (set only when the updater
@@ -158,6 +157,12 @@ pub fn machine_set_drains(mode: DrainMode, version_changes: bool, changes: bool)
         DrainMode::Disruptive => version_changes,
         DrainMode::Always => changes,
     }
+}
+
+/// The value at `path` in a JSON object (the drain's own, so that it depends on no other
+/// module of the updater but the wire types).
+fn lookup<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, k| v.get(*k))
 }
 
 /// `containerd` names `containerd.service`.

@@ -47,7 +47,7 @@ pub struct NodeFacts {
     /// `apt`, `dnf` or empty.
     pub package_manager: String,
     /// The installed kubelet's version (`v1.35.2`), empty when unknown (the drain's
-    /// "changes the Kubernetes version", [`super::drain::PlanEffect`]).
+    /// "changes the Kubernetes version").
     pub kubelet_version: String,
 }
 
