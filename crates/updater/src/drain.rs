@@ -23,6 +23,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde_json::Value;
 
+pub use super::settings::{DrainMode, OnTimeout};
+use super::translate::lookup;
 use inplace_api::pb;
 
 /// On the workload Node: the plan whose drain cordoned it (set only when the updater
@@ -45,39 +47,6 @@ pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
 /// A Pod whose deletion began longer ago than this is not waited for (CAPI's Machine
 /// controller sets `SkipWaitForDeleteTimeoutSeconds` to 5 minutes).
 pub const SKIP_WAIT_FOR_DELETE_SECONDS: i64 = 300;
-
-/// `settings.drain`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DrainMode {
-    /// Never drain.
-    Never,
-    /// Drain when the plan reboots, changes the Kubernetes version or restarts a unit of
-    /// `drainOnRestartOf` (the default).
-    Disruptive,
-    /// Drain before every plan that changes the node.
-    Always,
-}
-
-impl DrainMode {
-    /// From the setting's value.
-    pub fn parse(v: &str) -> Option<DrainMode> {
-        match v {
-            "Never" => Some(DrainMode::Never),
-            "Disruptive" => Some(DrainMode::Disruptive),
-            "Always" => Some(DrainMode::Always),
-            _ => None,
-        }
-    }
-}
-
-/// `settings.onDrainTimeout`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnTimeout {
-    /// Answer Failure naming the Pods still on the node (the default).
-    Fail,
-    /// Go on with the plan, Pods or not.
-    Proceed,
-}
 
 /// What a plan does to the node, for the decision: from the agent's `CheckPlan` and the
 /// node's kubelet version (`GetNodeInfo`).
@@ -157,12 +126,6 @@ pub fn machine_set_drains(mode: DrainMode, version_changes: bool, changes: bool)
         DrainMode::Disruptive => version_changes,
         DrainMode::Always => changes,
     }
-}
-
-/// The value at `path` in a JSON object (the drain's own, so that it depends on no other
-/// module of the updater but the wire types).
-fn lookup<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
-    path.iter().try_fold(v, |v, k| v.get(*k))
 }
 
 /// `containerd` names `containerd.service`.

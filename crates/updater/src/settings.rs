@@ -4,7 +4,6 @@
 
 use serde_json::{Map, Value};
 
-use super::drain::{DrainMode, OnTimeout};
 use super::hooks::RequestError;
 
 /// Every settings key the updater reads, with its one-line meaning (docs/updater.md has the
@@ -69,6 +68,39 @@ pub const KEYS: &[(&str, &str)] = &[
         "Fail or Proceed when the drain timed out (default Fail)",
     ),
 ];
+
+/// `settings.drain`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainMode {
+    /// Never drain.
+    Never,
+    /// Drain when the plan reboots, changes the Kubernetes version or restarts a unit of
+    /// `drainOnRestartOf` (the default).
+    Disruptive,
+    /// Drain before every plan that changes the node.
+    Always,
+}
+
+impl DrainMode {
+    /// From the setting's value.
+    pub fn parse(v: &str) -> Option<DrainMode> {
+        match v {
+            "Never" => Some(DrainMode::Never),
+            "Disruptive" => Some(DrainMode::Disruptive),
+            "Always" => Some(DrainMode::Always),
+            _ => None,
+        }
+    }
+}
+
+/// `settings.onDrainTimeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnTimeout {
+    /// Answer Failure naming the Pods still on the node (the default).
+    Fail,
+    /// Go on with the plan, Pods or not.
+    Proceed,
+}
 
 /// The managed set the KubeadmConfig's `files[]` belong to on the node.
 pub const FILES_SET: &str = "kubeadmconfig-files";
