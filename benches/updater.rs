@@ -179,7 +179,8 @@ fn request(i: usize, port: u16) -> Vec<u8> {
     }
     serde_json::to_vec(&json!({
         "kind": "UpdateMachineRequest", "apiVersion": "hooks.runtime.cluster.x-k8s.io/v1alpha1",
-        "settings": {"agentPort": port.to_string()},
+        // No workload cluster here: the drain (one CheckPlan more per new plan) is off.
+        "settings": {"agentPort": port.to_string(), "drain": "Never"},
         "desired": {"machine": m, "bootstrapConfig": config(i)},
     }))
     .unwrap_or_default()

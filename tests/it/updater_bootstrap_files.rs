@@ -177,7 +177,8 @@ async fn updater_a_failing_gate_restores_a_removed_bootstrap_file_byte_for_byte(
         bootstrap_document().as_bytes(),
     ));
     let mut capi = w.client();
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2"});
+    let settings =
+        json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "drain": "Never"});
     let (machine, config) = w.put_machine("cp-1", 0, "v1.35.3", only_a("mode=v2\n"));
     let body = update_request(&machine, Some(&config), settings);
     let seen = poll_update(&mut capi, &body, SCALE).await;

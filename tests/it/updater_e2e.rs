@@ -53,7 +53,7 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
         &[("password", SECRET_CONTENT.as_bytes())],
     ));
     let mut capi = w.client();
-    let settings = json!({"agentPort": w.agent_port.to_string(), "drain": "true"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "drain": "Disruptive"});
 
     // Discovery, as the ExtensionConfig controller calls it.
     let r = capi
@@ -215,7 +215,10 @@ async fn a_failing_gate_answers_failure_on_every_later_call_and_the_node_is_rest
     w.add_agent("node-a", "v1.35.2");
     w.start_updater();
     let mut capi = w.client();
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2"});
+    // The version differs: without "drain": "Never" the node would be drained first
+    // (tests/it/updater_drain.rs).
+    let settings =
+        json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "drain": "Never"});
     let (machine, config) = w.put_machine(
         "cp-0",
         0,
@@ -442,7 +445,7 @@ async fn a_node_on_real_systemd_moves_to_the_new_version_in_place() {
     let mut capi = w.client();
     // The kubelet's healthz is in the node's network namespace, out of the agent's reach
     // here: no httpGet gate (unitActive and kubeletVersion remain).
-    let settings = json!({"agentPort": w.agent_port.to_string(), "kubeletHealthzURL": "", "gateTimeoutSeconds": "60"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "kubeletHealthzURL": "", "gateTimeoutSeconds": "60", "drain": "Never"});
     let version = format!("v{new_upstream}");
     let (machine, config) = w.put_machine(
         "sys-0",
@@ -542,6 +545,9 @@ fn the_demo_drives_an_agent_through_emulated_capi_calls() {
         "retryAfterSeconds=0",
         "/etc/kubernetes/inplace-demo.conf: \"mode=v2\"",
         "/etc/kubernetes/registry-auth: (absent)",
+        "default/web-1 blocked by PodDisruptionBudget default/web",
+        "pods left on demo-node: kube-system/kube-proxy-demo, kube-system/etcd-demo-node",
+        "cordoned after the plan succeeded: false",
         "UpdateMachine → Failure",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");

@@ -62,7 +62,7 @@ async fn progress_pushed_by_the_agent_is_followed_from_memory_and_a_new_desired_
     w.start_updater();
     let mut capi = w.client();
     // The first call answers at once (no wait for the plan): what follows is from memory.
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "3", "updateWaitSeconds": "0"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "3", "updateWaitSeconds": "0", "drain": "Never"});
     let (machine, config) = w.put_machine(
         "mem-0",
         0,
@@ -165,7 +165,7 @@ async fn an_agent_killed_and_restarted_mid_plan_keeps_being_followed() {
     w.start_updater();
     let mut capi = w.client();
     // A gate that waits 4 s and fails: the plan is in flight long enough to kill the agent.
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "4", "updateWaitSeconds": "0"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "4", "updateWaitSeconds": "0", "drain": "Never"});
     let (machine, config) = w.put_machine(
         "mem-1",
         0,
@@ -222,7 +222,7 @@ async fn the_first_call_answers_done_for_a_fast_plan_and_paces_a_slow_one() {
     w.add_agent("node-slow", "v1.35.2");
     w.start_updater();
     let mut capi = w.client();
-    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "20"});
+    let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "20", "drain": "Never"});
     let files = json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "fast\n"}]);
     let (machine, config) = w.put_machine("fast-0", 0, "v1.35.2", bootstrap_spec(files));
     let fast = capi

@@ -205,6 +205,7 @@ fn rbac_gets_machines_kubeadmconfigs_and_secrets_patches_machines_and_creates_ev
             "/events create",
             "/secrets get",
             "bootstrap.cluster.x-k8s.io/kubeadmconfigs get",
+            "cluster.x-k8s.io/machinedrainrules list",
             "cluster.x-k8s.io/machines get",
             "cluster.x-k8s.io/machines list",
             "cluster.x-k8s.io/machines patch",

@@ -182,8 +182,9 @@ fn can_update_machine_set_answers_with_template_patches_that_cover_the_diff() {
     assert_eq!(resp["status"], "Success");
     assert_eq!(answer.outcome, "covered");
     assert!(resp.get("infrastructureMachineTemplatePatch").is_none());
-    // Version and kubelet flags restart the kubelet: availability is affected (unset).
-    assert!(resp.get("affectsAvailability").is_none(), "{resp}");
+    // The version moves: under the default drain (Disruptive) each node is drained first,
+    // so availability is affected, and said so.
+    assert_eq!(resp["affectsAvailability"], true, "{resp}");
     let (cur, des) = (&body["current"], &body["desired"]);
     let spec = ["spec", "template", "spec"];
     assert_eq!(
@@ -383,6 +384,7 @@ fn the_plan_follows_what_the_node_reports() {
         features: vec![],
         services_managed: false,
         package_manager: String::new(),
+        kubelet_version: String::new(),
     };
     let t = translate(&desired, &settings(), &node, &NoSecrets).unwrap();
     let kinds: Vec<String> = t

@@ -454,6 +454,7 @@ pub fn facts_from(info: &pb::GetNodeInfoResponse, node: &str) -> NodeFacts {
         features: info.plan_features.clone(),
         services_managed: info.services_managed,
         package_manager: info.package_manager.clone(),
+        kubelet_version: info.kubelet_version.clone(),
     }
 }
 

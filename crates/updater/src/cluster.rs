@@ -1,7 +1,8 @@
 //! The management cluster, through kube-rs: the live Machine (status: nodeRef, addresses;
 //! annotations), its KubeadmConfig, the Secrets `files[].contentFrom` names and the
-//! workload cluster's `<cluster>-ca` Secret ([`super::trust`]), each by `get` by name; one
-//! `list`, of the Machines of a MachineSet by its label selector (`CanUpdateMachineSet`);
+//! workload cluster's `<cluster>-ca` Secret ([`super::trust`]) and `<cluster>-kubeconfig`
+//! Secret (the drain, [`super::drain`]), each by `get` by name; two lists, of the Machines of
+//! a MachineSet by its label selector (`CanUpdateMachineSet`) and of MachineDrainRules;
 //! the updater never watches. Two writes, for a failed plan
 //! ([`super::recovery`]): `create` of an Event on the Machine, and a merge `patch` of one
 //! annotation of the Machine (the retry it acted on). Its RBAC allows exactly this.
@@ -285,5 +286,43 @@ impl Cluster {
                 name: name.to_owned(),
                 detail: e.to_string(),
             })
+    }
+}
+
+/// `cluster.x-k8s.io/v1beta2` MachineDrainRule.
+pub fn machine_drain_rule_resource() -> ApiResource {
+    ApiResource {
+        group: "cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "cluster.x-k8s.io/v1beta2".into(),
+        kind: "MachineDrainRule".into(),
+        plural: "machinedrainrules".into(),
+    }
+}
+
+impl Cluster {
+    /// The MachineDrainRules of `namespace` (the drain's only `list`; they live beside the
+    /// Machines, and CAPI's drain lists them the same way).
+    pub async fn machine_drain_rules(&self, namespace: &str) -> Result<Vec<Value>, ClusterError> {
+        let api: Api<DynamicObject> = Api::namespaced_with(
+            self.client.clone(),
+            namespace,
+            &machine_drain_rule_resource(),
+        );
+        let list = api
+            .list(&kube::api::ListParams::default())
+            .await
+            .map_err(|e| ClusterError {
+                op: "list",
+                what: "MachineDrainRule",
+                namespace: namespace.to_owned(),
+                name: "*".into(),
+                detail: e.to_string(),
+            })?;
+        Ok(list
+            .items
+            .iter()
+            .filter_map(|o| serde_json::to_value(o).ok())
+            .collect())
     }
 }

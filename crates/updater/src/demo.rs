@@ -2,8 +2,10 @@
 //! Kubernetes API stand-in (the paths the updater reads), a real `inplace-agent serve` on a
 //! sandbox node tree (services off: nothing on this machine is touched) and the updater
 //! itself, then plays CAPI's controllers: discovery, CanUpdateMachineSet, UpdateMachine
-//! polled until done, the same desired state again, a dropped file, and a call for a
-//! Machine that is not being updated.
+//! polled until done, the same desired state again, a dropped file, a version bump that
+//! drains the node first (the stand-in is the workload cluster too: Pods evicted, one held
+//! by a PodDisruptionBudget until it allows, DaemonSet and mirror Pods left, the node
+//! uncordoned after), and a call for a Machine that is not being updated.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -14,7 +16,7 @@ use serde_json::{Value, json};
 
 use super::emulate::{CapiClient, Pki};
 use super::hooks::{Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION};
-use super::standin::{ApiStandin, object_path, secret};
+use super::standin::{ApiStandin, node, object_path, pdb, pod, secret};
 
 /// `demo` flags.
 #[derive(Debug, clap::Args)]
@@ -227,11 +229,20 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let root = dir.path().join("node");
     std::fs::create_dir_all(&root)?;
     inplace_demo_node::build_kubeadm_worker(&root)?;
-    // The node's "kubelet" reports the version the Machine asks for (the demo's node has no
-    // package manager: the version is verified, not installed).
+    // The node's "kubelet" reports the version in kubelet.version beside it (the demo's node
+    // has no package manager: the version is verified, not installed; the demo writes the
+    // file where a package upgrade would replace the kubelet).
     let kubelet = root.join("usr/local/bin/kubelet");
     std::fs::create_dir_all(kubelet.parent().unwrap_or(&root))?;
-    std::fs::write(&kubelet, "#!/bin/sh\necho 'Kubernetes v1.35.2'\n")?;
+    let version_file = root.join("usr/local/bin/kubelet.version");
+    std::fs::write(&version_file, "v1.35.2\n")?;
+    std::fs::write(
+        &kubelet,
+        format!(
+            "#!/bin/sh\necho \"Kubernetes $(cat '{}')\"\n",
+            version_file.display()
+        ),
+    )?;
     std::fs::set_permissions(
         &kubelet,
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
@@ -361,13 +372,19 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     poll(&mut capi, &update_request(&live, &fewer, port)).await?;
     show(&root, "/etc/kubernetes/registry-auth");
 
+    step("a version bump (v1.35.3): the updater cordons and drains the node first, as CAPI drains");
+    drain_demo(&api, &mut capi, port, &version_file).await?;
+
     step("someone calls UpdateMachine for a Machine CAPI is not updating: refused, nothing starts");
-    let idle = machine("v1.35.2", false);
+    let idle = machine("v1.35.3", false);
     if let Some(path) = object_path(&idle) {
         api.edit(&path, |m| m["metadata"]["annotations"] = json!({}));
     }
     let v = capi
-        .call(Hook::UpdateMachine, &update_request(&idle, &fewer, port))
+        .call(
+            Hook::UpdateMachine,
+            &update_request(&idle, &kubeadm_config(json!([])), port),
+        )
         .await?
         .json();
     println!(
@@ -384,5 +401,106 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     println!(
         "\ndone: docs/updater.md explains what the updater covers in place and how to install it"
     );
+    Ok(())
+}
+
+/// The drain step: the stand-in serves the workload cluster too (the `demo-kubeconfig`
+/// Secret points back at it).
+async fn drain_demo(
+    api: &ApiStandin,
+    capi: &mut CapiClient,
+    port: u16,
+    version_file: &Path,
+) -> anyhow::Result<()> {
+    api.put(api.workload_secret("default", "demo"));
+    api.put(node("demo-node", "v1.35.2"));
+    let rs = Some(("ReplicaSet", "web-5f7c"));
+    for name in ["web-0", "web-1"] {
+        api.put(pod("default", name, "demo-node", rs, json!({"app": "web"})));
+    }
+    api.put(pod(
+        "kube-system",
+        "kube-proxy-demo",
+        "demo-node",
+        Some(("DaemonSet", "kube-proxy")),
+        json!({}),
+    ));
+    api.put(json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "kube-proxy", "namespace": "kube-system"}, "spec": {}}));
+    let mut mirror = pod(
+        "kube-system",
+        "etcd-demo-node",
+        "demo-node",
+        None,
+        json!({}),
+    );
+    mirror["metadata"]["annotations"] = json!({"kubernetes.io/config.mirror": "demo"});
+    api.put(mirror);
+    api.put(pdb("default", "web", json!({"app": "web"}), 1));
+    let pods = |api: &ApiStandin| -> Vec<String> {
+        [
+            ("default", "web-0"),
+            ("default", "web-1"),
+            ("kube-system", "kube-proxy-demo"),
+            ("kube-system", "etcd-demo-node"),
+        ]
+        .iter()
+        .filter(|(ns, n)| {
+            api.get(&format!("/api/v1/namespaces/{ns}/pods/{n}"))
+                .is_some()
+        })
+        .map(|(ns, n)| format!("{ns}/{n}"))
+        .collect()
+    };
+    let cordon = |api: &ApiStandin| {
+        api.get("/api/v1/nodes/demo-node")
+            .and_then(|n| n["spec"]["unschedulable"].as_bool())
+            .unwrap_or(false)
+    };
+    println!("   pods on demo-node: {}", pods(api).join(", "));
+    println!("   PodDisruptionBudget default/web (app=web) allows 1 disruption");
+    let live = machine("v1.35.3", true);
+    let config = kubeadm_config(
+        json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v3\n"}]),
+    );
+    api.put(live.clone());
+    api.put(config.clone());
+    let body = update_request(&live, &config, port);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut blocked = 0;
+    loop {
+        let v = capi.call(Hook::UpdateMachine, &body).await?.json();
+        let message = v["message"].as_str().unwrap_or("").to_owned();
+        println!(
+            "   UpdateMachine → {} retryAfterSeconds={} {message:?} (cordoned: {})",
+            v["status"].as_str().unwrap_or("?"),
+            v["retryAfterSeconds"],
+            cordon(api)
+        );
+        anyhow::ensure!(v["status"] == "Success", "the drain failed: {message}");
+        if !message.starts_with("draining") {
+            break;
+        }
+        if message.contains("blocked by PodDisruptionBudget") {
+            blocked += 1;
+            if blocked == 2 {
+                println!("   (web-0 is back up elsewhere: the budget allows one more disruption)");
+                api.edit(
+                    "/apis/policy/v1/namespaces/default/poddisruptionbudgets/web",
+                    |b| b["status"]["disruptionsAllowed"] = json!(1),
+                );
+            }
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the drain did not end in 60 s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    println!(
+        "   drained; pods left on demo-node: {}",
+        pods(api).join(", ")
+    );
+    println!("   (the plan moves the kubelet to v1.35.3: the demo writes the new version)");
+    std::fs::write(version_file, "v1.35.3\n")?;
+    poll(capi, &body).await?;
+    println!("   cordoned after the plan succeeded: {}", cordon(api));
     Ok(())
 }

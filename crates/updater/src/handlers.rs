@@ -12,8 +12,13 @@
 //!   (`GetPlanStatus`) and, when the agent does not know it yet, submitted (`ApplyPlan`);
 //!   the agent's hook response goes back as it is, and is remembered.
 //!
+//! - The drain ([`draining`]): before a new plan that needs it is submitted, each call
+//!   cordons and drains the node a step further; the plan's last answer uncordons it.
+//!
 //! Nothing durable is kept between calls: any replica answers any call the same way (one
 //! that has not seen the request yet takes the slow way).
+
+mod draining;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -101,7 +106,11 @@ pub struct Updater {
     pub cluster_cas: Arc<ClusterCas>,
     /// Machines waiting on an unreachable agent ([`super::unreachable`]).
     pub waits: Arc<Waits>,
+    /// The drain's workload clients and what it settled ([`draining`]).
+    pub drains: Arc<Drains>,
 }
+
+pub use draining::Drains;
 
 fn to_bytes<T: serde::Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).unwrap_or_default()
@@ -185,10 +194,12 @@ impl Updater {
             }
             let mut answer = hook_answer(&heard, &known.plan.costs);
             answer.object = machine;
+            self.after_plan(hook, body, &mut answer).await;
             self.answered(hook, &answer);
             return answer;
         }
-        let answer = self.handle_parsed(hook, body, fingerprint).await;
+        let mut answer = self.handle_parsed(hook, body, fingerprint).await;
+        self.after_plan(hook, body, &mut answer).await;
         self.answered(hook, &answer);
         answer
     }
@@ -803,6 +814,13 @@ impl Updater {
             .and_then(|c| Patch::json_patch(&spec_patch(&c.value, &["spec"], &bootstrap.spec)));
         let complete = machine.complete() && bootstrap.complete();
         let none = check.disruption == pb::Disruption::None as i32;
+        let drains = self.will_drain(
+            &live,
+            desired.spec().get("version").and_then(Value::as_str),
+            settings,
+            &facts,
+            &check,
+        );
         let message = coverage_message(&machine, &bootstrap);
         tracing::debug!(machine = %key, %node, plan = %translation.id, "CanUpdateMachine checked");
         Ok(Answer::new(
@@ -814,7 +832,11 @@ impl Updater {
                 machine_patch,
                 infrastructure_machine_patch: None,
                 bootstrap_config_patch: bootstrap_patch,
-                affects_availability: (complete && none).then_some(false),
+                affects_availability: if drains {
+                    Some(true)
+                } else {
+                    (complete && none).then_some(false)
+                },
             },
             &message,
             if complete { "covered" } else { "partial" },
@@ -961,6 +983,14 @@ impl Updater {
                 .unwrap_or_default()
                 .to_owned(),
         };
+        if !self.plans.knows(&key, &plan)
+            && let Some(answer) = self
+                .drain_before(&key, &live, settings, &facts, &plan, &wire)
+                .await?
+        {
+            // The node is being drained first (or the drain cannot go on).
+            return Ok((answer, false));
+        }
         if self.plans.knows(&key, &plan) {
             // Known here already (its stream broke, a check is repeated): ask the agent.
             return self
@@ -1324,7 +1354,15 @@ pub fn can_update_machine_set_for(
             machine_set_patch,
             infrastructure_machine_template_patch: None,
             bootstrap_config_template_patch: template_patch,
-            affects_availability: (complete && !disruptive).then_some(false),
+            affects_availability: if super::drain::machine_set_drains(
+                settings.drain,
+                version_changes,
+                !machine.covered.is_empty() || !bootstrap.covered.is_empty(),
+            ) {
+                Some(true)
+            } else {
+                (complete && !disruptive).then_some(false)
+            },
         },
         &message,
         if complete { "covered" } else { "partial" },

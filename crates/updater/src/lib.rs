@@ -23,6 +23,8 @@
 //! - [`progress`]: what the agents last said about each Machine's plan, kept between calls.
 //! - [`recovery`]: a failed plan as an Event on its Machine, and its retry by annotation.
 //! - [`unreachable`]: an agent that does not answer: Events, a deadline, then Failure.
+//! - [`drain`]: the drain before a disruptive plan (pure); [`workload`]: the workload
+//!   cluster's Node, Pods and Evictions (kube-rs, from the `<cluster>-kubeconfig` Secret).
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
 //! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
@@ -45,6 +47,7 @@ pub mod cli;
 pub(crate) mod cluster;
 pub mod deadlines;
 pub(crate) mod demo;
+pub mod drain;
 pub mod emulate;
 pub(crate) mod errors;
 pub mod handlers;
@@ -61,6 +64,7 @@ pub mod standin;
 pub mod translate;
 pub(crate) mod trust;
 pub mod unreachable;
+pub mod workload;
 
 /// The updater's version and the commit it was built from (`inplace-updater version`).
 pub const BUILD: inplace_base::build::Build = inplace_base::build!();

@@ -1,5 +1,6 @@
 //! The updater's Prometheus metrics (`GET /metrics`): requests by hook and outcome, their
-//! latency, plans submitted, agents found unreachable, serving certificate reloads. Label
+//! latency, plans submitted, agents found unreachable, serving certificate reloads, the
+//! drain's (started, finished, timed out, pods evicted, evictions refused, duration). Label
 //! values are bounded (hook names and outcome words, never Machine names).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -172,6 +173,8 @@ pub struct Metrics {
     waits: WaitCollector,
     fleet: FleetCollector,
     plan_duration: Family<Labels1, Histogram, fn() -> Histogram>,
+    /// The drain's ([`super::drain`]).
+    pub drain: DrainMetrics,
     /// Counters read at scrape time.
     pub scraped: Arc<Scraped>,
 }
@@ -217,6 +220,7 @@ impl Metrics {
         registry.register_collector(Box::new(FleetCollector(fleet.0.clone())));
         let waits = WaitCollector::default();
         registry.register_collector(Box::new(WaitCollector(waits.0.clone())));
+        let drain = DrainMetrics::register(&mut registry);
         let scraped = Arc::new(Scraped::default());
         registry.register_collector(Box::new(ScrapedCollector(scraped.clone(), unreachable)));
         Arc::new(Metrics {
@@ -228,6 +232,7 @@ impl Metrics {
             waits,
             fleet,
             plan_duration,
+            drain,
             scraped,
         })
     }
@@ -290,5 +295,72 @@ impl Metrics {
             tracing::warn!(error = %e, "encoding metrics failed");
         }
         out
+    }
+}
+
+/// Seconds a drain may take, from a node with nothing to evict to hours of a PDB holding.
+const DRAIN_BUCKETS: [f64; 12] = [
+    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+];
+
+/// The drain's metrics (counted by the replica that saw the event; a drain continued by
+/// another replica is counted there).
+#[derive(Debug, Clone)]
+pub struct DrainMetrics {
+    /// Drains begun (the node cordoned and marked for a plan).
+    pub started: Counter,
+    /// Drains finished (nothing left to evict; the plan is submitted next).
+    pub finished: Counter,
+    /// Drains past their timeout (`onDrainTimeout` decides what follows).
+    pub timed_out: Counter,
+    /// Evictions the API server accepted.
+    pub pods_evicted: Counter,
+    /// Evictions refused by a PodDisruptionBudget (429), retried on a later call.
+    pub evictions_refused: Counter,
+    /// From the drain's start (the Node's mark) to its end.
+    pub duration: Histogram,
+}
+
+impl DrainMetrics {
+    fn register(registry: &mut Registry) -> DrainMetrics {
+        let m = DrainMetrics {
+            started: Counter::default(),
+            finished: Counter::default(),
+            timed_out: Counter::default(),
+            pods_evicted: Counter::default(),
+            evictions_refused: Counter::default(),
+            duration: Histogram::new(DRAIN_BUCKETS),
+        };
+        registry.register(
+            "drains_started",
+            "Drains begun before a disruptive plan (node cordoned and marked)",
+            m.started.clone(),
+        );
+        registry.register(
+            "drains_finished",
+            "Drains that left nothing to evict (the plan is submitted next)",
+            m.finished.clone(),
+        );
+        registry.register(
+            "drains_timed_out",
+            "Drains past drainTimeoutSeconds or the Machine's nodeDrainTimeoutSeconds",
+            m.timed_out.clone(),
+        );
+        registry.register(
+            "pods_evicted",
+            "Pod evictions the workload cluster's API server accepted",
+            m.pods_evicted.clone(),
+        );
+        registry.register(
+            "evictions_refused",
+            "Pod evictions refused by a PodDisruptionBudget (HTTP 429), retried later",
+            m.evictions_refused.clone(),
+        );
+        registry.register(
+            "drain_duration_seconds",
+            "Time from a drain's start (the mark on the Node) to its end",
+            m.duration.clone(),
+        );
+        m
     }
 }

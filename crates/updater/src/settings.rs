@@ -60,7 +60,57 @@ pub const KEYS: &[(&str, &str)] = &[
         "disableInPlaceUpdates",
         "\"true\": CanUpdate* cover nothing (every change rolls out)",
     ),
+    (
+        "drain",
+        "Never, Disruptive or Always: when to cordon and drain the node before a plan (default Disruptive)",
+    ),
+    (
+        "drainOnRestartOf",
+        "units whose restart drains under Disruptive, comma-separated (default containerd)",
+    ),
+    (
+        "drainTimeoutSeconds",
+        "how long a drain may take when the Machine sets no spec.deletion.nodeDrainTimeoutSeconds \
+         (default 0: no limit)",
+    ),
+    (
+        "onDrainTimeout",
+        "Fail or Proceed when the drain timed out (default Fail)",
+    ),
 ];
+
+/// `settings.drain`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainMode {
+    /// Never drain.
+    Never,
+    /// Drain when the plan reboots, changes the Kubernetes version or restarts a unit of
+    /// `drainOnRestartOf` (the default).
+    Disruptive,
+    /// Drain before every plan that changes the node.
+    Always,
+}
+
+impl DrainMode {
+    /// From the setting's value.
+    pub fn parse(v: &str) -> Option<DrainMode> {
+        match v {
+            "Never" => Some(DrainMode::Never),
+            "Disruptive" => Some(DrainMode::Disruptive),
+            "Always" => Some(DrainMode::Always),
+            _ => None,
+        }
+    }
+}
+
+/// `settings.onDrainTimeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnTimeout {
+    /// Answer Failure naming the Pods still on the node (the default).
+    Fail,
+    /// Go on with the plan, Pods or not.
+    Proceed,
+}
 
 /// The managed set the KubeadmConfig's `files[]` belong to on the node.
 pub const FILES_SET: &str = "kubeadmconfig-files";
@@ -113,6 +163,14 @@ pub struct Settings {
     pub agent_ca: AgentCa,
     /// How long `UpdateMachine` waits for an unreachable agent (zero: for ever).
     pub unreachable_timeout: std::time::Duration,
+    /// When to drain.
+    pub drain: DrainMode,
+    /// Units whose restart drains under [`DrainMode::Disruptive`].
+    pub drain_on_restart_of: Vec<String>,
+    /// The drain's limit when the Machine sets none (0: none).
+    pub drain_timeout_seconds: u32,
+    /// What a timed-out drain does.
+    pub on_drain_timeout: OnTimeout,
 }
 
 impl Settings {
@@ -130,6 +188,10 @@ impl Settings {
             update_wait: std::time::Duration::from_secs(3),
             agent_ca: AgentCa::File,
             unreachable_timeout: std::time::Duration::from_secs(300),
+            drain: DrainMode::Disruptive,
+            drain_on_restart_of: vec!["containerd".into()],
+            drain_timeout_seconds: 0,
+            on_drain_timeout: OnTimeout::Fail,
         }
     }
 
@@ -265,7 +327,42 @@ impl Settings {
                 }
             };
         }
+        s.read_drain(settings, seconds("drainTimeoutSeconds", 30 * 86400)?)?;
         Ok(s)
+    }
+
+    /// The drain's keys (docs/updater.md, "Drain").
+    fn read_drain(
+        &mut self,
+        settings: &Map<String, Value>,
+        timeout: Option<u32>,
+    ) -> Result<(), RequestError> {
+        let get = |key: &str| settings.get(key).and_then(Value::as_str);
+        let bad =
+            |key: &str, message: String| RequestError::new(format!("settings.{key}"), message);
+        if let Some(v) = get("drain") {
+            self.drain = DrainMode::parse(v)
+                .ok_or_else(|| bad("drain", format!("{v:?} is not Never, Disruptive or Always")))?;
+        }
+        if let Some(v) = get("drainOnRestartOf") {
+            self.drain_on_restart_of = list(v);
+        }
+        if let Some(n) = timeout {
+            self.drain_timeout_seconds = n;
+        }
+        if let Some(v) = get("onDrainTimeout") {
+            self.on_drain_timeout = match v {
+                "Fail" => OnTimeout::Fail,
+                "Proceed" => OnTimeout::Proceed,
+                other => {
+                    return Err(bad(
+                        "onDrainTimeout",
+                        format!("{other:?} is not Fail or Proceed"),
+                    ));
+                }
+            };
+        }
+        Ok(())
     }
 }
 
@@ -288,7 +385,7 @@ mod tests {
 
     #[test]
     fn settings_win_over_flags_and_errors_name_the_key() {
-        let s = parse(json!({"agentPort": "8443", "drain": "true"})).unwrap();
+        let s = parse(json!({"agentPort": "8443", "otherExtension": "true"})).unwrap();
         assert_eq!(s.agent_port, 8443);
         assert_eq!(parse(json!({})).unwrap().agent_port, 9443);
         assert_eq!(
@@ -322,6 +419,38 @@ mod tests {
                 .kubelet_healthz_url,
             None
         );
+    }
+
+    #[test]
+    fn drain_settings_have_defaults_and_errors_name_the_key() {
+        let d = parse(json!({})).unwrap();
+        assert_eq!(d.drain, DrainMode::Disruptive);
+        assert_eq!(d.drain_on_restart_of, ["containerd"]);
+        assert_eq!(
+            (d.drain_timeout_seconds, d.on_drain_timeout),
+            (0, OnTimeout::Fail)
+        );
+        let s = parse(
+            json!({"drain": "Always", "drainOnRestartOf": "containerd, crio.service",
+            "drainTimeoutSeconds": "600", "onDrainTimeout": "Proceed"}),
+        )
+        .unwrap();
+        assert_eq!(s.drain, DrainMode::Always);
+        assert_eq!(s.drain_on_restart_of, ["containerd", "crio.service"]);
+        assert_eq!(
+            (s.drain_timeout_seconds, s.on_drain_timeout),
+            (600, OnTimeout::Proceed)
+        );
+        for (key, value) in [
+            ("drain", "true"),
+            ("onDrainTimeout", "Wait"),
+            ("drainTimeoutSeconds", "-1"),
+        ] {
+            assert_eq!(
+                parse(json!({key: value})).unwrap_err().field,
+                format!("settings.{key}")
+            );
+        }
     }
 
     #[test]

@@ -45,6 +45,7 @@ pub async fn build(
             recovery,
             cluster_cas: Default::default(),
             waits: Default::default(),
+            drains: Arc::new(super::handlers::Drains::default()),
         }
     });
     let waits = Arc::downgrade(&updater.waits);

@@ -1,10 +1,16 @@
 //! A STAND-IN for the Kubernetes API server: the few paths the updater uses (`get` of a
-//! Machine with status, a KubeadmConfig, a Secret; `list` of Machines by label selector;
-//! `create` of a `v1` Event, 409 AlreadyExists for a name taken; a JSON merge `patch` of a
-//! Machine), serving the objects' real JSON shapes and the API server's `Status` object for
-//! errors, over plain HTTP/1.1 on loopback. It is not a Kubernetes API server (no auth, no
-//! watch, no list but of Machines by equality label selector, no validation,
-//! resourceVersion only counted): no kube-apiserver can be installed on the machines this
+//! Machine with status, a KubeadmConfig, a Secret; `list` of Machines by label selector; `create` of a `v1` Event, 409
+//! AlreadyExists for a name taken; a JSON merge `patch` of a Machine), serving the objects'
+//! real JSON shapes and the API server's `Status` object for errors, over plain HTTP/1.1 on
+//! loopback. For the drain it also serves a workload cluster's paths (one stand-in may be
+//! both clusters): cluster-scoped Nodes (`get`, merge `patch`: cordon), `list` of Pods
+//! (with the `spec.nodeName` field selector), Namespaces, PodDisruptionBudgets and
+//! MachineDrainRules (and the management cluster's Machines, by equality label selector), `get` of DaemonSets, and the `pods/eviction` subresource with
+//! policy/v1 semantics: 429 TooManyRequests (the API server's message and
+//! `DisruptionBudget` cause) while a matching budget's `status.disruptionsAllowed` is 0, 500
+//! when two budgets match; otherwise the budget's allowance drops by one and the Pod is
+//! removed at once (there is no kubelet to wait for). It is not a Kubernetes API server (no
+//! auth, no watch, lists only of those kinds, no validation, resourceVersion only counted): no kube-apiserver can be installed on the machines this
 //! project is built and tested on, so the tests, the demo and the benchmark run the
 //! updater's real kube-rs client against this. Every request is recorded, so tests can
 //! assert the updater only ever `get`s by name (never lists or watches Secrets) and writes
@@ -41,14 +47,34 @@ pub struct ApiStandin {
     store: Arc<Mutex<Store>>,
 }
 
+/// Kinds without a namespace (the stand-in serves these two).
+const CLUSTER_SCOPED: [&str; 2] = ["Node", "Namespace"];
+
+/// Their plurals.
+const CLUSTER_SCOPED_PLURALS: [&str; 2] = ["nodes", "namespaces"];
+
+/// Plurals the stand-in lists (the drain's, and Machines for `CanUpdateMachineSet`; Secrets
+/// and everything else are never listed).
+const LISTED: [&str; 6] = [
+    "machines",
+    "pods",
+    "namespaces",
+    "poddisruptionbudgets",
+    "machinedrainrules",
+    "nodes",
+];
+
 /// The API path of an object (`/apis/<group>/<version>/namespaces/<ns>/<plural>/<name>`).
 pub fn object_path(object: &Value) -> Option<String> {
     let api_version = object.get("apiVersion")?.as_str()?;
     let kind = object.get("kind")?.as_str()?;
     let meta = object.get("metadata")?;
-    let ns = meta.get("namespace")?.as_str()?;
     let name = meta.get("name")?.as_str()?;
     let plural = format!("{}s", kind.to_ascii_lowercase());
+    if CLUSTER_SCOPED.contains(&kind) {
+        return Some(format!("/api/{api_version}/{plural}/{name}"));
+    }
+    let ns = meta.get("namespace")?.as_str()?;
     Some(if api_version.contains('/') {
         format!("/apis/{api_version}/namespaces/{ns}/{plural}/{name}")
     } else {
@@ -176,13 +202,27 @@ impl ApiStandin {
 
     /// A kubeconfig file pointing at the stand-in.
     pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
-        let text = format!(
+        std::fs::write(path, self.kubeconfig())
+    }
+
+    /// A kubeconfig pointing at the stand-in (the text of the file).
+    pub fn kubeconfig(&self) -> String {
+        format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: standin\n  cluster:\n    server: http://{addr}\n\
              users:\n- name: updater\n  user:\n    token: standin-token\ncontexts:\n- name: standin\n  context:\n    \
              cluster: standin\n    user: updater\ncurrent-context: standin\n",
             addr = self.addr
-        );
-        std::fs::write(path, text)
+        )
+    }
+
+    /// The `<cluster>-kubeconfig` Secret Cluster API keeps for a cluster, pointing at this
+    /// stand-in (which then serves as the workload cluster too).
+    pub fn workload_secret(&self, namespace: &str, cluster: &str) -> Value {
+        secret(
+            namespace,
+            &format!("{cluster}-kubeconfig"),
+            &[("value", self.kubeconfig().as_bytes())],
+        )
     }
 }
 
@@ -241,52 +281,148 @@ fn query_decode(text: &str) -> String {
 }
 
 impl Store {
-    /// GET .../namespaces/<ns>/machines?labelSelector=k=v,...: the Machines of the namespace
-    /// with all those labels, as a `MachineList` (equality selectors only; the only list
-    /// the stand-in serves). `None` for any other request.
-    fn list_machines(
+    /// GET of a collection: the objects under `prefix` (`api/v1`, `apis/<group>/<version>`)
+    /// of `plural`, in `namespace` or all; `fieldSelector=spec.nodeName=<node>` for Pods,
+    /// `labelSelector=k=v,...` (equality only) for any kind.
+    fn list(
         &self,
-        segments: &[&str],
-        ns_at: Option<usize>,
+        prefix: &[&str],
+        namespace: Option<&str>,
+        plural: &str,
         query: Option<&str>,
-    ) -> Option<Response<Full<Bytes>>> {
-        let i = ns_at?;
-        if segments.len() != i + 3 || segments[i + 2] != "machines" {
-            return None;
-        }
-        let query = query.unwrap_or_default();
-        if query.contains("watch") {
-            return None;
-        }
-        let selector = query
-            .split('&')
-            .find_map(|kv| kv.strip_prefix("labelSelector="))
-            .map(query_decode)?;
-        let wanted: Vec<(&str, &str)> = selector
+    ) -> Response<Full<Bytes>> {
+        let parameter = |name: &str| {
+            query.and_then(|q| {
+                q.split('&')
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                    .map(query_decode)
+            })
+        };
+        let node = parameter("fieldSelector")
+            .and_then(|v| v.strip_prefix("spec.nodeName=").map(str::to_owned));
+        let labels = parameter("labelSelector").unwrap_or_default();
+        let wanted: Vec<(&str, &str)> = labels
             .split(',')
             .filter_map(|kv| kv.split_once('='))
             .collect();
-        let prefix = format!("/{}/", segments.join("/"));
+        let base = format!("/{}/", prefix.join("/"));
         let items: Vec<Value> = self
             .objects
             .iter()
-            .filter(|(path, _)| path.starts_with(&prefix))
-            .filter(|(_, o)| {
+            .filter(|(path, _)| {
+                let Some(rest) = path.strip_prefix(&base) else {
+                    return false;
+                };
+                let parts: Vec<&str> = rest.split('/').collect();
+                match (namespace, parts.as_slice()) {
+                    (None, [p, _]) => *p == plural,
+                    (None, ["namespaces", _, p, _]) => *p == plural,
+                    (Some(ns), ["namespaces", n, p, _]) => *n == ns && *p == plural,
+                    _ => false,
+                }
+            })
+            .map(|(_, o)| o)
+            .filter(|o| {
+                node.as_deref()
+                    .is_none_or(|n| o.pointer("/spec/nodeName").and_then(Value::as_str) == Some(n))
+            })
+            .filter(|o| {
                 wanted.iter().all(|(k, v)| {
-                    o["metadata"]["labels"].get(*k).and_then(Value::as_str) == Some(*v)
+                    o.pointer("/metadata/labels")
+                        .and_then(|l| l.get(*k))
+                        .and_then(Value::as_str)
+                        == Some(*v)
                 })
             })
-            .map(|(_, o)| o.clone())
+            .cloned()
             .collect();
-        Some(json_response(
+        let kind = items
+            .first()
+            .and_then(|o| o.get("kind"))
+            .and_then(Value::as_str)
+            .map_or_else(|| "List".to_owned(), |k| format!("{k}List"));
+        json_response(
             StatusCode::OK,
             &json!({
-                "kind": "MachineList",
-                "apiVersion": format!("{}/{}", segments[1], segments[2]),
+                "kind": kind,
+                "apiVersion": prefix[1..].join("/"),
                 "metadata": {"resourceVersion": self.version.to_string()},
                 "items": items,
             }),
-        ))
+        )
+    }
+
+    /// POST of `pods/<name>/eviction`: policy/v1 semantics with the budgets stored under
+    /// `/apis/policy/v1/namespaces/<ns>/poddisruptionbudgets/`.
+    fn evict(&mut self, ns: &str, name: &str) -> Response<Full<Bytes>> {
+        let pod_path = format!("/api/v1/namespaces/{ns}/pods/{name}");
+        let Some(pod) = self.objects.get(&pod_path) else {
+            return status(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                format!("pods \"{name}\" not found"),
+            );
+        };
+        let labels = super::drain::string_map(pod.pointer("/metadata/labels"));
+        let prefix = format!("/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets/");
+        let budgets: Vec<String> = self
+            .objects
+            .iter()
+            .filter(|(p, _)| p.starts_with(&prefix))
+            .filter(|(_, b)| {
+                super::drain::Selector::from_json(b.pointer("/spec/selector"), "")
+                    .is_ok_and(|s| s.matches(&labels))
+            })
+            .map(|(p, _)| p.clone())
+            .collect();
+        if budgets.len() > 1 {
+            return status(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support."
+                    .into(),
+            );
+        }
+        if let Some(path) = budgets.first() {
+            let budget = &self.objects[path];
+            let allowed = budget
+                .pointer("/status/disruptionsAllowed")
+                .and_then(Value::as_i64)
+                .unwrap_or(0);
+            if allowed <= 0 {
+                let pdb = budget
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                let healthy = budget
+                    .pointer("/status/currentHealthy")
+                    .and_then(Value::as_i64)
+                    .unwrap_or(0);
+                let desired = budget
+                    .pointer("/status/desiredHealthy")
+                    .and_then(Value::as_i64)
+                    .unwrap_or(0);
+                let body = json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                    "message": "Cannot evict pod as it would violate the pod's disruption budget.",
+                    "reason": "TooManyRequests",
+                    "details": {"causes": [{"reason": "DisruptionBudget",
+                        "message": format!("The disruption budget {pdb} needs {desired} healthy pods and has {healthy} currently")}]},
+                    "code": 429,
+                });
+                return json_response(StatusCode::TOO_MANY_REQUESTS, &body);
+            }
+            let version = self.next_version();
+            if let Some(b) = self.objects.get_mut(path) {
+                b["status"]["disruptionsAllowed"] = json!(allowed - 1);
+                b["metadata"]["resourceVersion"] = json!(version);
+            }
+        }
+        self.objects.remove(&pod_path);
+        json_response(
+            StatusCode::CREATED,
+            &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+        )
     }
 
     fn next_version(&mut self) -> String {
@@ -384,7 +520,20 @@ fn handle(
         let ns = segments[3].to_owned();
         return store.create_event(&path, &ns, body);
     }
-    if method == Method::PATCH && segments.get(1) == Some(&"cluster.x-k8s.io") {
+    // POST /api/v1/namespaces/<ns>/pods/<name>/eviction
+    if method == Method::POST
+        && segments.len() == 7
+        && segments[..3] == ["api", "v1", "namespaces"]
+        && segments[4] == "pods"
+        && segments[6] == "eviction"
+    {
+        let (ns, name) = (segments[3].to_owned(), segments[5].to_owned());
+        return store.evict(&ns, &name);
+    }
+    if method == Method::PATCH
+        && (segments.get(1) == Some(&"cluster.x-k8s.io")
+            || (segments.len() == 4 && segments[..3] == ["api", "v1", "nodes"]))
+    {
         return store.patch(&path, content_type, body);
     }
     if method != Method::GET {
@@ -392,41 +541,56 @@ fn handle(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
             format!(
-                "the stand-in serves only get, create of events and patch of machines; {method} {path} is not served"
+                "the stand-in serves only get, create of events and evictions, patch of machines and nodes; {method} {path} is not served"
             ),
         );
     }
-    // .../namespaces/<ns>/<plural>/<name> : a get; anything shorter is a list or watch.
-    let ns_at = segments.iter().position(|s| *s == "namespaces");
-    if let Some(list) = store.list_machines(&segments, ns_at, uri.query()) {
-        return list;
+    if uri.query().is_some_and(|q| q.contains("watch")) {
+        return status(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            format!("watch is forbidden here: {path}"),
+        );
     }
-    let named = ns_at.is_some_and(|i| segments.len() == i + 4);
-    if !named || uri.query().is_some_and(|q| q.contains("watch")) {
+    if let Some(object) = store.objects.get(&path) {
+        return json_response(StatusCode::OK, object);
+    }
+    // A list: /api/v1/<plural>, /api(s)/<gv>/<plural>, or .../namespaces/<ns>/<plural>.
+    let version_at = if segments.first() == Some(&"api") {
+        2
+    } else {
+        3
+    };
+    let rest = segments.get(version_at..).unwrap_or_default();
+    let (list_ns, plural) = match rest {
+        [plural] => (None, *plural),
+        ["namespaces", ns, plural] => (Some(*ns), *plural),
+        _ => (None, ""),
+    };
+    if LISTED.contains(&plural) {
+        return store.list(&segments[..version_at], list_ns, plural, uri.query());
+    }
+    // .../namespaces/<ns>/<plural>/<name> : a get; anything shorter is a list.
+    let ns_at = segments.iter().position(|s| *s == "namespaces");
+    let named = ns_at.is_some_and(|i| segments.len() == i + 4)
+        || (segments.len() == version_at + 2
+            && CLUSTER_SCOPED_PLURALS.contains(&segments[version_at]));
+    if !named {
         return status(
             StatusCode::FORBIDDEN,
             "Forbidden",
             format!(
-                "list (but of machines by labelSelector) and watch are forbidden here (the updater's RBAC allows get only): {path}"
+                "this list is forbidden here (the updater's RBAC allows get, and list only of the drain's kinds and of Machines by selector): {path}"
             ),
         );
     }
-    match store.objects.get(&path) {
-        Some(object) => Response::builder()
-            .status(StatusCode::OK)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(object.to_string())))
-            .unwrap_or_else(|_| Response::new(Full::new(Bytes::new()))),
-        None => {
-            let plural = segments[segments.len() - 2];
-            let name = segments[segments.len() - 1];
-            status(
-                StatusCode::NOT_FOUND,
-                "NotFound",
-                format!("{plural} {name:?} not found"),
-            )
-        }
-    }
+    let plural = segments[segments.len() - 2];
+    let name = segments[segments.len() - 1];
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        format!("{plural} {name:?} not found"),
+    )
 }
 
 /// A Secret object for the stand-in.
@@ -448,4 +612,61 @@ pub fn secret(namespace: &str, name: &str, data: &[(&str, &[u8])]) -> Value {
         "type": "Opaque",
         "data": data,
     })
+}
+
+/// A workload cluster's Node for the stand-in, schedulable, whose kubelet reports
+/// `kubelet_version`.
+pub fn node(name: &str, kubelet_version: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "spec": {},
+        "status": {"nodeInfo": {"kubeletVersion": kubelet_version}},
+    })
+}
+
+/// A running Pod bound to `node`; `owner` is its controller (kind, name), if any.
+pub fn pod(
+    namespace: &str,
+    name: &str,
+    node: &str,
+    owner: Option<(&str, &str)>,
+    labels: Value,
+) -> Value {
+    let mut pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]},
+        "status": {"phase": "Running"},
+    });
+    if let Some((kind, owner)) = owner {
+        let api_version = if kind == "DaemonSet" || kind == "ReplicaSet" || kind == "StatefulSet" {
+            "apps/v1"
+        } else {
+            "batch/v1"
+        };
+        pod["metadata"]["ownerReferences"] = json!([{"apiVersion": api_version, "kind": kind,
+            "name": owner, "uid": format!("uid-{owner}"), "controller": true, "blockOwnerDeletion": true}]);
+    }
+    pod
+}
+
+/// A policy/v1 PodDisruptionBudget selecting `match_labels`, with `allowed` disruptions
+/// left (`status.disruptionsAllowed`, which the stand-in's evictions spend).
+pub fn pdb(namespace: &str, name: &str, match_labels: Value, allowed: i64) -> Value {
+    json!({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": match_labels}},
+        "status": {"disruptionsAllowed": allowed, "currentHealthy": 1, "desiredHealthy": 1,
+                   "expectedPods": 1, "observedGeneration": 1},
+    })
+}
+
+/// A Namespace with labels.
+pub fn namespace(name: &str, labels: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
 }

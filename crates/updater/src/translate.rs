@@ -46,6 +46,9 @@ pub struct NodeFacts {
     pub services_managed: bool,
     /// `apt`, `dnf` or empty.
     pub package_manager: String,
+    /// The installed kubelet's version (`v1.35.2`), empty when unknown (the drain's
+    /// "changes the Kubernetes version").
+    pub kubelet_version: String,
 }
 
 impl NodeFacts {
@@ -71,6 +74,7 @@ impl NodeFacts {
             features: s(&[FEATURE_PRUNE, FEATURE_VERSION_PATTERN]),
             services_managed: true,
             package_manager: "apt".into(),
+            kubelet_version: String::new(),
         }
     }
 

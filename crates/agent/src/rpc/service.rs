@@ -269,7 +269,7 @@ pub fn node_info(engine: &Engine) -> pb::GetNodeInfoResponse {
             architecture: os.architecture,
         }),
         package_manager: manager.map(|m| m.name().to_owned()).unwrap_or_default(),
-        kubelet_version: node::kubelet_version(host).unwrap_or_default(),
+        kubelet_version: crate::steps::check::kubelet_version(host).unwrap_or_default(),
         boot_id: host.boot_id().unwrap_or_default(),
         supported_change_kinds,
         current_plan_id: engine.current().map(|s| s.id).unwrap_or_default(),

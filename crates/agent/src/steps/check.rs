@@ -61,6 +61,27 @@ pub fn find_kubelet(host: &Host) -> Option<(String, std::path::PathBuf)> {
     })
 }
 
+/// The version the node's kubelet reports, found and run as the `kubeletVersion` gate runs
+/// it (by its path in the root when commands do not run inside it, where the agent's own
+/// PATH is not the node's); `GetNodeInfo.kubelet_version`, which the updater's drain
+/// compares with the Machine's version.
+pub fn kubelet_version(host: &Host) -> Option<String> {
+    let (node_path, here) = find_kubelet(host)?;
+    let program = if host.settings().commands_in_root {
+        node_path
+    } else {
+        here.display().to_string()
+    };
+    let spec = host
+        .command([program, "--version".to_string()])
+        .timeout(Duration::from_secs(5));
+    let out = crate::host::command::run(&spec).ok()?;
+    if !out.success() {
+        return None;
+    }
+    parse_kubelet_version(&out.stdout)
+}
+
 /// One attempt of a probe: `Ok(observation)` when it passes, `Err(observation)` when not.
 pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String, String> {
     match probe {
