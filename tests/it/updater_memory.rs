@@ -283,7 +283,7 @@ async fn a_remembered_answer_shows_the_gates_current_attempt() {
     let body = update_request(
         &machine,
         Some(&config),
-        json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "30", "updateWaitSeconds": "0"}),
+        json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "30", "updateWaitSeconds": "0", "drain": "Never"}),
     );
     let deadline_at = deadline();
     let mut attempts: Vec<u32> = Vec::new();

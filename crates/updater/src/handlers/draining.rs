@@ -143,7 +143,7 @@ impl Updater {
             .await
         {
             Ok(c) => c,
-            Err(e @ AgentError::Unreachable { .. }) => return Ok(Some(waiting(&e))),
+            Err(e @ AgentError::Unreachable { .. }) => return Ok(Some(waiting(key, &e))),
             Err(e) => return Err(Failure(e.to_string())),
         };
         if check
