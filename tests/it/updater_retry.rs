@@ -242,8 +242,9 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
     );
     // Attempt 2 fails the same way; polling on with the same value starts nothing more,
     // neither from memory nor the slow way (a restarted updater).
-    let seen = case.until_failure(&w, &mut capi).await;
-    assert!(seen.len() > 1, "its progress was answered: {seen:?}");
+    // (Its progress was answered: `started` above. How many polls see it running depends on
+    // the machine's load against the 2 s gate, so the test does not count them.)
+    case.until_failure(&w, &mut capi).await;
     for _ in 0..10 {
         assert_eq!(case.call(&w, &mut capi).await["status"], "Failure");
     }
