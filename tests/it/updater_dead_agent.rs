@@ -83,7 +83,7 @@ async fn an_unreachable_agent_is_reported_and_fails_the_machine_after_the_deadli
     assert_eq!(
         metric(
             &mut capi,
-            "inplace_updater_machines{cluster=\"capi-quickstart\",phase=\"unreachable\"}"
+            "inplace_updater_machines{cluster=\"default/capi-quickstart\",phase=\"unreachable\"}"
         )
         .await,
         1.0

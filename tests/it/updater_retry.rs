@@ -185,7 +185,7 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
         String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
     for line in [
         "inplace_updater_plan_failures_total{kind=\"rolled_back\"} 1",
-        "inplace_updater_machines{cluster=\"capi-quickstart\",phase=\"rolled_back\"} 1",
+        "inplace_updater_machines{cluster=\"default/capi-quickstart\",phase=\"rolled_back\"} 1",
         "inplace_updater_plan_duration_seconds_count{outcome=\"rolled_back\"} 1",
     ] {
         assert!(

@@ -100,8 +100,8 @@ async fn one_updater_verifies_each_clusters_agents_against_that_clusters_ca() {
     let metrics =
         String::from_utf8(capi.request("GET", "/metrics", b"").await.unwrap().body).unwrap();
     for line in [
-        "inplace_updater_machines{cluster=\"red\",phase=\"succeeded\"} 1",
-        "inplace_updater_machines{cluster=\"blue\",phase=\"succeeded\"} 1",
+        "inplace_updater_machines{cluster=\"default/red\",phase=\"succeeded\"} 1",
+        "inplace_updater_machines{cluster=\"default/blue\",phase=\"succeeded\"} 1",
         "inplace_updater_plan_duration_seconds_count{outcome=\"succeeded\"} 2",
     ] {
         assert!(

@@ -396,10 +396,8 @@ impl Updater {
                 }
             },
         };
-        let cluster = lookup(desired.spec(), &["clusterName"])
-            .and_then(Value::as_str)
-            .unwrap_or_default();
-        let emitted = self.waits.missed(&key, cluster, since);
+        let cluster = cluster_of(desired.namespace(), desired.spec());
+        let emitted = self.waits.missed(&key, &cluster, since);
         let timeout = settings.unreachable_timeout;
         match judge(since, now, timeout, emitted) {
             Verdict::Wait { elapsed, event } => {
@@ -978,10 +976,7 @@ impl Updater {
             target,
             node,
             costs: super::pace::costs(&wire),
-            cluster: lookup(&live, &["spec", "clusterName"])
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned(),
+            cluster: cluster_of(desired.namespace(), &live_spec),
         };
         if !self.plans.knows(&key, &plan)
             && let Some(answer) = self
@@ -1156,6 +1151,15 @@ fn hook_answer(heard: &Heard, costs: &[u32]) -> Answer {
         &hook.message,
         outcome,
     )
+}
+
+/// A Machine's workload cluster as the fleet metrics label it: `<namespace>/<spec.clusterName>`
+/// (cluster names are unique only within a namespace).
+fn cluster_of(namespace: &str, spec: &Value) -> String {
+    let name = lookup(spec, &["clusterName"])
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    format!("{namespace}/{name}")
 }
 
 fn unreachable_discovery() -> Result<Answer, Failure> {

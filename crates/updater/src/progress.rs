@@ -66,7 +66,8 @@ pub struct PlanRef {
     pub node: String,
     /// The expected time of each change, for pacing CAPI's calls ([`super::pace::costs`]).
     pub costs: Vec<u32>,
-    /// The Machine's workload cluster (`spec.clusterName`), for the fleet metrics.
+    /// The Machine's workload cluster (`<namespace>/<spec.clusterName>`), for the fleet
+    /// metrics.
     pub cluster: String,
 }
 
