@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub use record::{
-    ChangeSummary, CheckSummary, FileBefore, HeldBody, PlanDoc, Preimage, Record, RunPhase,
+    ChangeSummary, CheckSummary, DriftNote, FileBefore, HeldBody, PlanDoc, Preimage, Record, RunPhase,
     StagedBody, SummaryChange, SummaryChangeState, SummaryCheck, SummaryCheckState, SummaryCounts,
     SummaryEvent, SummaryProgress, SummaryStatus, UnitJobOutcome,
 };
