@@ -397,3 +397,265 @@ pub fn summary(c: &DriftedChange) -> String {
             .join("; ")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::SettingsInput;
+
+    const PLAN: &str = "apiVersion: inplace.agent/v1\nkind: Plan\nid: drift\nchanges:\n\
+        \x20 - file: {path: /etc/kubernetes/extra.conf, content: \"extra\\n\", mode: \"0640\"}\n\
+        \x20 - kubeletConfig: {mergePatch: {maxPods: 90, evictionHard: {memory.available: 200Mi}}}\n\
+        \x20 - kubeletFlags: {set: {node-labels: role=worker}}\n\
+        \x20 - sysctl: {key: net.ipv4.ip_forward, value: \"1\"}\n";
+
+    fn node(dir: &Path) -> (Engine, Arc<Host>) {
+        inplace_demo_node::build_kubeadm_worker(dir).unwrap();
+        let settings = SettingsInput {
+            root: Some(dir.to_path_buf()),
+            no_chroot: true,
+            services_off: true,
+            ..SettingsInput::default()
+        }
+        .resolve()
+        .unwrap();
+        let host = Arc::new(Host::open(settings.host.clone()).unwrap());
+        let (engine, _) = Engine::open(settings.engine, host.clone()).unwrap();
+        (engine, host)
+    }
+
+    fn applied(dir: &Path) -> Engine {
+        let (engine, _) = node(dir);
+        let plan = inplace_plan::parse_plan(PLAN.as_bytes(), "test", &Limits::default()).unwrap();
+        engine.submit(plan, "test", false).unwrap();
+        engine.run_until_idle();
+        assert_eq!(
+            engine.plans().last().unwrap().phase,
+            super::super::state::Phase::Succeeded
+        );
+        engine
+    }
+
+    fn fields(engine: &Engine) -> Vec<(u32, String, String, String)> {
+        assert_eq!(engine.check_drift(), CheckOutcome::Checked);
+        let state = engine.drift();
+        assert_eq!(state.problem, None);
+        state
+            .changes
+            .iter()
+            .flat_map(|c| {
+                c.differences
+                    .iter()
+                    .map(|d| (c.index, d.field.clone(), d.expected.clone(), d.found.clone()))
+            })
+            .collect()
+    }
+
+    fn edit(dir: &Path, rel: &str, from: &str, to: &str) {
+        let path = dir.join(rel);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{rel} has no {from:?}: {text}");
+        std::fs::write(&path, text.replace(from, to)).unwrap();
+    }
+
+    #[test]
+    fn before_any_plan_succeeded_there_is_nothing_to_drift_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let (engine, _) = node(dir.path());
+        assert_eq!(engine.check_drift(), CheckOutcome::NoBaseline);
+        assert!(!engine.drift().drifted());
+    }
+
+    #[test]
+    fn a_node_as_the_plan_left_it_has_not_drifted() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        assert_eq!(fields(&engine), Vec::new());
+        assert_eq!(engine.drift().baseline.unwrap().id, "drift");
+    }
+
+    #[test]
+    fn file_content_mode_and_owner_are_each_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        let path = dir.path().join("etc/kubernetes/extra.conf");
+        std::fs::write(&path, "edited by hand\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let found = fields(&engine);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert_eq!(found[0].0, 0);
+        assert_eq!(found[0].1, "/etc/kubernetes/extra.conf content");
+        assert!(found[0].2.starts_with("6 bytes, sha256 "), "{found:?}");
+        assert!(found[0].3.starts_with("15 bytes, sha256 "), "{found:?}");
+        assert_eq!(
+            found[1],
+            (
+                0,
+                "/etc/kubernetes/extra.conf mode".into(),
+                "0640".into(),
+                "0600".into()
+            )
+        );
+        // Owner: the sandbox's root is the caller; chown to another id when allowed.
+        std::fs::write(&path, "extra\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        if rustix::process::geteuid().is_root() {
+            std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+            let found = fields(&engine);
+            assert_eq!(found.len(), 1, "{found:?}");
+            assert_eq!(found[0].1, "/etc/kubernetes/extra.conf owner");
+            assert_eq!(found[0].3, "65534:65534");
+        }
+    }
+
+    #[test]
+    fn a_kubelet_config_field_is_named_with_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        assert_eq!(
+            fields(&engine),
+            vec![(1, "maxPods".into(), "90".into(), "250".into())]
+        );
+        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 250", "maxPods: 90");
+        edit(dir.path(), "var/lib/kubelet/config.yaml", "memory.available: 200Mi", "");
+        let found = fields(&engine);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].1, "evictionHard.memory.available");
+        assert_eq!(found[0].2, "\"200Mi\"");
+    }
+
+    #[test]
+    fn a_kubelet_flag_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        edit(
+            dir.path(),
+            "var/lib/kubelet/kubeadm-flags.env",
+            "--node-labels=role=worker",
+            "--node-labels=role=infra",
+        );
+        assert_eq!(
+            fields(&engine),
+            vec![(
+                2,
+                "--node-labels".into(),
+                "role=worker".into(),
+                "role=infra".into()
+            )]
+        );
+    }
+
+    #[test]
+    fn a_sysctl_reset_in_its_file_is_drift() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        let conf = "etc/sysctl.d/90-inplace-agent-net.ipv4.ip_forward.conf";
+        edit(dir.path(), conf, "= 1", "= 0");
+        let found = fields(&engine);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].0, 3);
+        assert_eq!(found[0].1, format!("/{conf} content"));
+    }
+
+    #[test]
+    fn drift_is_journaled_when_it_appears_and_clears_and_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        engine.check_drift();
+        let first = engine.drift().changes[0].first_seen_ms;
+        assert_eq!(engine.drift().events, 1);
+        // Checked again: nothing new is journaled, first seen stays.
+        let records = engine.journal_info().records;
+        engine.check_drift();
+        assert_eq!(engine.journal_info().records, records);
+        drop(engine);
+        let (engine, _) = node_again(dir.path());
+        assert_eq!(engine.check_drift(), CheckOutcome::Checked);
+        assert_eq!(engine.drift().changes[0].first_seen_ms, first);
+        assert_eq!(engine.journal_info().records, records);
+        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 250", "maxPods: 90");
+        engine.check_drift();
+        assert!(!engine.drift().drifted());
+        assert!(matches!(
+            engine.read(|t| t.journaled_drift().cloned()),
+            None
+        ));
+        assert_eq!(engine.journal_info().records, records + 1);
+    }
+
+    /// The engine of a node built before (its tree is left as it is).
+    fn node_again(dir: &Path) -> (Engine, Arc<Host>) {
+        let settings = SettingsInput {
+            root: Some(dir.to_path_buf()),
+            no_chroot: true,
+            services_off: true,
+            ..SettingsInput::default()
+        }
+        .resolve()
+        .unwrap();
+        let host = Arc::new(Host::open(settings.host.clone()).unwrap());
+        let (engine, _) = Engine::open(settings.engine, host.clone()).unwrap();
+        (engine, host)
+    }
+
+    #[test]
+    fn a_run_in_progress_suspends_checks() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        let next = PLAN.replace("id: drift", "id: next").replace("maxPods: 90", "maxPods: 80");
+        let plan = inplace_plan::parse_plan(next.as_bytes(), "test", &Limits::default()).unwrap();
+        engine.submit(plan, "test", false).unwrap();
+        // Accepted, not run yet: the node differs from the baseline, and that is not drift.
+        assert_eq!(engine.check_drift(), CheckOutcome::Suspended);
+        engine.run_until_idle();
+        assert_eq!(fields(&engine), Vec::new());
+        assert_eq!(engine.drift().baseline.unwrap().id, "next");
+    }
+
+    #[test]
+    fn repair_reapplies_the_last_succeeded_plan_as_a_new_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        engine.check_drift();
+        assert!(engine.drift().drifted());
+        let s = engine.repair("test").unwrap();
+        assert!(matches!(s, Submission::Accepted(_)));
+        assert_eq!(s.status().attempt, 2);
+        assert_eq!(s.status().source, "repair of run 1 by test");
+        engine.run_until_idle();
+        assert_eq!(fields(&engine), Vec::new());
+        let baseline = engine.drift().baseline.unwrap();
+        assert_eq!((baseline.id.as_str(), baseline.attempt), ("drift", 2));
+    }
+
+    #[test]
+    fn the_baseline_and_the_drift_survive_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        engine.check_drift();
+        let records = engine.read(|t| t.summary_records());
+        let mut table = super::super::table::Table::new(1000);
+        for (seq, record) in records.into_iter().enumerate() {
+            table.apply(crate::journal::Entry {
+                seq: seq as u64 + 1,
+                ts: 0,
+                record,
+                offset: 0,
+                hash: [0; 32],
+            });
+        }
+        assert_eq!(table.baseline(), engine.read(|t| t.baseline().cloned()).as_ref());
+        assert_eq!(
+            table.journaled_drift().map(|d| d.changes.len()),
+            Some(1)
+        );
+    }
+}

@@ -202,8 +202,6 @@ mod tests {
             bodies: None,
             staged: Vec::new(),
             held: Vec::new(),
-            versions: Default::default(),
-            pruned: Vec::new(),
             prune: None,
         }
     }
@@ -425,6 +423,8 @@ mod tests {
             bodies: None,
             staged: Vec::new(),
             held: Vec::new(),
+            versions: Default::default(),
+            pruned: Vec::new(),
         });
         assert_eq!(compacted.table.illegal_transitions(), 1);
     }
