@@ -23,6 +23,8 @@ mod config_cmd;
 pub(crate) mod demo;
 mod demo_grpc;
 mod demo_systemd;
+mod drift;
+mod drift_watch;
 mod journal;
 mod logging;
 mod pki;

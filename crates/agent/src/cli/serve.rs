@@ -212,6 +212,7 @@ impl Daemon {
             status: status_settings,
             metrics_listen,
             log_format: _,
+            drift,
         } = settings;
         let started_at_ms = inplace_base::time::now_ms();
         let host = Host::open(settings.host.clone())
@@ -293,6 +294,11 @@ impl Daemon {
             rules: Arc::new(rules),
             authz_counters,
         };
+        tokio::spawn(super::drift_watch::run(
+            engine.clone(),
+            drift,
+            stopping.clone(),
+        ));
         let mut shutdown = stopping;
         let server = tokio::spawn(serve(
             listener,

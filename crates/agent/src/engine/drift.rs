@@ -7,7 +7,7 @@
 //! Drift appearing, changing and clearing is journaled (`DriftFound`, `DriftCleared`), so a
 //! restarted agent keeps when each change was first seen drifted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::dry_run::{self, ChangeVerdict};
 use super::staging::NodeBodies;
@@ -18,7 +18,7 @@ use crate::journal::{DriftNote, Record};
 use crate::steps;
 use inplace_base::time::now_ms;
 use inplace_plan::kinds::Difference;
-use inplace_plan::{Change, ChangeKind, Limits, Plan, validate_document};
+use inplace_plan::{Change, ChangeKind, Limits, NodePath, Plan, validate_document};
 
 /// One change of the baseline that the node no longer matches.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,6 +63,9 @@ pub struct DriftState {
     pub problem: Option<String>,
     /// Times drift appeared (a change newly drifted) since the agent started.
     pub events: u64,
+    /// The node directories whose writes may drift the baseline (where its changes write,
+    /// the package database when it has packages), as of the last check.
+    pub watch: BTreeSet<NodePath>,
 }
 
 impl DriftState {
@@ -166,6 +169,28 @@ pub fn drifted_changes(
     Ok(out)
 }
 
+/// The directories whose writes may drift `plan`: the parent of every path it writes, and
+/// the package databases when it has package changes.
+pub fn watch_dirs(plan: &Plan) -> BTreeSet<NodePath> {
+    let mut dirs = BTreeSet::new();
+    for change in &plan.changes {
+        for w in change.spec().writes() {
+            if let Some(parent) = w.path.parent() {
+                dirs.insert(parent);
+            }
+        }
+        if let Change::Package(_) = change {
+            for db in PACKAGE_DATABASES {
+                dirs.insert(NodePath::parse(db).expect("constant path"));
+            }
+        }
+    }
+    dirs
+}
+
+/// Where dpkg and rpm keep what is installed and held (renamed into place on each change).
+const PACKAGE_DATABASES: [&str; 3] = ["/var/lib/dpkg", "/var/lib/rpm", "/etc/dnf/plugins"];
+
 /// The path a `file` change writes (its target), for a change whose content is gone.
 fn change_path(change: &Change) -> inplace_plan::NodePath {
     match change {
@@ -228,9 +253,11 @@ impl Engine {
             attempt: status.as_ref().map(|s| s.attempt).unwrap_or_default(),
             run: baseline.kept.run,
         };
+        let mut watch = BTreeSet::new();
         let found = read_baseline(self, &baseline, &reference.id)
             .map_err(|e| format!("the plan of run {} cannot be read back: {e}", reference.run))
             .and_then(|(_, applied, gone)| {
+                watch = watch_dirs(&applied);
                 drifted_changes(&self.shared.config, &self.shared.host, &applied, &gone)
             });
         let now = now_ms();
@@ -241,6 +268,7 @@ impl Engine {
         }
         let mut state = self.shared.drift.lock().unwrap_or_else(|p| p.into_inner());
         state.checked_at_ms = Some(now);
+        state.watch = watch;
         let mut changes = match found {
             Ok(changes) => {
                 state.problem = None;
