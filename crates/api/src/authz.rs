@@ -157,12 +157,14 @@ pub const NODE_AGENT_SERVICE: &str = "inplace.agent.v1.NodeAgent";
 pub fn required_role(path: &str) -> Option<Role> {
     let (service, method) = path.strip_prefix('/')?.split_once('/')?;
     match (service, method) {
-        (NODE_AGENT_SERVICE, "ApplyPlan" | "SubmitPlanDocument" | "CancelPlan" | "RetryPlan") => {
-            Some(Role::Admin)
-        }
-        (NODE_AGENT_SERVICE, "GetNodeInfo" | "CheckPlan" | "GetPlanStatus" | "WatchPlan") => {
-            Some(Role::Reader)
-        }
+        (
+            NODE_AGENT_SERVICE,
+            "ApplyPlan" | "SubmitPlanDocument" | "CancelPlan" | "RetryPlan" | "RepairPlan",
+        ) => Some(Role::Admin),
+        (
+            NODE_AGENT_SERVICE,
+            "GetNodeInfo" | "CheckPlan" | "GetPlanStatus" | "WatchPlan" | "GetDrift",
+        ) => Some(Role::Reader),
         ("grpc.health.v1.Health", "Check" | "Watch") => Some(Role::Reader),
         (
             "grpc.reflection.v1.ServerReflection" | "grpc.reflection.v1alpha.ServerReflection",
@@ -426,7 +428,13 @@ mod tests {
     fn reader_may_read_but_not_mutate() {
         let rules = rules();
         let reader = Some("spiffe://inplace-agent/reader");
-        for method in ["GetNodeInfo", "CheckPlan", "GetPlanStatus", "WatchPlan"] {
+        for method in [
+            "GetNodeInfo",
+            "CheckPlan",
+            "GetPlanStatus",
+            "WatchPlan",
+            "GetDrift",
+        ] {
             let path = format!("/inplace.agent.v1.NodeAgent/{method}");
             assert_eq!(
                 authorize(reader, &path, &rules),

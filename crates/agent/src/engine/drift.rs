@@ -368,6 +368,11 @@ impl Engine {
     /// Re-applies the last succeeded plan as a new attempt of it (`source` says it is a
     /// repair, and of which run), with the same admission, rollback and gates as any run.
     pub fn repair(&self, by: &str) -> Result<Submission, SubmitError> {
+        self.repair_of(None, by)
+    }
+
+    /// [`Engine::repair`], only when the last succeeded plan has id `id` (when given).
+    pub fn repair_of(&self, id: Option<&str>, by: &str) -> Result<Submission, SubmitError> {
         let _submitting = self.submission_lock();
         let (baseline, status) = {
             let inner = self.shared.lock();
@@ -377,7 +382,7 @@ impl Engine {
                 )));
             }
             let baseline = inner.table.baseline().cloned().ok_or_else(|| {
-                SubmitError::NotFound(
+                SubmitError::Conflict(
                     "no plan has succeeded on this node: there is nothing to repair to".into(),
                 )
             })?;
@@ -386,11 +391,19 @@ impl Engine {
                 .by_run(baseline.kept.run)
                 .cloned()
                 .ok_or_else(|| {
-                    SubmitError::NotFound(format!(
+                    SubmitError::Conflict(format!(
                         "the status of run {} is no longer kept",
                         baseline.kept.run
                     ))
                 })?;
+            if let Some(id) = id
+                && id != status.id
+            {
+                return Err(SubmitError::Conflict(format!(
+                    "the last plan that succeeded on this node is {}, not {id}",
+                    status.id
+                )));
+            }
             // The newest attempt of the plan, so the repair gets the next attempt number.
             let latest = inner.table.latest(&status.id).cloned().unwrap_or(status);
             (baseline, latest)
