@@ -442,7 +442,7 @@ mod tests {
                 "{method}"
             );
         }
-        for method in [APPLY, CANCEL, RETRY] {
+        for method in [APPLY, CANCEL, RETRY, "/inplace.agent.v1.NodeAgent/RepairPlan"] {
             assert_eq!(
                 authorize(reader, method, &rules),
                 Err(Denied::InsufficientRole {
@@ -537,7 +537,7 @@ mod tests {
             .flat_map(|f| f.service.iter())
             .find(|s| s.name() == "NodeAgent")
             .expect("NodeAgent service in the descriptor set");
-        assert_eq!(service.method.len(), 8);
+        assert_eq!(service.method.len(), 10);
         for method in &service.method {
             let path = format!("/{NODE_AGENT_SERVICE}/{}", method.name());
             assert!(
