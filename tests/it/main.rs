@@ -17,6 +17,7 @@ mod demo_systemd;
 mod disk_full;
 mod dnf_host;
 mod download;
+mod drift;
 mod hints;
 mod journal_compat;
 mod kubelet_standin;

@@ -291,6 +291,22 @@ impl NodeAgent for FakeAgent {
             "this stand-in has no SubmitPlanDocument",
         ))
     }
+
+    async fn get_drift(
+        &self,
+        _request: Request<pb::GetDriftRequest>,
+    ) -> Result<Response<pb::DriftStatus>, Status> {
+        Ok(Response::new(pb::DriftStatus::default()))
+    }
+
+    async fn repair_plan(
+        &self,
+        request: Request<pb::RepairPlanRequest>,
+    ) -> Result<Response<pb::PlanStatus>, Status> {
+        let by = caller(&request);
+        let id = request.into_inner().id;
+        Ok(Response::new(status(&id, Phase::Pending, 2, by)))
+    }
 }
 
 // === Server and clients ===

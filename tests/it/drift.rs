@@ -1,0 +1,229 @@
+//! Drift end to end: the real `inplace-agent serve` on a sandbox node tree. A plan is
+//! applied, a managed file is edited by hand, and the agent reports it (status socket,
+//! `drift` command, metrics, gRPC for the reader role, the journal) within seconds, naming
+//! the field; restoring the file clears it; a restart keeps it; `repair` (admin only)
+//! restores the node; and a run in progress is never reported as drift.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::support::agent::Agent;
+use crate::support::patience::eventually;
+use crate::support::pki::{As, NodePki};
+use crate::support::{Node, bin, journal, text};
+use inplace_agent::status::client;
+
+const NODE: &str = "drift-node";
+
+const KUBELET_CONFIG: &str = "/var/lib/kubelet/config.yaml";
+
+fn plan(node: &Node, id: &str, body: &str) -> PathBuf {
+    node.plan_file(
+        &format!("{id}.yaml"),
+        &format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: {id}\nnodeName: {NODE}\n{body}"),
+    )
+}
+
+const BASELINE: &str = "changes:\n\
+    \x20 - file: {path: /etc/kubernetes/extra.conf, content: \"extra\\n\"}\n\
+    \x20 - kubeletConfig: {mergePatch: {maxPods: 90}}\n";
+
+/// Runs the agent's client command `args` against `agent` as `who`: exit code and output.
+fn run(agent: &Agent, pki: &NodePki, who: As, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(bin())
+        .args(args)
+        .args(["--addr", &agent.addr])
+        .args(pki.client_flags(who))
+        .env("INPLACE_AGENT_LOG", "error")
+        .output()
+        .unwrap();
+    (out.status.code(), text(&out))
+}
+
+/// `inplace-agent drift` on the local socket: exit code and output.
+fn local_drift(agent: &Agent) -> (Option<i32>, String) {
+    let out = Command::new(bin())
+        .args(["drift", "--config", "/dev/null", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .unwrap();
+    (out.status.code(), text(&out))
+}
+
+/// The status document's `drift` section.
+fn drift(agent: &Agent) -> Value {
+    let (code, status) = agent.get("/v1/status");
+    assert_eq!(code, 200, "{status:#}");
+    status.get("drift").cloned().unwrap_or(Value::Null)
+}
+
+fn edit(node: &Node, path: &str, from: &str, to: &str) {
+    let path = node.path(path);
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(from), "{} has no {from:?}", path.display());
+    std::fs::write(&path, text.replace(from, to)).unwrap();
+}
+
+/// Waits for the drift section to say `drifted`; returns it.
+fn wait_for(agent: &Agent, drifted: bool) -> Value {
+    eventually(&format!("drift.drifted = {drifted}"), || {
+        let d = drift(agent);
+        (d["drifted"] == drifted && d["checkedAtMs"].is_u64()).then_some(d)
+    })
+}
+
+fn start(node: &Node, pki: &NodePki) -> Agent {
+    Agent::start(node, pki, &[])
+}
+
+fn metrics(socket: &Path) -> String {
+    let r = client::get(socket, "/metrics", Duration::from_secs(30)).unwrap();
+    String::from_utf8_lossy(&r.body).into_owned()
+}
+
+#[test]
+fn a_hand_edit_is_reported_with_its_field_cleared_when_restored_and_repaired_on_request() {
+    let node = Node::new();
+    let pki = NodePki::new(NODE).unwrap();
+    let mut agent = start(&node, &pki);
+    let baseline = plan(&node, "baseline", BASELINE);
+    let (code, out) = run(
+        &agent,
+        &pki,
+        As::Updater,
+        &["submit", &baseline.display().to_string(), "--wait"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    let d = wait_for(&agent, false);
+    assert_eq!(d["baseline"]["id"], "baseline", "{d:#}");
+    assert_eq!(local_drift(&agent).0, Some(0));
+
+    // A hand edit of a managed file: reported within seconds, naming the field.
+    let edited = Instant::now();
+    edit(&node, KUBELET_CONFIG, "maxPods: 90", "maxPods: 250");
+    let d = wait_for(&agent, true);
+    let noticed = edited.elapsed();
+    let change = &d["changes"][0];
+    assert_eq!(change["index"], 1, "{d:#}");
+    assert_eq!(change["kind"], "kubeletConfig");
+    assert_eq!(change["differences"][0]["field"], "maxPods");
+    assert_eq!(change["differences"][0]["expected"], "90");
+    assert_eq!(change["differences"][0]["found"], "250");
+    eprintln!("drift noticed {noticed:?} after the edit (interval: 300 s)");
+    assert!(
+        noticed < Duration::from_secs(60),
+        "noticed after {noticed:?}: by the interval, not by the write"
+    );
+    let (code, out) = local_drift(&agent);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("maxPods: expected 90, found 250"), "{out}");
+    let m = metrics(&agent.socket);
+    assert!(
+        m.contains("inplace_agent_drifted_changes{kind=\"kubeletConfig\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("inplace_agent_drift_events_total 1"), "{m}");
+    // The reader role may ask over gRPC.
+    let (code, out) = run(&agent, &pki, As::Reader, &["drift", "-o", "json"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("\"maxPods\""), "{out}");
+    assert!(agent.log().contains("drift: the node no longer matches changes[1]"));
+
+    // Restored by hand: cleared.
+    edit(&node, KUBELET_CONFIG, "maxPods: 250", "maxPods: 90");
+    wait_for(&agent, false);
+    let records: Vec<String> = journal(&node)
+        .iter()
+        .filter_map(|r| r["type"].as_str().map(str::to_string))
+        .filter(|t| t.starts_with("drift"))
+        .collect();
+    assert_eq!(records, ["driftFound", "driftCleared"]);
+
+    // Drifted again, across a restart: still drifted, first seen kept.
+    edit(&node, "/etc/kubernetes/extra.conf", "extra", "edited");
+    let before = wait_for(&agent, true);
+    agent.terminate();
+    let agent = start(&node, &pki);
+    let after = wait_for(&agent, true);
+    assert_eq!(
+        after["changes"][0]["firstSeenMs"], before["changes"][0]["firstSeenMs"],
+        "{after:#}"
+    );
+    assert_eq!(
+        after["changes"][0]["differences"][0]["field"],
+        "/etc/kubernetes/extra.conf content"
+    );
+
+    // Repair: admin only; a new attempt of the plan, which restores the file.
+    let (code, out) = run(&agent, &pki, As::Reader, &["repair"]);
+    assert_ne!(code, Some(0), "{out}");
+    let (code, out) = run(&agent, &pki, As::Updater, &["repair", "--wait"]);
+    assert_eq!(code, Some(0), "{out}");
+    let d = wait_for(&agent, false);
+    assert_eq!(d["baseline"]["attempt"], 2, "{d:#}");
+    assert_eq!(
+        std::fs::read_to_string(node.path("/etc/kubernetes/extra.conf")).unwrap(),
+        "extra\n"
+    );
+    let (code, out) = run(&agent, &pki, As::Reader, &["drift"]);
+    assert_eq!(code, Some(0), "{out}");
+}
+
+#[test]
+fn a_run_in_progress_is_never_reported_as_drift() {
+    let node = Node::new();
+    let pki = NodePki::new(NODE).unwrap();
+    let agent = start(&node, &pki);
+    let first = plan(&node, "first", BASELINE);
+    let (code, out) = run(
+        &agent,
+        &pki,
+        As::Updater,
+        &["submit", &first.display().to_string(), "--wait"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    wait_for(&agent, false);
+    // The next plan rewrites both managed files, then waits at its gate until told.
+    let flag = node.beside("go");
+    let next = plan(
+        &node,
+        "next",
+        &format!(
+            "changes:\n\
+             \x20 - file: {{path: /etc/kubernetes/extra.conf, content: \"next\\n\"}}\n\
+             \x20 - kubeletConfig: {{mergePatch: {{maxPods: 80}}}}\n\
+             verify:\n\
+             \x20 - command: {{argv: [sh, -c, \"while [ ! -e {} ]; do sleep 0.05; done\"], timeoutSeconds: 120}}\n",
+            flag.display()
+        ),
+    );
+    let (code, out) = run(
+        &agent,
+        &pki,
+        As::Updater,
+        &["submit", &next.display().to_string()],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    eventually("the next plan at its gate", || {
+        (std::fs::read_to_string(node.path("/etc/kubernetes/extra.conf")).ok()?
+            == "next\n")
+            .then_some(())
+    });
+    // Longer than the debounce after the writes: a check would have run by now.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(drift(&agent)["drifted"], false);
+    std::fs::write(&flag, "").unwrap();
+    let d = eventually("the next plan as the baseline", || {
+        let d = drift(&agent);
+        (d["baseline"]["id"] == "next").then_some(d)
+    });
+    assert_eq!(d["drifted"], false, "{d:#}");
+    let drift_records = journal(&node)
+        .iter()
+        .filter(|r| r["type"] == "driftFound")
+        .count();
+    assert_eq!(drift_records, 0, "the agent's own writes were reported as drift");
+}
