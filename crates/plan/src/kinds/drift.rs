@@ -300,3 +300,186 @@ fn kubelet_flag_fields(
     }
     Some(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::kinds::{Note, Packages, StepCtx};
+    use crate::{Limits, NodePath, parse_plan};
+    use inplace_base::packages::{InstalledPackage, ManagerKind};
+    use inplace_base::units::{ObservedUnit, UnitFileState};
+    use inplace_base::{ErrorKind, StepError};
+
+    /// A node held in maps: unit file states and installed packages (files are absent).
+    #[derive(Default)]
+    struct MapNode {
+        units: BTreeMap<String, UnitFileState>,
+        packages: RefCell<BTreeMap<String, InstalledPackage>>,
+    }
+
+    struct MapPackages<'a>(&'a MapNode);
+
+    impl Packages for MapPackages<'_> {
+        fn kind(&self) -> ManagerKind {
+            ManagerKind::Apt
+        }
+        fn installed(&self, name: &str) -> Result<Option<InstalledPackage>, StepError> {
+            Ok(self.0.packages.borrow().get(name).cloned())
+        }
+        fn available_versions(&self, name: &str) -> Result<Vec<String>, StepError> {
+            Ok(self
+                .0
+                .packages
+                .borrow()
+                .get(name)
+                .map(|p| vec![p.version.clone()])
+                .unwrap_or_default())
+        }
+        fn satisfies(&self, have: &str, want: &str) -> bool {
+            have == want
+        }
+        fn compare(&self, a: &str, b: &str) -> std::cmp::Ordering {
+            a.cmp(b)
+        }
+        fn refresh(&self, _note: &mut dyn FnMut(Note)) -> Result<(), StepError> {
+            Ok(())
+        }
+    }
+
+    impl Node for MapNode {
+        fn read(&self, _p: &NodePath) -> Result<Existing, StepError> {
+            Ok(Existing::Absent)
+        }
+        fn file_meta(&self, _p: &NodePath) -> Result<Option<(FileMeta, u64)>, StepError> {
+            Ok(None)
+        }
+        fn file_sha256(&self, _p: &NodePath) -> Result<Option<String>, StepError> {
+            Ok(None)
+        }
+        fn read_special(&self, _p: &NodePath) -> Result<Option<String>, StepError> {
+            Ok(None)
+        }
+        fn dir_exists(&self, _p: &NodePath) -> bool {
+            true
+        }
+        fn root_display(&self) -> String {
+            "/".into()
+        }
+        fn services_on(&self) -> bool {
+            true
+        }
+        fn unit_file_state(&self, unit: &str) -> Result<Option<UnitFileState>, StepError> {
+            Ok(self.units.get(unit).cloned())
+        }
+        fn unit_state(&self, unit: &str) -> Result<ObservedUnit, StepError> {
+            Err(StepError::new(ErrorKind::Internal, format!("{unit}: not asked")))
+        }
+        fn package_manager(&self, _requested: Option<&str>) -> Result<ManagerKind, String> {
+            Ok(ManagerKind::Apt)
+        }
+        fn valid_version(&self, _manager: ManagerKind, _version: &str) -> Result<(), String> {
+            Ok(())
+        }
+        fn packages(&self, _manager: ManagerKind, _timeout: Duration) -> Box<dyn Packages + '_> {
+            Box::new(MapPackages(self))
+        }
+        fn cached_artifact(&self, _sha256: &str) -> Option<(PathBuf, u64)> {
+            None
+        }
+        fn artifact_path(&self, sha256: &str) -> PathBuf {
+            PathBuf::from(sha256)
+        }
+        fn cached_member_sha(&self, _sha256: &str, _member: &str) -> Option<String> {
+            None
+        }
+        fn fetch_artifact(
+            &self,
+            _url: &str,
+            _sha256: &str,
+            _member: Option<&str>,
+            _note: &mut dyn FnMut(Note),
+        ) -> Result<String, StepError> {
+            Err(StepError::new(ErrorKind::Internal, "no downloads"))
+        }
+        fn query(&self, _argv: &[&str], _timeout: Duration) -> Result<String, String> {
+            Err("no commands".into())
+        }
+    }
+
+    fn change(yaml: &str) -> Change {
+        let text = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: t\nchanges:\n  - {yaml}\n");
+        parse_plan(text.as_bytes(), "t", &Limits::default())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .changes
+            .remove(0)
+    }
+
+    /// The verdict (the kind's diff) and, when drifted, what differs.
+    fn drift_of(node: &MapNode, c: &Change) -> Option<Vec<Difference>> {
+        let diff = c.spec().diff(node, StepCtx::default()).unwrap();
+        (!diff.mutations.is_empty()).then(|| differences(c, node, &diff))
+    }
+
+    fn installed(version: &str, held: bool) -> InstalledPackage {
+        InstalledPackage {
+            name: "kubelet".into(),
+            version: version.into(),
+            held,
+            status: "installed".into(),
+            complete: true,
+        }
+    }
+
+    #[test]
+    fn a_unit_disabled_outside_the_agent_is_drift_naming_its_enablement() {
+        let c = change("unit: {name: kubelet.service, enabled: true}");
+        let mut node = MapNode::default();
+        node.units
+            .insert("kubelet.service".into(), UnitFileState::Enabled);
+        assert_eq!(drift_of(&node, &c), None);
+        node.units
+            .insert("kubelet.service".into(), UnitFileState::Disabled);
+        assert_eq!(
+            drift_of(&node, &c),
+            Some(vec![Difference::new(
+                "kubelet.service enablement",
+                "enable",
+                "disabled"
+            )])
+        );
+    }
+
+    #[test]
+    fn a_package_moved_or_released_outside_the_agent_is_drift_naming_version_and_hold() {
+        let c = change("package: {name: kubelet, version: 1.31.2-1.1, hold: true}");
+        let node = MapNode::default();
+        node.packages
+            .borrow_mut()
+            .insert("kubelet".into(), installed("1.31.2-1.1", true));
+        assert_eq!(drift_of(&node, &c), None);
+        // unattended-upgrades moved it (and an upgrade keeps the hold).
+        node.packages
+            .borrow_mut()
+            .insert("kubelet".into(), installed("1.31.3-1.1", true));
+        assert_eq!(
+            drift_of(&node, &c),
+            Some(vec![Difference::new(
+                "kubelet version",
+                "1.31.2-1.1",
+                "1.31.3-1.1"
+            )])
+        );
+        // Back at the version, the hold released.
+        node.packages
+            .borrow_mut()
+            .insert("kubelet".into(), installed("1.31.2-1.1", false));
+        assert_eq!(
+            drift_of(&node, &c),
+            Some(vec![Difference::new("kubelet held", "true", "false")])
+        );
+    }
+}
