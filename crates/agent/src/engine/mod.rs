@@ -10,7 +10,7 @@
 //!   which is a new attempt.
 
 pub mod drift;
-pub(crate) mod dry_run;
+pub mod dry_run;
 mod journaled;
 mod run;
 mod staging;
