@@ -913,11 +913,15 @@ fn drift_idle(runs: usize) -> Value {
         .collect();
     let ratio = stats_f(ratios);
     let (a, b) = (rss(&on), rss(&off));
+    let anon = |m: &[Memory]| stats_f(m.iter().map(|m| m.anon as f64).collect());
+    let (a_anon, b_anon) = (anon(&on), anon(&off));
     eprintln!(
-        "idle RSS with a 500-file baseline: drift watching {:.0} KiB, off {:.0} KiB (ratio {:.3})",
-        a.median, b.median, ratio.median
+        "idle RSS with a 500-file baseline: drift watching {:.0} KiB (anon {:.0}), off {:.0} KiB \
+         (anon {:.0}), ratio {:.3}",
+        a.median, a_anon.median, b.median, b_anon.median, ratio.median
     );
     json!({"files": 500, "watchingKiB": a.json(), "offKiB": b.json(), "ratio": ratio.json(),
+           "watchingAnonKiB": a_anon.json(), "offAnonKiB": b_anon.json(),
            "load": [load_before, load()]})
 }
 

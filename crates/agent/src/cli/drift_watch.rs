@@ -63,7 +63,15 @@ pub async fn run(engine: Engine, settings: DriftSettings, mut stopping: watch::R
             () = tokio::time::sleep_until(due) => {
                 due = Instant::now() + settings.interval;
                 let checker = engine.clone();
-                let Ok(outcome) = tokio::task::spawn_blocking(move || checker.check_drift()).await
+                // A check reads the baseline back from the journal (a large plan's contents
+                // too): what it allocated goes back to the kernel once it is done, as after
+                // a run (`host::memory`).
+                let Ok(outcome) = tokio::task::spawn_blocking(move || {
+                    let outcome = checker.check_drift();
+                    crate::host::memory::give_back();
+                    outcome
+                })
+                .await
                 else {
                     continue;
                 };
