@@ -175,8 +175,8 @@ fn drift(c: &mut Criterion) {
     .expect("settings");
     let host = Arc::new(Host::open(settings.host.clone()).expect("host"));
     let (engine, _) = Engine::open(settings.engine.clone(), host.clone()).expect("engine");
-    let plan = parse_plan(yaml_plan(500, 4096).as_bytes(), "bench", &Limits::default())
-        .expect("plan");
+    let plan =
+        parse_plan(yaml_plan(500, 4096).as_bytes(), "bench", &Limits::default()).expect("plan");
     engine.submit(plan.clone(), "bench", false).expect("submit");
     engine.run_until_idle();
     assert_eq!(engine.check_drift(), CheckOutcome::Checked);

@@ -130,7 +130,11 @@ fn a_hand_edit_is_reported_with_its_field_cleared_when_restored_and_repaired_on_
     let (code, out) = run(&agent, &pki, As::Reader, &["drift", "-o", "json"]);
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("\"maxPods\""), "{out}");
-    assert!(agent.log().contains("drift: the node no longer matches changes[1]"));
+    assert!(
+        agent
+            .log()
+            .contains("drift: the node no longer matches changes[1]")
+    );
 
     // Restored by hand: cleared.
     edit(&node, KUBELET_CONFIG, "maxPods: 250", "maxPods: 90");
@@ -208,8 +212,7 @@ fn a_run_in_progress_is_never_reported_as_drift() {
     );
     assert_eq!(code, Some(0), "{out}");
     eventually("the next plan at its gate", || {
-        (std::fs::read_to_string(node.path("/etc/kubernetes/extra.conf")).ok()?
-            == "next\n")
+        (std::fs::read_to_string(node.path("/etc/kubernetes/extra.conf")).ok()? == "next\n")
             .then_some(())
     });
     // Longer than the debounce after the writes: a check would have run by now.
@@ -225,5 +228,8 @@ fn a_run_in_progress_is_never_reported_as_drift() {
         .iter()
         .filter(|r| r["type"] == "driftFound")
         .count();
-    assert_eq!(drift_records, 0, "the agent's own writes were reported as drift");
+    assert_eq!(
+        drift_records, 0,
+        "the agent's own writes were reported as drift"
+    );
 }

@@ -442,7 +442,12 @@ mod tests {
                 "{method}"
             );
         }
-        for method in [APPLY, CANCEL, RETRY, "/inplace.agent.v1.NodeAgent/RepairPlan"] {
+        for method in [
+            APPLY,
+            CANCEL,
+            RETRY,
+            "/inplace.agent.v1.NodeAgent/RepairPlan",
+        ] {
             assert_eq!(
                 authorize(reader, method, &rules),
                 Err(Denied::InsufficientRole {

@@ -23,7 +23,12 @@ pub struct DriftArgs {
     pub addr: Option<String>,
     /// The local agent's status socket [default: status.socket of the agent's configuration,
     /// else <root>/run/inplace-agent/status.sock]
-    #[arg(long, env = "INPLACE_AGENT_STATUS_SOCKET", value_name = "FILE", conflicts_with = "addr")]
+    #[arg(
+        long,
+        env = "INPLACE_AGENT_STATUS_SOCKET",
+        value_name = "FILE",
+        conflicts_with = "addr"
+    )]
     pub socket: Option<PathBuf>,
     /// The node's root: where the socket and, when no agent answers, the journal are
     /// [default: node.root of the agent's configuration, else /]
@@ -33,7 +38,12 @@ pub struct DriftArgs {
     #[arg(long, env = "INPLACE_AGENT_STATE_DIR", conflicts_with = "addr")]
     pub state_dir: Option<PathBuf>,
     /// The agent's configuration file [default: /etc/inplace-agent/config.toml, if it exists]
-    #[arg(long, env = "INPLACE_AGENT_CONFIG", value_name = "FILE", conflicts_with = "addr")]
+    #[arg(
+        long,
+        env = "INPLACE_AGENT_CONFIG",
+        value_name = "FILE",
+        conflicts_with = "addr"
+    )]
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) tls: TlsArgs,
@@ -82,10 +92,7 @@ fn remote_drift(args: &DriftArgs, addr: &str) -> Exit {
             Ok(c) => c,
             Err(e) => return super::fail(&e),
         };
-        let d = match client
-            .get_drift(remote::call(pb::GetDriftRequest {}))
-            .await
-        {
+        let d = match client.get_drift(remote::call(pb::GetDriftRequest {})).await {
             Ok(r) => r.into_inner(),
             Err(status) => return remote::refused("get drift", addr, &args.tls, &status),
         };

@@ -217,7 +217,11 @@ fn read_baseline(engine: &Engine, baseline: &Baseline, id: &str) -> Result<ReadB
         .staged
         .iter()
         .map(|s| (s.index, (s.sha256.clone(), s.len)))
-        .chain(kept.held.iter().map(|h| (h.index, (h.sha256.clone(), h.len))));
+        .chain(
+            kept.held
+                .iter()
+                .map(|h| (h.index, (h.sha256.clone(), h.len))),
+        );
     let gone = sums.filter(|(i, _)| gone.contains(i)).collect();
     Ok((plan, applied, gone))
 }
@@ -249,7 +253,10 @@ impl Engine {
         };
         let reference = BaselineRef {
             id: status.as_ref().map(|s| s.id.clone()).unwrap_or_default(),
-            digest: status.as_ref().map(|s| s.digest.clone()).unwrap_or_default(),
+            digest: status
+                .as_ref()
+                .map(|s| s.digest.clone())
+                .unwrap_or_default(),
             attempt: status.as_ref().map(|s| s.attempt).unwrap_or_default(),
             run: baseline.kept.run,
         };
@@ -291,7 +298,10 @@ impl Engine {
             .filter(|d| d.run == reference.run)
             .map(|d| d.changes.clone())
             .unwrap_or_default();
-        let same_baseline = state.baseline.as_ref().is_some_and(|b| b.run == reference.run);
+        let same_baseline = state
+            .baseline
+            .as_ref()
+            .is_some_and(|b| b.run == reference.run);
         let mut newly = false;
         for c in &mut changes {
             let before = state
@@ -329,9 +339,7 @@ impl Engine {
                 run: reference.run,
                 changes: notes,
             }),
-            (false, true) => Some(Record::DriftCleared {
-                run: reference.run,
-            }),
+            (false, true) => Some(Record::DriftCleared { run: reference.run }),
             _ => None,
         };
         if newly {
@@ -489,9 +497,14 @@ mod tests {
             .changes
             .iter()
             .flat_map(|c| {
-                c.differences
-                    .iter()
-                    .map(|d| (c.index, d.field.clone(), d.expected.clone(), d.found.clone()))
+                c.differences.iter().map(|d| {
+                    (
+                        c.index,
+                        d.field.clone(),
+                        d.expected.clone(),
+                        d.found.clone(),
+                    )
+                })
             })
             .collect()
     }
@@ -557,13 +570,28 @@ mod tests {
     fn a_kubelet_config_field_is_named_with_its_path() {
         let dir = tempfile::tempdir().unwrap();
         let engine = applied(dir.path());
-        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 90",
+            "maxPods: 250",
+        );
         assert_eq!(
             fields(&engine),
             vec![(1, "maxPods".into(), "90".into(), "250".into())]
         );
-        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 250", "maxPods: 90");
-        edit(dir.path(), "var/lib/kubelet/config.yaml", "memory.available: 200Mi", "");
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 250",
+            "maxPods: 90",
+        );
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "memory.available: 200Mi",
+            "",
+        );
         let found = fields(&engine);
         assert_eq!(found.len(), 1, "{found:?}");
         assert_eq!(found[0].1, "evictionHard.memory.available");
@@ -607,7 +635,12 @@ mod tests {
     fn drift_is_journaled_when_it_appears_and_clears_and_survives_a_restart() {
         let dir = tempfile::tempdir().unwrap();
         let engine = applied(dir.path());
-        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 90",
+            "maxPods: 250",
+        );
         engine.check_drift();
         let first = engine.drift().changes[0].first_seen_ms;
         assert_eq!(engine.drift().events, 1);
@@ -620,13 +653,15 @@ mod tests {
         assert_eq!(engine.check_drift(), CheckOutcome::Checked);
         assert_eq!(engine.drift().changes[0].first_seen_ms, first);
         assert_eq!(engine.journal_info().records, records);
-        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 250", "maxPods: 90");
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 250",
+            "maxPods: 90",
+        );
         engine.check_drift();
         assert!(!engine.drift().drifted());
-        assert!(matches!(
-            engine.read(|t| t.journaled_drift().cloned()),
-            None
-        ));
+        assert!(engine.read(|t| t.journaled_drift().is_none()));
         assert_eq!(engine.journal_info().records, records + 1);
     }
 
@@ -649,7 +684,9 @@ mod tests {
     fn a_run_in_progress_suspends_checks() {
         let dir = tempfile::tempdir().unwrap();
         let engine = applied(dir.path());
-        let next = PLAN.replace("id: drift", "id: next").replace("maxPods: 90", "maxPods: 80");
+        let next = PLAN
+            .replace("id: drift", "id: next")
+            .replace("maxPods: 90", "maxPods: 80");
         let plan = inplace_plan::parse_plan(next.as_bytes(), "test", &Limits::default()).unwrap();
         engine.submit(plan, "test", false).unwrap();
         // Accepted, not run yet: the node differs from the baseline, and that is not drift.
@@ -663,7 +700,12 @@ mod tests {
     fn repair_reapplies_the_last_succeeded_plan_as_a_new_attempt() {
         let dir = tempfile::tempdir().unwrap();
         let engine = applied(dir.path());
-        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 90",
+            "maxPods: 250",
+        );
         engine.check_drift();
         assert!(engine.drift().drifted());
         let s = engine.repair("test").unwrap();
@@ -680,7 +722,12 @@ mod tests {
     fn the_baseline_and_the_drift_survive_compaction() {
         let dir = tempfile::tempdir().unwrap();
         let engine = applied(dir.path());
-        edit(dir.path(), "var/lib/kubelet/config.yaml", "maxPods: 90", "maxPods: 250");
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 90",
+            "maxPods: 250",
+        );
         engine.check_drift();
         let records = engine.read(|t| t.summary_records());
         let mut table = super::super::table::Table::new(1000);
@@ -693,10 +740,10 @@ mod tests {
                 hash: [0; 32],
             });
         }
-        assert_eq!(table.baseline(), engine.read(|t| t.baseline().cloned()).as_ref());
         assert_eq!(
-            table.journaled_drift().map(|d| d.changes.len()),
-            Some(1)
+            table.baseline(),
+            engine.read(|t| t.baseline().cloned()).as_ref()
         );
+        assert_eq!(table.journaled_drift().map(|d| d.changes.len()), Some(1));
     }
 }

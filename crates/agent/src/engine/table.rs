@@ -1065,10 +1065,7 @@ impl Table {
                     .filter(|p| p.phase.is_terminal())
                     .map(|p| {
                         let baseline = self.baseline.as_ref().filter(|b| b.kept.run == p.run);
-                        let kept = self
-                            .retained
-                            .get(&p.run)
-                            .or(baseline.map(|b| &b.kept));
+                        let kept = self.retained.get(&p.run).or(baseline.map(|b| &b.kept));
                         Record::Summary {
                             status: Box::new(journaled::summary_of(p)),
                             plan: kept.map(|k| k.doc.clone()),

@@ -373,7 +373,6 @@ pub fn check_report_to_pb(
     }
 }
 
-
 /// The engine's drift state on the wire.
 pub fn drift_to_pb(state: &crate::engine::drift::DriftState) -> pb::DriftStatus {
     let baseline = state.baseline.as_ref();

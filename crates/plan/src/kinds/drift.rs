@@ -33,7 +33,11 @@ pub struct Difference {
 }
 
 impl Difference {
-    fn new(field: impl Into<String>, expected: impl Into<String>, found: impl Into<String>) -> Self {
+    fn new(
+        field: impl Into<String>,
+        expected: impl Into<String>,
+        found: impl Into<String>,
+    ) -> Self {
         Difference {
             field: field.into(),
             expected: expected.into(),
@@ -295,7 +299,11 @@ fn kubelet_flag_fields(
     }
     for name in remove {
         if let Some(value) = have.get(name) {
-            out.push(Difference::new(format!("--{name}"), "absent", value.clone()));
+            out.push(Difference::new(
+                format!("--{name}"),
+                "absent",
+                value.clone(),
+            ));
         }
     }
     Some(out)
@@ -376,7 +384,10 @@ mod tests {
             Ok(self.units.get(unit).cloned())
         }
         fn unit_state(&self, unit: &str) -> Result<ObservedUnit, StepError> {
-            Err(StepError::new(ErrorKind::Internal, format!("{unit}: not asked")))
+            Err(StepError::new(
+                ErrorKind::Internal,
+                format!("{unit}: not asked"),
+            ))
         }
         fn package_manager(&self, _requested: Option<&str>) -> Result<ManagerKind, String> {
             Ok(ManagerKind::Apt)
@@ -411,7 +422,8 @@ mod tests {
     }
 
     fn change(yaml: &str) -> Change {
-        let text = format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: t\nchanges:\n  - {yaml}\n");
+        let text =
+            format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: t\nchanges:\n  - {yaml}\n");
         parse_plan(text.as_bytes(), "t", &Limits::default())
             .unwrap_or_else(|e| panic!("{e}"))
             .changes
