@@ -14,6 +14,7 @@ use super::staging::NodeBodies;
 use super::table::{Baseline, resolved_plan};
 use super::{Engine, EngineConfig, Submission, SubmitError};
 use crate::host::Host;
+use crate::host::watch::{Stamp, stamps};
 use crate::journal::{DriftNote, Record};
 use crate::steps;
 use inplace_base::time::now_ms;
@@ -169,6 +170,45 @@ pub fn drifted_changes(
     Ok(out)
 }
 
+/// The metadata of a baseline's files when a check found the node matching it: the next
+/// check compares metadata first and reads nothing when none changed.
+#[derive(Debug, Clone)]
+pub struct Clean {
+    /// The baseline's run.
+    run: u64,
+    /// When the full check was made (Unix ms).
+    at_ms: u64,
+    /// The paths stamped.
+    paths: Vec<NodePath>,
+    /// Their stamps, taken before the full check read them.
+    stamps: Vec<Option<Stamp>>,
+}
+
+/// How long metadata alone may vouch for the node before a check reads everything again.
+pub const FULL_CHECK_EVERY_MS: u64 = 3_600_000;
+
+/// The paths whose metadata is the whole state of `plan`: every change is a file, an
+/// absence, or the kubelet's configuration or flags (plus the account files owners are
+/// resolved from); `None` when a change's state is elsewhere (a package, a unit, a live
+/// sysctl, a command's effect).
+pub fn stamped_paths(plan: &Plan) -> Option<Vec<NodePath>> {
+    let mut paths: Vec<NodePath> = ["/etc/passwd", "/etc/group"]
+        .iter()
+        .map(|p| NodePath::parse(p).expect("constant path"))
+        .collect();
+    for change in &plan.changes {
+        match change {
+            Change::File(_)
+            | Change::Absent(_)
+            | Change::KubeletConfig(_)
+            | Change::KubeletFlags(_) => {}
+            _ => return None,
+        }
+        paths.extend(change.spec().writes().into_iter().map(|w| w.path));
+    }
+    Some(paths)
+}
+
 /// The directories whose writes may drift `plan`: the parent of every path it writes, and
 /// the package databases when it has package changes.
 pub fn watch_dirs(plan: &Plan) -> BTreeSet<NodePath> {
@@ -260,14 +300,58 @@ impl Engine {
             attempt: status.as_ref().map(|s| s.attempt).unwrap_or_default(),
             run: baseline.kept.run,
         };
+        // Metadata first: when no file of the baseline changed since the node last matched
+        // it, nothing is read (at most for an hour).
+        let clean = self
+            .shared
+            .clean
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .filter(|c| {
+                c.run == reference.run && now_ms().saturating_sub(c.at_ms) < FULL_CHECK_EVERY_MS
+            });
+        if let Some(clean) = clean
+            && stamps(&self.shared.host, &clean.paths) == clean.stamps
+        {
+            let inner = self.shared.lock();
+            if inner.table.next_run() != generation || inner.table.unfinished().next().is_some() {
+                return CheckOutcome::Suspended;
+            }
+            let mut state = self.shared.drift.lock().unwrap_or_else(|p| p.into_inner());
+            state.checked_at_ms = Some(now_ms());
+            state.problem = None;
+            state.changes.clear();
+            state.baseline = Some(reference);
+            *self.shared.clean.lock().unwrap_or_else(|p| p.into_inner()) = Some(clean);
+            return CheckOutcome::Checked;
+        }
         let mut watch = BTreeSet::new();
+        let mut stamped = None;
         let found = read_baseline(self, &baseline, &reference.id)
             .map_err(|e| format!("the plan of run {} cannot be read back: {e}", reference.run))
             .and_then(|(_, applied, gone)| {
                 watch = watch_dirs(&applied);
+                // Stamped before the files are read: a write during the check changes them.
+                stamped = stamped_paths(&applied)
+                    .filter(|_| gone.is_empty())
+                    .map(|paths| {
+                        let now = stamps(&self.shared.host, &paths);
+                        (paths, now)
+                    });
                 drifted_changes(&self.shared.config, &self.shared.host, &applied, &gone)
             });
         let now = now_ms();
+        if let (Ok(changes), Some((paths, stamps))) = (&found, stamped)
+            && changes.is_empty()
+        {
+            *self.shared.clean.lock().unwrap_or_else(|p| p.into_inner()) = Some(Clean {
+                run: reference.run,
+                at_ms: now,
+                paths,
+                stamps,
+            });
+        }
         let inner = self.shared.lock();
         // A run accepted while the node was read: what was read may be its writes.
         if inner.table.next_run() != generation || inner.table.unfinished().next().is_some() {
@@ -478,8 +562,12 @@ mod tests {
     }
 
     fn applied(dir: &Path) -> Engine {
+        applied_plan(dir, PLAN)
+    }
+
+    fn applied_plan(dir: &Path, text: &str) -> Engine {
         let (engine, _) = node(dir);
-        let plan = inplace_plan::parse_plan(PLAN.as_bytes(), "test", &Limits::default()).unwrap();
+        let plan = inplace_plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
         engine.submit(plan, "test", false).unwrap();
         engine.run_until_idle();
         assert_eq!(
@@ -564,6 +652,44 @@ mod tests {
             assert_eq!(found[0].1, "/etc/kubernetes/extra.conf owner");
             assert_eq!(found[0].3, "65534:65534");
         }
+    }
+
+    #[test]
+    fn after_a_clean_check_metadata_vouches_only_for_unchanged_files() {
+        let plan = inplace_plan::parse_plan(PLAN.as_bytes(), "test", &Limits::default()).unwrap();
+        // The sysctl's live value is not in a file's metadata: every check of it reads.
+        assert_eq!(stamped_paths(&plan), None);
+        let text = PLAN
+            .lines()
+            .filter(|l| !l.contains("sysctl"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let files_only =
+            inplace_plan::parse_plan(text.as_bytes(), "test", &Limits::default()).unwrap();
+        assert_eq!(stamped_paths(&files_only).map(|p| p.len()), Some(5));
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied_plan(dir.path(), &text);
+        // Clean (read), clean again (metadata only); then a same-sized edit is still found.
+        assert_eq!(fields(&engine), Vec::new());
+        assert_eq!(fields(&engine), Vec::new());
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 90",
+            "maxPods: 91",
+        );
+        assert_eq!(
+            fields(&engine),
+            vec![(1, "maxPods".into(), "90".into(), "91".into())]
+        );
+        edit(
+            dir.path(),
+            "var/lib/kubelet/config.yaml",
+            "maxPods: 91",
+            "maxPods: 90",
+        );
+        assert_eq!(fields(&engine), Vec::new());
+        assert_eq!(fields(&engine), Vec::new());
     }
 
     #[test]

@@ -230,6 +230,8 @@ pub(crate) struct Shared {
     observer: std::sync::OnceLock<Arc<dyn RecordObserver>>,
     /// The last drift check's result (`drift.rs`); taken after `inner` when both are held.
     drift: Mutex<drift::DriftState>,
+    /// The metadata of the baseline's files when the node last matched it (`drift.rs`).
+    clean: Mutex<Option<drift::Clean>>,
 }
 
 /// Told about every record the engine journals, after the table folded it: how the metrics
@@ -449,6 +451,7 @@ impl Engine {
                 shutdown: std::sync::atomic::AtomicBool::new(false),
                 observer: std::sync::OnceLock::new(),
                 drift: Mutex::new(drift::DriftState::default()),
+                clean: Mutex::new(None),
             }),
         };
         Ok((engine, report))

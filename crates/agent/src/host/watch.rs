@@ -82,6 +82,43 @@ impl AsRawFd for DirWatch {
     }
 }
 
+/// What a path's metadata says about it: equal stamps mean the same file with the same
+/// content, mode and owner (any write, chmod, chown or rename changes its inode change time,
+/// which nobody can set back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+/// The stamp of each of `paths` on the node (`None`: nothing there, or it cannot be read);
+/// a final symlink is not followed.
+pub fn stamps(host: &Host, paths: &[NodePath]) -> Vec<Option<Stamp>> {
+    use std::os::unix::fs::MetadataExt as _;
+    paths
+        .iter()
+        .map(|p| {
+            let m = std::fs::symlink_metadata(host.root.host_path(p)).ok()?;
+            Some(Stamp {
+                dev: m.dev(),
+                ino: m.ino(),
+                size: m.size(),
+                mode: m.mode(),
+                uid: m.uid(),
+                gid: m.gid(),
+                mtime: (m.mtime(), m.mtime_nsec()),
+                ctime: (m.ctime(), m.ctime_nsec()),
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,5 +153,34 @@ mod tests {
         std::fs::write(dir.path().join("etc/kubernetes/x"), "x").unwrap();
         assert!(watch.drain());
         assert!(!watch.drain());
+    }
+
+    #[test]
+    fn a_stamp_changes_with_content_mode_and_presence() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("etc")).unwrap();
+        let host = Host::open(crate::host::HostSettings {
+            root: dir.path().to_path_buf(),
+            allow: inplace_plan::AllowList::default(),
+            commands_in_root: false,
+            boot_id_path: None,
+            services: crate::host::ServiceSettings::Off,
+            packages: Default::default(),
+            downloads: crate::host::download::DownloadConfig::new(dir.path()),
+        })
+        .unwrap();
+        let paths = [NodePath::parse("/etc/x").unwrap()];
+        let file = dir.path().join("etc/x");
+        assert_eq!(stamps(&host, &paths), vec![None]);
+        std::fs::write(&file, "a").unwrap();
+        let first = stamps(&host, &paths);
+        assert!(first[0].is_some());
+        assert_eq!(stamps(&host, &paths), first);
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let second = stamps(&host, &paths);
+        assert_ne!(second, first);
+        std::fs::write(&file, "b").unwrap();
+        assert_ne!(stamps(&host, &paths), second);
     }
 }
