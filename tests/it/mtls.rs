@@ -792,7 +792,7 @@ async fn reflection_lists_the_node_agent_service() {
     let file = prost_types::FileDescriptorProto::decode(files.file_descriptor_proto[0].as_slice())
         .unwrap();
     assert_eq!(file.name(), "inplace/agent/v1/agent.proto");
-    assert_eq!(file.service[0].method.len(), 8);
+    assert_eq!(file.service[0].method.len(), 10);
 
     // The v1alpha service older grpcurl and grpc-go use, built at its own first request.
     {

@@ -77,8 +77,36 @@ pub struct RepairArgs {
 /// Runs `drift`.
 pub fn drift(args: &DriftArgs) -> Exit {
     match &args.addr {
-        None => super::status::drift(args),
+        None => local_drift(args),
         Some(addr) => remote_drift(args, addr),
+    }
+}
+
+/// The drift section of the local agent's status (or of its journal when no agent answers).
+fn local_drift(args: &DriftArgs) -> Exit {
+    let status = match super::status::local_status(
+        &args.config,
+        &args.root,
+        &args.socket,
+        &args.state_dir,
+    ) {
+        Ok(s) => s,
+        Err(exit) => return exit,
+    };
+    match args.output {
+        RemoteOutput::Json => outln!(
+            "{:#}",
+            serde_json::to_value(&status.drift).unwrap_or_default()
+        ),
+        _ => match &status.drift {
+            Some(d) => outln!("{}", super::status::render_drift(d).join("\n")),
+            None => outln!("drift: no plan has succeeded on this node; nothing to drift from"),
+        },
+    }
+    if status.drift.is_some_and(|d| d.drifted) {
+        Exit::Failed
+    } else {
+        Exit::Ok
     }
 }
 

@@ -681,34 +681,22 @@ impl DriftView {
     }
 }
 
-/// `inplace-agent drift`: the drift section of the local agent's status (or of its
-/// journal when no agent answers). Exit 1 when the node has drifted.
-pub fn drift(args: &super::drift::DriftArgs) -> Exit {
-    let local = match Local::resolve_paths(&args.config, &args.root, &args.socket, &args.state_dir)
-    {
-        Ok(l) => l,
-        Err(e) => {
-            errln!("error: {e}");
-            return Exit::Invalid;
-        }
-    };
-    let status = match fetch(&local, None, false) {
-        Ok(Doc::Agent(a)) => a,
-        Ok(Doc::Plan(_)) => return Exit::Failed,
-        Err(exit) => return exit,
-    };
-    let drifted = status.drift.as_ref().is_some_and(|d| d.drifted);
-    match args.output {
-        RemoteOutput::Json => outln!(
-            "{:#}",
-            serde_json::to_value(&status.drift).unwrap_or_default()
-        ),
-        _ => match &status.drift {
-            Some(d) => outln!("{}", render_drift(d).join("\n")),
-            None => outln!("drift: no plan has succeeded on this node; nothing to drift from"),
-        },
+/// The local agent's status (its socket; its journal when no agent answers), for the
+/// commands that show part of it (`drift`). `Err` is the exit code (the error is printed).
+pub fn local_status(
+    config: &Option<PathBuf>,
+    root: &Option<PathBuf>,
+    socket: &Option<PathBuf>,
+    state_dir: &Option<PathBuf>,
+) -> Result<AgentStatus, Exit> {
+    let local = Local::resolve_paths(config, root, socket, state_dir).map_err(|e| {
+        errln!("error: {e}");
+        Exit::Invalid
+    })?;
+    match fetch(&local, None, false)? {
+        Doc::Agent(a) => Ok(*a),
+        Doc::Plan(_) => Err(Exit::Failed),
     }
-    if drifted { Exit::Failed } else { Exit::Ok }
 }
 
 #[cfg(test)]
