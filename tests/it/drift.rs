@@ -233,3 +233,86 @@ fn a_run_in_progress_is_never_reported_as_drift() {
         "the agent's own writes were reported as drift"
     );
 }
+
+/// A package moved outside the agent (real apt and dpkg in a disposable overlay root, with
+/// the stand-in kube packages, as tests/it/packages_plan.rs): drift naming the version.
+#[test]
+fn a_package_moved_outside_the_agent_is_drift() {
+    use crate::support::daemon::{Daemon, Ready, serve_command};
+    use crate::support::overlay::{self, Overlay};
+    if !crate::support::require_root(
+        "a_package_moved_outside_the_agent_is_drift",
+        "mounts an overlay root",
+    ) {
+        return;
+    }
+    const OLD: &str = "1.30.4-1.1";
+    const NEW: &str = "1.31.2-1.1";
+    let overlay = Overlay::new();
+    let mut debs = overlay::kube_debs(OLD);
+    debs.extend(overlay::kube_debs(NEW));
+    overlay::apt_repo(&overlay, &debs);
+    overlay.chroot(&["apt-get", "update", "-q"]);
+    let plans = tempfile::tempdir().unwrap();
+    let plan = plans.path().join("kubelet.yaml");
+    std::fs::write(
+        &plan,
+        format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: kubelet\nnodeName: {NODE}\nchanges:\n\
+             \x20 - package: {{name: kubelet, version: {OLD}, hold: true}}\n"
+        ),
+    )
+    .unwrap();
+    // Applied by the CLI into the overlay's journal; the daemon then takes it as its baseline.
+    let out = Command::new(bin())
+        .args(["apply", "--no-progress", "--node-name", NODE, "--root"])
+        .arg(overlay.root())
+        .arg(&plan)
+        .env("INPLACE_AGENT_LOG", "error")
+        .env("INPLACE_AGENT_SERVICES", "off")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let pki = NodePki::new(NODE).unwrap();
+    let f = &pki.files;
+    let mut cmd = serve_command(
+        Path::new(bin()),
+        overlay.root(),
+        &pki.node,
+        &f.server_cert,
+        &f.server_key,
+        &f.ca_cert,
+    );
+    cmd.args(["--listen", "127.0.0.1:0"])
+        .env("INPLACE_AGENT_LOG", "debug")
+        .env("INPLACE_AGENT_SERVICES", "off");
+    let agent = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("serve: {e}"));
+    let socket = overlay.path("/run/inplace-agent/status.sock");
+    let drift_of = || {
+        let r = client::get(&socket, "/v1/status", Duration::from_secs(30)).ok()?;
+        let status: Value = serde_json::from_slice(&r.body).ok()?;
+        let d = status.get("drift")?.clone();
+        d["checkedAtMs"].is_u64().then_some(d)
+    };
+    let d = eventually("the start-up check", drift_of);
+    assert_eq!(d["drifted"], false, "{d:#}");
+    // unattended-upgrades, or a person, moves the held package.
+    overlay.chroot(&[
+        "apt-get",
+        "install",
+        "-y",
+        "-q",
+        "--allow-downgrades",
+        "--allow-change-held-packages",
+        &format!("kubelet={NEW}"),
+    ]);
+    let d = eventually("drift of the package", || {
+        drift_of().filter(|d| d["drifted"] == true)
+    });
+    let differences = &d["changes"][0]["differences"];
+    assert_eq!(d["changes"][0]["kind"], "package", "{d:#}");
+    assert_eq!(differences[0]["field"], "kubelet version", "{d:#}");
+    assert_eq!(differences[0]["expected"], OLD);
+    assert_eq!(differences[0]["found"], NEW);
+    drop(agent);
+}
