@@ -34,6 +34,7 @@ mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
 mod updater_bootstrap_files;
+mod updater_drift;
 mod updater_e2e;
 mod updater_http;
 mod updater_memory;

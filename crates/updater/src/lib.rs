@@ -41,6 +41,7 @@ pub mod cli;
 pub(crate) mod cluster;
 pub mod deadlines;
 pub(crate) mod demo;
+pub(crate) mod drift;
 pub mod emulate;
 pub(crate) mod errors;
 pub mod handlers;

@@ -376,6 +376,7 @@ impl Engine {
         };
         // First seen: kept from this process's last check or, after a restart, from the
         // journal, for a change drifted then and now.
+        let journaled_any = inner.table.journaled_drift().is_some();
         let journaled = inner
             .table
             .journaled_drift()
@@ -418,13 +419,17 @@ impl Engine {
                 first_seen_ms: c.first_seen_ms,
             })
             .collect();
-        let record = match (journaled.is_empty(), notes.is_empty()) {
-            (_, false) if notes != journaled => Some(Record::DriftFound {
+        // Journaled when what is drifted changes, and when it clears (drift from an older
+        // baseline included: a newer plan succeeded since).
+        let record = if !notes.is_empty() && notes != journaled {
+            Some(Record::DriftFound {
                 run: reference.run,
                 changes: notes,
-            }),
-            (false, true) => Some(Record::DriftCleared { run: reference.run }),
-            _ => None,
+            })
+        } else if notes.is_empty() && journaled_any {
+            Some(Record::DriftCleared { run: reference.run })
+        } else {
+            None
         };
         if newly {
             state.events += 1;

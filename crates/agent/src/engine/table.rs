@@ -215,7 +215,7 @@ pub struct Table {
     staging: BTreeMap<u64, (Vec<NodePath>, Vec<NodePath>)>,
     /// The last succeeded plan, what drift is measured against.
     baseline: Option<Baseline>,
-    /// The drift last journaled (`DriftFound`), until a `DriftCleared` or a newer baseline.
+    /// The drift last journaled (`DriftFound`), until a `DriftCleared`.
     drift: Option<JournaledDrift>,
 }
 
@@ -707,8 +707,8 @@ impl Table {
         let rs = self.runs.remove(&run);
         if let Some(doc) = self.docs.remove(&run) {
             if phase == Phase::Succeeded {
-                // The node now is what this plan says: drift is measured against it, and
-                // what was found against an older plan no longer applies.
+                // The node now is what this plan says: drift is measured against it (the
+                // next check journals that drift from an older plan is over).
                 let (versions, pruned) = rs
                     .map(|rs| (rs.versions, rs.pruned.unwrap_or_default()))
                     .unwrap_or_default();
@@ -717,7 +717,6 @@ impl Table {
                     versions,
                     pruned,
                 });
-                self.drift = None;
             } else {
                 self.retained.insert(run, doc);
             }
