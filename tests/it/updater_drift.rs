@@ -46,6 +46,34 @@ async fn update_machine_repairs_a_node_that_drifted_from_the_plan_that_succeeded
             .then_some(())
     });
 
+    // CanUpdateMachine says so in its message.
+    let mut req = serde_json::from_slice::<serde_json::Value>(
+        &std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/updater/can-update-machine-request.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
+    req["desired"]["machine"]["metadata"]["name"] = json!("drift-0");
+    let r = capi
+        .call(
+            inplace_updater::hooks::Hook::CanUpdateMachine,
+            &go_json(&req),
+        )
+        .await
+        .unwrap();
+    let v = r.json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("node node-d has drifted from plan default/drift-0@"),
+        "{v}"
+    );
+
     // The same desired state again, to an updater without the remembered answer (another
     // replica, a restart): not "done" but a repair, followed to its end.
     drop(w.updater.take());
