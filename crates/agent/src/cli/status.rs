@@ -704,6 +704,46 @@ mod tests {
     use super::*;
 
     #[test]
+    fn drift_reads_as_what_differs_field_by_field() {
+        let view = DriftView {
+            drifted: true,
+            baseline: Some(("default/w-0@v1".into(), 2, 7)),
+            checked_at_ms: Some(0),
+            problem: None,
+            changes: vec![DriftLine {
+                index: 1,
+                kind: "kubeletConfig".into(),
+                target: "/var/lib/kubelet/config.yaml".into(),
+                detail: "write /var/lib/kubelet/config.yaml".into(),
+                differences: vec![("maxPods".into(), "90".into(), "250".into())],
+                first_seen_ms: 0,
+            }],
+        };
+        assert_eq!(
+            view.lines(),
+            [
+                "drift: the node no longer matches plan default/w-0@v1 attempt 2 (run 7) in 1 \
+                 change(s), checked 1970-01-01T00:00:00.000Z",
+                "  changes[1] kubeletConfig /var/lib/kubelet/config.yaml: since \
+                 1970-01-01T00:00:00.000Z",
+                "    maxPods: expected 90, found 250",
+            ]
+        );
+        let clean = DriftView {
+            drifted: false,
+            checked_at_ms: None,
+            changes: Vec::new(),
+            ..view
+        };
+        assert_eq!(
+            clean.lines(),
+            [
+                "drift: none, the node matches plan default/w-0@v1 attempt 2 (run 7), as last journaled"
+            ]
+        );
+    }
+
+    #[test]
     fn durations_read_naturally() {
         assert_eq!(duration(850), "850ms");
         assert_eq!(duration(12_340), "12.3s");
