@@ -316,3 +316,69 @@ fn a_package_moved_outside_the_agent_is_drift() {
     assert_eq!(differences[0]["found"], NEW);
     drop(agent);
 }
+
+/// `drift.repair = "auto"`: found drift is repaired without being asked, at most once per
+/// `repair_min_interval_seconds` (the second drift within it stays reported).
+#[test]
+fn auto_repair_repairs_once_per_interval() {
+    use inplace_api::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY};
+    let node = Node::new();
+    let pki = NodePki::new(NODE).unwrap();
+    let f = &pki.files;
+    let config = node.beside("toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:0\"\n\n\
+             [tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
+             [authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n\n\
+             [drift]\nrepair = \"auto\"\ndebounce_ms = 200\n",
+            node.root().display(),
+            f.server_cert.display(),
+            f.server_key.display(),
+            f.ca_cert.display()
+        ),
+    )
+    .unwrap();
+    let mut agent = Agent::start_with_config(&config);
+    agent.socket = node.path("/run/inplace-agent/status.sock");
+    let baseline = plan(&node, "baseline", BASELINE);
+    let (code, out) = run(
+        &agent,
+        &pki,
+        As::Updater,
+        &["submit", &baseline.display().to_string(), "--wait"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    wait_for(&agent, false);
+    let extra = node.path("/etc/kubernetes/extra.conf");
+    std::fs::write(&extra, "edited\n").unwrap();
+    eventually("the automatic repair", || {
+        (std::fs::read_to_string(&extra).ok()? == "extra\n").then_some(())
+    });
+    let repairs = || {
+        journal(&node)
+            .iter()
+            .filter(|r| r["type"] == "planAccepted")
+            .filter(|r| {
+                r["record"]["planAccepted"]["source"]
+                    .as_str()
+                    .is_some_and(|s| s == "repair of run 1 by drift.repair=auto")
+            })
+            .count()
+    };
+    assert_eq!(repairs(), 1);
+    let d = wait_for(&agent, false);
+    assert_eq!(d["baseline"]["attempt"], 2, "{d:#}");
+    // Drift again within the interval: reported, not repaired.
+    std::fs::write(&extra, "edited again\n").unwrap();
+    wait_for(&agent, true);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(std::fs::read_to_string(&extra).unwrap(), "edited again\n");
+    assert_eq!(repairs(), 1);
+    assert!(
+        agent.log().contains("drift.repair_min_interval_seconds"),
+        "{}",
+        agent.log()
+    );
+}
