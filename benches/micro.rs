@@ -152,5 +152,57 @@ fn journal(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, sha256, plans, journal);
+/// A drift check of the 500-file plan on a node it left unchanged, against the dry run of the
+/// same plan (`CheckPlan`'s code): metadata first (nothing changed since the last clean
+/// check), and the full check (the plan read back from the journal, its dry run with what
+/// differs explained) after a file's metadata changed.
+fn drift(c: &mut Criterion) {
+    use inplace_agent::config::SettingsInput;
+    use inplace_agent::engine::Engine;
+    use inplace_agent::engine::drift::CheckOutcome;
+    use inplace_agent::engine::dry_run::check_plan;
+    use inplace_agent::host::Host;
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    inplace_demo_node::build_kubeadm_worker(dir.path()).expect("tree");
+    let settings = SettingsInput {
+        root: Some(dir.path().to_path_buf()),
+        no_chroot: true,
+        services_off: true,
+        ..SettingsInput::default()
+    }
+    .resolve()
+    .expect("settings");
+    let host = Arc::new(Host::open(settings.host.clone()).expect("host"));
+    let (engine, _) = Engine::open(settings.engine.clone(), host.clone()).expect("engine");
+    let plan =
+        parse_plan(yaml_plan(500, 4096).as_bytes(), "bench", &Limits::default()).expect("plan");
+    engine.submit(plan.clone(), "bench", false).expect("submit");
+    engine.run_until_idle();
+    assert_eq!(engine.check_drift(), CheckOutcome::Checked);
+    assert!(!engine.drift().drifted());
+    let mut g = c.benchmark_group("drift-500x4KiB");
+    g.sample_size(20);
+    g.throughput(Throughput::Elements(500));
+    g.bench_function("check-plan", |b| {
+        b.iter(|| check_plan(&settings.engine, &host, black_box(&plan)))
+    });
+    // Metadata first: no file changed since the last check found the node clean.
+    g.bench_function("drift-check", |b| b.iter(|| engine.check_drift()));
+    // Every file read: one file rewritten with the same bytes before each check (its
+    // metadata changed, its content did not).
+    let touched = dir.path().join("etc/kubernetes/bench/f0000.conf");
+    let same = std::fs::read(&touched).expect("file");
+    g.bench_function("drift-check-full", |b| {
+        b.iter_batched(
+            || std::fs::write(&touched, &same).expect("write"),
+            |()| engine.check_drift(),
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+}
+
+criterion_group!(benches, sha256, plans, journal, drift);
 criterion_main!(benches);

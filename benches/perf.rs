@@ -878,6 +878,53 @@ fn write_json(args: &[String], v: &Value) {
     println!("{v:#}");
 }
 
+/// Idle memory of `serve` on a node where the 500-file plan succeeded: drift watching on
+/// (its start-up check done, inotify on the plan's directory) against `--no-drift-checks`,
+/// in the same rounds (who goes first alternates), 15 s after READY each.
+fn drift_idle(runs: usize) -> Value {
+    let load_before = load();
+    let work = tempfile::tempdir().expect("tempdir");
+    let (template, plan) = setup(work.path(), 500, 4096, "bench/drift");
+    let root = work.path().join("node");
+    copy_tree(&template, &root);
+    time_cmd(&mut apply_cmd(&root, &plan));
+    let state = root.join("var/lib/inplace-agent");
+    let pki = NodePki::new("bench-node").expect("pki");
+    let idle = |flags: &[&str]| {
+        let serve = serve_with(work.path(), &root, &state, &pki, flags);
+        std::thread::sleep(Duration::from_secs(15));
+        serve.memory()
+    };
+    let (mut on, mut off) = (Vec::new(), Vec::new());
+    for round in 0..runs {
+        if round % 2 == 0 {
+            on.push(idle(&[]));
+            off.push(idle(&["--no-drift-checks"]));
+        } else {
+            off.push(idle(&["--no-drift-checks"]));
+            on.push(idle(&[]));
+        }
+    }
+    let rss = |m: &[Memory]| stats_f(m.iter().map(|m| m.rss as f64).collect());
+    let ratios: Vec<f64> = on
+        .iter()
+        .zip(&off)
+        .map(|(a, b)| a.rss as f64 / b.rss.max(1) as f64)
+        .collect();
+    let ratio = stats_f(ratios);
+    let (a, b) = (rss(&on), rss(&off));
+    let anon = |m: &[Memory]| stats_f(m.iter().map(|m| m.anon as f64).collect());
+    let (a_anon, b_anon) = (anon(&on), anon(&off));
+    eprintln!(
+        "idle RSS with a 500-file baseline: drift watching {:.0} KiB (anon {:.0}), off {:.0} KiB \
+         (anon {:.0}), ratio {:.3}",
+        a.median, a_anon.median, b.median, b_anon.median, ratio.median
+    );
+    json!({"files": 500, "watchingKiB": a.json(), "offKiB": b.json(), "ratio": ratio.json(),
+           "watchingAnonKiB": a_anon.json(), "offAnonKiB": b_anon.json(),
+           "load": [load_before, load()]})
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     // `cargo bench` passes `--bench`; ignore it.
@@ -906,6 +953,7 @@ fn main() {
         Some("replay") => replay(arg(&args, "--records", 100_000), r("--runs", 5)),
         Some("journal-size") => journal_size(arg(&args, "--plans", 1000)),
         Some("footprint") => footprint(r("--runs", 10)),
+        Some("drift-idle") => drift_idle(r("--runs", 3)),
         Some("ansible") => ansible(r("--files", 500), r("--runs", 1)),
         Some("all") | None => json!({
             "machine": machine(),
@@ -918,6 +966,7 @@ fn main() {
             "replay1m": replay(1_000_000, runs(3)),
             "journalSize": journal_size(1000),
             "footprint": footprint(runs(10)),
+            "driftIdle": drift_idle(runs(3)),
             // One round: Ansible takes minutes per apply of 500 files.
             "ansible": ansible(500, 1),
         }),

@@ -168,6 +168,15 @@ if fp:
     row(f"idle RSS of `serve` (mTLS listener, {fp['journalRecords']:,}-record journal), 15 s after ready",
         f"{m['rss'] / 1024:.1f} MiB (anon {m['anon'] / 1024:.1f}, file {m['file'] / 1024:.1f}, Pss {m['pss'] / 1024:.1f}; peak {m['peak'] / 1024:.1f})",
         "≤ 8 MiB", "", m["rss"] <= 8192, loads(fp))
+di = perf.get("driftIdle")
+if di:
+    a, b = di["watchingKiB"], di["offKiB"]
+    row(f"idle RSS of `serve` on a node where a {di['files']}-file plan succeeded: drift watching on "
+        f"(start-up check done, inotify) vs `--no-drift-checks`, 15 s after ready",
+        f"watching {a['median'] / 1024:.1f} MiB (anon {di['watchingAnonKiB']['median'] / 1024:.1f}; "
+        f"min {a['min'] / 1024:.1f}, max {a['max'] / 1024:.1f}, n={a['n']}); "
+        f"off {b['median'] / 1024:.1f} MiB (anon {di['offAnonKiB']['median'] / 1024:.1f})",
+        "≤ 8 MiB", f"{di['ratio']['median']:.3f}×", a["median"] <= 8192, loads(di))
 if rpc is None:
     for prefix in ("idle RSS of `serve` after", "`GetPlanStatus` over mTLS", "new mTLS connections"):
         carry(prefix)
@@ -344,7 +353,7 @@ if av:
 # emulation): kept as they are.
 for title in ("Where the write-once and footprint targets stand", "Audit of the performance mechanisms",
               "Updater", "Memory under abuse",
-              "Power cuts on a VM node"):
+              "Power cuts on a VM node", "Drift checks"):
     section = old_section(title)
     if section:
         print()

@@ -291,6 +291,22 @@ impl NodeAgent for FakeAgent {
             "this stand-in has no SubmitPlanDocument",
         ))
     }
+
+    async fn get_drift(
+        &self,
+        _request: Request<pb::GetDriftRequest>,
+    ) -> Result<Response<pb::DriftStatus>, Status> {
+        Ok(Response::new(pb::DriftStatus::default()))
+    }
+
+    async fn repair_plan(
+        &self,
+        request: Request<pb::RepairPlanRequest>,
+    ) -> Result<Response<pb::PlanStatus>, Status> {
+        let by = caller(&request);
+        let id = request.into_inner().id;
+        Ok(Response::new(status(&id, Phase::Pending, 2, by)))
+    }
 }
 
 // === Server and clients ===
@@ -776,7 +792,7 @@ async fn reflection_lists_the_node_agent_service() {
     let file = prost_types::FileDescriptorProto::decode(files.file_descriptor_proto[0].as_slice())
         .unwrap();
     assert_eq!(file.name(), "inplace/agent/v1/agent.proto");
-    assert_eq!(file.service[0].method.len(), 8);
+    assert_eq!(file.service[0].method.len(), 10);
 
     // The v1alpha service older grpcurl and grpc-go use, built at its own first request.
     {

@@ -244,9 +244,89 @@ pub struct DaemonSettings {
     pub metrics_listen: Option<SocketAddr>,
     /// How log lines look.
     pub log_format: LogFormat,
+    /// When drift is checked and whether it is repaired.
+    pub drift: DriftSettings,
 }
 
 pub use crate::status::server::StatusSocketSettings;
+
+/// Whether drift is repaired without being asked (`drift.repair`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RepairMode {
+    /// Only on request (`inplace-agent repair`, the `RepairPlan` call).
+    #[default]
+    Off,
+    /// Re-apply the last succeeded plan when drift is found, at most once per
+    /// `repair_min_interval`.
+    Auto,
+}
+
+/// When drift is checked and whether it is repaired (validated).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriftSettings {
+    /// Check at all (at start-up, on the interval, after writes to managed directories).
+    pub enabled: bool,
+    /// Time between two checks when nothing is noticed.
+    pub interval: Duration,
+    /// How long after a write to a managed directory the check is made (later writes
+    /// within it are folded into the same check).
+    pub debounce: Duration,
+    /// Repair without being asked.
+    pub repair: RepairMode,
+    /// At most one automatic repair per this long.
+    pub repair_min_interval: Duration,
+}
+
+/// Default time between two drift checks.
+pub const DEFAULT_DRIFT_INTERVAL: Duration = Duration::from_secs(300);
+/// Default delay of a check after a write is noticed.
+pub const DEFAULT_DRIFT_DEBOUNCE: Duration = Duration::from_secs(2);
+/// Default least time between two automatic repairs.
+pub const DEFAULT_REPAIR_MIN_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// The drift settings as given (file, then flags over it).
+#[derive(Debug, Clone, Default)]
+pub struct DriftInput {
+    /// `drift.enabled` (default true).
+    pub enabled: Option<bool>,
+    /// `drift.interval_seconds` (default 300).
+    pub interval: Option<Duration>,
+    /// `drift.debounce_ms` (default 2000).
+    pub debounce: Option<Duration>,
+    /// `drift.repair` (default off).
+    pub repair: Option<RepairMode>,
+    /// `drift.repair_min_interval_seconds` (default 3600).
+    pub repair_min_interval: Option<Duration>,
+}
+
+impl DriftInput {
+    fn overlay(self, over: DriftInput) -> DriftInput {
+        DriftInput {
+            enabled: over.enabled.or(self.enabled),
+            interval: over.interval.or(self.interval),
+            debounce: over.debounce.or(self.debounce),
+            repair: over.repair.or(self.repair),
+            repair_min_interval: over.repair_min_interval.or(self.repair_min_interval),
+        }
+    }
+
+    fn resolve(self) -> Result<DriftSettings, String> {
+        let interval = self.interval.unwrap_or(DEFAULT_DRIFT_INTERVAL);
+        if interval < Duration::from_secs(1) {
+            return Err("drift.interval_seconds: at least 1".into());
+        }
+        Ok(DriftSettings {
+            enabled: self.enabled.unwrap_or(true),
+            interval,
+            debounce: self.debounce.unwrap_or(DEFAULT_DRIFT_DEBOUNCE),
+            repair: self.repair.unwrap_or_default(),
+            repair_min_interval: self
+                .repair_min_interval
+                .unwrap_or(DEFAULT_REPAIR_MIN_INTERVAL),
+        })
+    }
+}
 
 /// Where the status socket is when not told otherwise, for a root `/`.
 pub const DEFAULT_STATUS_SOCKET: &str = "/run/inplace-agent/status.sock";
@@ -340,6 +420,8 @@ pub struct DaemonInput {
     pub metrics_listen: Option<SocketAddr>,
     /// How log lines look (default plain).
     pub log_format: Option<LogFormat>,
+    /// Drift checks and repair.
+    pub drift: DriftInput,
 }
 
 fn join_paths(mut a: Vec<PathBuf>, b: Vec<PathBuf>) -> Vec<PathBuf> {
@@ -398,6 +480,7 @@ impl DaemonInput {
             status_mode: over.status_mode.or(self.status_mode),
             metrics_listen: over.metrics_listen.or(self.metrics_listen),
             log_format: over.log_format.or(self.log_format),
+            drift: self.drift.overlay(over.drift),
         }
     }
 
@@ -492,6 +575,7 @@ impl DaemonInput {
             status,
             metrics_listen: self.metrics_listen,
             log_format: self.log_format.unwrap_or_default(),
+            drift: self.drift.resolve()?,
         })
     }
 }
@@ -588,6 +672,18 @@ mod file {
         metrics: Metrics,
         #[serde(default)]
         log: Log,
+        #[serde(default)]
+        drift: Drift,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Drift {
+        enabled: Option<bool>,
+        interval_seconds: Option<std::num::NonZeroU64>,
+        debounce_ms: Option<u64>,
+        repair: Option<super::RepairMode>,
+        repair_min_interval_seconds: Option<u64>,
     }
 
     #[derive(Debug, Default, Deserialize)]
@@ -812,6 +908,19 @@ mod file {
                 status_mode: self.status.mode.map(|m| m.0),
                 metrics_listen: self.metrics.listen.and_then(|l| l.0),
                 log_format: self.log.format,
+                drift: super::DriftInput {
+                    enabled: self.drift.enabled,
+                    interval: self
+                        .drift
+                        .interval_seconds
+                        .map(|s| Duration::from_secs(s.get())),
+                    debounce: self.drift.debounce_ms.map(Duration::from_millis),
+                    repair: self.drift.repair,
+                    repair_min_interval: self
+                        .drift
+                        .repair_min_interval_seconds
+                        .map(Duration::from_secs),
+                },
             }
         }
     }

@@ -157,12 +157,14 @@ pub const NODE_AGENT_SERVICE: &str = "inplace.agent.v1.NodeAgent";
 pub fn required_role(path: &str) -> Option<Role> {
     let (service, method) = path.strip_prefix('/')?.split_once('/')?;
     match (service, method) {
-        (NODE_AGENT_SERVICE, "ApplyPlan" | "SubmitPlanDocument" | "CancelPlan" | "RetryPlan") => {
-            Some(Role::Admin)
-        }
-        (NODE_AGENT_SERVICE, "GetNodeInfo" | "CheckPlan" | "GetPlanStatus" | "WatchPlan") => {
-            Some(Role::Reader)
-        }
+        (
+            NODE_AGENT_SERVICE,
+            "ApplyPlan" | "SubmitPlanDocument" | "CancelPlan" | "RetryPlan" | "RepairPlan",
+        ) => Some(Role::Admin),
+        (
+            NODE_AGENT_SERVICE,
+            "GetNodeInfo" | "CheckPlan" | "GetPlanStatus" | "WatchPlan" | "GetDrift",
+        ) => Some(Role::Reader),
         ("grpc.health.v1.Health", "Check" | "Watch") => Some(Role::Reader),
         (
             "grpc.reflection.v1.ServerReflection" | "grpc.reflection.v1alpha.ServerReflection",
@@ -426,7 +428,13 @@ mod tests {
     fn reader_may_read_but_not_mutate() {
         let rules = rules();
         let reader = Some("spiffe://inplace-agent/reader");
-        for method in ["GetNodeInfo", "CheckPlan", "GetPlanStatus", "WatchPlan"] {
+        for method in [
+            "GetNodeInfo",
+            "CheckPlan",
+            "GetPlanStatus",
+            "WatchPlan",
+            "GetDrift",
+        ] {
             let path = format!("/inplace.agent.v1.NodeAgent/{method}");
             assert_eq!(
                 authorize(reader, &path, &rules),
@@ -434,7 +442,12 @@ mod tests {
                 "{method}"
             );
         }
-        for method in [APPLY, CANCEL, RETRY] {
+        for method in [
+            APPLY,
+            CANCEL,
+            RETRY,
+            "/inplace.agent.v1.NodeAgent/RepairPlan",
+        ] {
             assert_eq!(
                 authorize(reader, method, &rules),
                 Err(Denied::InsufficientRole {
@@ -529,7 +542,7 @@ mod tests {
             .flat_map(|f| f.service.iter())
             .find(|s| s.name() == "NodeAgent")
             .expect("NodeAgent service in the descriptor set");
-        assert_eq!(service.method.len(), 8);
+        assert_eq!(service.method.len(), 10);
         for method in &service.method {
             let path = format!("/{NODE_AGENT_SERVICE}/{}", method.name());
             assert!(

@@ -433,6 +433,40 @@ impl Agents {
             .map_err(|s| self.status_error(target, node, "RetryPlan", s))
     }
 
+    /// `GetDrift`: whether the node still matches the last plan that succeeded on it;
+    /// `None` from an agent that predates the call.
+    pub async fn drift(
+        &self,
+        target: &str,
+        node: &str,
+    ) -> Result<Option<pb::DriftStatus>, AgentError> {
+        let mut client = self.entry(target, node).await?.client;
+        let mut request = tonic::Request::new(pb::GetDriftRequest {});
+        request.set_timeout(CALL_TIMEOUT);
+        match client.get_drift(request).await {
+            Ok(r) => Ok(Some(r.into_inner())),
+            Err(s) if s.code() == tonic::Code::Unimplemented => Ok(None),
+            Err(s) => Err(self.status_error(target, node, "GetDrift", s)),
+        }
+    }
+
+    /// `RepairPlan`: a new attempt of the last succeeded plan, which must be `id`.
+    pub async fn repair(
+        &self,
+        target: &str,
+        node: &str,
+        id: &str,
+    ) -> Result<pb::PlanStatus, AgentError> {
+        let mut client = self.entry(target, node).await?.client;
+        let mut request = tonic::Request::new(pb::RepairPlanRequest { id: id.to_owned() });
+        request.set_timeout(CALL_TIMEOUT);
+        client
+            .repair_plan(request)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| self.status_error(target, node, "RepairPlan", s))
+    }
+
     /// Where the client certificate comes from.
     pub fn paths(&self) -> &ClientTlsPaths {
         &self.paths

@@ -820,6 +820,8 @@ impl Updater {
             &check,
         );
         let message = coverage_message(&machine, &bootstrap);
+        // Drift (issue 37): said in the message; the update repairs it.
+        let message = super::drift::with_drift(&self.agents, &target, &node, message).await;
         tracing::debug!(machine = %key, %node, plan = %translation.id, "CanUpdateMachine checked");
         Ok(Answer::new(
             &CanUpdateMachineResponse {
@@ -1062,6 +1064,8 @@ impl Updater {
             .recovery
             .retry_if_asked(&key, &plan, wish.as_ref(), status)
             .await;
+        // Drift (issue 37): a succeeded plan on a node that no longer matches it is repaired.
+        let status = super::drift::repair_if_drifted(&self.agents, &key, &plan, status).await;
         let answer = hook_answer(&Heard::of(&status), &plan.costs);
         if let Follow::Start(generation) =
             self.plans.record(&key, fingerprint, plan.clone(), &status)

@@ -48,6 +48,7 @@ pub(crate) mod cluster;
 pub mod deadlines;
 pub(crate) mod demo;
 pub mod drain;
+pub(crate) mod drift;
 pub mod emulate;
 pub(crate) mod errors;
 pub mod handlers;

@@ -220,6 +220,15 @@ pub fn describe(record: &Record) -> String {
             status.attempt,
             status.phase
         ),
+        Record::DriftFound { run, changes } => format!(
+            "drift from run {run}: {}",
+            changes
+                .iter()
+                .map(|c| format!("changes[{}] {} {}: {}", c.index, c.kind, c.target, c.detail))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        Record::DriftCleared { run } => format!("the node matches run {run} again"),
     }
 }
 

@@ -23,6 +23,8 @@ mod config_cmd;
 pub(crate) mod demo;
 mod demo_grpc;
 mod demo_systemd;
+mod drift;
+mod drift_watch;
 mod journal;
 mod logging;
 mod pki;
@@ -218,6 +220,11 @@ enum Command {
     Cancel(remote::CancelArgs),
     /// Start a new attempt of a failed plan on a remote agent
     Retry(remote::RetryArgs),
+    /// Whether the node still matches the last plan that succeeded on it (exit 1 when it
+    /// has drifted); `--addr`: of a remote agent
+    Drift(drift::DriftArgs),
+    /// Re-apply the last plan that succeeded on a remote agent's node, as a new attempt
+    Repair(drift::RepairArgs),
     /// Certificates for trying the agent out
     Pki(pki::PkiArgs),
     /// The configuration file: print the default, check a file
@@ -394,6 +401,8 @@ pub fn main() -> ExitCode {
         },
         Command::Cancel(a) => remote::cancel(&a),
         Command::Retry(a) => remote::retry(&a),
+        Command::Drift(a) => drift::drift(&a),
+        Command::Repair(a) => drift::repair(&a),
         Command::Pki(a) => pki::run(&a),
         Command::Config(a) => config_cmd::run(&a),
     };

@@ -31,7 +31,7 @@ pub const HOOK_API_VERSION: &str = "hooks.runtime.cluster.x-k8s.io/v1alpha1";
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// "No deadline" for `status --watch` and `retry --wait` (a year).
-const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
+pub(crate) const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Longest pause between attempts to re-watch an agent that went away (restart, reboot).
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -274,7 +274,7 @@ pub(crate) fn hint(problem: &ConnectProblem, addr: &str, tls: &TlsArgs) -> Strin
     }
 }
 
-fn call<T>(message: T) -> tonic::Request<T> {
+pub(crate) fn call<T>(message: T) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request.set_timeout(CALL_TIMEOUT);
     request
@@ -296,7 +296,7 @@ fn code_name(code: tonic::Code) -> String {
 /// Prints a failed call and returns the exit code: 2 when the agent refused the input
 /// (invalid, too large, not for this node), 1 otherwise. A call that failed on the way (the
 /// connection, its TLS) says why, with the whole cause chain and what to do.
-fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> Exit {
+pub(crate) fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> Exit {
     let diagnosis = diagnose(status);
     match &diagnosis.problem {
         Some(problem) => errln!(
@@ -314,7 +314,7 @@ fn refused(what: &str, addr: &str, tls: &TlsArgs, status: &tonic::Status) -> Exi
     Exit::of_call(status)
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, Exit> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, Exit> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -961,7 +961,7 @@ fn send_file(
 
 /// The end of `submit`, `status` and `retry`: follows the plan to its end when `wait` says
 /// for how long (and it has not ended yet), prints it, and returns the exit code.
-async fn conclude(
+pub(crate) async fn conclude(
     client: &mut NodeAgentClient<Channel>,
     mut status: pb::PlanStatus,
     wait: Option<Duration>,

@@ -114,6 +114,9 @@ pub struct ServeArgs {
     /// How log lines look (log.format) [default: plain]
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub log_format: Option<crate::config::LogFormat>,
+    /// Make no drift checks (drift.enabled = false)
+    #[arg(long)]
+    pub no_drift_checks: bool,
     /// Only say whether the agent is configured enough to start: exit 0 when its TLS files
     /// exist, 1 naming the missing ones (the unit's ExecCondition=, so that an unconfigured
     /// agent waits quietly instead of failing); nothing is started
@@ -154,6 +157,10 @@ impl ServeArgs {
             status_group: self.status_group.clone(),
             metrics_listen: self.metrics_listen,
             log_format: self.log_format,
+            drift: crate::config::DriftInput {
+                enabled: self.no_drift_checks.then_some(false),
+                ..crate::config::DriftInput::default()
+            },
             ..DaemonInput::default()
         }
     }
@@ -212,6 +219,7 @@ impl Daemon {
             status: status_settings,
             metrics_listen,
             log_format: _,
+            drift,
         } = settings;
         let started_at_ms = inplace_base::time::now_ms();
         let host = Host::open(settings.host.clone())
@@ -293,6 +301,11 @@ impl Daemon {
             rules: Arc::new(rules),
             authz_counters,
         };
+        tokio::spawn(super::drift_watch::run(
+            engine.clone(),
+            drift,
+            stopping.clone(),
+        ));
         let mut shutdown = stopping;
         let server = tokio::spawn(serve(
             listener,

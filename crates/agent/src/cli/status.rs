@@ -40,6 +40,22 @@ pub struct Local {
 impl Local {
     /// Flags first, then the agent's configuration file, then the defaults.
     pub fn resolve(args: &StatusArgs) -> Result<Local, ConfigError> {
+        Local::resolve_paths(&args.config, &args.root, &args.socket, &args.state_dir)
+    }
+
+    /// [`Local::resolve`] from the four flags that say where things are.
+    pub fn resolve_paths(
+        config: &Option<PathBuf>,
+        root: &Option<PathBuf>,
+        socket: &Option<PathBuf>,
+        state_dir: &Option<PathBuf>,
+    ) -> Result<Local, ConfigError> {
+        let args = LocalPaths {
+            config,
+            root,
+            socket,
+            state_dir,
+        };
         let file = match &args.config {
             Some(path) => Some(load_config(path)?),
             None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
@@ -76,6 +92,14 @@ impl Local {
             node_name: file.settings.node_name.clone(),
         })
     }
+}
+
+/// The flags of [`Local::resolve_paths`].
+struct LocalPaths<'a> {
+    config: &'a Option<PathBuf>,
+    root: &'a Option<PathBuf>,
+    socket: &'a Option<PathBuf>,
+    state_dir: &'a Option<PathBuf>,
 }
 
 /// What was asked for.
@@ -159,6 +183,7 @@ fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, Exit> {
                 agent: None,
                 services: String::new(),
                 journal,
+                drift: None,
             };
             Ok(Doc::Agent(Box::new(api::agent_status(
                 &table,
@@ -545,12 +570,178 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
             f.id, f.attempt, f.phase
         ));
     }
+    if let Some(d) = &a.drift {
+        out.push(String::new());
+        out.extend(render_drift(d));
+    }
     out.join("\n")
+}
+
+/// The drift section for a person: a line saying whether the node matches the last
+/// succeeded plan, then one line per drifted change and one per field that differs.
+pub fn render_drift(d: &api::DriftStatus) -> Vec<String> {
+    let view = DriftView {
+        drifted: d.drifted,
+        baseline: d
+            .baseline
+            .as_ref()
+            .map(|b| (b.id.clone(), b.attempt, b.run)),
+        checked_at_ms: d.checked_at_ms,
+        problem: d.problem.clone(),
+        changes: d
+            .changes
+            .iter()
+            .map(|c| DriftLine {
+                index: c.index,
+                kind: c.kind.to_string(),
+                target: c.target.clone(),
+                detail: c.detail.clone(),
+                differences: c
+                    .differences
+                    .iter()
+                    .map(|f| (f.field.clone(), f.expected.clone(), f.found.clone()))
+                    .collect(),
+                first_seen_ms: c.first_seen_ms,
+            })
+            .collect(),
+    };
+    view.lines()
+}
+
+/// What the drift lines say, from the status document or the wire.
+pub struct DriftView {
+    /// Some change does not match.
+    pub drifted: bool,
+    /// Plan id, attempt and run of the baseline.
+    pub baseline: Option<(String, u32, u64)>,
+    /// When the agent last checked.
+    pub checked_at_ms: Option<u64>,
+    /// Why the last check could not be made.
+    pub problem: Option<String>,
+    /// The drifted changes.
+    pub changes: Vec<DriftLine>,
+}
+
+/// One drifted change for [`DriftView`].
+pub struct DriftLine {
+    /// Index in `changes[]`.
+    pub index: u32,
+    /// Kind.
+    pub kind: String,
+    /// Target.
+    pub target: String,
+    /// In words.
+    pub detail: String,
+    /// Field, expected, found.
+    pub differences: Vec<(String, String, String)>,
+    /// First seen drifted (Unix ms).
+    pub first_seen_ms: u64,
+}
+
+impl DriftView {
+    /// The lines.
+    pub fn lines(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let of = self
+            .baseline
+            .as_ref()
+            .map(|(id, attempt, run)| format!("plan {id} attempt {attempt} (run {run})"))
+            .unwrap_or_else(|| "the last succeeded plan".to_string());
+        let when = self
+            .checked_at_ms
+            .map(|t| format!(", checked {}", rfc3339(t)))
+            .unwrap_or_else(|| ", as last journaled".to_string());
+        if self.drifted {
+            out.push(format!(
+                "drift: the node no longer matches {of} in {} change(s){when}",
+                self.changes.len()
+            ));
+        } else {
+            out.push(format!("drift: none, the node matches {of}{when}"));
+        }
+        if let Some(problem) = &self.problem {
+            out.push(format!("  the last check could not be made: {problem}"));
+        }
+        for c in &self.changes {
+            out.push(format!(
+                "  changes[{}] {} {}: since {}",
+                c.index,
+                c.kind,
+                c.target,
+                rfc3339(c.first_seen_ms)
+            ));
+            if c.differences.is_empty() {
+                out.push(format!("    {}", c.detail));
+            }
+            for (field, expected, found) in &c.differences {
+                out.push(format!("    {field}: expected {expected}, found {found}"));
+            }
+        }
+        out
+    }
+}
+
+/// The local agent's status (its socket; its journal when no agent answers), for the
+/// commands that show part of it (`drift`). `Err` is the exit code (the error is printed).
+pub fn local_status(
+    config: &Option<PathBuf>,
+    root: &Option<PathBuf>,
+    socket: &Option<PathBuf>,
+    state_dir: &Option<PathBuf>,
+) -> Result<AgentStatus, Exit> {
+    let local = Local::resolve_paths(config, root, socket, state_dir).map_err(|e| {
+        errln!("error: {e}");
+        Exit::Invalid
+    })?;
+    match fetch(&local, None, false)? {
+        Doc::Agent(a) => Ok(*a),
+        Doc::Plan(_) => Err(Exit::Failed),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drift_reads_as_what_differs_field_by_field() {
+        let view = DriftView {
+            drifted: true,
+            baseline: Some(("default/w-0@v1".into(), 2, 7)),
+            checked_at_ms: Some(0),
+            problem: None,
+            changes: vec![DriftLine {
+                index: 1,
+                kind: "kubeletConfig".into(),
+                target: "/var/lib/kubelet/config.yaml".into(),
+                detail: "write /var/lib/kubelet/config.yaml".into(),
+                differences: vec![("maxPods".into(), "90".into(), "250".into())],
+                first_seen_ms: 0,
+            }],
+        };
+        assert_eq!(
+            view.lines(),
+            [
+                "drift: the node no longer matches plan default/w-0@v1 attempt 2 (run 7) in 1 \
+                 change(s), checked 1970-01-01T00:00:00.000Z",
+                "  changes[1] kubeletConfig /var/lib/kubelet/config.yaml: since \
+                 1970-01-01T00:00:00.000Z",
+                "    maxPods: expected 90, found 250",
+            ]
+        );
+        let clean = DriftView {
+            drifted: false,
+            checked_at_ms: None,
+            changes: Vec::new(),
+            ..view
+        };
+        assert_eq!(
+            clean.lines(),
+            [
+                "drift: none, the node matches plan default/w-0@v1 attempt 2 (run 7), as last journaled"
+            ]
+        );
+    }
 
     #[test]
     fn durations_read_naturally() {

@@ -43,6 +43,9 @@ pub struct DryRunChange {
     /// What would be done, or why not.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub detail: String,
+    /// What differs, field by field (only when asked for: a drift check).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub differences: Vec<inplace_plan::kinds::Difference>,
 }
 
 /// One gate in a check report.
@@ -100,6 +103,16 @@ pub struct DryRunReport {
 
 /// Checks a validated plan against the node. Reads only.
 pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunReport {
+    check(config, host, plan, false)
+}
+
+/// [`check_plan`], with each change that would change saying what differs, field by field
+/// (a drift check).
+pub fn check_plan_explained(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunReport {
+    check(config, host, plan, true)
+}
+
+fn check(config: &EngineConfig, host: &Host, plan: &Plan, explain: bool) -> DryRunReport {
     let mut report = DryRunReport {
         api_version: inplace_plan::API_VERSION,
         kind: "CheckResult",
@@ -153,6 +166,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunRepo
     let mut would_change: BTreeSet<usize> = BTreeSet::new();
     let mut last_reboot: Option<usize> = None;
     for (i, change) in plan.changes.iter().enumerate() {
+        let mut differences = Vec::new();
         let prefix = format!("changes[{i}].");
         let mine: Vec<String> = field_errors
             .iter()
@@ -203,6 +217,9 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunRepo
                     (ChangeVerdict::Unchanged, d.note.unwrap_or_default())
                 }
                 Ok(d) => {
+                    if explain {
+                        differences = steps::explain(host, change, &d);
+                    }
                     let effect = units::effect_of_mutations(&d.mutations);
                     disruption = units::disruption_of(change, &effect);
                     effects.insert(i, effect);
@@ -236,6 +253,7 @@ pub fn check_plan(config: &EngineConfig, host: &Host, plan: &Plan) -> DryRunRepo
             result,
             disruption,
             detail,
+            differences,
         });
     }
     let up = units::plan_units(plan, &effects, last_reboot);

@@ -9,7 +9,8 @@
 //! - a plan (id + digest) that finished is never run again, except by an explicit retry,
 //!   which is a new attempt.
 
-pub(crate) mod dry_run;
+pub mod drift;
+pub mod dry_run;
 mod journaled;
 mod run;
 mod staging;
@@ -227,6 +228,10 @@ pub(crate) struct Shared {
     backups: BackupStore,
     shutdown: std::sync::atomic::AtomicBool,
     observer: std::sync::OnceLock<Arc<dyn RecordObserver>>,
+    /// The last drift check's result (`drift.rs`); taken after `inner` when both are held.
+    drift: Mutex<drift::DriftState>,
+    /// The metadata of the baseline's files when the node last matched it (`drift.rs`).
+    clean: Mutex<Option<drift::Clean>>,
 }
 
 /// Told about every record the engine journals, after the table folded it: how the metrics
@@ -445,6 +450,8 @@ impl Engine {
                 backups,
                 shutdown: std::sync::atomic::AtomicBool::new(false),
                 observer: std::sync::OnceLock::new(),
+                drift: Mutex::new(drift::DriftState::default()),
+                clean: Mutex::new(None),
             }),
         };
         Ok((engine, report))
@@ -773,6 +780,24 @@ impl Engine {
             status.attempt + 1,
             source,
             &prepared,
+        )
+    }
+
+    /// Accepts `plan` as the next attempt after `latest` (its digest kept), for a repair.
+    fn accept_attempt(
+        &self,
+        plan: Plan,
+        latest: &PlanStatus,
+        source: &str,
+        prepared: &steps::Prepared,
+    ) -> Result<Submission, SubmitError> {
+        self.accept(
+            plan,
+            Some(latest.digest.clone()),
+            Sums::Known(KnownSums::default()),
+            latest.attempt + 1,
+            source,
+            prepared,
         )
     }
 

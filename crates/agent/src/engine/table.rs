@@ -213,6 +213,31 @@ pub struct Table {
     illegal_transitions: u64,
     /// Staging not followed by its `PlanAccepted` (yet): run → (files, directories).
     staging: BTreeMap<u64, (Vec<NodePath>, Vec<NodePath>)>,
+    /// The last succeeded plan, what drift is measured against.
+    baseline: Option<Baseline>,
+    /// The drift last journaled (`DriftFound`), until a `DriftCleared`.
+    drift: Option<JournaledDrift>,
+}
+
+/// The last succeeded plan: its document and what its run resolved, so that the plan it
+/// applied can be read back exactly (see [`Table::baseline`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Baseline {
+    /// The plan document and where its contents are.
+    pub kept: KeptPlan,
+    /// Exact versions its run resolved, by change index.
+    pub versions: BTreeMap<u32, String>,
+    /// Managed-set paths its run removed.
+    pub pruned: Vec<String>,
+}
+
+/// The drift the journal last recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournaledDrift {
+    /// The baseline run it is measured against.
+    pub run: u64,
+    /// The drifted changes.
+    pub changes: Vec<crate::journal::DriftNote>,
 }
 
 /// `plan` with a run's resolutions applied: exact package versions, and an `absent` change
@@ -445,24 +470,36 @@ impl Table {
                 bodies,
                 staged,
                 held,
+                versions,
+                pruned,
             } => {
                 let status = journaled::status_of(*status);
                 self.next_run = self.next_run.max(status.run + 1);
                 if let Some(doc) = plan {
                     let run = status.run;
-                    self.retained.insert(
+                    let kept = KeptPlan {
                         run,
-                        KeptPlan {
-                            run,
-                            doc,
-                            bodies,
-                            staged,
-                            held,
-                        },
-                    );
+                        doc,
+                        bodies,
+                        staged,
+                        held,
+                    };
+                    if status.phase == Phase::Succeeded {
+                        self.baseline = Some(Baseline {
+                            kept,
+                            versions,
+                            pruned,
+                        });
+                    } else {
+                        self.retained.insert(run, kept);
+                    }
                 }
                 self.plans.push(status);
             }
+            Record::DriftFound { run, changes } => {
+                self.drift = Some(JournaledDrift { run, changes });
+            }
+            Record::DriftCleared { .. } => self.drift = None,
             Record::Phase { run, phase, error } => {
                 self.in_run(run, at, note, |f| f.phase(phase.into(), error));
             }
@@ -667,11 +704,22 @@ impl Table {
                 c.state = CheckState::Skipped;
             }
         }
-        self.runs.remove(&run);
-        if let Some(doc) = self.docs.remove(&run)
-            && phase != Phase::Succeeded
-        {
-            self.retained.insert(run, doc);
+        let rs = self.runs.remove(&run);
+        if let Some(doc) = self.docs.remove(&run) {
+            if phase == Phase::Succeeded {
+                // The node now is what this plan says: drift is measured against it (the
+                // next check journals that drift from an older plan is over).
+                let (versions, pruned) = rs
+                    .map(|rs| (rs.versions, rs.pruned.unwrap_or_default()))
+                    .unwrap_or_default();
+                self.baseline = Some(Baseline {
+                    kept: doc,
+                    versions,
+                    pruned,
+                });
+            } else {
+                self.retained.insert(run, doc);
+            }
         }
         self.trim();
     }
@@ -869,8 +917,11 @@ impl Table {
         }
         if finished.len() > self.keep_plans {
             let drop_upto = finished[finished.len() - self.keep_plans - 1];
-            self.plans
-                .retain(|p| !(p.phase.is_terminal() && p.run <= drop_upto));
+            // The baseline's status stays: compaction carries its plan in its summary.
+            let baseline = self.baseline.as_ref().map(|b| b.kept.run);
+            self.plans.retain(|p| {
+                !(p.phase.is_terminal() && p.run <= drop_upto) || Some(p.run) == baseline
+            });
         }
         while self.retained.len() > KEEP_FULL {
             self.retained.pop_first();
@@ -970,8 +1021,19 @@ impl Table {
     pub fn retained_bodies(&self) -> std::collections::HashSet<String> {
         self.retained
             .values()
+            .chain(self.baseline.as_ref().map(|b| &b.kept))
             .filter_map(|k| k.bodies.clone())
             .collect()
+    }
+
+    /// The last succeeded plan, if the journal still has it.
+    pub fn baseline(&self) -> Option<&Baseline> {
+        self.baseline.as_ref()
+    }
+
+    /// The drift last journaled against the baseline, if any.
+    pub fn journaled_drift(&self) -> Option<&JournaledDrift> {
+        self.drift.as_ref()
     }
 
     /// Every known plan, oldest first.
@@ -1001,16 +1063,23 @@ impl Table {
                     .iter()
                     .filter(|p| p.phase.is_terminal())
                     .map(|p| {
-                        let kept = self.retained.get(&p.run);
+                        let baseline = self.baseline.as_ref().filter(|b| b.kept.run == p.run);
+                        let kept = self.retained.get(&p.run).or(baseline.map(|b| &b.kept));
                         Record::Summary {
                             status: Box::new(journaled::summary_of(p)),
                             plan: kept.map(|k| k.doc.clone()),
                             bodies: kept.and_then(|k| k.bodies.clone()),
                             staged: kept.map(|k| k.staged.clone()).unwrap_or_default(),
                             held: kept.map(|k| k.held.clone()).unwrap_or_default(),
+                            versions: baseline.map(|b| b.versions.clone()).unwrap_or_default(),
+                            pruned: baseline.map(|b| b.pruned.clone()).unwrap_or_default(),
                         }
                     }),
             )
+            .chain(self.drift.as_ref().map(|d| Record::DriftFound {
+                run: d.run,
+                changes: d.changes.clone(),
+            }))
             .collect()
     }
 

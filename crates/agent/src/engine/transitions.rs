@@ -88,6 +88,8 @@ fn target(record: &Record) -> Option<(u64, Phase, Rule)> {
         // Steps, gates, unit jobs, reboots, resolutions, a cancel request, bookkeeping: they
         // happen within a phase.
         Record::Compacted { .. }
+        | Record::DriftFound { .. }
+        | Record::DriftCleared { .. }
         | Record::VersionResolved { .. }
         | Record::PruneResolved { .. }
         | Record::SetMembers { .. }
@@ -421,6 +423,8 @@ mod tests {
             bodies: None,
             staged: Vec::new(),
             held: Vec::new(),
+            versions: Default::default(),
+            pruned: Vec::new(),
         });
         assert_eq!(compacted.table.illegal_transitions(), 1);
     }

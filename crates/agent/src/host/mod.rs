@@ -14,6 +14,7 @@ pub(crate) mod package_manager;
 pub mod packages;
 pub mod systemd;
 pub(crate) mod users;
+pub mod watch;
 
 use std::io;
 use std::path::{Path, PathBuf};

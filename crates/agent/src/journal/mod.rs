@@ -31,9 +31,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 pub use record::{
-    ChangeSummary, CheckSummary, FileBefore, HeldBody, PlanDoc, Preimage, Record, RunPhase,
-    StagedBody, SummaryChange, SummaryChangeState, SummaryCheck, SummaryCheckState, SummaryCounts,
-    SummaryEvent, SummaryProgress, SummaryStatus, UnitJobOutcome,
+    ChangeSummary, CheckSummary, DriftNote, FileBefore, HeldBody, PlanDoc, Preimage, Record,
+    RunPhase, StagedBody, SummaryChange, SummaryChangeState, SummaryCheck, SummaryCheckState,
+    SummaryCounts, SummaryEvent, SummaryProgress, SummaryStatus, UnitJobOutcome,
 };
 
 use crate::failpoint;

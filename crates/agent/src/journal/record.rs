@@ -6,6 +6,7 @@
 //! shared value types whose serde form is itself fixed (`base`: errors, file metadata, unit
 //! jobs and states; `plan`: change kinds, disruption, node paths).
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -418,7 +419,46 @@ pub enum Record {
         /// The contents of `plan` its targets held, as in `PlanAccepted`.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         held: Vec<HeldBody>,
+        /// For the last succeeded plan (kept as the drift baseline): the exact versions its
+        /// run resolved, by change index, as `VersionResolved` said.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        versions: BTreeMap<u32, String>,
+        /// For the last succeeded plan: the managed-set paths its run removed, as
+        /// `PruneResolved` said.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pruned: Vec<String>,
     },
+    /// The node stopped matching the last succeeded plan (`run`), or what differs changed:
+    /// the drifted changes as found now. Not a record of the run: nothing of it changed.
+    #[serde(rename_all = "camelCase")]
+    DriftFound {
+        /// The run of the last succeeded plan (the baseline).
+        run: u64,
+        /// Each drifted change, with when it was first seen drifted.
+        changes: Vec<DriftNote>,
+    },
+    /// The node matches the last succeeded plan (`run`) again.
+    #[serde(rename_all = "camelCase")]
+    DriftCleared {
+        /// The run of the baseline.
+        run: u64,
+    },
+}
+
+/// One drifted change, as journaled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DriftNote {
+    /// Index in the plan's `changes[]`.
+    pub index: u32,
+    /// Kind.
+    pub kind: ChangeKind,
+    /// What it is about.
+    pub target: String,
+    /// What differs, in words (expected and found).
+    pub detail: String,
+    /// When it was first seen drifted (Unix ms).
+    pub first_seen_ms: u64,
 }
 
 impl Record {
@@ -427,6 +467,8 @@ impl Record {
         match self {
             // Not a run yet: the plan is still being accepted.
             Record::Compacted { .. } | Record::SetMembers { .. } | Record::Staging { .. } => None,
+            // About the node, not a run's progress.
+            Record::DriftFound { .. } | Record::DriftCleared { .. } => None,
             Record::Summary { status, .. } => Some(status.run),
             Record::VersionResolved { run, .. } | Record::PruneResolved { run, .. } => Some(*run),
             Record::PlanAccepted { run, .. }
@@ -481,6 +523,8 @@ impl Record {
             Record::BodiesKept { .. } => "bodiesKept",
             Record::PlanFinished { .. } => "planFinished",
             Record::Summary { .. } => "summary",
+            Record::DriftFound { .. } => "driftFound",
+            Record::DriftCleared { .. } => "driftCleared",
         }
     }
 
@@ -566,6 +610,8 @@ impl Record {
             | Record::PlanFinished { .. }
             | Record::Staging { .. }
             | Record::BodiesKept { .. }
+            | Record::DriftFound { .. }
+            | Record::DriftCleared { .. }
             | Record::Summary { .. } => None,
         }
     }

@@ -373,6 +373,41 @@ pub fn check_report_to_pb(
     }
 }
 
+/// The engine's drift state on the wire.
+pub fn drift_to_pb(state: &crate::engine::drift::DriftState) -> pb::DriftStatus {
+    let baseline = state.baseline.as_ref();
+    pb::DriftStatus {
+        drifted: state.drifted(),
+        has_baseline: baseline.is_some(),
+        baseline_id: baseline.map(|b| b.id.clone()).unwrap_or_default(),
+        baseline_digest: baseline.map(|b| b.digest.clone()).unwrap_or_default(),
+        baseline_attempt: baseline.map(|b| b.attempt).unwrap_or_default(),
+        baseline_run: baseline.map(|b| b.run).unwrap_or_default(),
+        checked_at_unix_ms: state.checked_at_ms.unwrap_or_default(),
+        problem: state.problem.clone().unwrap_or_default(),
+        changes: state
+            .changes
+            .iter()
+            .map(|c| pb::DriftedChange {
+                index: c.index,
+                kind: c.kind.to_string(),
+                target: c.target.clone(),
+                detail: c.detail.clone(),
+                differences: c
+                    .differences
+                    .iter()
+                    .map(|d| pb::DriftDifference {
+                        field: d.field.clone(),
+                        expected: d.expected.clone(),
+                        found: d.found.clone(),
+                    })
+                    .collect(),
+                first_seen_unix_ms: c.first_seen_ms,
+            })
+            .collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -505,6 +505,48 @@ impl NodeAgent for AgentService {
         let status = blocking(move || retry(&engine, &request, &who, &counters)).await??;
         Ok(Response::new(status_to_pb(&status)))
     }
+
+    async fn get_drift(
+        &self,
+        _request: Request<pb::GetDriftRequest>,
+    ) -> Result<Response<pb::DriftStatus>, Status> {
+        Ok(Response::new(super::replies::drift_to_pb(
+            &self.engine.drift(),
+        )))
+    }
+
+    async fn repair_plan(
+        &self,
+        request: Request<pb::RepairPlanRequest>,
+    ) -> Result<Response<pb::PlanStatus>, Status> {
+        self.refuse_if_stopping()?;
+        let who = caller(&request);
+        let request = request.into_inner();
+        let (engine, counters) = (self.engine.clone(), self.counters.clone());
+        let status = blocking(move || repair(&engine, &request, &who, &counters)).await??;
+        Ok(Response::new(status_to_pb(&status)))
+    }
+}
+
+/// `RepairPlan`.
+fn repair(
+    engine: &Engine,
+    request: &pb::RepairPlanRequest,
+    who: &str,
+    counters: &ServiceCounters,
+) -> Result<PlanStatus, Status> {
+    let id = (!request.id.is_empty()).then_some(request.id.as_str());
+    match engine.repair_of(id, &format!("{GRPC_SOURCE} {who}")) {
+        Ok(Submission::Accepted(status)) | Ok(Submission::Existing(status)) => {
+            counters.accepted.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(caller = %who, id = %status.id, digest = %status.digest, attempt = status.attempt, run = status.run, "repair accepted");
+            Ok(status)
+        }
+        Err(error) => {
+            tracing::info!(caller = %who, reason = refusal_reason(&error), "RepairPlan refused: {error}");
+            Err(submit_error_status(&error))
+        }
+    }
 }
 
 /// `RetryPlan`, with `from_attempt` making a resent request a no-op.

@@ -66,6 +66,130 @@ pub struct AgentStatus {
     pub last_failure: Option<PlanSummary>,
     /// The journal.
     pub journal: JournalSummary,
+    /// Whether the node still matches the last succeeded plan; absent before any plan
+    /// succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift: Option<DriftStatus>,
+}
+
+/// Whether the node still matches the last plan that succeeded on it (docs/observability.md,
+/// Drift).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DriftStatus {
+    /// True when some change of the baseline does not match the node.
+    pub drifted: bool,
+    /// The last succeeded plan (absent when it is known only from the journal's drift
+    /// records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<DriftBaseline>,
+    /// When the running agent last checked (Unix ms); absent when read from the journal
+    /// (what the last check journaled) or before the first check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checked_at_ms: Option<u64>,
+    /// Why the last check could not be made, if it could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+    /// The drifted changes.
+    pub changes: Vec<DriftedChange>,
+}
+
+/// The plan drift is measured against.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DriftBaseline {
+    /// Plan id.
+    pub id: String,
+    /// Plan digest.
+    pub digest: String,
+    /// Its attempt that succeeded.
+    pub attempt: u32,
+    /// Its run.
+    pub run: u64,
+}
+
+/// One change of the baseline that the node no longer matches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DriftedChange {
+    /// Index in the plan's `changes[]`.
+    pub index: u32,
+    /// Kind.
+    pub kind: ChangeKind,
+    /// What it is about.
+    pub target: String,
+    /// What differs, in words.
+    pub detail: String,
+    /// What differs, field by field (expected and found); empty when read from the journal.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub differences: Vec<inplace_plan::kinds::Difference>,
+    /// When it was first seen drifted (Unix ms).
+    pub first_seen_ms: u64,
+}
+
+impl DriftStatus {
+    /// The running agent's view.
+    pub fn of(state: &crate::engine::drift::DriftState) -> Option<DriftStatus> {
+        let baseline = state.baseline.as_ref()?;
+        Some(DriftStatus {
+            drifted: state.drifted(),
+            baseline: Some(DriftBaseline {
+                id: baseline.id.clone(),
+                digest: baseline.digest.clone(),
+                attempt: baseline.attempt,
+                run: baseline.run,
+            }),
+            checked_at_ms: state.checked_at_ms,
+            problem: state.problem.clone(),
+            changes: state
+                .changes
+                .iter()
+                .map(|c| DriftedChange {
+                    index: c.index,
+                    kind: c.kind,
+                    target: c.target.clone(),
+                    detail: c.detail.clone(),
+                    differences: c.differences.clone(),
+                    first_seen_ms: c.first_seen_ms,
+                })
+                .collect(),
+        })
+    }
+
+    /// What the journal last recorded (no agent answering, or before its first check).
+    pub fn journaled(table: &Table) -> Option<DriftStatus> {
+        let run = table.baseline().map(|b| b.kept.run)?;
+        let baseline = table.by_run(run).map(|s| DriftBaseline {
+            id: s.id.clone(),
+            digest: s.digest.clone(),
+            attempt: s.attempt,
+            run,
+        });
+        let changes: Vec<DriftedChange> = table
+            .journaled_drift()
+            .filter(|d| d.run == run)
+            .map(|d| {
+                d.changes
+                    .iter()
+                    .map(|n| DriftedChange {
+                        index: n.index,
+                        kind: n.kind,
+                        target: n.target.clone(),
+                        detail: n.detail.clone(),
+                        differences: Vec::new(),
+                        first_seen_ms: n.first_seen_ms,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Some(DriftStatus {
+            drifted: !changes.is_empty(),
+            baseline,
+            checked_at_ms: None,
+            problem: None,
+            changes,
+        })
+    }
 }
 
 /// The node the agent manages.
@@ -869,6 +993,8 @@ pub struct Context {
     pub services: String,
     /// The journal.
     pub journal: JournalSummary,
+    /// The running agent's last drift check (`None`: what the journal recorded is used).
+    pub drift: Option<DriftStatus>,
 }
 
 /// The agent's status from the engine's table (read under its lock: nothing here copies a
@@ -921,6 +1047,7 @@ pub fn agent_status(table: &Table, ctx: Context, now_ms: u64) -> AgentStatus {
         recent,
         last_failure,
         journal: ctx.journal,
+        drift: ctx.drift.or_else(|| DriftStatus::journaled(table)),
     }
 }
 

@@ -477,6 +477,28 @@ impl Collector for Scraped {
             "When the agent started (Unix seconds).",
             (s.started_at_ms / 1000) as i64,
         )?;
+        let drift = s.engine.drift();
+        let by_kind = drift.by_kind();
+        let drifted: Vec<(&'static str, i64)> = inplace_plan::ChangeKind::ALL
+            .iter()
+            .map(|k| (k.as_str(), by_kind.get(k).copied().unwrap_or(0) as i64))
+            .collect();
+        labelled(
+            &mut encoder,
+            "drifted_changes",
+            "Changes of the last succeeded plan that the node no longer matches, by kind, \
+             as of the last drift check.",
+            MetricType::Gauge,
+            "kind",
+            &drifted,
+        )?;
+        counter(
+            &mut encoder,
+            "drift_events",
+            "Times drift appeared (a change of the last succeeded plan newly found drifted) \
+             since the agent started.",
+            drift.events,
+        )?;
         Ok(())
     }
 }

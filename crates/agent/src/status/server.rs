@@ -126,6 +126,7 @@ impl State {
                 records: journal.records,
                 last_seq: journal.last_seq,
             },
+            drift: api::DriftStatus::of(&self.engine.drift()),
         };
         self.engine.read(|t| api::agent_status(t, ctx, now))
     }

@@ -318,6 +318,19 @@ pub fn diff_on(node: &HostNode<'_>, change: &Change, ctx: StepCtx) -> Result<Dif
     change.spec().diff(node, ctx)
 }
 
+/// What differs between `change` and the node, field by field (a drift report's words),
+/// given the non-empty diff its kind computed.
+pub fn explain(host: &Host, change: &Change, diff: &Diff) -> Vec<inplace_plan::kinds::Difference> {
+    inplace_plan::kinds::differences(change, &HostNode::new(host), diff)
+}
+
+/// The size of the regular file at `path` on the node (`None`: nothing there).
+pub fn file_size(host: &Host, path: &inplace_plan::NodePath) -> Result<Option<u64>, String> {
+    inplace_plan::kinds::Node::file_meta(&HostNode::new(host), path)
+        .map(|m| m.map(|(_, size)| size))
+        .map_err(|e| e.detail)
+}
+
 /// Why a dry run cannot tell whether `change` would change the node without doing work it
 /// must not do (downloading an archive to look at a member); `None` when it can.
 pub fn undecided(host: &Host, change: &Change) -> Option<String> {

@@ -261,6 +261,36 @@ fn tokenize(args: &str) -> Vec<Token> {
     out
 }
 
+/// The flags of `KUBELET_KUBEADM_ARGS` in the text of `kubeadm-flags.env`, by name (a flag
+/// without a value maps to `""`; the last of a repeated flag wins, as for the kubelet).
+pub fn current_flags(text: &str) -> BTreeMap<String, String> {
+    let Some(value) = text.lines().find_map(|l| {
+        l.trim_start()
+            .strip_prefix(ARGS_VAR)
+            .and_then(|r| r.trim_start().strip_prefix('='))
+    }) else {
+        return BTreeMap::new();
+    };
+    let value = value.trim();
+    let value = value
+        .strip_prefix('"')
+        .and_then(|v| v.strip_suffix('"'))
+        .or_else(|| value.strip_prefix('\'').and_then(|v| v.strip_suffix('\'')))
+        .unwrap_or(value);
+    tokenize(value)
+        .into_iter()
+        .filter_map(|t| {
+            let name = t.name?;
+            let first = &t.words[0];
+            let v = match first.split_once('=') {
+                Some((_, v)) => v.to_string(),
+                None => t.words.get(1).cloned().unwrap_or_default(),
+            };
+            Some((name, v))
+        })
+        .collect()
+}
+
 /// Sets and removes flags in the text of `kubeadm-flags.env`, keeping every other line, the
 /// flags the change does not mention, and their order; new flags go at the end in name
 /// order. `None` when nothing changes (pure).

@@ -25,6 +25,7 @@ use inplace_base::StepError;
 
 mod absent;
 mod artifact;
+mod drift;
 mod exec;
 mod file;
 mod kubeadm_upgrade_node;
@@ -39,6 +40,7 @@ mod unit;
 
 pub use absent::AbsentChange;
 pub use artifact::ArtifactChange;
+pub use drift::{Difference, differences};
 pub use exec::ExecChange;
 pub use file::FileChange;
 pub use kubeadm_upgrade_node::{KubeadmUpgradeNodeChange, REWRITES};

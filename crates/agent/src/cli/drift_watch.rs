@@ -1,0 +1,143 @@
+//! The daemon's drift checks: one at start-up (a reboot is when sysctls and runtime state
+//! are lost), one every `drift.interval_seconds`, one `drift.debounce_ms` after a write to a
+//! directory the last succeeded plan wrote into (inotify, `host::watch`), and one after each
+//! run ends. A run in progress suspends checks (the engine refuses to check then). Idle, the
+//! task waits on the inotify descriptor, the engine's events and one timer: no polling.
+//! With `drift.repair = "auto"`, found drift is repaired, at most once per
+//! `drift.repair_min_interval_seconds` (counted from the last repair in the journal, so a
+//! restart does not reset it).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::config::{DriftSettings, RepairMode};
+use crate::engine::drift::CheckOutcome;
+use crate::engine::{Engine, Event};
+use crate::host::watch::DirWatch;
+use inplace_plan::NodePath;
+
+/// The source of automatic repairs, as journaled (`repair of run N by drift.repair=auto`).
+pub const AUTO_REPAIR: &str = "drift.repair=auto";
+
+/// Runs drift checks until `stopping` turns true.
+pub async fn run(engine: Engine, settings: DriftSettings, mut stopping: watch::Receiver<bool>) {
+    if !settings.enabled {
+        return;
+    }
+    let mut events = engine.subscribe();
+    let mut due = Instant::now();
+    let mut watching: Option<(BTreeSet<NodePath>, AsyncFd<DirWatch>)> = None;
+    loop {
+        let readable = async {
+            match &watching {
+                Some((_, fd)) => fd.readable().await.map(|mut g| {
+                    g.get_inner().drain();
+                    g.clear_ready();
+                }),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = stopping.changed() => {
+                if *stopping.borrow() {
+                    return;
+                }
+            }
+            noticed = readable => {
+                if noticed.is_err() {
+                    watching = None;
+                }
+                due = due.min(Instant::now() + settings.debounce);
+            }
+            event = events.recv() => match event {
+                Ok(Event::Status(s)) if s.phase.is_terminal() => due = Instant::now(),
+                Ok(_) => {}
+                Err(RecvError::Lagged(_)) => due = Instant::now(),
+                Err(RecvError::Closed) => return,
+            },
+            () = tokio::time::sleep_until(due) => {
+                due = Instant::now() + settings.interval;
+                let checker = engine.clone();
+                // A check reads the baseline back from the journal (a large plan's contents
+                // too): what it allocated goes back to the kernel once it is done, as after
+                // a run (`host::memory`).
+                let Ok(outcome) = tokio::task::spawn_blocking(move || {
+                    let outcome = checker.check_drift();
+                    crate::host::memory::give_back();
+                    outcome
+                })
+                .await
+                else {
+                    continue;
+                };
+                if outcome != CheckOutcome::Checked {
+                    continue;
+                }
+                let dirs = engine.drift().watch;
+                if watching.as_ref().is_none_or(|(w, _)| *w != dirs) {
+                    watching = watch_dirs(&engine, &dirs);
+                }
+                if settings.repair == RepairMode::Auto && engine.drift().drifted() {
+                    auto_repair(&engine, settings.repair_min_interval).await;
+                }
+            }
+        }
+    }
+}
+
+/// Watches `dirs` on the node; `None` (checks on the interval only) when inotify cannot be
+/// had, which is logged.
+fn watch_dirs(
+    engine: &Engine,
+    dirs: &BTreeSet<NodePath>,
+) -> Option<(BTreeSet<NodePath>, AsyncFd<DirWatch>)> {
+    let watch = DirWatch::new(engine.host(), dirs)
+        .and_then(DirWatch::into_async)
+        .map_err(|e| {
+            tracing::warn!(
+                error = %e,
+                "cannot watch the managed directories for writes; drift is checked every \
+                 interval only"
+            )
+        })
+        .ok()?;
+    tracing::debug!(dirs = watch.get_ref().watched().len(), "watching for drift");
+    Some((dirs.clone(), watch))
+}
+
+/// Repairs unless the last repair was less than `min_interval` ago.
+async fn auto_repair(engine: &Engine, min_interval: Duration) {
+    let now = inplace_base::time::now_ms();
+    let last = engine
+        .plans()
+        .iter()
+        .filter(|p| p.source.starts_with("repair of"))
+        .map(|p| p.accepted_at_ms)
+        .max();
+    if let Some(last) = last
+        && now.saturating_sub(last) < min_interval.as_millis() as u64
+    {
+        tracing::info!(
+            "drift found; the last repair was {} s ago, the next is allowed after {} s \
+             (drift.repair_min_interval_seconds)",
+            now.saturating_sub(last) / 1000,
+            min_interval.as_secs()
+        );
+        return;
+    }
+    let engine = engine.clone();
+    match tokio::task::spawn_blocking(move || engine.repair(AUTO_REPAIR)).await {
+        Ok(Ok(s)) => tracing::warn!(
+            plan = %s.status().id,
+            run = s.status().run,
+            "drift found: repairing (drift.repair = \"auto\")"
+        ),
+        Ok(Err(e)) => tracing::warn!(error = %e, "drift found and cannot be repaired"),
+        Err(_) => {}
+    }
+}

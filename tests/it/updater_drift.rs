@@ -1,0 +1,111 @@
+//! Drift seen from the updater (crates/updater/src/drift.rs): `UpdateMachine` for a desired
+//! state whose plan already succeeded on a node that has drifted from it since repairs the
+//! node (a new attempt of the plan) instead of answering done. The real `inplace-updater
+//! serve` binary, a real agent, the stand-in Kubernetes API.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::patience::eventually;
+use crate::support::updater::*;
+
+const FILE: &str = "/etc/kubernetes/inplace-demo.conf";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_machine_repairs_a_node_that_drifted_from_the_plan_that_succeeded() {
+    let mut w = World::new(37).await;
+    let i = w.add_agent("node-d", "v1.35.3");
+    w.start_updater();
+    let mut capi = w.client();
+    let (machine, config) = w.put_machine(
+        "drift-0",
+        i,
+        "v1.35.3",
+        bootstrap_spec(json!([{"path": FILE, "content": "desired\n"}])),
+    );
+    let settings = json!({"agentPort": w.agent_port.to_string(), "updateWaitSeconds": "0"});
+    let body = update_request(&machine, Some(&config), settings);
+    let seen = poll_update(&mut capi, &body, 0.05).await;
+    let done = seen.last().unwrap();
+    assert_eq!(
+        (done["status"].as_str(), done["retryAfterSeconds"].as_i64()),
+        (Some("Success"), Some(0)),
+        "{seen:?}"
+    );
+    let path = w.agents[i].root.join(FILE.trim_start_matches('/'));
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "desired\n");
+
+    // Edited by hand: the agent reports drift (its journal says so).
+    std::fs::write(&path, "edited by hand\n").unwrap();
+    let journal = inplace_agent::journal::file_path(&w.dir.path().join("state-node-d"));
+    eventually("the agent journals the drift", || {
+        std::fs::read_to_string(&journal)
+            .ok()?
+            .contains("\"driftFound\"")
+            .then_some(())
+    });
+
+    // CanUpdateMachine says so in its message.
+    let mut req = serde_json::from_slice::<serde_json::Value>(
+        &std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/updater/can-update-machine-request.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
+    req["desired"]["machine"]["metadata"]["name"] = json!("drift-0");
+    let r = capi
+        .call(
+            inplace_updater::hooks::Hook::CanUpdateMachine,
+            &go_json(&req),
+        )
+        .await
+        .unwrap();
+    let v = r.json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("node node-d has drifted from plan default/drift-0@"),
+        "{v}"
+    );
+
+    // The same desired state again, to an updater without the remembered answer (another
+    // replica, a restart): not "done" but a repair, followed to its end.
+    drop(w.updater.take());
+    w.start_updater();
+    let mut capi = w.client();
+    let seen = poll_update(&mut capi, &body, 0.05).await;
+    let first = &seen[0];
+    assert_ne!(first["retryAfterSeconds"], 0, "answered done: {seen:?}");
+    let done = seen.last().unwrap();
+    assert_eq!(
+        (done["status"].as_str(), done["retryAfterSeconds"].as_i64()),
+        (Some("Success"), Some(0)),
+        "{seen:?}\n{}",
+        w.updater_log()
+    );
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "desired\n");
+    let text = std::fs::read_to_string(&journal).unwrap();
+    assert!(text.contains("repair of run 1 by grpc"), "{text}");
+    assert!(
+        w.updater_log().contains("node drifted from its plan"),
+        "{}",
+        w.updater_log()
+    );
+    // Cleared on the node once the repair succeeded.
+    eventually("the drift clears", || {
+        std::fs::read_to_string(&journal)
+            .ok()?
+            .contains("\"driftCleared\"")
+            .then_some(())
+            .or_else(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                None
+            })
+    });
+}
