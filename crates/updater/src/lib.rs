@@ -25,19 +25,21 @@
 //! - [`unreachable`]: an agent that does not answer: Events, a deadline, then Failure.
 //! - [`drain`]: the drain before a disruptive plan (pure); [`workload`]: the workload
 //!   cluster's Node, Pods and Evictions (kube-rs, from the `<cluster>-kubeconfig` Secret).
+//! - `drift`: a node that drifted from its succeeded plan is repaired, not answered done.
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
-//! Architecture invariant: the updater is a client of the agent's API (`rpc::pb`,
-//! `rpc::convert`, `rpc::tls`) and of the plan model (`plan`); it never uses `engine`,
-//! `steps`, `host` or `journal` (tests/it/updater_translate.rs enforces it). It keeps no
-//! durable state of its own: the plan id is derived from the desired specs, the agent's
-//! journal is the truth about progress, so any replica answers any call and a restarted
-//! updater answers as before. Its only writes are for a failed plan ([`recovery`]): an
-//! Event on the Machine, and the record of a retry it acted on, an annotation on the
-//! Machine; and for an agent that does not answer ([`unreachable`]): Events, and when the
-//! wait began, an annotation on the Machine (so the deadline survives a restart). What it
-//! remembers ([`progress`]: the agents' last word on each Machine's plan,
-//! pushed by their `WatchPlan` streams) only saves round trips.
+//! Architecture invariant: the updater is a client of the agent's API (`inplace_api`) and of
+//! the plan model (`inplace_plan`); its crate does not depend on the agent's (the compiler
+//! holds it; tests/it/architecture.rs checks the dependency graph). It keeps no durable state
+//! of its own: the plan id is derived from the desired specs and the agent's journal is the
+//! truth about progress, so any replica answers any call and a restarted updater answers as
+//! before. What must outlive a call is written where every replica reads it: for a failed
+//! plan ([`recovery`]) an Event on the Machine and the record of a retry it acted on, an
+//! annotation of the Machine; for an agent that does not answer ([`unreachable`]) Events and
+//! when the wait began, an annotation of the Machine; for a drain ([`drain`]) the cordon and
+//! the plan that cordoned, on the workload cluster's Node. What it remembers ([`progress`]:
+//! the agents' last word on each Machine's plan, pushed by their `WatchPlan` streams) only
+//! saves round trips.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
