@@ -75,6 +75,13 @@ pub async fn repair_if_drifted(
     }
 }
 
+/// Whether `plan` is the last plan that succeeded on its node and the node has drifted from
+/// it since (an agent that cannot say: no).
+pub async fn has_drifted_from(agents: &Agents, plan: &PlanRef) -> bool {
+    matches!(agents.drift(&plan.target, &plan.node).await,
+        Ok(Some(d)) if drifted_from(&d, &plan.id).is_some())
+}
+
 /// `message` of `CanUpdateMachine`, with what the node's agent says about drift from the
 /// last plan that succeeded on it, when the node has drifted.
 pub async fn with_drift(agents: &Agents, target: &str, node: &str, message: String) -> String {

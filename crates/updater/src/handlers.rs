@@ -980,9 +980,13 @@ impl Updater {
             costs: super::pace::costs(&wire),
             cluster: cluster_of(desired.namespace(), &live_spec),
         };
-        if !self.plans.knows(&key, &plan)
+        // A succeeded plan whose node drifted from it is repaired (below, in `submit`): a new
+        // attempt, which drains first as a new plan would.
+        let repairing = settings.drain != super::drain::DrainMode::Never
+            && super::drift::has_drifted_from(&self.agents, &plan).await;
+        if (repairing || !self.plans.knows(&key, &plan))
             && let Some(answer) = self
-                .drain_before(&key, &live, settings, &facts, &plan, &wire)
+                .drain_before(&key, &live, settings, &facts, &plan, &wire, repairing)
                 .await?
         {
             // The node is being drained first (or the drain cannot go on).

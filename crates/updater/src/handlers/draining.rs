@@ -48,16 +48,26 @@ pub struct Drains {
 }
 
 /// A plan's node needs nothing more: after `outcome` (`done`, `failure`; `any` for a plan
-/// that did not drain), with the note its failure answers carry.
+/// that did not drain) of `attempt` (`None`: of any attempt), with the note its failure
+/// answers carry. By attempt, because a plan runs again: a retry, or the repair of a node
+/// that drifted from it, may drain where the first attempt did not.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Settled {
     plan: String,
+    attempt: Option<u32>,
     outcome: &'static str,
     note: Option<String>,
 }
 
 impl Drains {
-    fn settle(&self, key: &str, plan: &str, outcome: &'static str, note: Option<String>) {
+    fn settle(
+        &self,
+        key: &str,
+        plan: &str,
+        attempt: Option<u32>,
+        outcome: &'static str,
+        note: Option<String>,
+    ) {
         let mut m = self.settled.lock().unwrap_or_else(|e| e.into_inner());
         if m.len() >= MAX_SETTLED && !m.contains_key(key) {
             m.clear();
@@ -66,18 +76,29 @@ impl Drains {
             key.to_owned(),
             Settled {
                 plan: plan.to_owned(),
+                attempt,
                 outcome,
                 note,
             },
         );
     }
 
-    fn settled(&self, key: &str, plan: &str, outcome: &'static str) -> Option<Settled> {
+    fn settled(
+        &self,
+        key: &str,
+        plan: &str,
+        attempt: u32,
+        outcome: &'static str,
+    ) -> Option<Settled> {
         self.settled
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(key)
-            .filter(|s| s.plan == plan && (s.outcome == "any" || s.outcome == outcome))
+            .filter(|s| {
+                s.plan == plan
+                    && s.attempt.is_none_or(|a| a == attempt)
+                    && (s.outcome == "any" || s.outcome == outcome)
+            })
             .cloned()
     }
 }
@@ -122,8 +143,11 @@ enum Step {
 }
 
 impl Updater {
-    /// Before a plan the agent does not know yet is submitted: `None` to submit it now (no
-    /// drain needed, or the node is drained), or the answer to give instead.
+    /// Before a plan the agent does not know yet is submitted, or a succeeded plan is
+    /// repaired (`repairing`: its node drifted from it; the repair is a new attempt and
+    /// drains as a new plan would): `None` to submit it now (no drain needed, or the node is
+    /// drained), or the answer to give instead.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn drain_before(
         &self,
         key: &str,
@@ -132,9 +156,10 @@ impl Updater {
         facts: &crate::translate::NodeFacts,
         plan: &PlanRef,
         wire: &pb::Plan,
+        repairing: bool,
     ) -> Result<Option<Answer>, Failure> {
         if settings.drain == DrainMode::Never {
-            self.drains.settle(key, &plan.id, "any", None);
+            self.drains.settle(key, &plan.id, None, "any", None);
             return Ok(None);
         }
         let check = match self
@@ -146,14 +171,18 @@ impl Updater {
             Err(e @ AgentError::Unreachable { .. }) => return Ok(Some(waiting(key, &e))),
             Err(e) => return Err(Failure(e.to_string())),
         };
-        if check
+        let existing = check
             .existing
             .as_ref()
-            .is_some_and(|s| plan.has_digest(&s.digest))
+            .filter(|s| plan.has_digest(&s.digest));
+        if let Some(s) = existing
+            && !(repairing && s.phase == pb::Phase::Succeeded as i32)
         {
             // Submitted before (its drain, if any, is done): the agent's word follows.
             return Ok(None);
         }
+        // The attempt this submission (or repair) starts.
+        let attempt = Some(existing.map_or(1, |s| s.attempt + 1));
         let wanted = lookup(live, &["spec", "version"]).and_then(Value::as_str);
         let effect = PlanEffect::from_check(
             &check,
@@ -165,12 +194,12 @@ impl Updater {
         tracing::debug!(machine = %key, %node, plan = %plan.id, ?effect, kubelet = %facts.kubelet_version,
             reason = reason.as_deref().unwrap_or("none"), "drain decided");
         let Some(reason) = reason else {
-            self.drains.settle(key, &plan.id, "any", None);
+            self.drains.settle(key, &plan.id, attempt, "any", None);
             return Ok(None);
         };
         if annotation(live, EXCLUDE_ANNOTATION).is_some() {
             tracing::info!(machine = %key, %node, plan = %plan.id, "drain skipped: the Machine has {EXCLUDE_ANNOTATION}");
-            self.drains.settle(key, &plan.id, "any", None);
+            self.drains.settle(key, &plan.id, attempt, "any", None);
             return Ok(None);
         }
         let (namespace, cluster) = machine_cluster(live, key)?;
@@ -419,7 +448,7 @@ impl Updater {
         if (outcome == "done") != agent_ok || heard.hook.message != answer.message {
             return;
         }
-        if let Some(s) = self.drains.settled(&key, &plan.id, outcome) {
+        if let Some(s) = self.drains.settled(&key, &plan.id, heard.attempt, outcome) {
             if let Some(note) = s.note {
                 *answer = failure_with(&answer.message, &note, key);
             }
@@ -429,7 +458,7 @@ impl Updater {
             return;
         };
         if settings.drain == DrainMode::Never {
-            self.drains.settle(&key, &plan.id, "any", None);
+            self.drains.settle(&key, &plan.id, None, "any", None);
             return;
         }
         let node = plan.node.as_str();
@@ -476,9 +505,13 @@ impl Updater {
                 if let Some(n) = &note {
                     *answer = failure_with(&answer.message, n, key.clone());
                 }
-                self.drains.settle(&key, &plan.id, outcome, note);
+                self.drains
+                    .settle(&key, &plan.id, Some(heard.attempt), outcome, note);
             }
-            Err(e) if e.no_secret => self.drains.settle(&key, &plan.id, "any", None),
+            Err(e) if e.no_secret => {
+                self.drains
+                    .settle(&key, &plan.id, Some(heard.attempt), "any", None)
+            }
             Err(e) => {
                 tracing::warn!(machine = %key, %node, plan = %plan.id, error = %e, "after the plan: the node's cordon was not checked");
                 if outcome == "done" {
