@@ -92,6 +92,8 @@ const FOREIGN_FLAGS: &[&str] = &[
     "--lib",
     // dpkg, in what a failed package step reports
     "--remove",
+    // kubectl, in what the updater says to do about an agent that does not answer
+    "--field-selector",
 ];
 
 /// The string literals of Rust source, outside `#[cfg(test)]` modules and comments.
