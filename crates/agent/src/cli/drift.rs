@@ -7,46 +7,17 @@
 //! `inplace-agent repair`: re-applies the last succeeded plan on an agent (`RepairPlan`, over
 //! mutual TLS with an admin certificate), as a new attempt of it.
 
-use std::path::PathBuf;
-
 use clap::Args;
 
 use super::Exit;
-use super::remote::{self, RemoteOutput, TlsArgs};
+use super::remote::{self, AgentChoice, RemoteOutput, TlsArgs};
 use inplace_api::pb;
 
 /// Arguments of `drift`.
 #[derive(Debug, Args, Clone)]
 pub struct DriftArgs {
-    /// A remote agent to ask (over mutual TLS); without it, the local agent's status socket
-    #[arg(long, env = "INPLACE_AGENT_ADDR", value_name = "HOST:PORT")]
-    pub addr: Option<String>,
-    /// The local agent's status socket [default: status.socket of the agent's configuration,
-    /// else <root>/run/inplace-agent/status.sock]
-    #[arg(
-        long,
-        env = "INPLACE_AGENT_STATUS_SOCKET",
-        value_name = "FILE",
-        conflicts_with = "addr"
-    )]
-    pub socket: Option<PathBuf>,
-    /// The node's root: where the socket and, when no agent answers, the journal are
-    /// [default: node.root of the agent's configuration, else /]
-    #[arg(long, env = "INPLACE_AGENT_ROOT", conflicts_with = "addr")]
-    pub root: Option<PathBuf>,
-    /// State directory read when no agent answers [default: <root>/var/lib/inplace-agent]
-    #[arg(long, env = "INPLACE_AGENT_STATE_DIR", conflicts_with = "addr")]
-    pub state_dir: Option<PathBuf>,
-    /// The agent's configuration file [default: /etc/inplace-agent/config.toml, if it exists]
-    #[arg(
-        long,
-        env = "INPLACE_AGENT_CONFIG",
-        value_name = "FILE",
-        conflicts_with = "addr"
-    )]
-    pub config: Option<PathBuf>,
     #[command(flatten)]
-    pub(crate) tls: TlsArgs,
+    pub agent: AgentChoice,
     /// Output format
     #[arg(long, short = 'o', value_enum, default_value_t = RemoteOutput::Text)]
     pub output: RemoteOutput,
@@ -76,7 +47,7 @@ pub struct RepairArgs {
 
 /// Runs `drift`.
 pub fn drift(args: &DriftArgs) -> Exit {
-    match &args.addr {
+    match &args.agent.addr {
         None => local_drift(args),
         Some(addr) => remote_drift(args, addr),
     }
@@ -84,12 +55,7 @@ pub fn drift(args: &DriftArgs) -> Exit {
 
 /// The drift section of the local agent's status (or of its journal when no agent answers).
 fn local_drift(args: &DriftArgs) -> Exit {
-    let status = match super::status::local_status(
-        &args.config,
-        &args.root,
-        &args.socket,
-        &args.state_dir,
-    ) {
+    let status = match super::status::local_status(&args.agent) {
         Ok(s) => s,
         Err(exit) => return exit,
     };
@@ -116,13 +82,13 @@ fn remote_drift(args: &DriftArgs, addr: &str) -> Exit {
         Err(code) => return code,
     };
     runtime.block_on(async {
-        let mut client = match remote::connect_agent(addr, &args.tls).await {
+        let mut client = match remote::connect_agent(addr, &args.agent.tls).await {
             Ok(c) => c,
             Err(e) => return super::fail(&e),
         };
         let d = match client.get_drift(remote::call(pb::GetDriftRequest {})).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return remote::refused("get drift", addr, &args.tls, &status),
+            Err(status) => return remote::refused("get drift", addr, &args.agent.tls, &status),
         };
         match args.output {
             RemoteOutput::Json => outln!("{:#}", drift_json(&d)),

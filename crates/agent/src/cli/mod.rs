@@ -395,7 +395,7 @@ pub fn main() -> ExitCode {
         Command::KubeletStandin { args } => return crate::sandbox::standin::run(&args),
         Command::Serve(a) => serve::run(&a),
         Command::Submit(a) => remote::submit(&a),
-        Command::Status(a) => match &a.addr {
+        Command::Status(a) => match &a.agent.addr {
             Some(addr) => remote::status(&a, addr),
             None => status::local(&a),
         },

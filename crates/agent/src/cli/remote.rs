@@ -98,12 +98,10 @@ pub struct SubmitArgs {
     pub parse_locally: bool,
 }
 
-/// Arguments of `status`.
+/// Which agent `status` and `drift` ask: a remote one (`--addr`, over mutual TLS), else the
+/// local one through its status socket (its journal when it does not answer).
 #[derive(Debug, Args, Clone)]
-pub struct StatusArgs {
-    /// Plan id [default: the agent's status (with --addr: the current plan, else the most
-    /// recent one)]
-    pub id: Option<String>,
+pub struct AgentChoice {
     /// A remote agent to ask (over mutual TLS); without it, the local agent's status socket
     #[arg(long, env = "INPLACE_AGENT_ADDR", value_name = "HOST:PORT")]
     pub addr: Option<String>,
@@ -133,6 +131,16 @@ pub struct StatusArgs {
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) tls: TlsArgs,
+}
+
+/// Arguments of `status`.
+#[derive(Debug, Args, Clone)]
+pub struct StatusArgs {
+    /// Plan id [default: the agent's status (with --addr: the current plan, else the most
+    /// recent one)]
+    pub id: Option<String>,
+    #[command(flatten)]
+    pub agent: AgentChoice,
     /// Follow the plan until it ends
     #[arg(long)]
     pub watch: bool,
@@ -993,14 +1001,14 @@ pub fn status(args: &StatusArgs, addr: &str) -> Exit {
     };
     let id = args.id.clone().unwrap_or_default();
     runtime.block_on(async {
-        let mut client = match connect_agent(addr, &args.tls).await {
+        let mut client = match connect_agent(addr, &args.agent.tls).await {
             Ok(c) => c,
             Err(e) => return super::fail(&e),
         };
         let request = pb::GetPlanStatusRequest { id: id.clone() };
         let status = match client.get_plan_status(call(request)).await {
             Ok(r) => r.into_inner(),
-            Err(status) => return refused("get plan status", addr, &args.tls, &status),
+            Err(status) => return refused("get plan status", addr, &args.agent.tls, &status),
         };
         let wait = args.watch.then_some(FOREVER);
         conclude(

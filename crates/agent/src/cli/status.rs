@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::Exit;
-use super::remote::{RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json};
+use super::remote::{
+    AgentChoice, RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json,
+};
 use crate::config::{
     ConfigError, DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
 };
@@ -39,7 +41,7 @@ pub struct Local {
 
 impl Local {
     /// Flags first, then the agent's configuration file, then the defaults.
-    pub fn resolve(args: &StatusArgs) -> Result<Local, ConfigError> {
+    pub fn resolve(args: &AgentChoice) -> Result<Local, ConfigError> {
         Local::resolve_paths(&args.config, &args.root, &args.socket, &args.state_dir)
     }
 
@@ -209,7 +211,7 @@ fn percent_encode(id: &str) -> String {
 
 /// `inplace-agent status` against the local agent.
 pub fn local(args: &StatusArgs) -> Exit {
-    let local = match Local::resolve(args) {
+    let local = match Local::resolve(&args.agent) {
         Ok(l) => l,
         Err(e) => return super::fail(&e.into()),
     };
@@ -683,13 +685,8 @@ impl DriftView {
 
 /// The local agent's status (its socket; its journal when no agent answers), for the
 /// commands that show part of it (`drift`). `Err` is the exit code (the error is printed).
-pub fn local_status(
-    config: &Option<PathBuf>,
-    root: &Option<PathBuf>,
-    socket: &Option<PathBuf>,
-    state_dir: &Option<PathBuf>,
-) -> Result<AgentStatus, Exit> {
-    let local = Local::resolve_paths(config, root, socket, state_dir).map_err(|e| {
+pub fn local_status(agent: &AgentChoice) -> Result<AgentStatus, Exit> {
+    let local = Local::resolve(agent).map_err(|e| {
         errln!("error: {e}");
         Exit::Invalid
     })?;
