@@ -495,23 +495,7 @@ impl Updater {
         }
         let current = request.object("current", "machineSet")?;
         let set = key_of(&current);
-        let not_covered = |message: String| {
-            let message = bounded(&message, 1024);
-            Ok(Answer::new(
-                &CanUpdateMachineSetResponse {
-                    kind: Hook::CanUpdateMachineSet.response_kind(),
-                    api_version: HOOKS_API_VERSION,
-                    status: Status::Success,
-                    message: message.clone(),
-                    machine_set_patch: None,
-                    infrastructure_machine_template_patch: None,
-                    bootstrap_config_template_patch: None,
-                    affects_availability: None,
-                },
-                &message,
-                "not_covered",
-            ))
-        };
+        let not_covered = |message: String| Ok(machine_set_not_covered(&message));
         let asked = tokio::time::timeout(
             SET_CHECK_TIMEOUT,
             self.machine_set_facts(&current, settings),
@@ -1170,6 +1154,25 @@ fn cluster_of(namespace: &str, spec: &Value) -> String {
     format!("{namespace}/{name}")
 }
 
+/// A `CanUpdateMachineSet` answer that covers nothing: Cluster API rolls the MachineSet out.
+fn machine_set_not_covered(message: &str) -> Answer {
+    let message = bounded(message, 1024);
+    Answer::new(
+        &CanUpdateMachineSetResponse {
+            kind: Hook::CanUpdateMachineSet.response_kind(),
+            api_version: HOOKS_API_VERSION,
+            status: Status::Success,
+            message: message.clone(),
+            machine_set_patch: None,
+            infrastructure_machine_template_patch: None,
+            bootstrap_config_template_patch: None,
+            affects_availability: None,
+        },
+        &message,
+        "not_covered",
+    )
+}
+
 fn unreachable_discovery() -> Result<Answer, Failure> {
     Err(Failure(
         "discovery is answered before the hook handlers".into(),
@@ -1300,22 +1303,7 @@ pub fn can_update_machine_set_for(
         }
         t.expect("KubeadmConfigTemplate", "bootstrap.cluster.x-k8s.io")?;
     }
-    let empty = |message: String| {
-        Answer::new(
-            &CanUpdateMachineSetResponse {
-                kind: Hook::CanUpdateMachineSet.response_kind(),
-                api_version: HOOKS_API_VERSION,
-                status: Status::Success,
-                message: message.clone(),
-                machine_set_patch: None,
-                infrastructure_machine_template_patch: None,
-                bootstrap_config_template_patch: None,
-                affects_availability: None,
-            },
-            &message,
-            "not_covered",
-        )
-    };
+    let empty = |message: String| machine_set_not_covered(&message);
     if settings.disable_in_place {
         return Ok(empty(
             "in-place updates are disabled (settings.disableInPlaceUpdates)".into(),
