@@ -553,17 +553,7 @@ mod tests {
 
     fn node(dir: &Path) -> (Engine, Arc<Host>) {
         inplace_demo_node::build_kubeadm_worker(dir).unwrap();
-        let settings = SettingsInput {
-            root: Some(dir.to_path_buf()),
-            no_chroot: true,
-            services_off: true,
-            ..SettingsInput::default()
-        }
-        .resolve()
-        .unwrap();
-        let host = Arc::new(Host::open(settings.host.clone()).unwrap());
-        let (engine, _) = Engine::open(settings.engine, host.clone()).unwrap();
-        (engine, host)
+        node_again(dir)
     }
 
     fn applied(dir: &Path) -> Engine {

@@ -123,21 +123,26 @@ pub fn stamps(host: &Host, paths: &[NodePath]) -> Vec<Option<Stamp>> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_write_in_a_watched_directory_is_noticed_and_elsewhere_is_not() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("etc/kubernetes")).unwrap();
-        std::fs::create_dir_all(dir.path().join("etc/other")).unwrap();
-        let host = Host::open(crate::host::HostSettings {
-            root: dir.path().to_path_buf(),
+    /// A host over the tree at `root`, with no services.
+    fn host_at(root: &std::path::Path) -> Host {
+        Host::open(crate::host::HostSettings {
+            root: root.to_path_buf(),
             allow: inplace_plan::AllowList::default(),
             commands_in_root: false,
             boot_id_path: None,
             services: crate::host::ServiceSettings::Off,
             packages: Default::default(),
-            downloads: crate::host::download::DownloadConfig::new(dir.path()),
+            downloads: crate::host::download::DownloadConfig::new(root),
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn a_write_in_a_watched_directory_is_noticed_and_elsewhere_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("etc/kubernetes")).unwrap();
+        std::fs::create_dir_all(dir.path().join("etc/other")).unwrap();
+        let host = host_at(dir.path());
         let dirs: BTreeSet<NodePath> = ["/etc/kubernetes", "/etc/missing"]
             .iter()
             .map(|p| NodePath::parse(p).unwrap())
@@ -160,16 +165,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt as _;
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("etc")).unwrap();
-        let host = Host::open(crate::host::HostSettings {
-            root: dir.path().to_path_buf(),
-            allow: inplace_plan::AllowList::default(),
-            commands_in_root: false,
-            boot_id_path: None,
-            services: crate::host::ServiceSettings::Off,
-            packages: Default::default(),
-            downloads: crate::host::download::DownloadConfig::new(dir.path()),
-        })
-        .unwrap();
+        let host = host_at(dir.path());
         let paths = [NodePath::parse("/etc/x").unwrap()];
         let file = dir.path().join("etc/x");
         assert_eq!(stamps(&host, &paths), vec![None]);
