@@ -201,7 +201,80 @@ fn drift(c: &mut Criterion) {
             BatchSize::PerIteration,
         )
     });
+    // The same full check as the daemon makes it: the node read in a check process of its
+    // own (`inplace-agent serve ... --drift-probe`, the release binary benches/run builds).
+    let agent = std::env::var_os("INPLACE_AGENT_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/inplace-agent")
+        });
+    if agent.exists() {
+        let command = check_command(&agent, dir.path());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let full_in_a_process = || {
+            use inplace_agent::cli::drift_probe::look_in_a_process;
+            use inplace_agent::engine::drift::Begun;
+            let Begun::Look(pending) = engine.begin_drift_check() else {
+                panic!("the touched file makes the check read the node");
+            };
+            let pending: Arc<inplace_agent::engine::drift::Pending> = Arc::from(pending);
+            let look = runtime.block_on(look_in_a_process(&command, &engine, pending.clone()));
+            engine.finish_drift_check(&pending, look)
+        };
+        std::fs::write(&touched, &same).expect("write");
+        assert_eq!(full_in_a_process(), CheckOutcome::Checked);
+        let state = engine.drift();
+        assert!(state.problem.is_none() && !state.drifted(), "{state:?}");
+        g.bench_function("drift-check-full-in-a-process", |b| {
+            b.iter_batched(
+                || std::fs::write(&touched, &same).expect("write"),
+                |()| full_in_a_process(),
+                BatchSize::PerIteration,
+            )
+        });
+    } else {
+        eprintln!(
+            "SKIPPED drift-500x4KiB/drift-check-full-in-a-process: no agent binary at {} \
+             (cargo build --release -p inplace-agent, or set INPLACE_AGENT_BIN)",
+            agent.display()
+        );
+    }
     g.finish();
+}
+
+/// The check process of an agent serving `root` with no configuration file (the TLS files
+/// are named, not read: a check process does not serve).
+fn check_command(
+    agent: &std::path::Path,
+    root: &std::path::Path,
+) -> inplace_agent::config::CheckCommand {
+    let args = [
+        "serve",
+        "--config",
+        "/dev/null",
+        "--no-chroot",
+        "--services",
+        "off",
+        "--node-name",
+        "bench",
+        "--tls-cert",
+        "unused.crt",
+        "--tls-key",
+        "unused.key",
+        "--client-ca",
+        "unused-ca.crt",
+        "--root",
+    ];
+    let mut args: Vec<std::ffi::OsString> = args.iter().map(Into::into).collect();
+    args.push(root.into());
+    inplace_agent::config::CheckCommand {
+        program: agent.to_path_buf(),
+        args,
+        time_limit: std::time::Duration::from_secs(300),
+    }
 }
 
 criterion_group!(benches, sha256, plans, journal, drift);

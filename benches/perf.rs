@@ -880,7 +880,9 @@ fn write_json(args: &[String], v: &Value) {
 
 /// Idle memory of `serve` on a node where the 500-file plan succeeded: drift watching on
 /// (its start-up check done, inotify on the plan's directory) against `--no-drift-checks`,
-/// in the same rounds (who goes first alternates), 15 s after READY each.
+/// in the same rounds (who goes first alternates), 15 s after READY each. With
+/// `PERF_DUMP_SMAPS=DIR`, each daemon's `/proc/PID/smaps` and `status` are copied to
+/// `DIR/smaps-{on,off}` and `DIR/status-{on,off}` (the last round's) to see where it differs.
 fn drift_idle(runs: usize) -> Value {
     let load_before = load();
     let work = tempfile::tempdir().expect("tempdir");
@@ -893,6 +895,17 @@ fn drift_idle(runs: usize) -> Value {
     let idle = |flags: &[&str]| {
         let serve = serve_with(work.path(), &root, &state, &pki, flags);
         std::thread::sleep(Duration::from_secs(15));
+        if let Ok(dir) = std::env::var("PERF_DUMP_SMAPS") {
+            let name = if flags.is_empty() { "on" } else { "off" };
+            let _ = std::fs::copy(
+                format!("/proc/{}/smaps", serve.pid()),
+                format!("{dir}/smaps-{name}"),
+            );
+            let _ = std::fs::copy(
+                format!("/proc/{}/status", serve.pid()),
+                format!("{dir}/status-{name}"),
+            );
+        }
         serve.memory()
     };
     let (mut on, mut off) = (Vec::new(), Vec::new());

@@ -321,25 +321,10 @@ fn a_package_moved_outside_the_agent_is_drift() {
 /// `repair_min_interval_seconds` (the second drift within it stays reported).
 #[test]
 fn auto_repair_repairs_once_per_interval() {
-    use inplace_api::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY};
     let node = Node::new();
     let pki = NodePki::new(NODE).unwrap();
-    let f = &pki.files;
     let config = node.beside("toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:0\"\n\n\
-             [tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
-             [authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n\n\
-             [drift]\nrepair = \"auto\"\ndebounce_ms = 200\n",
-            node.root().display(),
-            f.server_cert.display(),
-            f.server_key.display(),
-            f.ca_cert.display()
-        ),
-    )
-    .unwrap();
+    write_config(&config, &pki, node.root(), "repair = \"auto\"\n");
     let mut agent = Agent::start_with_config(&config);
     agent.socket = node.path("/run/inplace-agent/status.sock");
     let baseline = plan(&node, "baseline", BASELINE);
@@ -381,4 +366,108 @@ fn auto_repair_repairs_once_per_interval() {
         "{}",
         agent.log()
     );
+}
+
+/// Writes the configuration of an agent serving `root` with `pki`, whose drift checks wait
+/// 200 ms after a write, plus `drift` (lines of its `[drift]` table).
+fn write_config(config: &Path, pki: &NodePki, root: &Path, drift: &str) {
+    use inplace_api::pki::{DEFAULT_READER_IDENTITY, DEFAULT_UPDATER_IDENTITY};
+    let f = &pki.files;
+    std::fs::write(
+        config,
+        format!(
+            "[node]\nname = \"{NODE}\"\nroot = \"{}\"\nchroot = false\n\n[grpc]\nlisten = \"127.0.0.1:0\"\n\n\
+             [tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n\n\
+             [authorization]\nadmin = [\"{DEFAULT_UPDATER_IDENTITY}\"]\nreader = [\"{DEFAULT_READER_IDENTITY}\"]\n\n\
+             [drift]\ndebounce_ms = 200\n{drift}",
+            root.display(),
+            f.server_cert.display(),
+            f.server_key.display(),
+            f.ca_cert.display()
+        ),
+    )
+    .unwrap();
+}
+
+/// The daemon reads the node for a check in a process of its own (`serve ... --drift-probe`,
+/// with the daemon's own arguments). When the configuration file has been changed to another
+/// root since the daemon started, that process refuses to check the other tree: the drift
+/// section says why and what to do, no drift is claimed, and the daemon serves on; with the
+/// file put back, checks find drift again.
+#[test]
+fn a_check_process_refuses_a_configuration_changed_to_another_root() {
+    let node = Node::new();
+    let other = Node::new();
+    let pki = NodePki::new(NODE).unwrap();
+    let config = node.beside("toml");
+    write_config(&config, &pki, node.root(), "");
+    let mut agent = Agent::start_with_config(&config);
+    agent.socket = node.path("/run/inplace-agent/status.sock");
+    let baseline = plan(&node, "baseline", BASELINE);
+    let (code, out) = run(
+        &agent,
+        &pki,
+        As::Updater,
+        &["submit", &baseline.display().to_string(), "--wait"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    wait_for(&agent, false);
+
+    write_config(&config, &pki, other.root(), "");
+    std::fs::write(node.path("/etc/kubernetes/extra.conf"), "edited\n").unwrap();
+    let d = eventually("the check process's refusal", || {
+        let d = drift(&agent);
+        d["problem"]
+            .as_str()
+            .is_some_and(|p| p.contains("configuration changed"))
+            .then_some(d)
+    });
+    let problem = d["problem"].as_str().unwrap();
+    assert!(
+        problem.contains("--drift-probe) exited with status 1"),
+        "{problem}"
+    );
+    assert!(
+        problem.contains(&format!("serves root {}", node.root().display())),
+        "{problem}"
+    );
+    assert!(
+        problem.contains(&format!("now says root {}", other.root().display())),
+        "{problem}"
+    );
+    assert!(problem.contains("restart the agent"), "{problem}");
+    assert_eq!(d["drifted"], false, "{d:#}");
+    let (code, out) = local_drift(&agent);
+    assert!(out.contains("configuration changed"), "{code:?} {out}");
+
+    write_config(&config, &pki, node.root(), "");
+    std::fs::write(node.path("/etc/kubernetes/extra.conf"), "edited again\n").unwrap();
+    let d = wait_for(&agent, true);
+    assert_eq!(d["problem"], Value::Null, "{d:#}");
+    assert_eq!(d["changes"][0]["index"], 0, "{d:#}");
+}
+
+/// `--drift-probe` is the daemon's, not people's: a request that cannot be read is refused
+/// with exit 2, saying which command people want.
+#[test]
+fn a_check_process_without_a_request_says_what_to_run_instead() {
+    let node = Node::new();
+    let pki = NodePki::new(NODE).unwrap();
+    let f = &pki.files;
+    let mut cmd = crate::support::daemon::serve_command(
+        Path::new(bin()),
+        node.root(),
+        NODE,
+        &f.server_cert,
+        &f.server_key,
+        &f.ca_cert,
+    );
+    let out = cmd
+        .arg("--drift-probe")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("run inplace-agent drift"), "{said}");
 }

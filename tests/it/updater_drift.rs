@@ -81,8 +81,14 @@ async fn update_machine_repairs_a_node_that_drifted_from_the_plan_that_succeeded
     w.start_updater();
     let mut capi = w.client();
     let seen = poll_update(&mut capi, &body, 0.05).await;
+    // Answered with the repair: still running, or (a small plan on a fast machine) already
+    // succeeded as attempt 2 within the call; never the first attempt's "done".
     let first = &seen[0];
-    assert_ne!(first["retryAfterSeconds"], 0, "answered done: {seen:?}");
+    assert!(
+        first["retryAfterSeconds"] != 0 || w.agents[i].proc.log().contains("repair accepted"),
+        "answered done without a repair: {seen:?}\n{}",
+        w.agents[i].proc.log()
+    );
     let done = seen.last().unwrap();
     assert_eq!(
         (done["status"].as_str(), done["retryAfterSeconds"].as_i64()),

@@ -276,6 +276,22 @@ pub struct DriftSettings {
     pub repair: RepairMode,
     /// At most one automatic repair per this long.
     pub repair_min_interval: Duration,
+    /// How the daemon starts a check process (`cli::drift_probe`); `None`: checks read the
+    /// node in the daemon's process. Not configured: `inplace-agent serve` sets it to
+    /// itself with its own arguments.
+    pub check_process: Option<CheckCommand>,
+}
+
+/// The command of a drift check process: `program` with `args`, to which `--drift-probe`
+/// is added (`args` are those of an `inplace-agent serve`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckCommand {
+    /// The `inplace-agent` executable.
+    pub program: std::path::PathBuf,
+    /// `serve` and its flags.
+    pub args: Vec<std::ffi::OsString>,
+    /// How long a check process may take before it is killed.
+    pub time_limit: Duration,
 }
 
 /// Default time between two drift checks.
@@ -324,6 +340,7 @@ impl DriftInput {
             repair_min_interval: self
                 .repair_min_interval
                 .unwrap_or(DEFAULT_REPAIR_MIN_INTERVAL),
+            check_process: None,
         })
     }
 }

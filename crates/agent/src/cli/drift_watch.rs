@@ -8,6 +8,7 @@
 //! restart does not reset it).
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
@@ -15,8 +16,8 @@ use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::config::{DriftSettings, RepairMode};
-use crate::engine::drift::CheckOutcome;
+use crate::config::{CheckCommand, DriftSettings, RepairMode};
+use crate::engine::drift::{Begun, CheckOutcome, Pending};
 use crate::engine::{Engine, Event};
 use crate::host::watch::DirWatch;
 use inplace_plan::NodePath;
@@ -62,16 +63,7 @@ pub async fn run(engine: Engine, settings: DriftSettings, mut stopping: watch::R
             },
             () = tokio::time::sleep_until(due) => {
                 due = Instant::now() + settings.interval;
-                let checker = engine.clone();
-                // A check reads the baseline back from the journal (a large plan's contents
-                // too): what it allocated goes back to the kernel once it is done, as after
-                // a run (`host::memory`).
-                let Ok(outcome) = tokio::task::spawn_blocking(move || {
-                    let outcome = checker.check_drift();
-                    crate::host::memory::give_back();
-                    outcome
-                })
-                .await
+                let Some(outcome) = check(&engine, settings.check_process.as_ref()).await
                 else {
                     continue;
                 };
@@ -88,6 +80,45 @@ pub async fn run(engine: Engine, settings: DriftSettings, mut stopping: watch::R
             }
         }
     }
+}
+
+/// One check: metadata first, then, when the node must be read, a look in a check process
+/// (`drift_probe`) or, for a daemon started without one, in this process. `None` when a
+/// thread of the check panicked.
+pub async fn check(engine: &Engine, process: Option<&CheckCommand>) -> Option<CheckOutcome> {
+    let begun = {
+        let engine = engine.clone();
+        tokio::task::spawn_blocking(move || engine.begin_drift_check())
+            .await
+            .ok()?
+    };
+    let pending: Arc<Pending> = match begun {
+        Begun::Done(outcome) => return Some(outcome),
+        Begun::Look(pending) => Arc::from(pending),
+    };
+    let look = match process {
+        Some(command) => {
+            super::drift_probe::look_in_a_process(command, engine, pending.clone()).await
+        }
+        None => {
+            let (engine, pending) = (engine.clone(), pending.clone());
+            tokio::task::spawn_blocking(move || engine.look(&pending))
+                .await
+                .ok()?
+        }
+    };
+    let engine = engine.clone();
+    // What the check allocated (the baseline, the answer; a look in this process also the
+    // plan's contents) goes back to the kernel once it is done, as after a run
+    // (`host::memory`).
+    tokio::task::spawn_blocking(move || {
+        let outcome = engine.finish_drift_check(&pending, look);
+        drop(pending);
+        crate::host::memory::give_back();
+        outcome
+    })
+    .await
+    .ok()
 }
 
 /// Watches `dirs` on the node; `None` (checks on the interval only) when inotify cannot be

@@ -24,6 +24,7 @@ pub(crate) mod demo;
 mod demo_grpc;
 mod demo_systemd;
 mod drift;
+pub mod drift_probe;
 mod drift_watch;
 mod journal;
 mod logging;

@@ -117,6 +117,10 @@ pub struct ServeArgs {
     /// Make no drift checks (drift.enabled = false)
     #[arg(long)]
     pub no_drift_checks: bool,
+    /// Be the daemon's drift check process (`cli::drift_probe`): read the baseline on
+    /// standard input, answer what differs on standard output; nothing is started
+    #[arg(long, hide = true)]
+    pub drift_probe: bool,
     /// Only say whether the agent is configured enough to start: exit 0 when its TLS files
     /// exist, 1 naming the missing ones (the unit's ExecCondition=, so that an unconfigured
     /// agent waits quietly instead of failing); nothing is started
@@ -453,6 +457,11 @@ pub fn run(args: &ServeArgs) -> Exit {
         Ok(s) => s,
         // Whether it is configured is for serve itself to say, with the file and line.
         Err(_) if args.check_configured => return Exit::Ok,
+        // The daemon reads a check process's answer, and tells why it could not check.
+        Err(e) if args.drift_probe => {
+            println!("the configuration cannot be read now ({e:#}); fix it and restart the agent");
+            return Exit::Invalid;
+        }
         Err(e) => {
             super::logging::init("info", args.log_format.unwrap_or_default(), true);
             return super::fail(&e);
@@ -462,7 +471,19 @@ pub fn run(args: &ServeArgs) -> Exit {
     if args.check_configured {
         return configured(&settings, config.as_deref());
     }
+    if args.drift_probe {
+        super::logging::init("warn", settings.log_format, true);
+        return super::drift_probe::answer(settings);
+    }
     super::logging::init("info", settings.log_format, true);
+    let mut settings = settings;
+    // Drift checks read the node in a process of their own, started with these same
+    // arguments (`drift_probe`).
+    settings.drift.check_process = Some(crate::config::CheckCommand {
+        program: super::drift_probe::SELF.into(),
+        args: std::env::args_os().skip(1).collect(),
+        time_limit: super::drift_probe::TIME_LIMIT,
+    });
     let findings = super::selfcheck::check(&settings, config.as_deref());
     for warning in &findings.warnings {
         tracing::warn!("{warning}");

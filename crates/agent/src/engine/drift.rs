@@ -14,7 +14,8 @@ use super::staging::NodeBodies;
 use super::table::{Baseline, resolved_plan};
 use super::{Engine, EngineConfig, Submission, SubmitError};
 use crate::host::Host;
-use crate::host::watch::{Stamp, stamps};
+use crate::host::watch::Stamped;
+use crate::journal::backup::BackupStore;
 use crate::journal::{DriftNote, Record};
 use crate::steps;
 use inplace_base::time::now_ms;
@@ -22,7 +23,8 @@ use inplace_plan::kinds::Difference;
 use inplace_plan::{Change, ChangeKind, Limits, NodePath, Plan, validate_document};
 
 /// One change of the baseline that the node no longer matches.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct DriftedChange {
     /// Index in the plan's `changes[]`.
     pub index: u32,
@@ -178,10 +180,8 @@ pub struct Clean {
     run: u64,
     /// When the full check was made (Unix ms).
     at_ms: u64,
-    /// The paths stamped.
-    paths: Vec<NodePath>,
-    /// Their stamps, taken before the full check read them.
-    stamps: Vec<Option<Stamp>>,
+    /// The paths and their stamps, taken before the full check read them.
+    stamped: Stamped,
 }
 
 /// How long metadata alone may vouch for the node before a check reads everything again.
@@ -244,11 +244,13 @@ fn change_path(change: &Change) -> inplace_plan::NodePath {
 /// (resolved versions, pruned paths), and the changes whose content is gone.
 type ReadBack = (Plan, Plan, BTreeMap<u32, (String, u64)>);
 
-fn read_baseline(engine: &Engine, baseline: &Baseline, id: &str) -> Result<ReadBack, String> {
-    let bodies = NodeBodies {
-        backups: &engine.shared.backups,
-        host: &engine.shared.host,
-    };
+fn read_baseline(
+    backups: &BackupStore,
+    host: &Host,
+    baseline: &Baseline,
+    id: &str,
+) -> Result<ReadBack, String> {
+    let bodies = NodeBodies { backups, host };
     let kept = &baseline.kept;
     let (value, gone) = kept.to_value(&bodies)?;
     let plan = validate_document(value, id, &Limits::replay()).map_err(|e| e.to_string())?;
@@ -266,6 +268,89 @@ fn read_baseline(engine: &Engine, baseline: &Baseline, id: &str) -> Result<ReadB
     Ok((plan, applied, gone))
 }
 
+/// What one full look at the node against the baseline found: the drifted changes (or
+/// why they could not be found), the directories to watch, and — when the node matched a
+/// baseline whose whole state is files — their stamps, taken before they were read. What a
+/// check process answers the daemon (`cli::drift_probe`), hence serializable.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Look {
+    /// The baseline's run looked at.
+    pub run: u64,
+    /// The drifted changes, or why the check could not be made.
+    pub found: Result<Vec<DriftedChange>, String>,
+    /// See [`DriftState::watch`].
+    pub watch: BTreeSet<NodePath>,
+    /// The baseline's files and their stamps, when the node matched it and metadata can
+    /// vouch for it next time.
+    pub stamped: Option<Stamped>,
+}
+
+impl Look {
+    /// A look that could not be made, for `why`.
+    pub fn failed(run: u64, why: String) -> Look {
+        Look {
+            run,
+            found: Err(why),
+            watch: BTreeSet::new(),
+            stamped: None,
+        }
+    }
+}
+
+/// Reads the node against `baseline` (plan id `id`): never writes.
+pub fn look(
+    config: &EngineConfig,
+    host: &Host,
+    backups: &BackupStore,
+    baseline: &Baseline,
+    id: &str,
+) -> Look {
+    let run = baseline.kept.run;
+    let mut watch = BTreeSet::new();
+    let mut stamped = None;
+    let found = read_baseline(backups, host, baseline, id)
+        .map_err(|e| format!("the plan of run {run} cannot be read back: {e}"))
+        .and_then(|(_, applied, gone)| {
+            watch = watch_dirs(&applied);
+            // Stamped before the files are read: a write during the check changes them.
+            stamped = stamped_paths(&applied)
+                .filter(|_| gone.is_empty())
+                .map(|paths| Stamped::take(host, &paths));
+            drifted_changes(config, host, &applied, &gone)
+        });
+    if !found.as_ref().is_ok_and(Vec::is_empty) {
+        stamped = None;
+    }
+    Look {
+        run,
+        found,
+        watch,
+        stamped,
+    }
+}
+
+/// A check that needs a look at the node ([`Engine::begin_drift_check`]); what the look
+/// finds goes to [`Engine::finish_drift_check`].
+#[derive(Debug)]
+pub struct Pending {
+    /// The baseline to look at.
+    pub baseline: Baseline,
+    /// Which plan it is.
+    pub reference: BaselineRef,
+    /// The engine's next run when the check began: a run accepted since voids the check.
+    generation: u64,
+}
+
+/// How a check began.
+#[derive(Debug)]
+pub enum Begun {
+    /// It is over: no check could be made, or metadata vouched for the node.
+    Done(CheckOutcome),
+    /// The node must be read ([`Engine::look`], or a check process).
+    Look(Box<Pending>),
+}
+
 impl Engine {
     /// What the agent knows about drift (the last check's result).
     pub fn drift(&self) -> DriftState {
@@ -278,15 +363,29 @@ impl Engine {
 
     /// Checks the node against the last succeeded plan now, unless a run is waiting or
     /// running; journals drift appearing, changing or clearing, and logs it. Reads the node
-    /// without the engine lock.
+    /// without the engine lock, in this process ([`Engine::look`]); the daemon makes the
+    /// same check with the look in a check process of its own (`cli::drift_probe`).
     pub fn check_drift(&self) -> CheckOutcome {
+        match self.begin_drift_check() {
+            Begun::Done(outcome) => outcome,
+            Begun::Look(pending) => {
+                let look = self.look(&pending);
+                self.finish_drift_check(&pending, look)
+            }
+        }
+    }
+
+    /// The first half of a check: whether one can be made, and when no file of the
+    /// baseline changed since the node last matched it (metadata first, at most for an
+    /// hour), the whole check. Otherwise the baseline to look at.
+    pub fn begin_drift_check(&self) -> Begun {
         let (baseline, status, generation) = {
             let inner = self.shared.lock();
             if inner.table.unfinished().next().is_some() {
-                return CheckOutcome::Suspended;
+                return Begun::Done(CheckOutcome::Suspended);
             }
             let Some(baseline) = inner.table.baseline().cloned() else {
-                return CheckOutcome::NoBaseline;
+                return Begun::Done(CheckOutcome::NoBaseline);
             };
             let status = inner.table.by_run(baseline.kept.run).cloned();
             (baseline, status, inner.table.next_run())
@@ -300,8 +399,6 @@ impl Engine {
             attempt: status.as_ref().map(|s| s.attempt).unwrap_or_default(),
             run: baseline.kept.run,
         };
-        // Metadata first: when no file of the baseline changed since the node last matched
-        // it, nothing is read (at most for an hour).
         let clean = self
             .shared
             .clean
@@ -312,11 +409,11 @@ impl Engine {
                 c.run == reference.run && now_ms().saturating_sub(c.at_ms) < FULL_CHECK_EVERY_MS
             });
         if let Some(clean) = clean
-            && stamps(&self.shared.host, &clean.paths) == clean.stamps
+            && clean.stamped.unchanged(&self.shared.host)
         {
             let inner = self.shared.lock();
             if inner.table.next_run() != generation || inner.table.unfinished().next().is_some() {
-                return CheckOutcome::Suspended;
+                return Begun::Done(CheckOutcome::Suspended);
             }
             let mut state = self.shared.drift.lock().unwrap_or_else(|p| p.into_inner());
             state.checked_at_ms = Some(now_ms());
@@ -324,32 +421,52 @@ impl Engine {
             state.changes.clear();
             state.baseline = Some(reference);
             *self.shared.clean.lock().unwrap_or_else(|p| p.into_inner()) = Some(clean);
-            return CheckOutcome::Checked;
+            return Begun::Done(CheckOutcome::Checked);
         }
-        let mut watch = BTreeSet::new();
-        let mut stamped = None;
-        let found = read_baseline(self, &baseline, &reference.id)
-            .map_err(|e| format!("the plan of run {} cannot be read back: {e}", reference.run))
-            .and_then(|(_, applied, gone)| {
-                watch = watch_dirs(&applied);
-                // Stamped before the files are read: a write during the check changes them.
-                stamped = stamped_paths(&applied)
-                    .filter(|_| gone.is_empty())
-                    .map(|paths| {
-                        let now = stamps(&self.shared.host, &paths);
-                        (paths, now)
-                    });
-                drifted_changes(&self.shared.config, &self.shared.host, &applied, &gone)
-            });
+        Begun::Look(Box::new(Pending {
+            baseline,
+            reference,
+            generation,
+        }))
+    }
+
+    /// The middle of a check, in this process: the node read against the baseline.
+    pub fn look(&self, pending: &Pending) -> Look {
+        look(
+            &self.shared.config,
+            &self.shared.host,
+            &self.shared.backups,
+            &pending.baseline,
+            &pending.reference.id,
+        )
+    }
+
+    /// The end of a check: what the look found becomes the drift state (thrown away when
+    /// a run was accepted meanwhile), journaled and logged when it changed.
+    pub fn finish_drift_check(&self, pending: &Pending, look: Look) -> CheckOutcome {
+        let (reference, generation) = (pending.reference.clone(), pending.generation);
+        let Look {
+            run,
+            found,
+            watch,
+            stamped,
+        } = look;
+        let found = if run == reference.run {
+            found
+        } else {
+            Err(format!(
+                "the check looked at run {run}, not the baseline's run {}",
+                reference.run
+            ))
+        };
         let now = now_ms();
-        if let (Ok(changes), Some((paths, stamps))) = (&found, stamped)
+        if let (Ok(changes), Some(stamped)) = (&found, stamped)
             && changes.is_empty()
         {
             *self.shared.clean.lock().unwrap_or_else(|p| p.into_inner()) = Some(Clean {
                 run: reference.run,
                 at_ms: now,
-                paths,
-                stamps,
+                stamped,
             });
         }
         let inner = self.shared.lock();
@@ -359,10 +476,12 @@ impl Engine {
         }
         let mut state = self.shared.drift.lock().unwrap_or_else(|p| p.into_inner());
         state.checked_at_ms = Some(now);
-        state.watch = watch;
         let mut changes = match found {
             Ok(changes) => {
                 state.problem = None;
+                // A look that failed knows nothing of where the plan writes: the directories
+                // watched stay those of the last look that did not.
+                state.watch = watch;
                 changes
             }
             Err(problem) => {
@@ -506,8 +625,13 @@ impl Engine {
             (baseline, latest)
         };
         // As submitted: a version pattern is resolved again, as for any attempt.
-        let (plan, _, gone) =
-            read_baseline(self, &baseline, &status.id).map_err(SubmitError::Conflict)?;
+        let (plan, _, gone) = read_baseline(
+            &self.shared.backups,
+            &self.shared.host,
+            &baseline,
+            &status.id,
+        )
+        .map_err(SubmitError::Conflict)?;
         if !gone.is_empty() {
             let which: Vec<String> = gone.keys().map(|i| format!("changes[{i}]")).collect();
             return Err(SubmitError::Conflict(format!(
@@ -605,6 +729,47 @@ mod tests {
         let (engine, _) = node(dir.path());
         assert_eq!(engine.check_drift(), CheckOutcome::NoBaseline);
         assert!(!engine.drift().drifted());
+    }
+
+    #[test]
+    fn a_look_that_failed_is_a_problem_not_drift_and_keeps_the_directories_watched() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = applied(dir.path());
+        edit(dir.path(), "etc/kubernetes/extra.conf", "extra", "edited");
+        assert_eq!(engine.check_drift(), CheckOutcome::Checked);
+        let before = engine.drift();
+        assert!(
+            before
+                .watch
+                .contains(&NodePath::parse("/etc/kubernetes").unwrap())
+        );
+        let Begun::Look(pending) = engine.begin_drift_check() else {
+            panic!("a plan with a sysctl is always read");
+        };
+        let why = "the check process was killed after 300s".to_string();
+        let failed = Look::failed(pending.reference.run, why.clone());
+        assert_eq!(
+            engine.finish_drift_check(&pending, failed),
+            CheckOutcome::Checked
+        );
+        let after = engine.drift();
+        assert_eq!(after.problem, Some(why));
+        assert_eq!(after.watch, before.watch);
+        assert_eq!(after.changes, before.changes, "what was known stays known");
+        // A look at another run than the baseline's is not taken for the baseline's.
+        let Begun::Look(pending) = engine.begin_drift_check() else {
+            panic!("read again");
+        };
+        let mut stray = engine.look(&pending);
+        stray.run += 1;
+        engine.finish_drift_check(&pending, stray);
+        assert!(
+            engine
+                .drift()
+                .problem
+                .unwrap()
+                .contains("not the baseline's run")
+        );
     }
 
     #[test]

@@ -107,7 +107,8 @@ impl RunState {
 
 /// A journaled plan document: the canonical plan, and the backup-store blob holding its
 /// file contents when they were kept out of the document (`journal::bodies`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct KeptPlan {
     /// The run.
     pub run: u64,
@@ -221,7 +222,8 @@ pub struct Table {
 
 /// The last succeeded plan: its document and what its run resolved, so that the plan it
 /// applied can be read back exactly (see [`Table::baseline`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Baseline {
     /// The plan document and where its contents are.
     pub kept: KeptPlan,

@@ -85,7 +85,7 @@ impl AsRawFd for DirWatch {
 /// What a path's metadata says about it: equal stamps mean the same file with the same
 /// content, mode and owner (any write, chmod, chown or rename changes its inode change time,
 /// which nobody can set back).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Stamp {
     dev: u64,
     ino: u64,
@@ -100,23 +100,68 @@ pub struct Stamp {
 /// The stamp of each of `paths` on the node (`None`: nothing there, or it cannot be read);
 /// a final symlink is not followed.
 pub fn stamps(host: &Host, paths: &[NodePath]) -> Vec<Option<Stamp>> {
+    paths.iter().map(|p| stamp(host, p.as_str())).collect()
+}
+
+/// The stamp of the node path `path`.
+fn stamp(host: &Host, path: &str) -> Option<Stamp> {
     use std::os::unix::fs::MetadataExt as _;
-    paths
-        .iter()
-        .map(|p| {
-            let m = std::fs::symlink_metadata(host.root.host_path(p)).ok()?;
-            Some(Stamp {
-                dev: m.dev(),
-                ino: m.ino(),
-                size: m.size(),
-                mode: m.mode(),
-                uid: m.uid(),
-                gid: m.gid(),
-                mtime: (m.mtime(), m.mtime_nsec()),
-                ctime: (m.ctime(), m.ctime_nsec()),
-            })
-        })
-        .collect()
+    let m = std::fs::symlink_metadata(host.root.path().join(path.trim_start_matches('/'))).ok()?;
+    Some(Stamp {
+        dev: m.dev(),
+        ino: m.ino(),
+        size: m.size(),
+        mode: m.mode(),
+        uid: m.uid(),
+        gid: m.gid(),
+        mtime: (m.mtime(), m.mtime_nsec()),
+        ctime: (m.ctime(), m.ctime_nsec()),
+    })
+}
+
+/// Node paths with the stamps they had, kept between drift checks in two allocations: the
+/// paths in one string, the stamps in one array. (Five hundred separately allocated paths,
+/// made while a check's larger buffers came and went, stayed scattered over the heap and
+/// kept its pages resident after the rest was given back.)
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Stamped {
+    /// The paths, each followed by a NUL (which no node path holds).
+    paths: String,
+    stamps: Vec<Option<Stamp>>,
+}
+
+impl Stamped {
+    /// The stamps of `paths` now.
+    pub fn take(host: &Host, paths: &[NodePath]) -> Stamped {
+        let mut text = String::with_capacity(paths.iter().map(|p| p.as_str().len() + 1).sum());
+        for p in paths {
+            text.push_str(p.as_str());
+            text.push('\0');
+        }
+        Stamped {
+            paths: text,
+            stamps: stamps(host, paths),
+        }
+    }
+
+    /// True when every path still has the stamp it had.
+    pub fn unchanged(&self, host: &Host) -> bool {
+        let paths = self.paths.split_terminator('\0');
+        paths.clone().count() == self.stamps.len()
+            && paths
+                .zip(&self.stamps)
+                .all(|(path, was)| stamp(host, path) == *was)
+    }
+
+    /// How many paths.
+    pub fn len(&self) -> usize {
+        self.stamps.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.stamps.is_empty()
+    }
 }
 
 #[cfg(test)]
@@ -178,5 +223,27 @@ mod tests {
         assert_ne!(second, first);
         std::fs::write(&file, "b").unwrap();
         assert_ne!(stamps(&host, &paths), second);
+    }
+
+    #[test]
+    fn stamped_paths_vouch_until_one_of_them_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("etc/a")).unwrap();
+        std::fs::write(dir.path().join("etc/a/x"), "x").unwrap();
+        std::fs::write(dir.path().join("etc/y"), "y").unwrap();
+        let host = host_at(dir.path());
+        let paths = ["/etc/a/x", "/etc/y", "/etc/missing"].map(|p| NodePath::parse(p).unwrap());
+        let stamped = Stamped::take(&host, &paths);
+        assert_eq!(stamped.len(), 3);
+        assert!(stamped.unchanged(&host));
+        let copy: Stamped =
+            serde_json::from_str(&serde_json::to_string(&stamped).unwrap()).unwrap();
+        assert_eq!(copy, stamped);
+        std::fs::write(dir.path().join("etc/missing"), "now here").unwrap();
+        assert!(!stamped.unchanged(&host));
+        assert!(Stamped::take(&host, &paths).unchanged(&host));
+        let only_x = Stamped::take(&host, &paths[..1]);
+        std::fs::write(dir.path().join("etc/y"), "Y").unwrap();
+        assert!(only_x.unchanged(&host), "a path not stamped does not count");
     }
 }
