@@ -1,8 +1,9 @@
 //! The daemon's drift checks: one at start-up (a reboot is when sysctls and runtime state
 //! are lost), one every `drift.interval_seconds`, one `drift.debounce_ms` after a write to a
 //! directory the last succeeded plan wrote into (inotify, `host::watch`), and one after each
-//! run ends. A run in progress suspends checks (the engine refuses to check then). Idle, the
-//! task waits on the inotify descriptor, the engine's events and one timer: no polling.
+//! run ends. A run in progress suspends checks (the engine refuses to check then). A check
+//! that must read the node does so in a check process (`drift_probe`). Idle, the task waits
+//! on the inotify descriptor, the engine's events and one timer: no polling.
 //! With `drift.repair = "auto"`, found drift is repaired, at most once per
 //! `drift.repair_min_interval_seconds` (counted from the last repair in the journal, so a
 //! restart does not reset it).
