@@ -324,18 +324,7 @@ fn auto_repair_repairs_once_per_interval() {
     let node = Node::new();
     let pki = NodePki::new(NODE).unwrap();
     let config = node.beside("toml");
-    write_config(&config, &pki, node.root(), "repair = \"auto\"\n");
-    let mut agent = Agent::start_with_config(&config);
-    agent.socket = node.path("/run/inplace-agent/status.sock");
-    let baseline = plan(&node, "baseline", BASELINE);
-    let (code, out) = run(
-        &agent,
-        &pki,
-        As::Updater,
-        &["submit", &baseline.display().to_string(), "--wait"],
-    );
-    assert_eq!(code, Some(0), "{out}");
-    wait_for(&agent, false);
+    let agent = configured_with_baseline(&node, &pki, &config, "repair = \"auto\"\n");
     let extra = node.path("/etc/kubernetes/extra.conf");
     std::fs::write(&extra, "edited\n").unwrap();
     eventually("the automatic repair", || {
@@ -366,6 +355,24 @@ fn auto_repair_repairs_once_per_interval() {
         "{}",
         agent.log()
     );
+}
+
+/// Starts the agent configured by `config` (written: [`write_config`] of the node's root
+/// and `drift`), applies the baseline plan and waits for a check to find the node matching it.
+fn configured_with_baseline(node: &Node, pki: &NodePki, config: &Path, drift: &str) -> Agent {
+    write_config(config, pki, node.root(), drift);
+    let mut agent = Agent::start_with_config(config);
+    agent.socket = node.path("/run/inplace-agent/status.sock");
+    let baseline = plan(node, "baseline", BASELINE);
+    let (code, out) = run(
+        &agent,
+        pki,
+        As::Updater,
+        &["submit", &baseline.display().to_string(), "--wait"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    wait_for(&agent, false);
+    agent
 }
 
 /// Writes the configuration of an agent serving `root` with `pki`, whose drift checks wait
@@ -400,18 +407,7 @@ fn a_check_process_refuses_a_configuration_changed_to_another_root() {
     let other = Node::new();
     let pki = NodePki::new(NODE).unwrap();
     let config = node.beside("toml");
-    write_config(&config, &pki, node.root(), "");
-    let mut agent = Agent::start_with_config(&config);
-    agent.socket = node.path("/run/inplace-agent/status.sock");
-    let baseline = plan(&node, "baseline", BASELINE);
-    let (code, out) = run(
-        &agent,
-        &pki,
-        As::Updater,
-        &["submit", &baseline.display().to_string(), "--wait"],
-    );
-    assert_eq!(code, Some(0), "{out}");
-    wait_for(&agent, false);
+    let agent = configured_with_baseline(&node, &pki, &config, "");
 
     write_config(&config, &pki, other.root(), "");
     std::fs::write(node.path("/etc/kubernetes/extra.conf"), "edited\n").unwrap();

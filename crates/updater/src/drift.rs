@@ -39,19 +39,38 @@ fn drifted_from(d: &pb::DriftStatus, id: &str) -> Option<String> {
     ))
 }
 
+/// What a node's agent said about drift when asked (`Ok(None)`: an agent before the call;
+/// `Err`: it could not be asked, why). Asked once per `UpdateMachine` call, for the drain's
+/// decision and for the repair alike.
+pub type Said = Result<Option<pb::DriftStatus>, String>;
+
+/// Asks `plan`'s node about drift (`GetDrift`).
+pub async fn ask(agents: &Agents, plan: &PlanRef) -> Said {
+    agents
+        .drift(&plan.target, &plan.node)
+        .await
+        .map_err(|e| e.to_string())
+}
+
 /// `status` of `plan` as the agent gave it; when the plan succeeded and the node has
-/// drifted from it since, the status of the repair started instead. An agent that cannot
-/// say (older, unreachable) or refuses the repair leaves the status as it is (logged).
+/// drifted from it since, the status of the repair started instead. What the agent said
+/// about drift earlier in the same call is `said` (asked now when `None`). An agent that
+/// cannot say (older, unreachable) or refuses the repair leaves the status as it is (logged).
 pub async fn repair_if_drifted(
     agents: &Agents,
     machine: &str,
     plan: &PlanRef,
     status: pb::PlanStatus,
+    said: Option<Said>,
 ) -> pb::PlanStatus {
     if status.phase != pb::Phase::Succeeded as i32 || !plan.has_digest(&status.digest) {
         return status;
     }
-    let drift = match agents.drift(&plan.target, &plan.node).await {
+    let said = match said {
+        Some(said) => said,
+        None => ask(agents, plan).await,
+    };
+    let drift = match said {
         Ok(Some(d)) => d,
         Ok(None) => return status,
         Err(e) => {
@@ -75,11 +94,10 @@ pub async fn repair_if_drifted(
     }
 }
 
-/// Whether `plan` is the last plan that succeeded on its node and the node has drifted from
-/// it since (an agent that cannot say: no).
-pub async fn has_drifted_from(agents: &Agents, plan: &PlanRef) -> bool {
-    matches!(agents.drift(&plan.target, &plan.node).await,
-        Ok(Some(d)) if drifted_from(&d, &plan.id).is_some())
+/// Whether the agent `said` that `plan` is the last plan that succeeded on its node and the
+/// node has drifted from it since (an agent that cannot say: no).
+pub fn has_drifted_from(said: &Said, plan: &PlanRef) -> bool {
+    matches!(said, Ok(Some(d)) if drifted_from(d, &plan.id).is_some())
 }
 
 /// `message` of `CanUpdateMachine`, with what the node's agent says about drift from the

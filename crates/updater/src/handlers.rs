@@ -966,8 +966,13 @@ impl Updater {
         };
         // A succeeded plan whose node drifted from it is repaired (below, in `submit`): a new
         // attempt, which drains first as a new plan would.
-        let repairing = settings.drain != super::drain::DrainMode::Never
-            && super::drift::has_drifted_from(&self.agents, &plan).await;
+        let said = match settings.drain {
+            super::drain::DrainMode::Never => None,
+            _ => Some(super::drift::ask(&self.agents, &plan).await),
+        };
+        let repairing = said
+            .as_ref()
+            .is_some_and(|said| super::drift::has_drifted_from(said, &plan));
         if (repairing || !self.plans.knows(&key, &plan))
             && let Some(answer) = self
                 .drain_before(&key, &live, settings, &facts, &plan, &wire, repairing)
@@ -980,7 +985,7 @@ impl Updater {
             // Known here already (its stream broke, a check is repeated): ask the agent.
             return self
                 .clone()
-                .submit(key, *fingerprint, plan, wire, wish)
+                .submit(key, *fingerprint, plan, wire, wish, said)
                 .await;
         }
         // A new plan for this Machine: submitted in the background. This call waits for the
@@ -1007,7 +1012,7 @@ impl Updater {
         let fingerprint = *fingerprint;
         let (task_key, task_plan) = (key.clone(), plan.clone());
         let mut task = tokio::spawn(async move {
-            this.submit(task_key, fingerprint, task_plan, wire, wish)
+            this.submit(task_key, fingerprint, task_plan, wire, wish, said)
                 .await
         });
         let until = began + settings.update_wait.max(SUBMIT_WAIT);
@@ -1031,7 +1036,9 @@ impl Updater {
 
     /// Asks the agent about `plan` (`GetPlanStatus`), submits it when the agent does not
     /// know it (`ApplyPlan`), retries it when it failed and the Machine asks (`wish`),
-    /// remembers the answer and starts following the plan.
+    /// repairs it when it succeeded and the node drifted from it (`said`: what the agent
+    /// said about drift earlier in this call, if it was asked), remembers the answer and
+    /// starts following the plan.
     async fn submit(
         self: Arc<Self>,
         key: String,
@@ -1039,6 +1046,7 @@ impl Updater {
         plan: PlanRef,
         wire: pb::Plan,
         wish: Option<Wish>,
+        said: Option<super::drift::Said>,
     ) -> Result<(Answer, bool), Failure> {
         let outcome = self.ask_agent(&key, &plan, wire).await;
         let status = match outcome {
@@ -1053,7 +1061,7 @@ impl Updater {
             .retry_if_asked(&key, &plan, wish.as_ref(), status)
             .await;
         // Drift (issue 37): a succeeded plan on a node that no longer matches it is repaired.
-        let status = super::drift::repair_if_drifted(&self.agents, &key, &plan, status).await;
+        let status = super::drift::repair_if_drifted(&self.agents, &key, &plan, status, said).await;
         let answer = hook_answer(&Heard::of(&status), &plan.costs);
         if let Follow::Start(generation) =
             self.plans.record(&key, fingerprint, plan.clone(), &status)
