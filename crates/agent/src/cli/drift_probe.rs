@@ -60,8 +60,9 @@ struct Request<B> {
     baseline: B,
 }
 
-/// Looks at the node against `pending`'s baseline in a check process started by `command`. Never fails: a check process that cannot be started, is
-/// killed, or answers nonsense is a look that could not be made, saying why.
+/// Looks at the node against `pending`'s baseline in a check process started by `command`.
+/// Never fails: a check process that cannot be started, is killed, or answers nonsense is a
+/// look that could not be made, saying why.
 pub async fn look_in_a_process(
     command: &CheckCommand,
     engine: &Engine,
