@@ -156,9 +156,13 @@ async fn drain_through(capi: &mut CapiClient, body: &[u8]) -> Value {
     panic!("the drain never ended");
 }
 
-fn setup(w: &mut World, kubelet: &str) {
+/// A world on `subnet` with one agent (node `node-d`, its kubelet at `kubelet`) and the
+/// updater started.
+async fn started(subnet: u8, kubelet: &str) -> World {
+    let mut w = World::new(subnet).await;
     w.add_agent("node-d", kubelet);
     w.start_updater();
+    w
 }
 
 fn files(content: &str) -> Value {
@@ -167,8 +171,7 @@ fn files(content: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons() {
-    let mut w = World::new(50).await;
-    setup(&mut w, "v1.35.1");
+    let w = started(50, "v1.35.1").await;
     let node = workload(&w, "v1.35.1", 1);
     let mut capi = w.client();
     let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "30"});
@@ -316,8 +319,7 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_files_only_plan_does_not_drain() {
-    let mut w = World::new(51).await;
-    setup(&mut w, "v1.35.2");
+    let w = started(51, "v1.35.2").await;
     let node = workload(&w, "v1.35.2", 0);
     let mut capi = w.client();
     let settings = json!({"agentPort": w.agent_port.to_string()});
@@ -343,8 +345,7 @@ async fn a_files_only_plan_does_not_drain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_gate_leaves_the_node_cordoned_and_says_so() {
-    let mut w = World::new(52).await;
-    setup(&mut w, "v1.35.1");
+    let w = started(52, "v1.35.1").await;
     let node = workload(&w, "v1.35.1", 5);
     let mut capi = w.client();
     // The kubelet never reports v1.35.2: the version gate fails after 2 s.
@@ -368,8 +369,7 @@ async fn a_failing_gate_leaves_the_node_cordoned_and_says_so() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_persons_cordon_survives_the_update() {
-    let mut w = World::new(53).await;
-    setup(&mut w, "v1.35.1");
+    let w = started(53, "v1.35.1").await;
     let node = workload(&w, "v1.35.1", 5);
     w.api.edit(&format!("{NODE_PATH}{node}"), |n| {
         n["spec"]["unschedulable"] = json!(true)
@@ -404,8 +404,7 @@ async fn a_persons_cordon_survives_the_update() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_exclude_node_draining_annotation_skips_the_drain() {
-    let mut w = World::new(54).await;
-    setup(&mut w, "v1.35.1");
+    let w = started(54, "v1.35.1").await;
     let node = workload(&w, "v1.35.1", 0);
     let mut capi = w.client();
     let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "30"});
@@ -424,8 +423,7 @@ async fn the_exclude_node_draining_annotation_skips_the_drain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_past_its_timeout_fails_then_proceeds_when_told() {
-    let mut w = World::new(55).await;
-    setup(&mut w, "v1.35.1");
+    let w = started(55, "v1.35.1").await;
     let node = workload(&w, "v1.35.1", 0);
     let mut capi = w.client();
     let port = w.agent_port.to_string();
@@ -495,8 +493,7 @@ async fn a_drain_past_its_timeout_fails_then_proceeds_when_told() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_updater_continues_a_drain_half_done() {
-    let mut w = World::new(56).await;
-    setup(&mut w, "v1.35.1");
+    let mut w = started(56, "v1.35.1").await;
     let node = workload(&w, "v1.35.1", 0);
     let settings = json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "30"});
     let (machine, config) = w.put_machine("md-6", 0, "v1.35.2", files("restart\n"));
@@ -549,17 +546,9 @@ async fn a_restarted_updater_continues_a_drain_half_done() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn can_update_machine_says_a_plan_that_drains_affects_availability() {
-    let mut w = World::new(57).await;
-    setup(&mut w, "v1.35.1");
+    let w = started(57, "v1.35.1").await;
     let mut capi = w.client();
-    let mut req: Value = serde_json::from_slice(
-        &std::fs::read(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/updater/can-update-machine-request.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let mut req: Value = can_update_machine_request();
     req["settings"]["agentPort"] = json!(w.agent_port.to_string());
     let name = req["desired"]["machine"]["metadata"]["name"]
         .as_str()

@@ -48,14 +48,7 @@ async fn update_machine_repairs_a_node_that_drifted_from_the_plan_that_succeeded
     });
 
     // CanUpdateMachine says so in its message.
-    let mut req = serde_json::from_slice::<serde_json::Value>(
-        &std::fs::read(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/updater/can-update-machine-request.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let mut req = can_update_machine_request();
     req["settings"]["agentPort"] = json!(w.agent_port.to_string());
     req["desired"]["machine"]["metadata"]["name"] = json!("drift-0");
     let r = capi

@@ -345,14 +345,7 @@ async fn only_machines_being_updated_in_place_are_touched_and_unreachable_agents
 
     // CanUpdateMachine for that Machine: nothing is covered (a rollout is safe, a half-known
     // node is not).
-    let mut req = serde_json::from_slice::<Value>(
-        &std::fs::read(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/updater/can-update-machine-request.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let mut req = can_update_machine_request();
     req["desired"]["machine"]["metadata"]["name"] = json!("w-0");
     let r = capi
         .call(Hook::CanUpdateMachine, &go_json(&req))
@@ -376,14 +369,7 @@ async fn can_update_machine_asks_the_nodes_agent() {
     w.add_agent("cp-node", "v1.35.2");
     w.start_updater();
     let mut capi = w.client();
-    let mut req = serde_json::from_slice::<Value>(
-        &std::fs::read(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/fixtures/updater/can-update-machine-request.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let mut req = can_update_machine_request();
     req["settings"]["agentPort"] = json!(w.agent_port.to_string());
     let name = req["desired"]["machine"]["metadata"]["name"]
         .as_str()

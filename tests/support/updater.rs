@@ -331,6 +331,14 @@ pub fn bootstrap_spec(files: Value) -> Value {
     })
 }
 
+/// The `CanUpdateMachineRequest` of `tests/fixtures/updater/` (its settings name no agent
+/// port: the caller sets the world's).
+pub fn can_update_machine_request() -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/updater/can-update-machine-request.json");
+    serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
+}
+
 /// The UpdateMachine request CAPI's Machine controller sends for the live objects (as Go's
 /// json.Marshal writes it: compact, `<` escaped, no status).
 pub fn update_request(machine: &Value, config: Option<&Value>, settings: Value) -> Vec<u8> {

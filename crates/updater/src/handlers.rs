@@ -426,57 +426,26 @@ impl Updater {
         }
     }
 
-    /// Creates Event `n` of the wait that began at `since` on `machine`, behind the answer.
+    /// Creates Event `n` of the wait that began at `since` on `machine`, behind the answer
+    /// (named after the wait and `n`, so another replica's or a retried creation is the same
+    /// Event).
     fn unreachable_event(&self, machine: &str, since: u64, n: u64, message: String) {
-        use super::recovery::{Involved, event, event_name};
-        let (cluster, waits) = (self.cluster.clone(), self.waits.clone());
-        let (machine, instance) = (machine.to_owned(), self.recovery.instance().to_owned());
+        use super::unreachable::EVENT_REASON;
+        let (recovery, waits) = (self.recovery.clone(), self.waits.clone());
+        let machine = machine.to_owned();
         tokio::spawn(async move {
-            let (namespace, name) = machine.split_once('/').unwrap_or(("", &machine));
-            let uid = match cluster.machine(namespace, name).await {
-                Ok(Some(live)) => lookup(&live, &["metadata", "uid"])
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_owned(),
-                Ok(None) => return,
-                Err(e) => {
-                    tracing::warn!(%machine, error = %e, "event not created");
-                    return;
-                }
-            };
-            let involved = Involved {
-                api_version: super::cluster::machine_resource().api_version,
-                kind: "Machine".into(),
-                namespace: namespace.to_owned(),
-                name: name.to_owned(),
-                uid,
-            };
             let which = if n == u64::MAX {
                 "expired".to_owned()
             } else {
                 n.to_string()
             };
-            let event_name = event_name(
-                &involved,
-                &format!("{}-{since}-{which}", super::unreachable::EVENT_REASON),
-                0,
-                super::unreachable::EVENT_REASON,
-            );
-            let event = event(
-                &involved,
-                &event_name,
-                (super::unreachable::EVENT_REASON, "Warning"),
-                &bounded(&message, 1024),
-                &instance,
-                inplace_base::time::now_ms(),
-            );
-            match cluster.create_event(&event).await {
-                Ok(_) => {
-                    if n != u64::MAX {
-                        waits.emitted(&machine, n);
-                    }
-                }
-                Err(e) => tracing::warn!(%machine, error = %e, "event not created"),
+            let wait = format!("{EVENT_REASON}-{since}-{which}");
+            let what = (EVENT_REASON, "Warning");
+            let told = recovery
+                .emit(&machine, &wait, 0, what, &bounded(&message, 1024))
+                .await;
+            if told && n != u64::MAX {
+                waits.emitted(&machine, n);
             }
         });
     }

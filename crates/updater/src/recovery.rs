@@ -358,8 +358,9 @@ impl Recovery {
     }
 
     /// Creates the Event of (`reason`, plan, attempt) on `machine` (`namespace/name`);
-    /// false when the API server could not be told (logged at warn).
-    async fn emit(
+    /// false when the API server could not be told (logged at warn). The agent-unreachable
+    /// Events use it too, with the wait in place of the plan (`handlers`).
+    pub(crate) async fn emit(
         &self,
         machine: &str,
         plan_id: &str,

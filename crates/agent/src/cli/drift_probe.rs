@@ -90,7 +90,6 @@ pub async fn look_in_a_process(
             return Look::failed(run, why);
         }
     };
-    let pid = child.id();
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
         let _ = child.kill();
         let _ = child.wait();
@@ -149,10 +148,9 @@ pub async fn look_in_a_process(
                 Err(text) => format!(": {text}"),
                 Ok(_) => String::new(),
             };
-            Look::failed(
-                run,
-                format!("the check process (pid {pid}, {FLAG}) {how}{said}"),
-            )
+            // No pid in the words: the same failure on every check is one problem, logged
+            // once (`finish_drift_check`).
+            Look::failed(run, format!("the check process ({FLAG}) {how}{said}"))
         }
     }
 }

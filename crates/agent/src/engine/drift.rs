@@ -379,16 +379,19 @@ impl Engine {
     /// baseline changed since the node last matched it (metadata first, at most for an
     /// hour), the whole check. Otherwise the baseline to look at.
     pub fn begin_drift_check(&self) -> Begun {
-        let (baseline, status, generation) = {
+        let (run, status, generation) = {
             let inner = self.shared.lock();
             if inner.table.unfinished().next().is_some() {
                 return Begun::Done(CheckOutcome::Suspended);
             }
-            let Some(baseline) = inner.table.baseline().cloned() else {
+            let Some(run) = inner.table.baseline().map(|b| b.kept.run) else {
                 return Begun::Done(CheckOutcome::NoBaseline);
             };
-            let status = inner.table.by_run(baseline.kept.run).cloned();
-            (baseline, status, inner.table.next_run())
+            (
+                run,
+                inner.table.by_run(run).cloned(),
+                inner.table.next_run(),
+            )
         };
         let reference = BaselineRef {
             id: status.as_ref().map(|s| s.id.clone()).unwrap_or_default(),
@@ -397,7 +400,7 @@ impl Engine {
                 .map(|s| s.digest.clone())
                 .unwrap_or_default(),
             attempt: status.as_ref().map(|s| s.attempt).unwrap_or_default(),
-            run: baseline.kept.run,
+            run,
         };
         let clean = self
             .shared
@@ -423,6 +426,15 @@ impl Engine {
             *self.shared.clean.lock().unwrap_or_else(|p| p.into_inner()) = Some(clean);
             return Begun::Done(CheckOutcome::Checked);
         }
+        // The node must be read: the baseline (its whole plan document) is copied only now,
+        // not for every check that metadata vouches for.
+        let baseline = {
+            let inner = self.shared.lock();
+            match inner.table.baseline() {
+                Some(b) if inner.table.next_run() == generation => b.clone(),
+                _ => return Begun::Done(CheckOutcome::Suspended),
+            }
+        };
         Begun::Look(Box::new(Pending {
             baseline,
             reference,
@@ -486,7 +498,7 @@ impl Engine {
             }
             Err(problem) => {
                 if state.problem.as_ref() != Some(&problem) {
-                    tracing::warn!(run = reference.run, "cannot check drift: {problem}");
+                    tracing::warn!(plan = %reference.id, run = reference.run, "cannot check drift against plan {}: {problem}", reference.id);
                 }
                 state.problem = Some(problem);
                 state.baseline = Some(reference);
