@@ -50,6 +50,7 @@ pub(crate) mod cluster;
 pub mod deadlines;
 pub(crate) mod demo;
 pub mod drain;
+pub mod edge;
 pub(crate) mod drift;
 pub mod emulate;
 pub(crate) mod errors;
