@@ -172,6 +172,12 @@ fn config(i: usize) -> Value {
     })
 }
 
+/// The ExtensionConfig's settings, which every request carries.
+fn request_settings(port: u16) -> Value {
+    // No workload cluster here: the drain (one CheckPlan more per new plan) is off.
+    json!({"agentPort": port.to_string(), "drain": "Never"})
+}
+
 fn request(i: usize, port: u16) -> Vec<u8> {
     let mut m = machine(i);
     if let Some(o) = m.as_object_mut() {
@@ -179,8 +185,7 @@ fn request(i: usize, port: u16) -> Vec<u8> {
     }
     serde_json::to_vec(&json!({
         "kind": "UpdateMachineRequest", "apiVersion": "hooks.runtime.cluster.x-k8s.io/v1alpha1",
-        // No workload cluster here: the drain (one CheckPlan more per new plan) is off.
-        "settings": {"agentPort": port.to_string(), "drain": "Never"},
+        "settings": request_settings(port),
         "desired": {"machine": m, "bootstrapConfig": config(i)},
     }))
     .unwrap_or_default()
@@ -501,6 +506,12 @@ fn main() -> Result<(), Error> {
             api.put(machine(i));
             api.put(config(i));
         }
+        // The administrator's registration: the requests carry its settings.
+        api.put(inplace_updater::standin::extension_config(
+            "inplace-updater",
+            request_settings(port),
+            serde_json::Value::Null,
+        ));
         let kubeconfig = dir.join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;

@@ -170,7 +170,7 @@ fn can_update_machine_set_answers_with_template_patches_that_cover_the_diff() {
     let req = HookRequest::parse(Hook::CanUpdateMachineSet, &body).unwrap();
     let answer = can_update_machine_set(
         &req,
-        &Settings::from_request(&req.settings, &Defaults::default()).unwrap(),
+        &Settings::from_extension_config(&req.settings, &Defaults::default()).unwrap(),
     )
     .unwrap();
     let resp = &answer.json();
@@ -501,7 +501,7 @@ fn secrets_and_every_encoding_reach_the_node_as_the_same_bytes() {
 fn the_repository_switch_comes_from_the_template() {
     let machine =
         json!({"metadata": {"name": "m", "namespace": "default"}, "spec": {"version": "v1.36.1"}});
-    let settings = Settings::from_request(
+    let settings = Settings::from_extension_config(
         json!({
             "packageRepositoryPath": "/etc/apt/sources.list.d/kubernetes.list",
             "packageRepositoryTemplate": "deb [signed-by=/etc/apt/keyrings/kubernetes-apt-keyring.gpg] https://pkgs.k8s.io/core:/stable:/{minor}/deb/ /",

@@ -243,8 +243,17 @@ impl World {
         addr
     }
 
-    pub fn client(&self) -> CapiClient {
+    /// A client as an unauthenticated caller is: it does not touch the ExtensionConfig, so
+    /// the settings of its requests must be the registered ones or be refused.
+    pub fn raw_client(&self) -> CapiClient {
         CapiClient::new(self.updater_addr.unwrap(), SERVICE_HOST, &self.pki.ca()).unwrap()
+    }
+
+    /// A client as Cluster API is: the ExtensionConfig carries each request's settings.
+    pub fn client(&self) -> CapiClient {
+        CapiClient::new(self.updater_addr.unwrap(), SERVICE_HOST, &self.pki.ca())
+            .unwrap()
+            .registering_in(&self.api)
     }
 
     pub fn updater_log(&self) -> String {

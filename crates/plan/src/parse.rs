@@ -363,7 +363,8 @@ fn distance(a: &str, b: &str) -> usize {
     prev[b.len()]
 }
 
-fn suggestion(key: &str, allowed: &[&str]) -> String {
+/// ` (did you mean "x"?)` when `key` is within two edits of one of `allowed`, else empty.
+pub fn suggestion(key: &str, allowed: &[&str]) -> String {
     let lower = key.to_ascii_lowercase().replace(['_', '-'], "");
     allowed
         .iter()

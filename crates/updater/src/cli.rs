@@ -82,6 +82,12 @@ struct ServeArgs {
     /// kubeconfig of the management cluster (default: in-cluster configuration)
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// The ExtensionConfig that registers this updater, whose settings govern every call
+    /// about an object in a namespace it selects (repeat for several); a request whose
+    /// settings are not those of one of them is refused
+    #[arg(long = "extension-config", value_name = "NAME",
+          default_value = super::edge::extension_config::DEFAULT_NAME)]
+    extension_configs: Vec<String>,
     /// Log format
     #[arg(long, value_enum, default_value = "plain")]
     log_format: LogFormat,
@@ -238,6 +244,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             ),
             args.agent_port,
             args.kubeconfig.as_deref(),
+            args.extension_configs.clone(),
         )
         .await?;
         let limits = ConnectionLimits {
@@ -246,6 +253,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         };
         let server = Server::start(args.listen, tls, updater, limits).await?;
         tracing::info!(
+            extension_configs = %args.extension_configs.join(","),
             "inplace-updater {} listening on {}",
             env!("CARGO_PKG_VERSION"),
             server.addr

@@ -44,6 +44,29 @@ pub fn kubeadm_config_resource() -> ApiResource {
     }
 }
 
+/// `cluster.x-k8s.io/v1beta2` MachineSet.
+pub fn machine_set_resource() -> ApiResource {
+    ApiResource {
+        group: "cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "cluster.x-k8s.io/v1beta2".into(),
+        kind: "MachineSet".into(),
+        plural: "machinesets".into(),
+    }
+}
+
+/// `runtime.cluster.x-k8s.io/v1beta2` ExtensionConfig (cluster-scoped): where the operator
+/// registers the updater and writes its settings.
+pub fn extension_config_resource() -> ApiResource {
+    ApiResource {
+        group: "runtime.cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "runtime.cluster.x-k8s.io/v1beta2".into(),
+        kind: "ExtensionConfig".into(),
+        plural: "extensionconfigs".into(),
+    }
+}
+
 /// `v1` Event (the core API's, which `kubectl describe` lists).
 pub fn event_resource() -> ApiResource {
     ApiResource {
@@ -135,6 +158,49 @@ impl Cluster {
     ) -> Result<Option<Value>, ClusterError> {
         self.get_dynamic(&machine_resource(), "Machine", namespace, name)
             .await
+    }
+
+    /// The live MachineSet, or `None` when it does not exist.
+    pub async fn machine_set(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Value>, ClusterError> {
+        self.get_dynamic(&machine_set_resource(), "MachineSet", namespace, name)
+            .await
+    }
+
+    /// The ExtensionConfig `name` (cluster-scoped), or `None` when it does not exist.
+    pub async fn extension_config(&self, name: &str) -> Result<Option<Value>, ClusterError> {
+        let api: Api<DynamicObject> =
+            Api::all_with(self.client.clone(), &extension_config_resource());
+        let err = |detail: String| ClusterError {
+            op: "get",
+            what: "ExtensionConfig",
+            namespace: String::new(),
+            name: name.to_owned(),
+            detail,
+        };
+        let object = api.get_opt(name).await.map_err(|e| err(e.to_string()))?;
+        object
+            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
+            .transpose()
+    }
+
+    /// The labels of Namespace `name`, or `None` when it does not exist.
+    pub async fn namespace_labels(
+        &self,
+        name: &str,
+    ) -> Result<Option<BTreeMap<String, String>>, ClusterError> {
+        let api: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
+        let object = api.get_opt(name).await.map_err(|e| ClusterError {
+            op: "get",
+            what: "Namespace",
+            namespace: String::new(),
+            name: name.to_owned(),
+            detail: e.to_string(),
+        })?;
+        Ok(object.map(|n| n.metadata.labels.unwrap_or_default()))
     }
 
     /// The Machines of `namespace` with the labels of `selector` (`k=v,k=v`): the Machines

@@ -266,8 +266,16 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         super::agent::paths(pki.ca(), client.cert.clone(), client.key.clone()),
         port,
         Some(&kubeconfig),
+        vec![super::edge::extension_config::DEFAULT_NAME.to_owned()],
     )
     .await?;
+    // The operator registers the updater; its settings are every request's (a request whose
+    // settings differ is refused).
+    api.put(super::standin::extension_config(
+        super::edge::extension_config::DEFAULT_NAME,
+        serde_json::json!({"agentPort": port.to_string()}),
+        serde_json::Value::Null,
+    ));
     let server = super::server::Server::start(
         "127.0.0.1:0".parse()?,
         tls,

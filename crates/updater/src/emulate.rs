@@ -139,6 +139,7 @@ pub struct CapiClient {
     conn: Option<(TlsStream<TcpStream>, Instant)>,
     idle_timeout: Duration,
     connections: usize,
+    registry: Option<super::standin::ApiStandin>,
 }
 
 impl CapiClient {
@@ -178,6 +179,7 @@ impl CapiClient {
             conn: None,
             idle_timeout: GO_CLIENT_IDLE,
             connections: 0,
+            registry: None,
         })
     }
 
@@ -185,6 +187,16 @@ impl CapiClient {
     /// `IdleConnTimeout`).
     pub fn with_idle_timeout(mut self, idle: Duration) -> CapiClient {
         self.idle_timeout = idle;
+        self
+    }
+
+    /// The same client with the updater's ExtensionConfig in `api`: before each hook call,
+    /// the ExtensionConfig [`DEFAULT_NAME`](super::edge::extension_config::DEFAULT_NAME)
+    /// (every namespace) is given the request's `settings`, as if an administrator had set
+    /// them and Cluster API sent them, so a test that is not about settings names them in its
+    /// request alone. A test about forged settings uses a client without it.
+    pub fn registering_in(mut self, api: &super::standin::ApiStandin) -> CapiClient {
+        self.registry = Some(api.clone());
         self
     }
 
@@ -232,6 +244,19 @@ impl CapiClient {
 
     /// Calls `hook` with `body` (what `json.Marshal` of the request produced).
     pub async fn call(&mut self, hook: Hook, body: &[u8]) -> anyhow::Result<HttpResponse> {
+        if let Some(api) = &self.registry
+            && hook != Hook::Discovery
+        {
+            let settings = serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("settings").cloned())
+                .unwrap_or_else(|| serde_json::json!({}));
+            api.put(super::standin::extension_config(
+                super::edge::extension_config::DEFAULT_NAME,
+                settings,
+                serde_json::Value::Null,
+            ));
+        }
         let path = format!("{}?timeout=10s", hook.path());
         self.request("POST", &path, body).await
     }

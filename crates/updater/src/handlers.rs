@@ -28,6 +28,7 @@ use serde_json::Value;
 use super::agent::{AgentError, Agents};
 use super::bootstrap_data;
 use super::cluster::Cluster;
+use super::edge::extension_config::{Effective, ExtensionConfigs, Refused};
 use super::hooks::{
     CanUpdateMachineResponse, CanUpdateMachineSetResponse, FailureResponse, HOOKS_API_VERSION,
     Hook, HookRequest, Object, PENDING_HOOKS_ANNOTATION, Patch, RequestError, Status,
@@ -37,7 +38,7 @@ use super::metrics::Metrics;
 use super::patch::{Coverage, cover_kubeadm, cover_machine, spec_patch};
 use super::progress::{Fingerprint, Follow, Heard, PlanRef, Plans, follow};
 use super::recovery::{Recovery, Wish};
-use super::settings::{Defaults, Settings};
+use super::settings::Settings;
 use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate_removing, write_canonical,
 };
@@ -90,8 +91,9 @@ pub struct Answer {
 
 /// The updater: configuration, the cluster and the agents.
 pub struct Updater {
-    /// Defaults from the flags.
-    pub defaults: Defaults,
+    /// The operator's ExtensionConfigs: every call's effective settings
+    /// ([`super::edge::extension_config`]).
+    pub extension_configs: Arc<ExtensionConfigs>,
     /// The management cluster.
     pub cluster: Cluster,
     /// The agents.
@@ -213,7 +215,7 @@ impl Updater {
         let Ok(request) = HookRequest::parse(Hook::UpdateMachine, &value) else {
             return false;
         };
-        let Ok(settings) = Settings::from_request(&request.settings, &self.defaults) else {
+        let Ok(settings) = self.effective(Hook::UpdateMachine, &request).await else {
             return false;
         };
         matches!(
@@ -260,9 +262,12 @@ impl Updater {
             )
             .map(|o| key_of(&o))
             .unwrap_or_default();
-        let settings = match Settings::from_request(&request.settings, &self.defaults) {
+        let settings = match self.effective(hook, &request).await {
             Ok(s) => s,
-            Err(e) => return self.failure(hook, &object, Failure::from(e).0),
+            Err(Refused(message)) => {
+                tracing::warn!(hook = hook.path(), object = %object, reason = %message, "request refused: its settings are not its ExtensionConfig's");
+                return self.failure(hook, &object, message);
+            }
         };
         let result = match hook {
             Hook::CanUpdateMachine => self.can_update_machine(&request, &settings).await,
@@ -282,6 +287,26 @@ impl Updater {
             }
             Err(Failure(message)) => self.failure(hook, &object, message),
         }
+    }
+
+    /// The effective settings of `request`: its ExtensionConfig's, for the namespace of the
+    /// object it is about ([`super::edge::extension_config`]).
+    pub(crate) async fn effective(
+        &self,
+        hook: Hook,
+        request: &HookRequest,
+    ) -> Result<Effective, Refused> {
+        let which = if hook == Hook::CanUpdateMachineSet {
+            "machineSet"
+        } else {
+            "machine"
+        };
+        let object = request
+            .object("desired", which)
+            .map_err(|e| Refused(Failure::from(e).0))?;
+        self.extension_configs
+            .effective(&self.cluster, object.namespace(), &request.settings)
+            .await
     }
 
     /// After a call was answered: a failed plan's `UpdateMachine` Failure becomes an Event.
@@ -346,23 +371,23 @@ impl Updater {
     async fn watch_unreachable(
         &self,
         request: &HookRequest,
-        settings: &Settings,
+        settings: &Effective,
         answer: Answer,
     ) -> Result<Answer, Failure> {
-        use super::unreachable::{expired_message, format_since, judge, parse_since};
+        use super::unreachable::{
+            expired_message, format_since, judge, live_since, since_value, spec_digest,
+        };
         let Ok(desired) = request.object("desired", "machine") else {
             return Ok(answer);
         };
         let key = key_of(&desired);
         let (namespace, name) = (desired.namespace().to_owned(), desired.name().to_owned());
-        let since_of = |machine: &Value| {
-            lookup(machine, &["metadata", "annotations", SINCE_ANNOTATION])
-                .and_then(Value::as_str)
-                .and_then(parse_since)
-        };
-        let in_request = since_of(&desired.value);
+        let now = inplace_base::time::now_ms();
+        // Never the request's annotations: what the live Machine said when this call read it.
+        let seen = self.waits.take_seen(&key);
+        let in_live = seen.as_ref().and_then(|(since, _)| *since);
         let Some(error) = answer.unreachable.clone() else {
-            if self.waits.answered(&key) || in_request.is_some() {
+            if self.waits.answered(&key) || in_live.is_some() {
                 tracing::info!(machine = %key, "the agent answers again");
                 let cluster = self.cluster.clone();
                 tokio::spawn(async move {
@@ -376,15 +401,21 @@ impl Updater {
             }
             return Ok(answer);
         };
-        let now = inplace_base::time::now_ms();
-        let since = match in_request.or_else(|| self.waits.since(&key)) {
+        let since = match in_live.or_else(|| self.waits.since(&key)) {
             Some(since) => since,
-            // The first miss as far as this request and replica know: the live Machine
-            // may say otherwise (a request built before the annotation, another replica).
+            // The first miss as far as this replica knows: the live Machine may say otherwise
+            // (another replica, or a restart), for this very update.
             None => match self.cluster.machine(&namespace, &name).await {
-                Ok(Some(live)) if since_of(&live).is_some() => since_of(&live).unwrap_or(now),
-                _ => {
-                    let at = format_since(now);
+                Ok(Some(live)) if live_since(&live, now).is_some() => {
+                    live_since(&live, now).unwrap_or(now)
+                }
+                read => {
+                    let spec = match (&read, seen) {
+                        (Ok(Some(live)), _) => spec_digest(live),
+                        (_, Some((_, spec))) => spec,
+                        _ => spec_digest(&Value::Null),
+                    };
+                    let at = since_value(now, &spec);
                     if let Err(e) = self
                         .cluster
                         .annotate_machine(&namespace, &name, SINCE_ANNOTATION, &at)
@@ -457,7 +488,7 @@ impl Updater {
     async fn can_update_machine_set(
         self: &Arc<Self>,
         request: &HookRequest,
-        settings: &Settings,
+        settings: &Effective,
     ) -> Result<Answer, Failure> {
         if settings.disable_in_place {
             return can_update_machine_set(request, settings);
@@ -522,9 +553,18 @@ impl Updater {
         settings: &Settings,
     ) -> Result<Vec<(String, NodeFacts)>, String> {
         let key = key_of(set);
-        // Cluster API's MachineSets always have a selector; a request without one names no
-        // Machines (answered with what a current agent can do, as for an empty set).
-        let Some(labels) = lookup(&set.value, &["spec", "selector", "matchLabels"])
+        // The MachineSet as it is, in the request's namespace: the request only names it (a
+        // caller could send any selector and learn of any Machine).
+        let live = self
+            .cluster
+            .machine_set(set.namespace(), set.name())
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("MachineSet {key} does not exist in the management cluster"))?;
+        let uid = lookup(&live, &["metadata", "uid"]).and_then(Value::as_str);
+        // Cluster API's MachineSets always have a selector; one without names no Machines
+        // (answered with what a current agent can do, as for an empty set).
+        let Some(labels) = lookup(&live, &["spec", "selector", "matchLabels"])
             .and_then(Value::as_object)
             .filter(|m| !m.is_empty())
         else {
@@ -541,15 +581,19 @@ impl Updater {
             .machines(set.namespace(), &selector)
             .await
             .map_err(|e| e.to_string())?;
-        // Owned by this MachineSet (CAPI's MachineSet controller adopts by selector and
-        // sets itself as the controller).
+        // Owned by this very MachineSet (CAPI's MachineSet controller adopts by selector and
+        // sets itself as the controller): a Machine that only carries its labels is not asked
+        // about, and not named.
         let owned = machines.into_iter().filter(|m| {
             lookup(m, &["metadata", "ownerReferences"])
                 .and_then(Value::as_array)
-                .is_none_or(|refs| {
+                .is_some_and(|refs| {
                     refs.iter().any(|r| {
                         r.get("kind").and_then(Value::as_str) == Some("MachineSet")
                             && r.get("name").and_then(Value::as_str) == Some(set.name())
+                            && (uid.is_none()
+                                || r.get("uid").and_then(Value::as_str).is_none()
+                                || r.get("uid").and_then(Value::as_str) == uid)
                     })
                 })
         });
@@ -657,7 +701,7 @@ impl Updater {
     async fn can_update_machine(
         &self,
         request: &HookRequest,
-        settings: &Settings,
+        settings: &Effective,
     ) -> Result<Answer, Failure> {
         let current = request.object("current", "machine")?;
         current.expect("Machine", "cluster.x-k8s.io")?;
@@ -700,6 +744,20 @@ impl Updater {
         }
         if current_b.is_some() != desired_b.is_some() {
             return not_covered("only one side has a bootstrap config".into());
+        }
+        // Everything a call reads is in the Machine's own namespace (the Secrets its files
+        // name included): a bootstrap config of another namespace is not this Machine's.
+        if let Some(b) = [&current_b, &desired_b]
+            .into_iter()
+            .flatten()
+            .find(|b| b.namespace() != desired.namespace())
+        {
+            return Err(Failure(format!(
+                "bad request: {}.metadata.namespace: is {:?}, not the Machine's namespace {:?}; nothing was read",
+                b.field,
+                b.namespace(),
+                desired.namespace()
+            )));
         }
         let key = key_of(&desired);
         let live = match self.live_machine(&desired).await {
@@ -803,7 +861,7 @@ impl Updater {
     async fn update_machine(
         self: &Arc<Self>,
         request: &HookRequest,
-        settings: &Settings,
+        settings: &Effective,
         fingerprint: &Fingerprint,
     ) -> Result<(Answer, bool), Failure> {
         let began = std::time::Instant::now();
@@ -829,7 +887,15 @@ impl Updater {
             }
         });
         let live = live?;
-        let wish = self.recovery.read_live(&key, &live);
+        self.waits.saw_live(
+            &key,
+            super::unreachable::live_since(&live, inplace_base::time::now_ms()),
+            super::unreachable::spec_digest(&live),
+        );
+        let wish = self
+            .recovery
+            .read_live(&key, &live)
+            .map(|w| w.at_most_every(settings.retry_min_interval));
         let annotations = lookup(&live, &["metadata", "annotations"]);
         let annotation = |k: &str| annotations.and_then(|a| a.get(k)).and_then(Value::as_str);
         let pending = annotation(PENDING_HOOKS_ANNOTATION)

@@ -72,6 +72,9 @@ pub struct Retried {
     pub from_attempt: u32,
     /// The value of [`RETRY_ANNOTATION`] that asked for it.
     pub value: String,
+    /// When it was acted on (Unix seconds; absent in records written before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<u64>,
 }
 
 /// What the live Machine asks: the value of its [`RETRY_ANNOTATION`], and the retry acted
@@ -86,6 +89,8 @@ pub struct Wish {
     pub value: String,
     /// [`RETRIED_ANNOTATION`], when present and readable.
     pub done: Option<Retried>,
+    /// The least time between two retries (`settings.retryMinIntervalSeconds`).
+    pub min_interval: std::time::Duration,
 }
 
 impl Wish {
@@ -107,7 +112,22 @@ impl Wish {
                 .get(RETRIED_ANNOTATION)
                 .and_then(Value::as_str)
                 .and_then(|s| serde_json::from_str(s).ok()),
+            min_interval: std::time::Duration::ZERO,
         })
+    }
+
+    /// The same wish, held to at least `min_interval` between two retries.
+    pub fn at_most_every(mut self, min_interval: std::time::Duration) -> Wish {
+        self.min_interval = min_interval;
+        self
+    }
+
+    /// How long a new retry must still wait at `now_s` (Unix seconds): the time left of
+    /// [`Wish::min_interval`] since the last retry acted on; `None` when it may start.
+    pub fn too_soon(&self, now_s: u64) -> Option<u64> {
+        let last = self.done.as_ref()?.at?;
+        let left = (last + self.min_interval.as_secs()).saturating_sub(now_s);
+        (left > 0).then_some(left)
     }
 }
 
@@ -432,11 +452,20 @@ impl Recovery {
         let Decision::Retry { record } = decide(wish, &plan.id, &heard) else {
             return status;
         };
+        let now_s = inplace_base::time::now_ms() / 1000;
+        if record && let Some(left) = wish.too_soon(now_s) {
+            // Anyone who may patch the Machine could otherwise rerun its plan (a reboot, a
+            // drain) as fast as they can write an annotation.
+            tracing::warn!(%machine, plan = %plan.id, wait_seconds = left,
+                "retry asked again within settings.retryMinIntervalSeconds of the last one; not yet");
+            return status;
+        }
         if record {
             let retried = Retried {
                 plan: plan.id.clone(),
                 from_attempt: heard.attempt,
                 value: wish.value.clone(),
+                at: Some(now_s),
             };
             let text = serde_json::to_string(&retried).unwrap_or_default();
             if let Err(e) = self
@@ -511,8 +540,26 @@ mod tests {
                 plan: plan.into(),
                 from_attempt,
                 value: value.into(),
+                at: None,
             }),
+            min_interval: std::time::Duration::ZERO,
         }
+    }
+
+    #[test]
+    fn a_retry_waits_out_the_minimum_interval_since_the_last_one() {
+        let mut w =
+            wish("2", Some(("p", 1, "1"))).at_most_every(std::time::Duration::from_secs(300));
+        assert_eq!(
+            w.too_soon(1_000),
+            None,
+            "a record without a time does not hold it back"
+        );
+        w.done.as_mut().unwrap().at = Some(1_000);
+        assert_eq!(w.too_soon(1_010), Some(290));
+        assert_eq!(w.too_soon(1_300), None);
+        let w = w.at_most_every(std::time::Duration::ZERO);
+        assert_eq!(w.too_soon(1_001), None, "0: no minimum");
     }
 
     #[test]
@@ -574,6 +621,7 @@ mod tests {
             plan: "ns/m@abc".into(),
             from_attempt: 3,
             value: "a \"b\"".into(),
+            at: Some(1_765_000_000),
         };
         let text = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<Retried>(&text).unwrap(), r);

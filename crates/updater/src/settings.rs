@@ -1,6 +1,7 @@
-//! The ExtensionConfig's `settings`, validated once per request and layered over the
-//! updater's flags (a setting wins over its flag). docs/updater.md lists every key; a test
-//! keeps the two in step ([`KEYS`]).
+//! The ExtensionConfig's `settings`, validated when the ExtensionConfig is read
+//! ([`crate::edge::extension_config`]: a request's own `settings` only point at them) and
+//! layered over the updater's flags (a setting wins over its flag). docs/updater.md lists
+//! every key; a test keeps the two in step ([`KEYS`]).
 
 use serde_json::{Map, Value};
 
@@ -76,6 +77,11 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "onDrainTimeout",
         "Fail or Proceed when the drain timed out (default Fail)",
+    ),
+    (
+        "retryMinIntervalSeconds",
+        "the least time between two retries of a Machine's failed plan asked by the retry \
+         annotation (default 300; 0: none)",
     ),
 ];
 
@@ -171,6 +177,8 @@ pub struct Settings {
     pub drain_timeout_seconds: u32,
     /// What a timed-out drain does.
     pub on_drain_timeout: OnTimeout,
+    /// The least time between two retries of a failed plan (the retry annotation).
+    pub retry_min_interval: std::time::Duration,
 }
 
 impl Settings {
@@ -192,15 +200,28 @@ impl Settings {
             drain_on_restart_of: vec!["containerd".into()],
             drain_timeout_seconds: 0,
             on_drain_timeout: OnTimeout::Fail,
+            retry_min_interval: std::time::Duration::from_secs(300),
         }
     }
 
-    /// Reads a request's `settings` over `defaults`; errors name `settings.<key>`. Unknown keys
-    /// are ignored (an ExtensionConfig may carry settings for other purposes).
-    pub fn from_request(
+    /// Reads an ExtensionConfig's `spec.settings` over `defaults`; errors name
+    /// `settings.<key>`, and a key the updater does not know is an error with a did-you-mean
+    /// (a misspelt `agentCa` would otherwise fall back to the default without a word).
+    pub fn from_extension_config(
         settings: &Map<String, Value>,
         defaults: &Defaults,
     ) -> Result<Settings, RequestError> {
+        let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+        if let Some(key) = settings.keys().find(|k| !known.contains(&k.as_str())) {
+            return Err(RequestError::new(
+                format!("settings.{key}"),
+                format!(
+                    "is not a setting of inplace-updater{}; the settings are: {}",
+                    inplace_plan::parse::suggestion(key, &known),
+                    known.join(", ")
+                ),
+            ));
+        }
         let mut s = Settings::defaults(defaults);
         let get = |key: &str| settings.get(key).and_then(Value::as_str);
         let bad =
@@ -327,6 +348,9 @@ impl Settings {
                 }
             };
         }
+        if let Some(n) = seconds("retryMinIntervalSeconds", 7 * 86400)? {
+            s.retry_min_interval = std::time::Duration::from_secs(n.into());
+        }
         s.read_drain(settings, seconds("drainTimeoutSeconds", 30 * 86400)?)?;
         Ok(s)
     }
@@ -380,13 +404,19 @@ mod tests {
     use serde_json::json;
 
     fn parse(v: Value) -> Result<Settings, RequestError> {
-        Settings::from_request(v.as_object().unwrap(), &Defaults::default())
+        Settings::from_extension_config(v.as_object().unwrap(), &Defaults::default())
     }
 
     #[test]
     fn settings_win_over_flags_and_errors_name_the_key() {
-        let s = parse(json!({"agentPort": "8443", "otherExtension": "true"})).unwrap();
+        let s = parse(json!({"agentPort": "8443"})).unwrap();
         assert_eq!(s.agent_port, 8443);
+        let unknown = parse(json!({"agentCa": "ClusterSecret"})).unwrap_err();
+        assert_eq!(unknown.field, "settings.agentCa");
+        assert!(
+            unknown.message.contains("did you mean \"agentCA\"?"),
+            "{unknown}"
+        );
         assert_eq!(parse(json!({})).unwrap().agent_port, 9443);
         assert_eq!(
             parse(json!({"agentPort": "x"})).unwrap_err().field,

@@ -7,6 +7,7 @@ use anyhow::Context as _;
 
 use super::agent::Agents;
 use super::cluster::Cluster;
+use super::edge::extension_config::ExtensionConfigs;
 use super::handlers::Updater;
 use super::metrics::Metrics;
 use super::progress::Plans;
@@ -21,6 +22,7 @@ pub async fn build(
     agent_paths: inplace_api::tls::ClientTlsPaths,
     agent_port: u16,
     kubeconfig: Option<&std::path::Path>,
+    extension_configs: Vec<String>,
 ) -> anyhow::Result<(Arc<Updater>, Arc<ServingTls>)> {
     let agents = Arc::new(Agents::new(agent_paths).context("agent client certificate")?);
     let cluster = Cluster::connect(kubeconfig).await?;
@@ -37,7 +39,10 @@ pub async fn build(
                 .unwrap_or(0)
         }));
         Updater {
-            defaults: Defaults { agent_port },
+            extension_configs: Arc::new(ExtensionConfigs::new(
+                extension_configs,
+                Defaults { agent_port },
+            )),
             cluster,
             agents,
             plans: Arc::new(Plans::new()),

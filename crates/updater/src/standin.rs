@@ -47,11 +47,11 @@ pub struct ApiStandin {
     store: Arc<Mutex<Store>>,
 }
 
-/// Kinds without a namespace (the stand-in serves these two).
-const CLUSTER_SCOPED: [&str; 2] = ["Node", "Namespace"];
+/// Kinds without a namespace (the stand-in serves these three).
+const CLUSTER_SCOPED: [&str; 3] = ["Node", "Namespace", "ExtensionConfig"];
 
 /// Their plurals.
-const CLUSTER_SCOPED_PLURALS: [&str; 2] = ["nodes", "namespaces"];
+const CLUSTER_SCOPED_PLURALS: [&str; 3] = ["nodes", "namespaces", "extensionconfigs"];
 
 /// Plurals the stand-in lists (the drain's, and Machines for `CanUpdateMachineSet`; Secrets
 /// and everything else are never listed).
@@ -72,7 +72,12 @@ pub fn object_path(object: &Value) -> Option<String> {
     let name = meta.get("name")?.as_str()?;
     let plural = format!("{}s", kind.to_ascii_lowercase());
     if CLUSTER_SCOPED.contains(&kind) {
-        return Some(format!("/api/{api_version}/{plural}/{name}"));
+        let api = if api_version.contains('/') {
+            "apis"
+        } else {
+            "api"
+        };
+        return Some(format!("/{api}/{api_version}/{plural}/{name}"));
     }
     let ns = meta.get("namespace")?.as_str()?;
     Some(if api_version.contains('/') {
@@ -669,4 +674,22 @@ pub fn pdb(namespace: &str, name: &str, match_labels: Value, allowed: i64) -> Va
 /// A Namespace with labels.
 pub fn namespace(name: &str, labels: Value) -> Value {
     json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
+}
+
+/// An ExtensionConfig of the updater (cluster-scoped) with these `settings` (strings) and
+/// `spec.namespaceSelector` (`null`: every namespace), as an administrator registers it.
+pub fn extension_config(name: &str, settings: Value, namespace_selector: Value) -> Value {
+    let mut spec = serde_json::json!({
+        "clientConfig": {"service": {"name": "inplace-updater", "namespace": "inplace-system", "port": 443}},
+        "settings": settings,
+    });
+    if !namespace_selector.is_null() {
+        spec["namespaceSelector"] = namespace_selector;
+    }
+    serde_json::json!({
+        "apiVersion": "runtime.cluster.x-k8s.io/v1beta2",
+        "kind": "ExtensionConfig",
+        "metadata": {"name": name},
+        "spec": spec,
+    })
 }

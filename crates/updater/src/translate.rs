@@ -182,12 +182,20 @@ pub struct Translation {
 /// Machine, InfraMachine and BootstrapConfig, each in canonical JSON (keys sorted), so the
 /// key order CAPI happened to marshal does not matter.
 pub fn plan_id(desired: &Desired<'_>) -> String {
-    plan_id_removing(desired, &[])
+    plan_id_removing(desired, &[], None)
 }
 
 /// [`plan_id`] of a plan that also removes `removed` (files the bootstrap data wrote); the
 /// same as [`plan_id`] when there are none, so plans from before such removals keep their id.
-fn plan_id_removing(desired: &Desired<'_>, removed: &[String]) -> String {
+///
+/// The settings that shape the plan enter it too when they are not the defaults (so the id
+/// of a plan under default settings stays what it was): the same specs under other
+/// settings are another plan, never a variant of the same id.
+fn plan_id_removing(
+    desired: &Desired<'_>,
+    removed: &[String],
+    settings: Option<&Settings>,
+) -> String {
     let spec = |v: Option<&Value>| {
         v.and_then(|v| v.get("spec"))
             .cloned()
@@ -200,6 +208,12 @@ fn plan_id_removing(desired: &Desired<'_>, removed: &[String]) -> String {
     });
     if !removed.is_empty() {
         specs["bootstrapRemovals"] = json!(removed);
+    }
+    if let Some(shaping) = settings
+        .map(plan_shaping)
+        .filter(|s| *s != plan_shaping(&Settings::defaults(&Default::default())))
+    {
+        specs["settings"] = shaping;
     }
     let mut canonical = String::new();
     write_canonical(&specs, &mut canonical);
@@ -214,6 +228,18 @@ fn plan_id_removing(desired: &Desired<'_>, removed: &[String]) -> String {
             .to_owned()
     };
     format!("{}/{}@{}", meta("namespace"), meta("name"), &hash[..12])
+}
+
+/// The settings that shape a plan's document (not the port or the drain, which are the
+/// updater's own business), as JSON.
+fn plan_shaping(s: &Settings) -> Value {
+    json!({
+        "kubernetesPackages": s.kubernetes_packages,
+        "packageRepository": s.repository,
+        "kubeletHealthzURL": s.kubelet_healthz_url,
+        "gateTimeoutSeconds": s.gate_timeout_seconds,
+        "planTimeoutSeconds": s.plan_timeout_seconds,
+    })
 }
 
 /// JSON with object keys sorted at every level, no whitespace.
@@ -416,7 +442,7 @@ pub fn translate_removing(
             .iter()
             .map(|_| "machine.spec.bootstrap.dataSecretName".to_owned()),
     );
-    let id = plan_id_removing(desired, &removed);
+    let id = plan_id_removing(desired, &removed, Some(settings));
 
     let mut options = Map::new();
     options.insert("rollbackOnFailure".into(), json!(true));
@@ -524,6 +550,7 @@ fn file_change(
         (Some(content), _) => content.as_bytes().to_vec(),
         (None, _) => Vec::new(),
     };
+    let from_secret = f.get("contentFrom").is_some_and(|v| !v.is_null());
     // The plan carries text: bytes that are not the text of an encoding travel as base64.
     let (content, encoding) = match s("encoding").unwrap_or("") {
         "" => (BASE64.encode(&bytes), "base64"),
@@ -537,6 +564,18 @@ fn file_change(
             ));
         }
     };
+    // A Secret's bytes said to be base64 are checked here, so that no later error (the plan's
+    // validation, the agent's check) describes them: which byte, at which offset.
+    if from_secret
+        && encoding.ends_with("base64")
+        && inplace_plan::parse::decode_content(&content, inplace_plan::Encoding::Base64, 0).is_err()
+    {
+        return Err(terr(
+            format!("{field}.contentFrom.secret"),
+            "the Secret's value is not base64 text, as the file's encoding says (its content is \
+             not shown)",
+        ));
+    }
     let mut out = Map::new();
     out.insert("path".into(), json!(path));
     out.insert("content".into(), json!(content));
@@ -562,7 +601,7 @@ fn text(bytes: Vec<u8>, field: &str) -> Result<String, TranslateError> {
     String::from_utf8(bytes).map_err(|_| {
         terr(
             format!("{field}.content"),
-            "is not the base64 text its encoding says",
+            "is not the base64 text its encoding says (its content is not shown)",
         )
     })
 }
@@ -738,7 +777,11 @@ mod tests {
         assert_eq!(kinds.iter().filter(|k| k.starts_with("absent")).count(), 1);
         // The id is the plain one without removals, and another with them.
         let plain = translate(&desired, &settings, &node, &NoSecrets).unwrap();
-        assert_eq!(plain.id, plan_id(&desired));
+        assert_ne!(
+            plain.id,
+            plan_id(&desired),
+            "settings that shape the plan are in its id"
+        );
         assert_ne!(t.id, plain.id);
         let none: Vec<String> = vec!["/etc/kubernetes/a".into()];
         let kept = translate_removing(&desired, &settings, &node, &NoSecrets, &none).unwrap();

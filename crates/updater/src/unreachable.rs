@@ -9,7 +9,10 @@
 //! When the wait began is kept on the Machine, in the annotation [`SINCE_ANNOTATION`]
 //! (written once, at the first miss; removed when the agent answers again): a restarted
 //! updater, or another replica, counts the deadline from the same moment
-//! (docs/decisions/0012-fleet-trust-and-dead-agents.md).
+//! (docs/decisions/0012-fleet-trust-and-dead-agents.md). It is read from the live Machine
+//! only, never from a hook request, and it counts only for the update it was written in:
+//! its value names the Machine's spec then ([`since_value`]), so a wait of an earlier update,
+//! a time in the future or a value in another shape is no wait at all ([`live_since`]).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -90,11 +93,33 @@ struct Waiting {
 #[derive(Debug, Default)]
 pub struct Waits {
     machines: Mutex<HashMap<String, Waiting>>,
+    /// What the live Machine said of its wait ([`live_since`]), noted when the call read it.
+    seen: Mutex<HashMap<String, Seen>>,
 }
+
+/// When a call read the live Machine, the start of the wait it recorded, its spec digest.
+type Seen = (Instant, Option<u64>, String);
 
 impl Waits {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Waiting>> {
         self.machines.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes what the live Machine `machine` said of its wait while this call read it
+    /// ([`live_since`]) and its spec's digest.
+    pub fn saw_live(&self, machine: &str, since: Option<u64>, spec: String) {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.retain(|_, (at, _, _)| at.elapsed() < FORGET_AFTER);
+        seen.insert(machine.to_owned(), (Instant::now(), since, spec));
+    }
+
+    /// What this call's read of the live Machine said ([`Waits::saw_live`]): the wait's
+    /// start, if any, and the spec digest; `None` when it was not read just now.
+    pub fn take_seen(&self, machine: &str) -> Option<(Option<u64>, String)> {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.remove(machine)
+            .filter(|(at, _, _)| at.elapsed() < Duration::from_secs(10))
+            .map(|(_, since, spec)| (since, spec))
     }
 
     /// When this replica saw `machine`'s wait begin, if it did.
@@ -152,6 +177,36 @@ impl Waits {
             oldest.map_or(0.0, |s| now_ms.saturating_sub(s) as f64 / 1000.0),
         )
     }
+}
+
+/// 12 hex of sha256 over the live Machine's `spec` in canonical JSON: which update a wait
+/// belongs to.
+pub fn spec_digest(live: &serde_json::Value) -> String {
+    let mut text = String::new();
+    crate::translate::write_canonical(
+        live.get("spec").unwrap_or(&serde_json::Value::Null),
+        &mut text,
+    );
+    let digest = <sha2::Sha256 as sha2::Digest>::digest(text.as_bytes());
+    hex::encode(&digest[..6])
+}
+
+/// The annotation's value: when the wait began, and the spec it began under
+/// (`2026-12-07T05:00:00Z spec=0123456789ab`).
+pub fn since_value(ms: u64, spec: &str) -> String {
+    format!("{} spec={spec}", format_since(ms))
+}
+
+/// When the wait recorded on the live Machine began: only a value written for its current
+/// `spec` ([`since_value`]) and not later than `now_ms` counts.
+pub fn live_since(live: &serde_json::Value, now_ms: u64) -> Option<u64> {
+    let value =
+        crate::translate::lookup(live, &["metadata", "annotations", SINCE_ANNOTATION])?.as_str()?;
+    let (at, spec) = value.trim().split_once(" spec=")?;
+    if spec != spec_digest(live) {
+        return None;
+    }
+    parse_since(at).filter(|ms| *ms <= now_ms)
 }
 
 /// RFC 3339 (UTC, to the second) of Unix milliseconds.

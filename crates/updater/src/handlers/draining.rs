@@ -454,7 +454,11 @@ impl Updater {
             }
             return;
         }
-        let Some((settings, namespace, cluster)) = parse_for_after(body, &self.defaults) else {
+        let Some((request, namespace, cluster)) = parse_for_after(body) else {
+            return;
+        };
+        // The operator's settings (the body's only point at them; it was accepted under them).
+        let Ok(settings) = self.effective(Hook::UpdateMachine, &request).await else {
             return;
         };
         if settings.drain == DrainMode::Never {
@@ -543,17 +547,13 @@ fn failure_with(message: &str, note: &str, object: String) -> Answer {
     a
 }
 
-/// The settings, namespace and cluster name of an UpdateMachine request.
-fn parse_for_after(
-    body: &[u8],
-    defaults: &crate::settings::Defaults,
-) -> Option<(Settings, String, String)> {
+/// An UpdateMachine request, with its Machine's namespace and cluster name.
+fn parse_for_after(body: &[u8]) -> Option<(HookRequest, String, String)> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let request = HookRequest::parse(Hook::UpdateMachine, &value).ok()?;
-    let settings = Settings::from_request(&request.settings, defaults).ok()?;
     let desired = request.object("desired", "machine").ok()?;
     let (namespace, cluster) = machine_cluster(&desired.value, &key_of(&desired)).ok()?;
-    Some((settings, namespace, cluster))
+    Some((request, namespace, cluster))
 }
 
 /// The Machine's namespace and `spec.clusterName`.
