@@ -187,8 +187,12 @@ async fn can_update_machine_set_asks_the_agents_of_the_current_machines() {
     )
     .unwrap();
     body["settings"]["agentPort"] = json!(w.agent_port.to_string());
-    let set = body["current"]["machineSet"].clone();
+    let mut set = body["current"]["machineSet"].clone();
     let set_name = set["metadata"]["name"].as_str().unwrap().to_owned();
+    // The MachineSet as the API server has it (the updater reads it live): its uid is the
+    // one its Machines' owner references carry.
+    set["metadata"]["uid"] = json!("5e1d0a2c-0000-4000-8000-000000000001");
+    w.api.put(set.clone());
     for (i, name) in ["ms-0", "ms-1"].into_iter().enumerate() {
         let (mut machine, _) = w.put_machine(name, i, "v1.35.1", bootstrap_spec(json!([])));
         machine["metadata"]["labels"] = set["spec"]["selector"]["matchLabels"].clone();

@@ -88,6 +88,9 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
             .join("tests/fixtures/updater/can-update-machineset-request.json"),
     )
     .unwrap();
+    // The current MachineSet exists (the updater reads it live).
+    w.api
+        .put(serde_json::from_slice::<Value>(&ms).unwrap()["current"]["machineSet"].clone());
     let r = capi.call(Hook::CanUpdateMachineSet, &ms).await.unwrap();
     assert_eq!(r.json()["status"], "Success", "{}", r.json());
     assert!(r.json()["machineSetPatch"]["patch"].is_string());
@@ -175,14 +178,17 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
     let journal = std::fs::read_to_string(inplace_agent::journal::file_path(&states[0])).unwrap();
     assert!(journal.contains("pruneResolved") && journal.contains("/etc/kubernetes/extra.conf"));
 
-    // The updater only ever got objects by name, and listed the Machines of the
-    // MachineSet by its selector (CanUpdateMachineSet); never a watch, never a write.
+    // The updater only ever got objects by name (its ExtensionConfig, cluster-scoped,
+    // included), and listed the Machines of the MachineSet by its selector
+    // (CanUpdateMachineSet); never a watch, never a write.
     for (method, path) in w.api.requests() {
         assert_eq!(method, "GET", "{path}");
         assert!(!path.contains("watch"), "{path}");
         let list = path.contains("/machines?labelSelector=");
+        let extension_config =
+            path == "/apis/runtime.cluster.x-k8s.io/v1beta2/extensionconfigs/inplace-updater";
         assert!(
-            list || path.split('/').count() >= 7,
+            list || extension_config || path.split('/').count() >= 7,
             "a get by name: {path}"
         );
     }

@@ -60,6 +60,12 @@ async fn tls_12_and_13_http_11_and_discovery_exactly_as_capi_reads_it() {
     // The fixture's CanUpdateMachineSet answer from the real server, on a kept-alive
     // connection, with the query CAPI adds.
     let mut capi = w.client();
+    // The current MachineSet exists (the updater reads it live).
+    w.api.put(
+        serde_json::from_slice::<serde_json::Value>(&fixture("can-update-machineset-request.json"))
+            .unwrap()["current"]["machineSet"]
+            .clone(),
+    );
     for _ in 0..3 {
         let r = capi
             .call(

@@ -133,7 +133,7 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
         "v1.35.3",
         bootstrap_spec(json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "r\n"}])),
     );
-    let case = Case {
+    let mut case = Case {
         machine_path: object_path(&machine).unwrap(),
         config,
         settings: json!({"agentPort": w.agent_port.to_string(), "gateTimeoutSeconds": "2", "updateWaitSeconds": "0", "drain": "Never"}),
@@ -234,8 +234,13 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
     assert_ne!(started["retryAfterSeconds"], 0, "{started}");
     assert_eq!(attempts(&state), [1, 2]);
     let live = w.api.get(&case.machine_path).unwrap();
-    let record: Value =
+    let mut record: Value =
         serde_json::from_str(live["metadata"]["annotations"][RETRIED].as_str().unwrap()).unwrap();
+    let at = record.as_object_mut().unwrap().remove("at");
+    assert!(
+        at.is_some_and(|t| t.is_u64()),
+        "when it was acted on: {record}"
+    );
     assert_eq!(
         record,
         json!({"plan": plan, "fromAttempt": 1, "value": "1"})
@@ -275,8 +280,22 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
         got[2]
     );
 
-    // Another value after it failed again: one more attempt.
+    // Another value at once: within settings.retryMinIntervalSeconds (300 by default) of the
+    // last retry, it waits (whoever may patch the Machine cannot rerun its plan in a loop).
     case.annotate(&w, Some("2"));
+    for _ in 0..3 {
+        assert_eq!(case.call(&w, &mut capi).await["status"], "Failure");
+    }
+    assert_eq!(attempts(&state), [1, 2]);
+    assert!(
+        w.updater_log()
+            .contains("within settings.retryMinIntervalSeconds"),
+        "{}",
+        w.updater_log()
+    );
+    // The administrator allows one retry a second: once that is past, one more attempt.
+    case.settings["retryMinIntervalSeconds"] = json!("1");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let started = case.call(&w, &mut capi).await;
     assert_eq!(started["status"], "Success", "{started}");
     assert_eq!(attempts(&state), [1, 2, 3]);

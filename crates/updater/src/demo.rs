@@ -328,13 +328,22 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     };
     let request = json!({
         "kind": "CanUpdateMachineSetRequest", "apiVersion": super::hooks::HOOKS_API_VERSION,
+        "settings": {"agentPort": port.to_string()},
         "current": {"machineSet": ms("demo-md-0-a", "v1.35.1", "demo-v1"), "bootstrapConfigTemplate": template("demo-v1", &files_v1, json!([]))},
         "desired": {"machineSet": ms("demo-md-0-b", "v1.35.2", "demo-v2"), "bootstrapConfigTemplate": template("demo-v2", &files_v2, json!([{"name": "max-pods", "value": "150"}]))},
     });
+    // The current MachineSet exists (the updater reads it, and asks its Machines' agents).
+    api.put(request["current"]["machineSet"].clone());
     let v = capi
         .call(Hook::CanUpdateMachineSet, &serde_json::to_vec(&request)?)
         .await?
         .json();
+    if v["status"] != "Success" || v.get("machineSetPatch").is_none() {
+        anyhow::bail!(
+            "CanUpdateMachineSet did not cover the change: {}",
+            v["message"].as_str().unwrap_or_default()
+        );
+    }
     for key in ["machineSetPatch", "bootstrapConfigTemplatePatch"] {
         if let Some(p) = v.get(key) {
             let ops = super::hooks::Patch {
