@@ -25,7 +25,7 @@ fn reads(w: &World) -> Vec<(String, String)> {
         .requests()
         .into_iter()
         .filter(|(m, p)| {
-            !(m == "POST" && p.contains("/events")) && !p.contains("/extensionconfigs/")
+            !(p.contains("/extensionconfigs/") || m == "POST" && p.contains("/events"))
         })
         .collect()
 }
