@@ -300,7 +300,10 @@ fn the_network_policy_admits_only_capis_controllers_to_the_hook_port() {
     for (k, v) in labels {
         assert_eq!(&pod_labels[k], v, "the updater's pods lack {k}={v}");
     }
-    assert_eq!(policy["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    assert_eq!(
+        policy["spec"]["policyTypes"],
+        serde_json::json!(["Ingress"])
+    );
 
     // The hook port: where --listen binds, the container port of that number, which the
     // Service targets (what CAPI dials).
@@ -375,8 +378,7 @@ fn the_network_policy_admits_only_capis_controllers_to_the_hook_port() {
     let changed = crate::support::rbac::kustomize(&tmp.path().join("overlay"));
     let changed = find(&changed, "NetworkPolicy", "inplace-updater-hooks");
     assert_eq!(
-        changed["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"][0]
-            ["values"],
+        changed["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"],
         serde_json::json!([
             "capi-system",
             "capi-kubeadm-control-plane-system",
@@ -400,7 +402,10 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
         "service.yaml",
         "networkpolicy.yaml",
     ];
-    let files: Vec<_> = core.iter().map(|f| Path::new(REPO).join(DIR).join(f)).collect();
+    let files: Vec<_> = core
+        .iter()
+        .map(|f| Path::new(REPO).join(DIR).join(f))
+        .collect();
     kubernetes_validate(&files);
     let out = Command::new(venv.join("bin/hadolint"))
         .arg(Path::new(REPO).join("packaging/updater.Containerfile"))

@@ -75,12 +75,18 @@ impl Request {
             "PUT" => "update",
             "PATCH" => "patch",
             "DELETE" => "delete",
-            other => return Err(format!("{other} {path}: a method the API server has no verb for")),
+            other => {
+                return Err(format!(
+                    "{other} {path}: a method the API server has no verb for"
+                ));
+            }
         }
         .to_owned();
         let mut rest = rest;
         if matches!(rest.first(), Some(&"watch") | Some(&"proxy")) {
-            return Err(format!("{method} {path}: the legacy /watch and /proxy paths are not read here"));
+            return Err(format!(
+                "{method} {path}: the legacy /watch and /proxy paths are not read here"
+            ));
         }
         let mut namespace = None;
         if rest[0] == "namespaces" && rest.len() > 1 {
@@ -196,7 +202,11 @@ impl Rbac {
         };
         for b in self.cluster_role_bindings.iter().filter(|b| bound(b)) {
             if b["roleRef"]["kind"] == "ClusterRole" {
-                rules.extend(self.role_rules(&self.cluster_roles, b["roleRef"]["name"].as_str(), None));
+                rules.extend(self.role_rules(
+                    &self.cluster_roles,
+                    b["roleRef"]["name"].as_str(),
+                    None,
+                ));
             }
         }
         let Some(ns) = namespace else {
@@ -209,7 +219,9 @@ impl Rbac {
         {
             let name = b["roleRef"]["name"].as_str();
             match b["roleRef"]["kind"].as_str() {
-                Some("ClusterRole") => rules.extend(self.role_rules(&self.cluster_roles, name, None)),
+                Some("ClusterRole") => {
+                    rules.extend(self.role_rules(&self.cluster_roles, name, None))
+                }
                 Some("Role") => rules.extend(self.role_rules(&self.roles, name, Some(ns))),
                 _ => {}
             }
@@ -265,11 +277,7 @@ fn rule_matches(rule: &Value, request: &Request) -> bool {
     has("verbs", &request.verb)
         && has("apiGroups", &request.group)
         && resource_matches
-        && (names.is_empty()
-            || request
-                .name
-                .as_deref()
-                .is_some_and(|n| names.contains(&n)))
+        && (names.is_empty() || request.name.as_deref().is_some_and(|n| names.contains(&n)))
 }
 
 /// Parses every YAML document of `text` (rendered manifests), skipping empty ones.
