@@ -188,6 +188,14 @@ async fn both_installs_allow_every_request_a_drained_update_makes_and_the_namesp
         .collect();
     requests.sort();
     requests.dedup();
+    crate::support::say(&format!(
+        "the updater's requests to the management cluster:\n  {}",
+        requests
+            .iter()
+            .map(Request::to_string)
+            .collect::<Vec<_>>()
+            .join("\n  ")
+    ));
     // The flow made the requests it is meant to cover: the record is the management
     // cluster's alone (the drain went to the workload stand-in).
     let has = |verb: &str, resource: &str| {
