@@ -43,6 +43,7 @@ mod updater_forged_requests;
 mod updater_http;
 mod updater_memory;
 mod updater_packaging;
+mod updater_rbac;
 mod updater_retry;
 mod updater_translate;
 mod updater_trust;

@@ -5,12 +5,14 @@
 //! - clusterctl's provider repository (`packaging/clusterctl/build`): the components rendered
 //!   as clusterctl renders them (`${VAR}`, `${VAR:=default}`) into another namespace, where
 //!   every reference to the namespace moved together, the image is the variable's, the
-//!   placeholder Secret is gone and every object carries the provider label; `metadata.yaml`
+//!   placeholder Secret is gone, every object carries the provider label and the hook
+//!   callers' namespaces are a variable defaulting to Cluster API's; `metadata.yaml`
 //!   maps this version's release series to the v1beta2 contract;
 //! - images: no manifest names a published-looking image; the kustomizations name
 //!   registry.example and this version;
-//! - monitoring: the PodMonitor, ServiceMonitor and PrometheusRule agree with the DaemonSet,
-//!   the updater's Service and Certificate, and the metric names the docs list;
+//! - monitoring: the PodMonitor, ServiceMonitor, PrometheusRule and the metrics NetworkPolicy
+//!   agree with the DaemonSet, the updater's Deployment, Service and Certificate, and the
+//!   metric names the docs list;
 //! - `packaging/kubectl`: PyPI's pinned kubectl (a machine without a recent one) builds the
 //!   same objects as the machine's, and a kubectl with an old kustomize is refused;
 //! - the docs (README.md, docs/ but for the decision records, which are history): every
@@ -194,6 +196,27 @@ fn clusterctl_components_render_into_any_namespace_with_the_image_given() {
     );
     let binding = find(&all, "ClusterRoleBinding");
     assert_eq!(binding["subjects"][0]["namespace"], ns);
+    // Who may call the hooks: the NetworkPolicy moves with the namespace; its callers'
+    // namespaces default to Cluster API's controllers' and are one variable.
+    let callers = |all: &[Value]| {
+        find(all, "NetworkPolicy")["spec"]["ingress"][0]["from"][0]["namespaceSelector"]
+            ["matchExpressions"][0]["values"]
+            .clone()
+    };
+    assert_eq!(find(&all, "NetworkPolicy")["metadata"]["namespace"], ns);
+    let capi = serde_json::json!(["capi-system", "capi-kubeadm-control-plane-system"]);
+    assert_eq!(callers(&all), capi);
+    assert_eq!(callers(&defaulted), capi);
+    let mut values = values.clone();
+    values.insert(
+        "INPLACE_UPDATER_HOOK_CALLER_NAMESPACES",
+        "capi-system, my-capi-controllers",
+    );
+    let moved = documents(&render(&raw, &values).unwrap());
+    assert_eq!(
+        callers(&moved),
+        serde_json::json!(["capi-system", "my-capi-controllers"])
+    );
     for line in rendered.lines().filter(|l| !l.starts_with('#')) {
         assert!(
             !line.contains("inplace-system"),
@@ -348,6 +371,38 @@ fn monitoring_scrapes_the_ports_the_workloads_expose_and_alerts_on_documented_me
             .unwrap()
             .contains(&endpoint["tlsConfig"]["serverName"])
     );
+    // Once the updater's NetworkPolicy isolates its pods, the monitoring kustomization's
+    // admits Prometheus — its pods only, never a whole namespace — to the container port the
+    // scraped Service port targets, on the updater's pods.
+    let deployment = find(&updater, "Deployment");
+    let policy = &file_documents("packaging/kubernetes/monitoring/updater/networkpolicy.yaml")[0];
+    assert_eq!(policy["kind"], "NetworkPolicy");
+    assert_eq!(
+        policy["metadata"]["namespace"],
+        deployment["metadata"]["namespace"]
+    );
+    for (k, v) in policy["spec"]["podSelector"]["matchLabels"]
+        .as_object()
+        .unwrap()
+    {
+        assert_eq!(&deployment["spec"]["template"]["metadata"]["labels"][k], v);
+    }
+    let target = &service["spec"]["ports"][0]["targetPort"];
+    let container_port = deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| &p["name"] == target)
+        .unwrap()["containerPort"]
+        .clone();
+    let rule = &policy["spec"]["ingress"][0];
+    assert_eq!(rule["ports"][0]["port"], container_port);
+    let from = &rule["from"][0];
+    assert_eq!(
+        from["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
+        "prometheus"
+    );
+    assert!(from["namespaceSelector"].is_object(), "{from}");
 
     // Every metric the alerts use is one docs/observability.md documents.
     let docs = std::fs::read_to_string(Path::new(REPO).join("docs/observability.md")).unwrap();

@@ -1,7 +1,9 @@
 //! The updater's shipping files: the kustomization in packaging/kubernetes/updater/ (every
 //! resource there, the pieces agreeing with each other and with the binary's flags, RBAC
-//! that only gets, the manifests valid against the Kubernetes schemas) and
-//! packaging/updater.Containerfile (hadolint).
+//! that only gets, the NetworkPolicy that admits only Cluster API's controllers to the hook
+//! port, the manifests valid against the Kubernetes schemas) and
+//! packaging/updater.Containerfile (hadolint). tests/it/updater_rbac.rs shows that the RBAC
+//! of both installs allows what the updater does.
 
 use std::path::Path;
 use std::process::Command;
@@ -49,6 +51,7 @@ fn the_kustomization_holds_what_capi_and_the_updater_need_and_agrees_with_itself
         "Deployment",
         "PodDisruptionBudget",
         "Service",
+        "NetworkPolicy",
         "ExtensionConfig",
     ] {
         assert!(kinds.contains(&kind), "no {kind} in {DIR}");
@@ -203,25 +206,34 @@ fn rbac_gets_machines_kubeadmconfigs_and_secrets_patches_machines_and_creates_ev
         seen,
         [
             "/events create",
+            "/namespaces get",
             "/secrets get",
             "bootstrap.cluster.x-k8s.io/kubeadmconfigs get",
+            "cluster.x-k8s.io/clusters get",
             "cluster.x-k8s.io/machinedrainrules list",
             "cluster.x-k8s.io/machines get",
             "cluster.x-k8s.io/machines list",
             "cluster.x-k8s.io/machines patch",
+            "cluster.x-k8s.io/machinesets get",
+            "runtime.cluster.x-k8s.io/extensionconfigs get",
+            "runtime.cluster.x-k8s.io/extensionconfigs list",
+            "runtime.cluster.x-k8s.io/extensionconfigs watch",
         ]
     );
+    // Every role is bound (the per-namespace template that shipped unbound is gone: the
+    // namespaced install is packaging/kubernetes/updater-namespaced).
     let binding = find(&all, "ClusterRoleBinding", "inplace-updater");
+    assert_eq!(binding["roleRef"]["name"], "inplace-updater");
+    assert!(all.iter().all(|d| d["kind"] != "Role"));
     assert_eq!(
         binding["subjects"][0]["name"],
         find(&all, "Deployment", "inplace-updater")["spec"]["template"]["spec"]["serviceAccountName"]
     );
 }
 
-/// kubernetes-validate (strict) for the core kinds and hadolint for the Containerfile, from
-/// the pinned venv packaging/validate installs (it is run first when the venv is missing).
-#[test]
-fn the_manifests_validate_against_the_kubernetes_schemas() {
+/// The venv of packaging/validate (kubernetes-validate, hadolint), installed by running it
+/// when it is missing.
+fn validators() -> std::path::PathBuf {
     let venv = std::env::var_os("PACKAGING_VENV")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
@@ -240,19 +252,16 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
             "packaging/validate (installs the validators) failed"
         );
     }
-    let core = [
-        "namespace.yaml",
-        "serviceaccount.yaml",
-        "rbac.yaml",
-        "agent-client-secret.yaml",
-        "deployment.yaml",
-        "pdb.yaml",
-        "service.yaml",
-    ];
+    venv
+}
+
+/// `kubernetes-validate --strict` of `files` for Kubernetes 1.30 and 1.34.
+fn kubernetes_validate(files: &[std::path::PathBuf]) {
+    let venv = validators();
     for version in ["1.30", "1.34"] {
         let out = Command::new(venv.join("bin/kubernetes-validate"))
             .args(["--strict", "--quiet", "-k", version])
-            .args(core.iter().map(|f| Path::new(REPO).join(DIR).join(f)))
+            .args(files)
             .output()
             .unwrap();
         assert!(
@@ -262,6 +271,142 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// Who may call the hooks (issue 44): the NetworkPolicy `kubectl apply -k` creates selects
+/// the updater's pods, in their namespace, for ingress only, and admits one thing: TCP on the
+/// container port the updater listens on (the Service's target), from the namespaces of
+/// Cluster API's core and KubeadmControlPlane controllers, named by
+/// kubernetes.io/metadata.name. The rendered object is valid for Kubernetes 1.30 and 1.34.
+#[test]
+fn the_network_policy_admits_only_capis_controllers_to_the_hook_port() {
+    let rendered = crate::support::rbac::kustomize(&Path::new(REPO).join(DIR));
+    let policies: Vec<&Value> = rendered
+        .iter()
+        .filter(|o| o["kind"] == "NetworkPolicy")
+        .collect();
+    assert_eq!(policies.len(), 1, "{policies:?}");
+    let policy = policies[0];
+    let deployment = find(&rendered, "Deployment", "inplace-updater");
+    assert_eq!(
+        policy["metadata"]["namespace"],
+        deployment["metadata"]["namespace"]
+    );
+    let selector = &policy["spec"]["podSelector"];
+    assert!(selector.get("matchExpressions").is_none(), "{selector}");
+    let labels = selector["matchLabels"].as_object().unwrap();
+    assert!(!labels.is_empty(), "an empty podSelector selects every pod");
+    let pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in labels {
+        assert_eq!(&pod_labels[k], v, "the updater's pods lack {k}={v}");
+    }
+    assert_eq!(
+        policy["spec"]["policyTypes"],
+        serde_json::json!(["Ingress"])
+    );
+
+    // The hook port: where --listen binds, the container port of that number, which the
+    // Service targets (what CAPI dials).
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let listen: u64 = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|a| a.as_str().unwrap().strip_prefix("--listen="))
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let port = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["containerPort"] == listen)
+        .unwrap_or_else(|| panic!("no container port {listen}"));
+    let service = find(&rendered, "Service", "inplace-updater");
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], port["name"]);
+    let ingress = policy["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(ingress.len(), 1, "one rule: {ingress:?}");
+    assert_eq!(
+        ingress[0]["ports"],
+        serde_json::json!([{"protocol": "TCP", "port": listen}])
+    );
+    assert_eq!(
+        ingress[0]["from"],
+        serde_json::json!([{"namespaceSelector": {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name",
+            "operator": "In",
+            "values": ["capi-system", "capi-kubeadm-control-plane-system"],
+        }]}}])
+    );
+
+    let tmp = tempfile::Builder::new()
+        .prefix("inplace-test-netpol-")
+        .tempdir()
+        .unwrap();
+    let file = tmp.path().join("networkpolicy.yaml");
+    std::fs::write(&file, serde_yaml_ng::to_string(policy).unwrap()).unwrap();
+    kubernetes_validate(&[file]);
+
+    // The overlay docs/updater.md ("Who may call") shows for other controller namespaces,
+    // as written there, over a copy of the kustomization where it says it sits.
+    let doc = std::fs::read_to_string(Path::new(REPO).join("docs/updater.md")).unwrap();
+    let overlay = doc
+        .split("```yaml\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .find(|b| b.contains("inplace-updater-hooks"))
+        .expect("docs/updater.md shows the overlay that changes the callers' namespaces");
+    let copy = tmp.path().join(DIR);
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(Path::new(REPO).join(DIR)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+    }
+    std::fs::create_dir(tmp.path().join("overlay")).unwrap();
+    std::fs::write(
+        tmp.path().join("overlay/kustomization.yaml"),
+        overlay
+            .lines()
+            .map(|l| l.strip_prefix("  ").unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+    .unwrap();
+    let changed = crate::support::rbac::kustomize(&tmp.path().join("overlay"));
+    let changed = find(&changed, "NetworkPolicy", "inplace-updater-hooks");
+    assert_eq!(
+        changed["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"],
+        serde_json::json!([
+            "capi-system",
+            "capi-kubeadm-control-plane-system",
+            "my-controlplane-system"
+        ])
+    );
+}
+
+/// kubernetes-validate (strict) for the core kinds and hadolint for the Containerfile, from
+/// the pinned venv packaging/validate installs (it is run first when the venv is missing).
+#[test]
+fn the_manifests_validate_against_the_kubernetes_schemas() {
+    let venv = validators();
+    let core = [
+        "namespace.yaml",
+        "serviceaccount.yaml",
+        "rbac.yaml",
+        "agent-client-secret.yaml",
+        "deployment.yaml",
+        "pdb.yaml",
+        "service.yaml",
+        "networkpolicy.yaml",
+    ];
+    let files: Vec<_> = core
+        .iter()
+        .map(|f| Path::new(REPO).join(DIR).join(f))
+        .collect();
+    kubernetes_validate(&files);
     let out = Command::new(venv.join("bin/hadolint"))
         .arg(Path::new(REPO).join("packaging/updater.Containerfile"))
         .output()

@@ -11,7 +11,8 @@
 //! - [`agent`]: `inplace-agent serve` on a sandbox node over mutual TLS;
 //! - [`sandbox`]: this machine's systemd booted in namespaces on an overlay (root);
 //! - [`overlay`]: a copy-on-write overlay of `/` for apt and dnf, stand-in packages (root);
-//! - [`updater`]: the updater's world (API stand-in, agents, `inplace-updater serve`).
+//! - [`updater`]: the updater's world (API stand-in, agents, `inplace-updater serve`);
+//! - [`rbac`]: Kubernetes RBAC decided for a ServiceAccount, requests read from HTTP paths.
 #![allow(dead_code)] // every test module and bench uses a different part
 
 pub mod agent;
@@ -22,6 +23,7 @@ pub mod overlay;
 pub mod patience;
 pub mod pki;
 pub mod programs;
+pub mod rbac;
 pub mod sandbox;
 pub mod updater;
 
