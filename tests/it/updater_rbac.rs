@@ -104,6 +104,8 @@ async fn requests_of_a_drained_update() -> (Vec<(String, String)>, Vec<(String, 
     )
     .unwrap();
     ms["settings"]["agentPort"] = json!(port);
+    // The current MachineSet exists (the updater reads it live, then lists its Machines).
+    w.api.put(ms["current"]["machineSet"].clone());
     let r = capi
         .call(Hook::CanUpdateMachineSet, &go_json(&ms))
         .await
