@@ -40,6 +40,7 @@ mod updater_drain;
 mod updater_drift;
 mod updater_e2e;
 mod updater_http;
+mod updater_kubeconfig;
 mod updater_memory;
 mod updater_packaging;
 mod updater_retry;

@@ -266,6 +266,8 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         super::agent::paths(pki.ca(), client.cert.clone(), client.key.clone()),
         port,
         Some(&kubeconfig),
+        // The stand-in serves the demo's workload cluster too, on loopback.
+        crate::edge::kubeconfig::LocalServers::Allow,
     )
     .await?;
     let server = super::server::Server::start(
