@@ -120,10 +120,8 @@ impl Workloads {
                         let what = if e.refusal.transient {
                             "; asked again on the next call"
                         } else {
-                            "; the updater builds a workload client only from a server, \
-                             certificate-authority-data and inline client-certificate-data and \
-                             client-key-data or token: fix the Secret (docs/updater.md, \
-                             \"Workload cluster access\")"
+                            "; fix the Secret (docs/updater.md, \"Workload cluster access\", \
+                             says what it may hold)"
                         };
                         err(
                             format!("read the kubeconfig in Secret {secret_id} key value"),
@@ -442,7 +440,8 @@ mod tests {
             .unwrap();
         assert!(
             strict.to_string().contains(
-                "read the kubeconfig in Secret default/c-kubeconfig key value: server: its host is a loopback address"
+                "read the kubeconfig in Secret default/c-kubeconfig key value: \
+                 clusters[0].cluster.server: its host is a loopback address"
             ),
             "{strict}"
         );

@@ -132,6 +132,8 @@ impl fmt::Debug for User {
 /// A kubeconfig read and checked, its server not resolved yet (what [`parse`] gives).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parsed {
+    /// Where the server is in the kubeconfig (`clusters[0].cluster.server`), for messages.
+    server_field: String,
     host: Host,
     port: u16,
     /// The server URL's path (`/` or a prefix such as `/k8s/clusters/c-1`).
@@ -312,6 +314,7 @@ pub fn parse(value: &[u8]) -> Result<Parsed, Refusal> {
 
     let user = user_credentials(user, &format!("users[{ui}].user"))?;
     Ok(Parsed {
+        server_field: format!("{at}.server"),
         host,
         port,
         path,
@@ -734,7 +737,7 @@ pub fn local_kind(ip: IpAddr) -> Option<&'static str> {
 
 /// Resolves the server (once) and checks where it points.
 async fn resolve(parsed: Parsed, local: LocalServers) -> Result<WorkloadCredentials, Refusal> {
-    let field = "server";
+    let field = parsed.server_field.as_str();
     let (addr, server_name) = match &parsed.host {
         Host::Ip(ip) => (SocketAddr::new(*ip, parsed.port), None),
         Host::Name(name) => {

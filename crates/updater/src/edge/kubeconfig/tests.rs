@@ -294,7 +294,7 @@ async fn a_local_server_is_refused_unless_allowed_and_a_name_is_pinned() {
     ] {
         let v = yaml(&token_kubeconfig(server, "t"));
         let e = credentials(secret, &v, LocalServers::Refuse).await.unwrap_err();
-        assert_eq!(e.refusal.field, "server", "{server}: {e}");
+        assert_eq!(e.refusal.field, "clusters[0].cluster.server", "{server}: {e}");
         assert!(e.to_string().contains(ALLOW_LOCAL_FLAG), "{e}");
         assert!(!e.to_string().contains("6443"), "{e}");
         let c = credentials(secret, &v, LocalServers::Allow).await.unwrap();
