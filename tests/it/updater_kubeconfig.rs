@@ -41,7 +41,10 @@ async fn started(subnet: u8, allow_local: bool) -> World {
 /// The updater as `World::start_updater` starts it, but without
 /// `--allow-local-workload-servers` (production's default).
 fn start_updater_refusing_local_servers(w: &mut World) {
-    let serving = w.pki.server("serving", &[SERVICE_HOST, "127.0.0.1"]).unwrap();
+    let serving = w
+        .pki
+        .server("serving", &[SERVICE_HOST, "127.0.0.1"])
+        .unwrap();
     let kubeconfig = w.dir.path().join("kubeconfig");
     w.api.write_kubeconfig(&kubeconfig).unwrap();
     let mut cmd = Command::new(UPDATER);
@@ -132,8 +135,14 @@ async fn an_exec_plugin_in_the_kubeconfig_never_runs() {
     assert!(m.contains(SECRET), "{v}");
     assert!(m.contains("users[0].user.exec"), "{v}");
     assert!(!m.contains("uid="), "{v}");
-    assert!(!m.contains("/bin/sh") && !m.contains("touch"), "no content echoed: {v}");
-    assert_eq!(v["status"], "Success", "waited out (the Secret may be fixed): {v}");
+    assert!(
+        !m.contains("/bin/sh") && !m.contains("touch"),
+        "no content echoed: {v}"
+    );
+    assert_eq!(
+        v["status"], "Success",
+        "waited out (the Secret may be fixed): {v}"
+    );
     assert!(!workload_touched(&w), "no request to the workload cluster");
     assert!(!w.updater_log().contains("uid="), "{}", w.updater_log());
 }
@@ -215,7 +224,11 @@ async fn a_token_file_is_never_read_nor_sent_even_to_an_allowed_local_server() {
     let user = format!("    tokenFile: {}\n", token_file.display());
     put_kubeconfig(
         &w,
-        &kubeconfig(&format!("https://{}", attacker.addr), &attacker.ca_pem, &user),
+        &kubeconfig(
+            &format!("https://{}", attacker.addr),
+            &attacker.ca_pem,
+            &user,
+        ),
     );
 
     let v = update_twice(&w).await;
@@ -226,10 +239,19 @@ async fn a_token_file_is_never_read_nor_sent_even_to_an_allowed_local_server() {
         "the token was sent: {}",
         String::from_utf8_lossy(&bytes)
     );
-    assert_eq!(connections, 0, "the updater connected to the kubeconfig's server");
+    assert_eq!(
+        connections, 0,
+        "the updater connected to the kubeconfig's server"
+    );
     let m = message(&v);
-    assert!(m.contains(SECRET) && m.contains("users[0].user.tokenFile"), "{v}");
-    assert!(!m.contains(sentinel) && !m.contains(&*token_file.to_string_lossy()), "{v}");
+    assert!(
+        m.contains(SECRET) && m.contains("users[0].user.tokenFile"),
+        "{v}"
+    );
+    assert!(
+        !m.contains(sentinel) && !m.contains(&*token_file.to_string_lossy()),
+        "{v}"
+    );
     assert!(!w.updater_log().contains(sentinel));
 }
 
@@ -237,14 +259,21 @@ async fn a_token_file_is_never_read_nor_sent_even_to_an_allowed_local_server() {
 async fn a_server_on_loopback_is_refused_without_the_flag() {
     let w = started(133, false).await;
     // The stand-in's own kubeconfig: https, its CA, an inline token; on 127.0.0.1.
-    w.api.put(w.api.workload_secret("default", "capi-quickstart"));
+    w.api
+        .put(w.api.workload_secret("default", "capi-quickstart"));
 
     let v = update_twice(&w).await;
     let m = message(&v);
     assert!(m.contains(SECRET), "{v}");
-    assert!(m.contains("clusters[0].cluster.server: its host is a loopback address"), "{v}");
+    assert!(
+        m.contains("clusters[0].cluster.server: its host is a loopback address"),
+        "{v}"
+    );
     assert!(m.contains("--allow-local-workload-servers"), "{v}");
-    assert!(!m.contains(&w.api.addr.port().to_string()), "no content echoed: {v}");
+    assert!(
+        !m.contains(&w.api.addr.port().to_string()),
+        "no content echoed: {v}"
+    );
     assert!(!workload_touched(&w), "no request to the workload cluster");
 
     // The same Secret with the flag (the harness's default): the drain goes on.

@@ -13,11 +13,11 @@ use std::time::Duration;
 use super::agent::paths;
 use super::deadlines::ConnectionLimits;
 use super::errors::chain;
-use crate::edge::kubeconfig::LocalServers;
 use super::server::Server;
 use super::settings::{Defaults, Settings};
 use super::setup::build;
 use super::translate::{Desired, NoSecrets, NodeFacts, translate};
+use crate::edge::kubeconfig::LocalServers;
 
 #[derive(Debug, Parser)]
 #[command(

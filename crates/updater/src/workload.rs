@@ -135,7 +135,13 @@ impl Workloads {
                          by --allow-local-workload-servers, which is for test rigs");
                 }
                 let client = build(&credentials).map_err(|e| {
-                    err(format!("build a client from the kubeconfig in Secret {secret_id} key value"), e.into(), false)
+                    err(
+                        format!(
+                            "build a client from the kubeconfig in Secret {secret_id} key value"
+                        ),
+                        e.into(),
+                        false,
+                    )
                 })?;
                 tracing::info!(cluster = %id, "workload cluster client built from its kubeconfig Secret");
                 self.clients
@@ -169,8 +175,8 @@ fn build(credentials: &WorkloadCredentials) -> Result<kube::Client, &'static str
         }
         User::Token(token) => json!({ "token": token }),
     };
-    config.auth_info =
-        serde_json::from_value(auth).map_err(|_| "the inline credentials could not be given to the client")?;
+    config.auth_info = serde_json::from_value(auth)
+        .map_err(|_| "the inline credentials could not be given to the client")?;
     // Each drain step runs inside one hook call (CAPI's 10 s).
     config.connect_timeout = Some(Duration::from_secs(2));
     config.read_timeout = Some(Duration::from_secs(3));
@@ -477,9 +483,15 @@ mod tests {
             code: 403,
         });
         let d = describe(&e);
-        assert!(d.starts_with("the API server answered 403 Forbidden: no[31mway xxx"), "{d}");
+        assert!(
+            d.starts_with("the API server answered 403 Forbidden: no[31mway xxx"),
+            "{d}"
+        );
         assert!(!d.chars().any(char::is_control), "{d}");
-        assert!(d.len() <= "the API server answered 403 Forbidden: ".len() + 200 + 3, "{d}");
+        assert!(
+            d.len() <= "the API server answered 403 Forbidden: ".len() + 200 + 3,
+            "{d}"
+        );
         assert_eq!(clean("é".repeat(200).as_str(), 5), "éé…");
     }
 }

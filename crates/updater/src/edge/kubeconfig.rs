@@ -267,7 +267,12 @@ pub fn parse(value: &[u8]) -> Result<Parsed, Refusal> {
         check_fields(
             u,
             &format!("users[{i}].user"),
-            &["client-certificate-data", "client-key-data", "token", "extensions"],
+            &[
+                "client-certificate-data",
+                "client-key-data",
+                "token",
+                "extensions",
+            ],
         )?;
     }
     for (i, (_, c)) in contexts.iter().enumerate() {
@@ -299,9 +304,10 @@ pub fn parse(value: &[u8]) -> Result<Parsed, Refusal> {
         .ok_or_else(|| refuse(format!("{at}.user"), "names no entry of users"))?;
 
     let at = format!("clusters[{ki}].cluster");
-    let server = string(cluster, "server", &at)?
-        .ok_or_else(|| refuse(format!("{at}.server"), "missing"))?;
-    let (host, port, path) = server_url(server).map_err(|why| refuse(format!("{at}.server"), why))?;
+    let server =
+        string(cluster, "server", &at)?.ok_or_else(|| refuse(format!("{at}.server"), "missing"))?;
+    let (host, port, path) =
+        server_url(server).map_err(|why| refuse(format!("{at}.server"), why))?;
     let ca = string(cluster, "certificate-authority-data", &at)?.ok_or_else(|| {
         refuse(
             format!("{at}.certificate-authority-data"),
@@ -323,10 +329,13 @@ pub fn parse(value: &[u8]) -> Result<Parsed, Refusal> {
     })
 }
 
+/// An entry of `clusters`, `users` or `contexts`: its name and its body.
+type Entry<'a> = (&'a str, &'a Map<String, Value>);
+
 /// The context in use: `current-context`, or the only one.
 fn current_context<'a>(
     top: &Map<String, Value>,
-    contexts: &[(&'a str, &'a Map<String, Value>)],
+    contexts: &[Entry<'a>],
 ) -> Result<(usize, &'a Map<String, Value>), Refusal> {
     match string(top, "current-context", "")?.filter(|c| !c.is_empty()) {
         Some(name) => find(contexts, name)
@@ -342,10 +351,7 @@ fn current_context<'a>(
     }
 }
 
-fn find<'a>(
-    list: &[(&'a str, &'a Map<String, Value>)],
-    name: &str,
-) -> Option<(usize, &'a Map<String, Value>)> {
+fn find<'a>(list: &[Entry<'a>], name: &str) -> Option<(usize, &'a Map<String, Value>)> {
     list.iter()
         .position(|(n, _)| *n == name)
         .map(|i| (i, list[i].1))
@@ -457,13 +463,15 @@ fn check_fields(map: &Map<String, Value>, at: &str, allowed: &[&str]) -> Result<
         if let Some(why) = refused_field(key) {
             return Err(refuse(path(key), why));
         }
-        return Err(match FORMAT_FIELDS.iter().copied().find(|f| *f == key.as_str()) {
-            Some(f) => refuse(path(f), "is not supported here"),
-            None => refuse(
-                if at.is_empty() { "(top level)" } else { at }.to_owned(),
-                "has a field the kubeconfig format does not have",
-            ),
-        });
+        return Err(
+            match FORMAT_FIELDS.iter().copied().find(|f| *f == key.as_str()) {
+                Some(f) => refuse(path(f), "is not supported here"),
+                None => refuse(
+                    if at.is_empty() { "(top level)" } else { at }.to_owned(),
+                    "has a field the kubeconfig format does not have",
+                ),
+            },
+        );
     }
     Ok(())
 }
@@ -482,7 +490,11 @@ fn object<'a>(v: &'a Value, at: &str) -> Result<&'a Map<String, Value>, Refusal>
 }
 
 /// `map[key]` as a string (`None` when absent or null).
-fn string<'a>(map: &'a Map<String, Value>, key: &str, at: &str) -> Result<Option<&'a str>, Refusal> {
+fn string<'a>(
+    map: &'a Map<String, Value>,
+    key: &str,
+    at: &str,
+) -> Result<Option<&'a str>, Refusal> {
     match map.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
@@ -502,13 +514,13 @@ fn named_list<'a>(
     top: &'a Map<String, Value>,
     list: &str,
     inner: &str,
-) -> Result<Vec<(&'a str, &'a Map<String, Value>)>, Refusal> {
+) -> Result<Vec<Entry<'a>>, Refusal> {
     let items = match top.get(list) {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(a)) => a,
         Some(_) => return Err(refuse(list, "is not a list")),
     };
-    let mut out: Vec<(&str, &Map<String, Value>)> = Vec::with_capacity(items.len());
+    let mut out: Vec<Entry<'a>> = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let at = format!("{list}[{i}]");
         let entry = object(item, &at)?;
@@ -544,9 +556,7 @@ fn server_url(server: &str) -> Result<(Host, u16, String), String> {
         }
         _ => return Err("not an https URL (it must be https://host[:port][/path])".into()),
     }
-    let authority = uri
-        .authority()
-        .ok_or_else(|| "has no host".to_owned())?;
+    let authority = uri.authority().ok_or_else(|| "has no host".to_owned())?;
     if authority.as_str().contains('@') {
         return Err("has user information before the host, which is not supported".into());
     }
@@ -741,14 +751,19 @@ async fn resolve(parsed: Parsed, local: LocalServers) -> Result<WorkloadCredenti
     let (addr, server_name) = match &parsed.host {
         Host::Ip(ip) => (SocketAddr::new(*ip, parsed.port), None),
         Host::Name(name) => {
-            let found: Vec<SocketAddr> =
-                tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((name.as_str(), parsed.port)))
-                    .await
-                    .map_err(|_| resolve_failed(field, "its host name took too long to resolve"))?
-                    .map_err(|_| resolve_failed(field, "its host name did not resolve"))?
-                    .collect();
+            let found: Vec<SocketAddr> = tokio::time::timeout(
+                RESOLVE_TIMEOUT,
+                tokio::net::lookup_host((name.as_str(), parsed.port)),
+            )
+            .await
+            .map_err(|_| resolve_failed(field, "its host name took too long to resolve"))?
+            .map_err(|_| resolve_failed(field, "its host name did not resolve"))?
+            .collect();
             if found.is_empty() {
-                return Err(resolve_failed(field, "its host name resolved to no address"));
+                return Err(resolve_failed(
+                    field,
+                    "its host name resolved to no address",
+                ));
             }
             if local == LocalServers::Refuse
                 && let Some(kind) = found.iter().find_map(|a| local_kind(a.ip()))

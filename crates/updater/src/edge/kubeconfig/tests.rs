@@ -89,9 +89,16 @@ fn what_cluster_api_writes_is_accepted() {
             .collect::<Vec<_>>()
     };
     assert_eq!(der(cert_pem), der(&cert));
-    assert!(key_pem.starts_with("-----BEGIN PRIVATE KEY-----\n"), "pkcs8");
+    assert!(
+        key_pem.starts_with("-----BEGIN PRIVATE KEY-----\n"),
+        "pkcs8"
+    );
 
-    let p = parse(&yaml(&token_kubeconfig("https://api.example.com/k8s/c-1", "abc.def"))).unwrap();
+    let p = parse(&yaml(&token_kubeconfig(
+        "https://api.example.com/k8s/c-1",
+        "abc.def",
+    )))
+    .unwrap();
     assert_eq!(p.host, Host::Name("api.example.com".into()));
     assert_eq!((p.port, p.path.as_str()), (443, "/k8s/c-1"));
     assert_eq!(p.user, User::Token("abc.def".into()));
@@ -102,8 +109,16 @@ fn what_cluster_api_writes_is_accepted() {
 #[test]
 fn every_refused_field_is_refused_by_name_without_its_value() {
     let cases: &[(&str, &str, Value)] = &[
-        ("user", "exec", json!({"command": "/bin/sh", "args": ["-c", SENTINEL], "apiVersion": "client.authentication.k8s.io/v1"})),
-        ("user", "auth-provider", json!({"name": "gcp", "config": {"cmd-path": SENTINEL}})),
+        (
+            "user",
+            "exec",
+            json!({"command": "/bin/sh", "args": ["-c", SENTINEL], "apiVersion": "client.authentication.k8s.io/v1"}),
+        ),
+        (
+            "user",
+            "auth-provider",
+            json!({"name": "gcp", "config": {"cmd-path": SENTINEL}}),
+        ),
         ("user", "tokenFile", json!(SENTINEL)),
         ("user", "client-certificate", json!(SENTINEL)),
         ("user", "client-key", json!(SENTINEL)),
@@ -115,7 +130,11 @@ fn every_refused_field_is_refused_by_name_without_its_value() {
         ("user", "as-user-extra", json!({"k": [SENTINEL]})),
         ("cluster", "certificate-authority", json!(SENTINEL)),
         ("cluster", "insecure-skip-tls-verify", json!(true)),
-        ("cluster", "proxy-url", json!(format!("http://{SENTINEL}:3128"))),
+        (
+            "cluster",
+            "proxy-url",
+            json!(format!("http://{SENTINEL}:3128")),
+        ),
         ("cluster", "tls-server-name", json!(SENTINEL)),
     ];
     for (entry, field, value) in cases {
@@ -129,7 +148,10 @@ fn every_refused_field_is_refused_by_name_without_its_value() {
             refusal: r,
         }
         .to_string();
-        assert!(shown.starts_with("Secret ns/c-kubeconfig key value: "), "{shown}");
+        assert!(
+            shown.starts_with("Secret ns/c-kubeconfig key value: "),
+            "{shown}"
+        );
         assert!(!shown.contains("SENTINEL"), "{shown}");
         assert!(!shown.contains("/bin/sh"), "{shown}");
     }
@@ -196,7 +218,9 @@ fn the_user_gives_a_certificate_and_its_key_or_a_token() {
     assert_eq!(r.field, "users[0].user", "{r}");
     assert!(r.why.contains("not a usable pair"), "{r}");
     let (mut v, _, _) = capi_kubeconfig("https://10.0.0.1");
-    v["users"][0]["user"]["client-key-data"] = json!(b64(b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"));
+    v["users"][0]["user"]["client-key-data"] = json!(b64(
+        b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"
+    ));
     let r = refusal(&v);
     assert!(r.field.starts_with("users[0].user"), "{r}");
     let (mut v, _, _) = capi_kubeconfig("https://10.0.0.1");
@@ -238,8 +262,15 @@ fn size_aliases_depth_and_duplicate_keys_are_bounded() {
     // A billion laughs: each level doubles; refused by the node budget, quickly.
     let mut bomb = String::from("a: &a [x, x, x, x, x, x, x, x]\n");
     for i in 1..12 {
-        bomb.push_str(&format!("{}: &{} [*{}, *{}, *{}, *{}]\n", (b'a' + i) as char, (b'a' + i) as char,
-            (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char, (b'a' + i - 1) as char));
+        bomb.push_str(&format!(
+            "{}: &{} [*{}, *{}, *{}, *{}]\n",
+            (b'a' + i) as char,
+            (b'a' + i) as char,
+            (b'a' + i - 1) as char,
+            (b'a' + i - 1) as char,
+            (b'a' + i - 1) as char,
+            (b'a' + i - 1) as char
+        ));
     }
     let started = std::time::Instant::now();
     let r = parse(bomb.as_bytes()).unwrap_err();
@@ -248,11 +279,26 @@ fn size_aliases_depth_and_duplicate_keys_are_bounded() {
     // Long strings through aliases: the byte budget.
     let long = "x".repeat(30_000);
     let text = format!("a: &s {long}\nb: [*s, *s, *s, *s, *s]\n");
-    assert!(parse(text.as_bytes()).unwrap_err().why.contains("bytes of values"));
+    assert!(
+        parse(text.as_bytes())
+            .unwrap_err()
+            .why
+            .contains("bytes of values")
+    );
     let deep = format!("{}1{}", "[".repeat(100), "]".repeat(100));
-    assert!(parse(deep.as_bytes()).unwrap_err().why.contains("nested deeper"));
+    assert!(
+        parse(deep.as_bytes())
+            .unwrap_err()
+            .why
+            .contains("nested deeper")
+    );
     let dup = "kind: Config\nkind: Config\n";
-    assert!(parse(dup.as_bytes()).unwrap_err().why.contains("same key twice"));
+    assert!(
+        parse(dup.as_bytes())
+            .unwrap_err()
+            .why
+            .contains("same key twice")
+    );
     let r = parse(b"clusters: [\n").unwrap_err();
     assert!(r.why.starts_with("not valid YAML"), "{r}");
     assert_eq!(parse(b"\xff").unwrap_err().why, "not UTF-8 text");
@@ -270,8 +316,14 @@ fn local_addresses_are_known() {
         ("::", Some("unspecified")),
         ("fe80::1", Some("link-local")),
         ("febf::1", Some("link-local")),
-        ("::ffff:127.0.0.1", Some("IPv4-mapped loopback or link-local")),
-        ("::ffff:169.254.1.1", Some("IPv4-mapped loopback or link-local")),
+        (
+            "::ffff:127.0.0.1",
+            Some("IPv4-mapped loopback or link-local"),
+        ),
+        (
+            "::ffff:169.254.1.1",
+            Some("IPv4-mapped loopback or link-local"),
+        ),
         ("10.0.0.1", None),
         ("192.168.1.1", None),
         ("fec0::1", None),
@@ -293,8 +345,13 @@ async fn a_local_server_is_refused_unless_allowed_and_a_name_is_pinned() {
         "https://0.0.0.0",
     ] {
         let v = yaml(&token_kubeconfig(server, "t"));
-        let e = credentials(secret, &v, LocalServers::Refuse).await.unwrap_err();
-        assert_eq!(e.refusal.field, "clusters[0].cluster.server", "{server}: {e}");
+        let e = credentials(secret, &v, LocalServers::Refuse)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.refusal.field, "clusters[0].cluster.server",
+            "{server}: {e}"
+        );
         assert!(e.to_string().contains(ALLOW_LOCAL_FLAG), "{e}");
         assert!(!e.to_string().contains("6443"), "{e}");
         let c = credentials(secret, &v, LocalServers::Allow).await.unwrap();
@@ -302,12 +359,18 @@ async fn a_local_server_is_refused_unless_allowed_and_a_name_is_pinned() {
     }
     // A host name that resolves to loopback: DNS pointed it there.
     let v = yaml(&token_kubeconfig("https://localhost:6443", "t"));
-    let e = credentials(secret, &v, LocalServers::Refuse).await.unwrap_err();
+    let e = credentials(secret, &v, LocalServers::Refuse)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("DNS pointed it there"), "{e}");
     let c = credentials(secret, &v, LocalServers::Allow).await.unwrap();
     assert_eq!(c.server_name(), Some("localhost"));
     let host = c.url().host().unwrap();
-    assert!(host == "127.0.0.1" || host == "[::1]", "pinned to the address: {}", c.url());
+    assert!(
+        host == "127.0.0.1" || host == "[::1]",
+        "pinned to the address: {}",
+        c.url()
+    );
     assert_eq!(c.url().port_u16(), Some(6443));
     // An address elsewhere: as given, no server name, nothing local.
     let v = yaml(&token_kubeconfig("https://10.1.2.3:6443/prefix", "t"));
