@@ -41,6 +41,7 @@ mod updater_drift;
 mod updater_e2e;
 mod updater_forged_requests;
 mod updater_http;
+mod updater_kubeconfig;
 mod updater_memory;
 mod updater_packaging;
 mod updater_rbac;

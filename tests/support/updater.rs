@@ -231,6 +231,7 @@ impl World {
             .arg(self.agent_port.to_string())
             .arg("--kubeconfig")
             .arg(&kubeconfig)
+            .arg("--allow-local-workload-servers") // the stand-in's workload clusters are on loopback
             .args(extra)
             .env("INPLACE_UPDATER_LOG", "debug");
         let proc = Daemon::start(cmd, Ready::Log).unwrap_or_else(|e| panic!("updater: {e}"));

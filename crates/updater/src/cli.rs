@@ -17,6 +17,7 @@ use super::server::Server;
 use super::settings::{Defaults, Settings};
 use super::setup::build;
 use super::translate::{Desired, NoSecrets, NodeFacts, translate};
+use crate::edge::kubeconfig::LocalServers;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -98,6 +99,11 @@ struct ServeArgs {
     /// pool (Go: 90 s), or a pooled connection may be closed as a call is sent on it
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout: u64,
+    /// Allow workload clusters whose kubeconfig server is on a loopback, link-local or
+    /// unspecified address (test rigs only: a tenant's kubeconfig could aim the updater's
+    /// requests at its own host)
+    #[arg(long)]
+    allow_local_workload_servers: bool,
 }
 
 /// Output format of `translate`.
@@ -234,6 +240,16 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("start the async runtime")?;
     runtime.block_on(async move {
+        let local = if args.allow_local_workload_servers {
+            tracing::warn!(
+                "--allow-local-workload-servers: a workload cluster's kubeconfig may point at a \
+                 loopback, link-local or unspecified address (this host, its metadata service); \
+                 meant for test rigs, never for a management cluster with tenants"
+            );
+            LocalServers::Allow
+        } else {
+            LocalServers::Refuse
+        };
         let (updater, tls) = build(
             &args.tls_cert,
             &args.tls_key,
@@ -245,6 +261,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             args.agent_port,
             args.kubeconfig.as_deref(),
             args.extension_configs.clone(),
+            local,
         )
         .await?;
         let limits = ConnectionLimits {

@@ -267,6 +267,8 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         port,
         Some(&kubeconfig),
         vec![super::edge::extension_config::DEFAULT_NAME.to_owned()],
+        // The stand-in serves the demo's workload cluster too, on loopback.
+        crate::edge::kubeconfig::LocalServers::Allow,
     )
     .await?;
     // The operator registers the updater; its settings are every request's (a request whose

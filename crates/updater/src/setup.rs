@@ -14,6 +14,7 @@ use super::progress::Plans;
 use super::recovery::Recovery;
 use super::server::ServingTls;
 use super::settings::Defaults;
+use crate::edge::kubeconfig::LocalServers;
 
 /// Builds the updater and its serving TLS (shared by `serve`, the demo and the tests).
 pub async fn build(
@@ -23,6 +24,7 @@ pub async fn build(
     agent_port: u16,
     kubeconfig: Option<&std::path::Path>,
     extension_configs: Vec<String>,
+    local_workload_servers: LocalServers,
 ) -> anyhow::Result<(Arc<Updater>, Arc<ServingTls>)> {
     let agents = Arc::new(Agents::new(agent_paths).context("agent client certificate")?);
     let cluster = Cluster::connect(kubeconfig).await?;
@@ -50,7 +52,11 @@ pub async fn build(
             recovery,
             cluster_cas: Default::default(),
             waits: Default::default(),
-            drains: Arc::new(super::handlers::Drains::default()),
+            drains: Arc::new({
+                let mut drains = super::handlers::Drains::default();
+                drains.workloads = super::workload::Workloads::new(local_workload_servers);
+                drains
+            }),
         }
     });
     let waits = Arc::downgrade(&updater.waits);

@@ -1,8 +1,9 @@
 //! A STAND-IN for the Kubernetes API server: the few paths the updater uses (`get` of a
 //! Machine with status, a KubeadmConfig, a Secret; `list` of Machines by label selector; `create` of a `v1` Event, 409
 //! AlreadyExists for a name taken; a JSON merge `patch` of a Machine), serving the objects'
-//! real JSON shapes and the API server's `Status` object for errors, over plain HTTP/1.1 on
-//! loopback. For the drain it also serves a workload cluster's paths (one stand-in may be
+//! real JSON shapes and the API server's `Status` object for errors, over HTTP/1.1 on
+//! loopback (plain, or HTTPS on the same port with a certificate from a CA of its own, as
+//! a workload cluster's kubeconfig must be https). For the drain it also serves a workload cluster's paths (one stand-in may be
 //! both clusters): cluster-scoped Nodes (`get`, merge `patch`: cordon), `list` of Pods
 //! (with the `spec.nodeName` field selector), Namespaces, PodDisruptionBudgets and
 //! MachineDrainRules (and the management cluster's Machines, by equality label selector), `get` of DaemonSets, and the `pods/eviction` subresource with
@@ -42,9 +43,79 @@ pub struct Store {
 /// A running stand-in.
 #[derive(Debug, Clone)]
 pub struct ApiStandin {
-    /// Where it listens (`http://` + this).
+    /// Where it listens (`http://` or `https://` + this).
     pub addr: SocketAddr,
     store: Arc<Mutex<Store>>,
+    ca_pem: Arc<String>,
+}
+
+/// Serves one connection (plain or TLS) until it closes.
+async fn serve<I>(io: I, store: Arc<Mutex<Store>>)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let store = store.clone();
+        async move {
+            let (parts, body) = req.into_parts();
+            let body = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let content_type = parts
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            Ok::<_, std::convert::Infallible>(handle(
+                &store,
+                &parts.method,
+                &parts.uri,
+                content_type,
+                &body,
+            ))
+        }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(io, service)
+        .await;
+}
+
+/// A CA of the stand-in's own (its PEM) and a rustls server configuration with a
+/// certificate it signed for `127.0.0.1` and `localhost` (HTTP/1.1).
+fn serving_tls() -> anyhow::Result<(String, rustls::ServerConfig)> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, KeyUsagePurpose,
+    };
+    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let ca_key = KeyPair::generate()?;
+    let mut ca = CertificateParams::default();
+    ca.distinguished_name
+        .push(DnType::CommonName, "api stand-in CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_pem = ca.self_signed(&ca_key)?.pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate()?;
+    let mut leaf = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
+    leaf.distinguished_name
+        .push(DnType::CommonName, "api stand-in");
+    leaf.is_ca = IsCa::ExplicitNoCa;
+    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    leaf.use_authority_key_identifier_extension = true;
+    let cert = leaf.signed_by(&key, &issuer)?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok((ca_pem, config))
 }
 
 /// Kinds without a namespace (the stand-in serves these three).
@@ -105,10 +176,14 @@ fn status(code: StatusCode, reason: &str, message: String) -> Response<Full<Byte
 }
 
 impl ApiStandin {
-    /// Starts serving on 127.0.0.1 (a free port) on the current Tokio runtime.
+    /// Starts serving on 127.0.0.1 (a free port) on the current Tokio runtime: plain HTTP,
+    /// and HTTPS on the same port (a connection whose first byte opens a TLS handshake) with
+    /// a certificate for `127.0.0.1` and `localhost` from a CA of its own ([`Self::ca_pem`]).
     pub async fn start() -> std::io::Result<ApiStandin> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
+        let (ca_pem, tls) = serving_tls().map_err(std::io::Error::other)?;
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
         let store = Arc::new(Mutex::new(Store::default()));
         let shared = store.clone();
         tokio::spawn(async move {
@@ -118,37 +193,30 @@ impl ApiStandin {
                 };
                 let _ = tcp.set_nodelay(true);
                 let store = shared.clone();
+                let acceptor = acceptor.clone();
                 tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let store = store.clone();
-                        async move {
-                            let (parts, body) = req.into_parts();
-                            let body = body
-                                .collect()
-                                .await
-                                .map(|b| b.to_bytes())
-                                .unwrap_or_default();
-                            let content_type = parts
-                                .headers
-                                .get(http::header::CONTENT_TYPE)
-                                .and_then(|v| v.to_str().ok())
-                                .unwrap_or("");
-                            Ok::<_, std::convert::Infallible>(handle(
-                                &store,
-                                &parts.method,
-                                &parts.uri,
-                                content_type,
-                                &body,
-                            ))
+                    let mut first = [0u8; 1];
+                    // 0x16: a TLS record of type handshake (RFC 8446 §5.1).
+                    if matches!(tcp.peek(&mut first).await, Ok(1)) && first[0] == 0x16 {
+                        if let Ok(tls) = acceptor.accept(tcp).await {
+                            serve(TokioIo::new(tls), store).await;
                         }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(tcp), service)
-                        .await;
+                    } else {
+                        serve(TokioIo::new(tcp), store).await;
+                    }
                 });
             }
         });
-        Ok(ApiStandin { addr, store })
+        Ok(ApiStandin {
+            addr,
+            store,
+            ca_pem: Arc::new(ca_pem),
+        })
+    }
+
+    /// The PEM of the CA that signed the stand-in's HTTPS certificate.
+    pub fn ca_pem(&self) -> &str {
+        &self.ca_pem
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Store> {
@@ -210,7 +278,8 @@ impl ApiStandin {
         std::fs::write(path, self.kubeconfig())
     }
 
-    /// A kubeconfig pointing at the stand-in (the text of the file).
+    /// A kubeconfig pointing at the stand-in over plain HTTP (the text of the file; the
+    /// management cluster's, given to the updater with `--kubeconfig`).
     pub fn kubeconfig(&self) -> String {
         format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: standin\n  cluster:\n    server: http://{addr}\n\
@@ -220,13 +289,31 @@ impl ApiStandin {
         )
     }
 
+    /// A kubeconfig as Cluster API writes one for a workload cluster, pointing at the
+    /// stand-in over HTTPS: the server, its CA as `certificate-authority-data` and an inline
+    /// token, nothing else (the only shape the updater accepts besides an inline client
+    /// certificate; `crate::edge::kubeconfig`). The updater must be started with
+    /// `--allow-local-workload-servers` to use it, as it is on loopback.
+    pub fn workload_kubeconfig(&self) -> String {
+        use base64::Engine as _;
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: workload\n  cluster:\n    server: https://{addr}\n    \
+             certificate-authority-data: {ca}\nusers:\n- name: workload-admin\n  user:\n    token: standin-token\n\
+             contexts:\n- name: workload-admin@workload\n  context:\n    cluster: workload\n    user: workload-admin\n\
+             current-context: workload-admin@workload\n",
+            addr = self.addr,
+            ca = base64::engine::general_purpose::STANDARD.encode(self.ca_pem.as_bytes()),
+        )
+    }
+
     /// The `<cluster>-kubeconfig` Secret Cluster API keeps for a cluster, pointing at this
-    /// stand-in (which then serves as the workload cluster too).
+    /// stand-in over HTTPS ([`Self::workload_kubeconfig`]; the stand-in then serves as the
+    /// workload cluster too).
     pub fn workload_secret(&self, namespace: &str, cluster: &str) -> Value {
         secret(
             namespace,
             &format!("{cluster}-kubeconfig"),
-            &[("value", self.kubeconfig().as_bytes())],
+            &[("value", self.workload_kubeconfig().as_bytes())],
         )
     }
 }

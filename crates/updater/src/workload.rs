@@ -1,7 +1,11 @@
 //! A workload cluster, through kube-rs, for the drain ([`super::drain`]): its client is
 //! built from the kubeconfig Secret Cluster API keeps for every cluster
 //! (`<cluster>-kubeconfig`, key `value`, the Machine's namespace), one per cluster, and
-//! built again when the Secret's content changes (rotation). What the updater does there:
+//! built again when the Secret's content changes (rotation). The Secret is a tenant's to
+//! write, so kube-rs never reads it: [`crate::edge::kubeconfig`] turns it into
+//! [`WorkloadCredentials`] (a server pinned to its address, a CA, inline credentials) and
+//! the client's configuration is built from those alone; what a workload API server says
+//! reaches a message only as its status code, reason and a bounded, cleaned message. What the updater does there:
 //! `get` and merge `patch` of the Node (cordon, uncordon, its annotations), `list` of the
 //! Node's Pods (`spec.nodeName` field selector), of Namespaces and of a namespace's
 //! PodDisruptionBudgets, `get` of a DaemonSet (is a Pod's owner still there), and `create`
@@ -16,11 +20,11 @@ use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::cluster::Cluster;
 use super::drain::{Selector, string_map};
+use crate::edge::kubeconfig::{self, LocalServers, User, WorkloadCredentials};
 
 /// A request to a workload cluster failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -40,6 +44,7 @@ pub struct WorkloadError {
 #[derive(Default)]
 pub struct Workloads {
     clients: Mutex<HashMap<String, ([u8; 32], kube::Client)>>,
+    local: LocalServers,
 }
 
 impl std::fmt::Debug for Workloads {
@@ -54,6 +59,15 @@ pub fn kubeconfig_secret(cluster: &str) -> String {
 }
 
 impl Workloads {
+    /// No clients yet; servers on local addresses allowed or not
+    /// (`--allow-local-workload-servers`).
+    pub fn new(local: LocalServers) -> Workloads {
+        Workloads {
+            clients: Mutex::default(),
+            local,
+        }
+    }
+
     /// The client of cluster `name` in `namespace`: the Secret is read each time (one `get`)
     /// and a new client built only when its content changed.
     pub async fn client(
@@ -99,10 +113,33 @@ impl Workloads {
         let client = match cached {
             Some(c) => c,
             None => {
-                let client = build(value).await.map_err(|e| {
+                let secret_id = format!("{namespace}/{secret}");
+                let credentials = kubeconfig::credentials(&secret_id, value, self.local)
+                    .await
+                    .map_err(|e| {
+                        let what = if e.refusal.transient {
+                            "; asked again on the next call"
+                        } else {
+                            "; fix the Secret (docs/updater.md, \"Workload cluster access\", \
+                             says what it may hold)"
+                        };
+                        err(
+                            format!("read the kubeconfig in Secret {secret_id} key value"),
+                            format!("{}{what}", e.refusal),
+                            false,
+                        )
+                    })?;
+                if let Some(kind) = credentials.local() {
+                    tracing::warn!(cluster = %id, address = %credentials.url(),
+                        "workload cluster client built for a server on a {kind} address: allowed only \
+                         by --allow-local-workload-servers, which is for test rigs");
+                }
+                let client = build(&credentials).map_err(|e| {
                     err(
-                        format!("load the kubeconfig in Secret {namespace}/{secret}"),
-                        e,
+                        format!(
+                            "build a client from the kubeconfig in Secret {secret_id} key value"
+                        ),
+                        e.into(),
                         false,
                     )
                 })?;
@@ -121,17 +158,108 @@ impl Workloads {
     }
 }
 
-async fn build(kubeconfig: &[u8]) -> Result<kube::Client, String> {
-    let text = std::str::from_utf8(kubeconfig).map_err(|e| format!("not UTF-8: {e}"))?;
-    let file = Kubeconfig::from_yaml(text).map_err(|e| e.to_string())?;
-    let mut config = kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
+/// A client for `credentials` and nothing else: the configuration is written here field by
+/// field (no kubeconfig, no environment, no proxy, no file, no plugin).
+fn build(credentials: &WorkloadCredentials) -> Result<kube::Client, &'static str> {
+    let mut config = kube::Config::new(credentials.url().clone());
+    config.root_cert = Some(credentials.ca_der().to_vec());
+    config.accept_invalid_certs = false;
+    config.proxy_url = None;
+    config.tls_server_name = credentials.server_name().map(str::to_owned);
+    config.headers = Vec::new();
+    let auth = match credentials.user() {
+        User::Certificate { cert_pem, key_pem } => {
+            use base64::Engine as _;
+            let b64 = base64::engine::general_purpose::STANDARD;
+            json!({"client-certificate-data": b64.encode(cert_pem), "client-key-data": b64.encode(key_pem)})
+        }
+        User::Token(token) => json!({ "token": token }),
+    };
+    config.auth_info = serde_json::from_value(auth)
+        .map_err(|_| "the inline credentials could not be given to the client")?;
     // Each drain step runs inside one hook call (CAPI's 10 s).
     config.connect_timeout = Some(Duration::from_secs(2));
     config.read_timeout = Some(Duration::from_secs(3));
     config.write_timeout = Some(Duration::from_secs(3));
-    kube::Client::try_from(config).map_err(|e| e.to_string())
+    // kube-rs's TLS takes the process's crypto provider; ring is this binary's.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    kube::Client::try_from(config)
+        .map_err(|_| "the client certificate, key or CA was not usable for TLS")
+}
+
+/// The most bytes of an API server's message a hook message carries.
+const MAX_API_MESSAGE: usize = 200;
+
+/// What a failed request to a workload cluster says in a message: the HTTP status, reason and
+/// a bounded, cleaned message of the API server, or what the connection did; never the
+/// kubeconfig or anything from the credentials.
+fn describe(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => {
+            let reason = clean(&s.reason, 64);
+            let message = clean(&s.message, MAX_API_MESSAGE);
+            match (reason.is_empty(), message.is_empty()) {
+                (true, true) => format!("the API server answered {}", s.code),
+                (false, true) => format!("the API server answered {} {reason}", s.code),
+                (true, false) => format!("the API server answered {}: {message}", s.code),
+                (false, false) => format!("the API server answered {} {reason}: {message}", s.code),
+            }
+        }
+        kube::Error::SerdeError(_) => {
+            "the API server's answer is not the object asked for (is the kubeconfig's server a \
+             Kubernetes API server?)"
+                .into()
+        }
+        kube::Error::HyperError(_) | kube::Error::Service(_) => connection(e),
+        _ => "the request could not be made".into(),
+    }
+}
+
+/// A connection failure in words: TLS, refused, timed out, or another I/O failure; what TLS
+/// said is kept (rustls's words, bounded and cleaned), nothing else.
+fn connection(e: &kube::Error) -> String {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    let mut timed_out = false;
+    while let Some(s) = source {
+        if let Some(tls) = s.downcast_ref::<rustls::Error>() {
+            return format!(
+                "TLS with the workload API server failed ({}): does certificate-authority-data \
+                 hold the CA that signed the server's certificate, for the server's host?",
+                clean(&tls.to_string(), MAX_API_MESSAGE)
+            );
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            match io.kind() {
+                std::io::ErrorKind::ConnectionRefused => {
+                    return "the workload API server refused the connection".into();
+                }
+                std::io::ErrorKind::TimedOut => timed_out = true,
+                _ => {}
+            }
+        }
+        if s.to_string().contains("elapsed") {
+            timed_out = true;
+        }
+        source = s.source();
+    }
+    if timed_out {
+        "the workload API server did not answer in time".into()
+    } else {
+        "the connection to the workload API server failed".into()
+    }
+}
+
+/// `text` with control characters dropped, at most `max` bytes (on a character boundary).
+fn clean(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for c in text.chars().filter(|c| !c.is_control()) {
+        if out.len() + c.len_utf8() > max {
+            out.push('…');
+            break;
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// What an eviction came to.
@@ -158,11 +286,11 @@ fn to_value<T: serde::Serialize>(v: &T) -> Value {
 }
 
 impl Workload {
-    fn err(&self, op: String, e: impl std::fmt::Display) -> WorkloadError {
+    fn err(&self, op: String, e: kube::Error) -> WorkloadError {
         WorkloadError {
             cluster: self.cluster.clone(),
             op,
-            detail: e.to_string(),
+            detail: describe(&e),
             no_secret: false,
         }
     }
@@ -236,7 +364,9 @@ impl Workload {
         match api.evict(name, &EvictParams::default()).await {
             Ok(_) => Ok(Evicted::Yes),
             Err(kube::Error::Api(e)) if e.code == 404 => Ok(Evicted::Gone),
-            Err(kube::Error::Api(e)) if e.code == 429 => Ok(Evicted::Refused(e.message)),
+            Err(kube::Error::Api(e)) if e.code == 429 => {
+                Ok(Evicted::Refused(clean(&e.message, MAX_API_MESSAGE)))
+            }
             Err(e) => Err(self.err(format!("evict Pod {namespace}/{name}"), e)),
         }
     }
@@ -290,7 +420,8 @@ mod tests {
         let kubeconfig = dir.path().join("kubeconfig");
         management.write_kubeconfig(&kubeconfig).unwrap();
         let cluster = Cluster::connect(Some(&kubeconfig)).await.unwrap();
-        let workloads = Workloads::default();
+        // The stand-in is on loopback.
+        let workloads = Workloads::new(LocalServers::Allow);
         let version = |n: Option<Value>| {
             n.and_then(|n| n.pointer("/status/nodeInfo/kubeletVersion").cloned())
         };
@@ -306,6 +437,22 @@ mod tests {
             "{missing}"
         );
 
+        // Refused by default: the same Secret, a strict updater.
+        management.put(one.workload_secret("default", "c"));
+        let strict = Workloads::default()
+            .client(&cluster, "default", "c")
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            strict.to_string().contains(
+                "read the kubeconfig in Secret default/c-kubeconfig key value: \
+                 clusters[0].cluster.server: its host is a loopback address"
+            ),
+            "{strict}"
+        );
+        assert!(!strict.no_secret);
+
         management.put(one.workload_secret("default", "c"));
         let w = workloads.client(&cluster, "default", "c").await.unwrap();
         assert_eq!(version(w.node("n").await.unwrap()), Some("v1.35.1".into()));
@@ -318,11 +465,33 @@ mod tests {
             .iter()
             .filter(|(m, p)| m == "GET" && p == "/api/v1/namespaces/default/secrets/c-kubeconfig")
             .count();
-        assert_eq!(secret_gets, 4, "read on every use");
+        assert_eq!(secret_gets, 5, "read on every use");
         assert_eq!(
             workloads.clients.lock().unwrap().len(),
             1,
             "one client per cluster"
         );
+    }
+
+    /// What an API server says is kept to its status, reason and 200 cleaned bytes.
+    #[test]
+    fn an_api_servers_words_are_bounded_and_cleaned() {
+        let e = kube::Error::Api(kube::core::ErrorResponse {
+            status: "Failure".into(),
+            message: format!("no\u{1b}[31m\r\nway {}", "x".repeat(500)),
+            reason: "Forbidden".into(),
+            code: 403,
+        });
+        let d = describe(&e);
+        assert!(
+            d.starts_with("the API server answered 403 Forbidden: no[31mway xxx"),
+            "{d}"
+        );
+        assert!(!d.chars().any(char::is_control), "{d}");
+        assert!(
+            d.len() <= "the API server answered 403 Forbidden: ".len() + 200 + 3,
+            "{d}"
+        );
+        assert_eq!(clean("é".repeat(200).as_str(), 5), "éé…");
     }
 }

@@ -19,3 +19,4 @@
 //! it accepts them as arguments.
 
 pub mod extension_config;
+pub mod kubeconfig;
