@@ -548,7 +548,7 @@ fn parse_for_after(
     body: &[u8],
     defaults: &crate::settings::Defaults,
 ) -> Option<(Settings, String, String)> {
-    let value: Value = serde_json::from_slice(body).ok()?;
+    let value: Value = super::request_body(body).ok()?;
     let request = HookRequest::parse(Hook::UpdateMachine, &value).ok()?;
     let settings = Settings::from_request(&request.settings, defaults).ok()?;
     let desired = request.object("desired", "machine").ok()?;
