@@ -358,9 +358,8 @@ impl CabpkFiles {
 /// `storage.files[].path` of a Container Linux Config (YAML) that CABPK merges into the
 /// Ignition document: the user's, but not from `files[]`.
 fn additional_config_files(clc: &str) -> Result<Vec<String>, Unparsed> {
-    let doc = yaml::yaml(clc, &Limits::BOOTSTRAP_YAML).map_err(|e| {
-        Unparsed::syntax("ignition.containerLinuxConfig.additionalConfig: ", e)
-    })?;
+    let doc = yaml::yaml(clc, &Limits::BOOTSTRAP_YAML)
+        .map_err(|e| Unparsed::syntax("ignition.containerLinuxConfig.additionalConfig: ", e))?;
     let files = lookup(doc.value(), &["storage", "files"])
         .and_then(Value::as_array)
         .map(Vec::as_slice)

@@ -13,8 +13,9 @@ const CONTROL_PLANE_CLOUD_CONFIG: &str =
     include_str!("../../../../../tests/fixtures/updater/bootstrap-data/control-plane.cloud-config");
 const WORKER_IGNITION: &str =
     include_str!("../../../../../tests/fixtures/updater/bootstrap-data/worker.ignition.json");
-const CONTROL_PLANE_IGNITION: &str =
-    include_str!("../../../../../tests/fixtures/updater/bootstrap-data/control-plane.ignition.json");
+const CONTROL_PLANE_IGNITION: &str = include_str!(
+    "../../../../../tests/fixtures/updater/bootstrap-data/control-plane.ignition.json"
+);
 const CAN_UPDATE_MACHINE: &str =
     include_str!("../../../../../tests/fixtures/updater/can-update-machine-request.json");
 const UPDATE_MACHINE: &str =
@@ -48,10 +49,12 @@ fn depth(v: &Value) -> usize {
 /// The classic shape: each level a list of ten aliases of the level before, `levels` deep
 /// (ten to the `levels` scalars once expanded).
 fn laughs(levels: usize) -> String {
-    let mut doc = String::from("#cloud-config\na0: &a0 [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n");
+    let mut doc = String::from(
+        "#cloud-config\na0: &a0 [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]\n",
+    );
     for i in 1..=levels {
         let prev = format!("*a{}", i - 1);
-        let items = vec![prev.as_str(); 10].join(",");
+        let items = [prev.as_str(); 10].join(",");
         doc.push_str(&format!("a{i}: &a{i} [{items}]\n"));
     }
     doc
@@ -127,7 +130,10 @@ fn a_long_string_aliased_is_refused_at_the_scalar_bytes_limit() {
     }
     let e = yaml(&doc, &Limits::BOOTSTRAP_YAML).unwrap_err();
     over(&e, Limit::ScalarBytes);
-    assert!(e.to_string().contains("scalar bytes limit of 4194304"), "{e}");
+    assert!(
+        e.to_string().contains("scalar bytes limit of 4194304"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -135,7 +141,11 @@ fn nesting_deeper_than_the_limit_is_refused_in_both_syntaxes() {
     let nested = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
     let limit = Limits::BOOTSTRAP_YAML.depth;
     assert_eq!(
-        depth(yaml(&nested(limit), &Limits::BOOTSTRAP_YAML).unwrap().value()),
+        depth(
+            yaml(&nested(limit), &Limits::BOOTSTRAP_YAML)
+                .unwrap()
+                .value()
+        ),
         limit
     );
     assert_eq!(
@@ -148,7 +158,10 @@ fn nesting_deeper_than_the_limit_is_refused_in_both_syntaxes() {
     );
     let e = yaml(&nested(limit + 1), &Limits::BOOTSTRAP_YAML).unwrap_err();
     over(&e, Limit::Depth);
-    assert!(e.to_string().contains("nesting depth limit of 64 levels"), "{e}");
+    assert!(
+        e.to_string().contains("nesting depth limit of 64 levels"),
+        "{e}"
+    );
     let e = json(nested(limit + 1).as_bytes(), &Limits::BOOTSTRAP_JSON).unwrap_err();
     over(&e, Limit::Depth);
     // Maps too, and deeper than the parsers' own recursion limits.
@@ -182,15 +195,19 @@ fn a_document_over_the_size_limit_is_not_parsed() {
             big.len()
         )
     );
-    let e = json(&vec![b' '; (16 << 20) + 1], &Limits::REQUEST_BODY).unwrap_err();
+    let e = json(
+        &vec![b' '; Limits::REQUEST_BODY.input_bytes + 1],
+        &Limits::REQUEST_BODY,
+    )
+    .unwrap_err();
     over(&e, Limit::InputBytes);
 }
 
 #[test]
 fn a_request_body_of_many_tiny_nodes_stops_at_the_node_limit() {
-    // 16 MiB of `0,` would be 8 million values (256 MiB as serde_json's value).
+    // 8 MiB of `0,` would be 4 million values (128 MiB as serde_json's value).
     let mut body = b"[".to_vec();
-    while body.len() < (16 << 20) - 8 {
+    while body.len() < Limits::REQUEST_BODY.input_bytes - 8 {
         body.extend_from_slice(b"0,");
     }
     body.extend_from_slice(b"0]");
@@ -264,19 +281,19 @@ fn yamlish() -> impl Strategy<Value = String> {
 /// An alias-heavy document that is valid YAML: each level a list of aliases of earlier
 /// anchors.
 fn anchored() -> impl Strategy<Value = String> {
-    prop::collection::vec(prop::collection::vec(any::<prop::sample::Index>(), 1..12), 1..12)
-        .prop_map(|levels| {
-            let mut doc = String::from("l0: &l0 [\"ha\", {k: \"ha\"}]\n");
-            for (i, refs) in levels.iter().enumerate() {
-                let i = i + 1;
-                let items: Vec<String> = refs
-                    .iter()
-                    .map(|r| format!("*l{}", r.index(i)))
-                    .collect();
-                doc.push_str(&format!("l{i}: &l{i} [{}]\n", items.join(", ")));
-            }
-            doc
-        })
+    prop::collection::vec(
+        prop::collection::vec(any::<prop::sample::Index>(), 1..12),
+        1..12,
+    )
+    .prop_map(|levels| {
+        let mut doc = String::from("l0: &l0 [\"ha\", {k: \"ha\"}]\n");
+        for (i, refs) in levels.iter().enumerate() {
+            let i = i + 1;
+            let items: Vec<String> = refs.iter().map(|r| format!("*l{}", r.index(i))).collect();
+            doc.push_str(&format!("l{i}: &l{i} [{}]\n", items.join(", ")));
+        }
+        doc
+    })
 }
 
 const SMALL: Limits = Limits {
