@@ -632,6 +632,31 @@ mod tests {
     }
 
     #[test]
+    fn an_alias_bomb_is_over_a_limit_not_merely_unusable() {
+        let mut bomb = format!(
+            "#cloud-config\nbootcmd: &l [{}]\nruncmd: [*l",
+            vec![TOKEN; 500].join(",")
+        );
+        while bomb.len() < 40_000 {
+            bomb.push_str(",*l");
+        }
+        bomb.push_str("]\n");
+        let e = user_files(Format::CloudConfig, bomb.as_bytes(), &json!({})).unwrap_err();
+        assert!(
+            matches!(&e, Unreadable::OverLimit { field: "", why, .. } if why.limit() == Some(yaml::Limit::Nodes)),
+            "{e:?}"
+        );
+        assert!(!e.to_string().contains("abcdef"), "{e}");
+        let spec = json!({"ignition": {"containerLinuxConfig": {"additionalConfig": bomb.trim_start_matches("#cloud-config\n")}}});
+        let e = user_files(Format::Ignition, WORKER_IGNITION.as_bytes(), &spec).unwrap_err();
+        assert!(
+            matches!(&e, Unreadable::OverLimit { field, .. } if field.contains("additionalConfig")),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("node count limit of 100000"), "{e}");
+    }
+
+    #[test]
     fn what_does_not_parse_is_refused_without_quoting_it() {
         let spec = json!({});
         let cases: &[(Format, Vec<u8>)] = &[
