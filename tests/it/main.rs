@@ -35,6 +35,7 @@ mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
 mod updater_bootstrap_files;
+mod updater_bounded;
 mod updater_dead_agent;
 mod updater_drain;
 mod updater_drift;

@@ -266,7 +266,7 @@ async fn hostile_bodies_are_refused_with_a_body_and_the_server_keeps_serving() {
         r.json()["message"]
             .as_str()
             .unwrap()
-            .contains("recursion limit"),
+            .contains("nesting depth limit of 64"),
         "{}",
         r.json()
     );

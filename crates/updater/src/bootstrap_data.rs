@@ -41,6 +41,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::Value;
 
 use super::cluster::{Cluster, ClusterError};
+use super::edge::yaml::{self, Limits, ParseError};
 use super::translate::lookup;
 
 /// The bootstrap data cannot be used; says why without quoting it.
@@ -69,6 +70,45 @@ pub enum Unreadable {
         /// Where or what, never the text.
         why: String,
     },
+    /// The document, or the KubeadmConfig's `additionalConfig`, is over a parsing limit
+    /// ([`Limits::BOOTSTRAP_YAML`], [`Limits::BOOTSTRAP_JSON`]): CABPK never renders one, so it is refused, not skipped.
+    #[error("bootstrap data ({format}) is refused: {field}{why}")]
+    OverLimit {
+        /// `cloud-config` or `ignition`.
+        format: &'static str,
+        /// The field over the limit with a `: ` after it, or empty for the document itself.
+        field: &'static str,
+        /// Which limit, its value and where.
+        why: ParseError,
+    },
+}
+
+/// What the document's parse gave: the entries, or why not (where, never what).
+enum Unparsed {
+    Malformed(String),
+    OverLimit(&'static str, ParseError),
+}
+
+impl Unparsed {
+    fn syntax(field: &'static str, e: ParseError) -> Unparsed {
+        match e.limit() {
+            Some(_) => Unparsed::OverLimit(field, e),
+            None if field.is_empty() => Unparsed::Malformed(e.to_string()),
+            None => Unparsed::Malformed(format!("{field}{e}")),
+        }
+    }
+}
+
+impl From<String> for Unparsed {
+    fn from(why: String) -> Unparsed {
+        Unparsed::Malformed(why)
+    }
+}
+
+impl From<&str> for Unparsed {
+    fn from(why: &str) -> Unparsed {
+        Unparsed::Malformed(why.to_owned())
+    }
 }
 
 /// The bootstrap data formats CABPK writes (`KubeadmConfig.spec.format`).
@@ -113,17 +153,24 @@ pub fn user_files(
     document: &[u8],
     spec: &Value,
 ) -> Result<Vec<String>, Unreadable> {
-    let malformed = |why: String| Unreadable::Malformed {
-        format: format.name(),
-        why,
+    let unreadable = |u: Unparsed| match u {
+        Unparsed::Malformed(why) => Unreadable::Malformed {
+            format: format.name(),
+            why,
+        },
+        Unparsed::OverLimit(field, why) => Unreadable::OverLimit {
+            format: format.name(),
+            field,
+            why,
+        },
     };
-    let text = std::str::from_utf8(document)
-        .map_err(|e| malformed(format!("not UTF-8 (at byte {})", e.valid_up_to())))?;
+    // Where the UTF-8 breaks is not said: an offset into a Secret tells of its bytes.
+    let text = std::str::from_utf8(document).map_err(|_| unreadable("not UTF-8".into()))?;
     let entries = match format {
-        Format::CloudConfig => cloud_config_files(text).map_err(malformed)?,
-        Format::Ignition => ignition_files(text).map_err(malformed)?,
+        Format::CloudConfig => cloud_config_files(text).map_err(unreadable)?,
+        Format::Ignition => ignition_files(text).map_err(unreadable)?,
     };
-    let own = CabpkFiles::of(spec, format).map_err(malformed)?;
+    let own = CabpkFiles::of(spec, format).map_err(unreadable)?;
     let mut seen = BTreeSet::new();
     Ok(entries
         .into_iter()
@@ -141,7 +188,7 @@ struct Entry {
 
 /// `#cloud-config` `write_files[]`. CABPK starts the document with `## template: jinja`
 /// and `#cloud-config`.
-fn cloud_config_files(text: &str) -> Result<Vec<Entry>, String> {
+fn cloud_config_files(text: &str) -> Result<Vec<Entry>, Unparsed> {
     let header = text
         .lines()
         .map(str::trim_end)
@@ -150,10 +197,10 @@ fn cloud_config_files(text: &str) -> Result<Vec<Entry>, String> {
     if !header {
         return Err("no #cloud-config header".into());
     }
-    let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(text).map_err(|e| yaml_where(&e))?;
-    let files = match doc.get("write_files") {
-        None | Some(serde_yaml_ng::Value::Null) => return Ok(Vec::new()),
-        Some(serde_yaml_ng::Value::Sequence(files)) => files,
+    let doc = yaml::yaml(text, &Limits::BOOTSTRAP_YAML).map_err(|e| Unparsed::syntax("", e))?;
+    let files = match doc.value().get("write_files") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(files)) => files,
         Some(_) => return Err("write_files is not a list".into()),
     };
     files
@@ -162,11 +209,11 @@ fn cloud_config_files(text: &str) -> Result<Vec<Entry>, String> {
         .map(|(i, f)| {
             let path = f
                 .get("path")
-                .and_then(serde_yaml_ng::Value::as_str)
+                .and_then(Value::as_str)
                 .ok_or_else(|| format!("write_files[{i}].path is missing or not a string"))?;
             let append = match f.get("append") {
-                Some(serde_yaml_ng::Value::Bool(b)) => *b,
-                Some(serde_yaml_ng::Value::String(s)) => s.eq_ignore_ascii_case("true"),
+                Some(Value::Bool(b)) => *b,
+                Some(Value::String(s)) => s.eq_ignore_ascii_case("true"),
                 _ => false,
             };
             Ok(Entry {
@@ -177,28 +224,12 @@ fn cloud_config_files(text: &str) -> Result<Vec<Entry>, String> {
         .collect()
 }
 
-/// Where a YAML document failed to parse, without the parser's words (they may quote it).
-fn yaml_where(e: &serde_yaml_ng::Error) -> String {
-    match e.location() {
-        Some(at) => format!(
-            "YAML does not parse at line {} column {}",
-            at.line(),
-            at.column()
-        ),
-        None => "YAML does not parse".into(),
-    }
-}
-
 /// Ignition `storage.files[]` (CABPK renders spec 2.3 through the Container Linux Config
 /// transpiler; `append` is a boolean there, a list in spec 3).
-fn ignition_files(text: &str) -> Result<Vec<Entry>, String> {
-    let doc: Value = serde_json::from_str(text).map_err(|e| {
-        format!(
-            "JSON does not parse at line {} column {}",
-            e.line(),
-            e.column()
-        )
-    })?;
+fn ignition_files(text: &str) -> Result<Vec<Entry>, Unparsed> {
+    let doc = yaml::json(text.as_bytes(), &Limits::BOOTSTRAP_JSON)
+        .map_err(|e| Unparsed::syntax("", e))?
+        .into_value();
     if !doc.get("ignition").is_some_and(Value::is_object) {
         return Err("no ignition object".into());
     }
@@ -283,7 +314,7 @@ const CERTIFICATES: &[&str] = &[
 const DEFAULT_CERTIFICATES_DIR: &str = "/etc/kubernetes/pki";
 
 impl CabpkFiles {
-    fn of(spec: &Value, format: Format) -> Result<CabpkFiles, String> {
+    fn of(spec: &Value, format: Format) -> Result<CabpkFiles, Unparsed> {
         let s = |path: &[&str]| {
             lookup(spec, path)
                 .and_then(Value::as_str)
@@ -326,22 +357,16 @@ impl CabpkFiles {
 
 /// `storage.files[].path` of a Container Linux Config (YAML) that CABPK merges into the
 /// Ignition document: the user's, but not from `files[]`.
-fn additional_config_files(clc: &str) -> Result<Vec<String>, String> {
-    let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(clc).map_err(|e| {
-        format!(
-            "ignition.containerLinuxConfig.additionalConfig: {}",
-            yaml_where(&e)
-        )
-    })?;
-    let files = doc
-        .get("storage")
-        .and_then(|s| s.get("files"))
-        .and_then(serde_yaml_ng::Value::as_sequence)
+fn additional_config_files(clc: &str) -> Result<Vec<String>, Unparsed> {
+    let doc = yaml::yaml(clc, &Limits::BOOTSTRAP_YAML)
+        .map_err(|e| Unparsed::syntax("ignition.containerLinuxConfig.additionalConfig: ", e))?;
+    let files = lookup(doc.value(), &["storage", "files"])
+        .and_then(Value::as_array)
         .map(Vec::as_slice)
         .unwrap_or_default();
     Ok(files
         .iter()
-        .filter_map(|f| f.get("path").and_then(serde_yaml_ng::Value::as_str))
+        .filter_map(|f| f.get("path").and_then(Value::as_str))
         .map(str::to_owned)
         .collect())
 }
@@ -367,14 +392,17 @@ pub fn from_secret(
 
 /// The paths of the user files the live Machine's bootstrap data wrote, for the desired
 /// KubeadmConfig `bootstrap` (none without one). When the data cannot be read or parsed,
-/// none, and a warning naming the Machine and the reason: nothing is removed then.
+/// none, and a warning naming the Machine and the reason: nothing is removed then. When it
+/// (or the KubeadmConfig's `additionalConfig`) is over a parsing limit, an error naming the
+/// Machine, the Secret and the limit: such a document is hostile or broken, never CABPK's,
+/// and the update is refused rather than run without it.
 pub(crate) async fn written(
     cluster: &Cluster,
     machine: &Value,
     bootstrap: Option<&Value>,
-) -> Vec<String> {
+) -> Result<Vec<String>, String> {
     let Some(bootstrap) = bootstrap else {
-        return Vec::new();
+        return Ok(Vec::new());
     };
     let meta = |k: &str| {
         lookup(machine, &["metadata", k])
@@ -384,14 +412,30 @@ pub(crate) async fn written(
     let (namespace, name) = (meta("namespace"), meta("name"));
     let spec = bootstrap.get("spec").unwrap_or(&Value::Null);
     match read(cluster, namespace, machine, spec).await {
-        Ok(paths) => paths,
+        Ok(paths) => Ok(paths),
+        Err(Unreadable::OverLimit { format, field, why }) => {
+            let secret = lookup(machine, &["spec", "bootstrap", "dataSecretName"])
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            let what = if field.is_empty() {
+                format!("the bootstrap data ({format}) in Secret {namespace}/{secret}")
+            } else {
+                format!("the KubeadmConfig's {}", field.trim_end_matches(": "))
+            };
+            let message = format!(
+                "Machine {namespace}/{name}: {what} is refused: {why}; make it smaller or \
+                 remove its aliases (docs/updater.md, \"Bootstrap data\")"
+            );
+            tracing::warn!(machine = %format!("{namespace}/{name}"), "{message}");
+            Err(message)
+        }
         Err(reason) => {
             tracing::warn!(
                 machine = %format!("{namespace}/{name}"),
                 %reason,
                 "bootstrap data not used: files it wrote that files[] no longer lists are not removed"
             );
-            Vec::new()
+            Ok(Vec::new())
         }
     }
 }
@@ -585,6 +629,31 @@ mod tests {
             from_secret("ns/m", &no_value, &spec),
             Err(Unreadable::NoValue("ns/m".into()))
         );
+    }
+
+    #[test]
+    fn an_alias_bomb_is_over_a_limit_not_merely_unusable() {
+        let mut bomb = format!(
+            "#cloud-config\nbootcmd: &l [{}]\nruncmd: [*l",
+            vec![TOKEN; 500].join(",")
+        );
+        while bomb.len() < 40_000 {
+            bomb.push_str(",*l");
+        }
+        bomb.push_str("]\n");
+        let e = user_files(Format::CloudConfig, bomb.as_bytes(), &json!({})).unwrap_err();
+        assert!(
+            matches!(&e, Unreadable::OverLimit { field: "", why, .. } if why.limit() == Some(yaml::Limit::Nodes)),
+            "{e:?}"
+        );
+        assert!(!e.to_string().contains("abcdef"), "{e}");
+        let spec = json!({"ignition": {"containerLinuxConfig": {"additionalConfig": bomb.trim_start_matches("#cloud-config\n")}}});
+        let e = user_files(Format::Ignition, WORKER_IGNITION.as_bytes(), &spec).unwrap_err();
+        assert!(
+            matches!(&e, Unreadable::OverLimit { field, .. } if field.contains("additionalConfig")),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("node count limit of 100000"), "{e}");
     }
 
     #[test]

@@ -29,6 +29,7 @@ use super::agent::{AgentError, Agents};
 use super::bootstrap_data;
 use super::cluster::Cluster;
 use super::edge::extension_config::{Effective, ExtensionConfigs, Refused};
+use super::edge::yaml::{Document, Limits, ParseError};
 use super::hooks::{
     CanUpdateMachineResponse, CanUpdateMachineSetResponse, FailureResponse, HOOKS_API_VERSION,
     Hook, HookRequest, Object, PENDING_HOOKS_ANNOTATION, Patch, RequestError, Status,
@@ -135,6 +136,11 @@ impl Answer {
     }
 }
 
+/// A hook request's body as JSON, within [`Limits::REQUEST_BODY`] (src/edge/yaml.rs).
+pub(crate) fn request_body(body: &[u8]) -> Result<Value, ParseError> {
+    crate::edge::yaml::json(body, &Limits::REQUEST_BODY).map(Document::into_value)
+}
+
 fn canonical(v: &Value) -> String {
     let mut s = String::new();
     write_canonical(v, &mut s);
@@ -209,7 +215,7 @@ impl Updater {
     /// An UpdateMachine request checked again the slow way; true when the agent's answer
     /// was remembered.
     async fn recheck(self: &Arc<Self>, body: &[u8], fingerprint: &Fingerprint) -> bool {
-        let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        let Ok(value) = request_body(body) else {
             return false;
         };
         let Ok(request) = HookRequest::parse(Hook::UpdateMachine, &value) else {
@@ -230,11 +236,12 @@ impl Updater {
         body: &[u8],
         fingerprint: Fingerprint,
     ) -> Answer {
-        let value: Value = match serde_json::from_slice(body) {
+        let value: Value = match request_body(body) {
             Ok(v) => v,
-            Err(e) => {
+            Err(e @ ParseError::Syntax { .. }) => {
                 return self.failure(hook, "", format!("bad request: the body is not JSON: {e}"));
             }
+            Err(e) => return self.failure(hook, "", format!("bad request: the body: {e}")),
         };
         if hook == Hook::Discovery {
             let kind = value.get("kind").and_then(Value::as_str).unwrap_or("");
@@ -790,6 +797,10 @@ impl Updater {
             self.secrets(desired.namespace(), desired_b.as_ref().map(|o| &o.value)),
             bootstrap_data::written(&self.cluster, &live, desired_b.as_ref().map(|o| &o.value)),
         );
+        let written = match written {
+            Ok(w) => w,
+            Err(m) => return not_covered(m),
+        };
         let translation = translate_removing(
             &Desired {
                 machine: &desired.value,
@@ -973,6 +984,7 @@ impl Updater {
             self.secrets(desired.namespace(), bootstrap.as_ref()),
             bootstrap_data::written(&self.cluster, &live, bootstrap.as_ref()),
         );
+        let written = written.map_err(Failure)?;
         let translation = translate_removing(
             &Desired {
                 machine: &live,

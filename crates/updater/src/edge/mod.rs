@@ -8,8 +8,8 @@
 //!
 //! - [`kubeconfig`]: a workload cluster's kubeconfig Secret → credentials that are data only
 //!   (server, CA, inline client certificate and key or token), never code or a file path.
-//! - [`yaml`]: bootstrap data and Ignition → values parsed under size, depth and node-count
-//!   limits (no alias expansion beyond a bound).
+//! - [`yaml`]: bootstrap data, Ignition and hook request bodies → documents parsed under
+//!   size, depth, node-count and scalar-byte limits (an alias counted as what it expands to).
 //! - [`agent_ca`]: the CA that may verify a Machine's agent and the identity the agent must
 //!   present → a peer bound to the Machine's own cluster.
 //! - [`extension_config`]: the operator's ExtensionConfig that selects the Machine's
@@ -20,3 +20,4 @@
 
 pub mod extension_config;
 pub mod kubeconfig;
+pub mod yaml;

@@ -549,7 +549,7 @@ fn failure_with(message: &str, note: &str, object: String) -> Answer {
 
 /// An UpdateMachine request, with its Machine's namespace and cluster name.
 fn parse_for_after(body: &[u8]) -> Option<(HookRequest, String, String)> {
-    let value: Value = serde_json::from_slice(body).ok()?;
+    let value: Value = super::request_body(body).ok()?;
     let request = HookRequest::parse(Hook::UpdateMachine, &value).ok()?;
     let desired = request.object("desired", "machine").ok()?;
     let (namespace, cluster) = machine_cluster(&desired.value, &key_of(&desired)).ok()?;
