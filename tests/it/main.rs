@@ -39,6 +39,7 @@ mod updater_dead_agent;
 mod updater_drain;
 mod updater_drift;
 mod updater_e2e;
+mod updater_forgery;
 mod updater_http;
 mod updater_memory;
 mod updater_packaging;

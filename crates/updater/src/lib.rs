@@ -50,8 +50,8 @@ pub(crate) mod cluster;
 pub mod deadlines;
 pub(crate) mod demo;
 pub mod drain;
-pub mod edge;
 pub(crate) mod drift;
+pub mod edge;
 pub mod emulate;
 pub(crate) mod errors;
 pub mod handlers;
@@ -66,7 +66,6 @@ pub mod settings;
 pub(crate) mod setup;
 pub mod standin;
 pub mod translate;
-pub(crate) mod trust;
 pub mod unreachable;
 pub mod workload;
 

@@ -17,3 +17,5 @@
 //!
 //! Architecture invariant: code outside this module cannot build these types from raw input;
 //! it accepts them as arguments.
+
+pub mod agent_ca;
