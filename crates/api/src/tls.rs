@@ -999,7 +999,7 @@ impl rustls::client::danger::ServerCertVerifier for ClusterBoundVerifier {
             now,
         )?;
         let presented = uri_sans(end_entity.as_ref());
-        if presented.iter().any(|u| *u == self.required) {
+        if presented.contains(&self.required) {
             return Ok(verified);
         }
         Err(rustls::Error::InvalidCertificate(CertificateError::Other(

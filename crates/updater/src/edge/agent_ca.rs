@@ -391,7 +391,7 @@ pub(in crate::edge) fn prove_ca(
         PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| CaRefused::UnreadableKey)?,
     );
     drop(key_pem);
-    let signing = rustls::crypto::ring::sign::any_supported_type(&*key)
+    let signing = rustls::crypto::ring::sign::any_supported_type(&key)
         .map_err(|_| CaRefused::UnreadableKey)?;
     drop(key);
     let key_spki = signing.public_key().ok_or(CaRefused::UnreadableKey)?;
