@@ -134,8 +134,7 @@ impl World {
             &root,
             &["--no-chroot"],
             &[("INPLACE_AGENT_SERVICES", "off")],
-            signer.unwrap_or(&self.pki),
-            uris,
+            (signer.unwrap_or(&self.pki), uris),
         );
         self.agents.push(Agent {
             node: node.to_owned(),
@@ -189,7 +188,7 @@ impl World {
         env: &[(&str, &str)],
     ) -> Daemon {
         let bound = inplace_api::pki::cluster_identity(CLUSTER.0, CLUSTER.1);
-        self.spawn_agent_signed_by(node, ip, root, extra, env, &self.pki, &[&bound])
+        self.spawn_agent_signed_by(node, ip, root, extra, env, (&self.pki, &[&bound]))
     }
 
     fn spawn_agent_signed_by(
@@ -199,8 +198,7 @@ impl World {
         root: &Path,
         extra: &[&str],
         env: &[(&str, &str)],
-        signer: &Pki,
-        uris: &[&str],
+        (signer, uris): (&Pki, &[&str]),
     ) -> Daemon {
         let server = signer.server_with_uris(node, &[node, ip], uris).unwrap();
         let state = self.dir.path().join(format!("state-{node}"));
