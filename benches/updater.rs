@@ -128,7 +128,13 @@ fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Starting, E
         &kubelet,
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )?;
-    let cert = pki.server(&node(i), &[&node(i), &ip(i)])?;
+    // Bound to the Machines' cluster (default/bench), as the updater requires with
+    // agentCA: File.
+    let cert = pki.server_with_uris(
+        &node(i),
+        &[&node(i), &ip(i)],
+        &[&inplace_api::pki::cluster_identity("default", "bench")],
+    )?;
     let mut cmd = serve_command(
         &bin("agent", support::programs::AGENT),
         &root,

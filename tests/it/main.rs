@@ -35,12 +35,14 @@ mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
 mod updater_bootstrap_files;
+mod updater_bound_agents;
 mod updater_bounded;
 mod updater_dead_agent;
 mod updater_drain;
 mod updater_drift;
 mod updater_e2e;
 mod updater_forged_requests;
+
 mod updater_http;
 mod updater_kubeconfig;
 mod updater_memory;

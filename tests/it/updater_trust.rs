@@ -1,7 +1,7 @@
-//! One updater for two workload clusters with two CAs (crates/updater/src/trust.rs): with
-//! `settings.agentCA: ClusterSecret` each Machine's agent is verified against its own
-//! cluster's `<cluster>-ca` Secret (served by the stand-in Kubernetes API) and both
-//! Machines are updated; a node of one cluster presenting a certificate of the other
+//! One updater for two workload clusters with two CAs (crates/updater/src/edge/agent_ca.rs):
+//! with `settings.agentCA: ClusterSecret` each Machine's agent is verified against its own
+//! cluster's `<cluster>-ca` Secret (served by the stand-in Kubernetes API, holding the CA's
+//! key, which proves it) and both Machines are updated; a node of one cluster presenting a certificate of the other
 //! cluster's CA is refused with a message naming the cluster, Machine, node and Secret. The
 //! default (`File`: the `--agent-ca` file) refuses the other cluster's agent, as before.
 
@@ -47,15 +47,22 @@ async fn one_updater_verifies_each_clusters_agents_against_that_clusters_ca() {
     w.start_updater();
     let mut capi = w.client();
     let pem = |p: &Pki| std::fs::read(p.ca()).unwrap();
+    // Each CA with its key, as Cluster API keeps it (which proves it is that cluster's).
     w.api.put(secret(
         "default",
         "red-ca",
-        &[("tls.crt", &pem(&w.pki)), ("tls.key", b"-")],
+        &[
+            ("tls.crt", &pem(&w.pki)),
+            ("tls.key", w.pki.ca_key_pem().as_bytes()),
+        ],
     ));
     w.api.put(secret(
         "default",
         "blue-ca",
-        &[("tls.crt", &pem(&blue_ca)), ("tls.key", b"-")],
+        &[
+            ("tls.crt", &pem(&blue_ca)),
+            ("tls.key", blue_ca.ca_key_pem().as_bytes()),
+        ],
     ));
     let port = w.agent_port.to_string();
     let by_secret = json!({"agentPort": port, "agentCA": "ClusterSecret"});

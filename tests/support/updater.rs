@@ -29,6 +29,11 @@ pub const SERVICE_HOST: &str = "inplace-updater.inplace-system.svc";
 pub const BOOTSTRAP_TOKEN: &str = "abcdef.0123456789abcdef";
 pub const SECRET_CONTENT: &str = "s3cr3t-registry-password";
 
+/// The namespace and cluster of the fixtures' Machines ([`machine`]); the world's agents'
+/// certificates carry this cluster's URI SAN (`inplace_api::pki::cluster_identity`), which
+/// the updater requires with `agentCA: File`.
+pub const CLUSTER: (&str, &str) = ("default", "capi-quickstart");
+
 /// An agent: a sandbox node tree (or a given root) and `inplace-agent serve` on it.
 pub struct Agent {
     pub node: String,
@@ -99,6 +104,19 @@ impl World {
         kubelet_version: &str,
         signer: Option<&Pki>,
     ) -> usize {
+        let bound = inplace_api::pki::cluster_identity(CLUSTER.0, CLUSTER.1);
+        self.add_agent_bound(node, kubelet_version, signer, &[&bound])
+    }
+
+    /// [`World::add_agent_signed_by`] with the URI SANs `uris` in the agent's certificate
+    /// instead of the fixtures' cluster's (none: an agent bound to no cluster).
+    pub fn add_agent_bound(
+        &mut self,
+        node: &str,
+        kubelet_version: &str,
+        signer: Option<&Pki>,
+        uris: &[&str],
+    ) -> usize {
         let tree = tempfile::Builder::new()
             .prefix("inplace-updater-node-")
             .tempdir()
@@ -116,7 +134,7 @@ impl World {
             &root,
             &["--no-chroot"],
             &[("INPLACE_AGENT_SERVICES", "off")],
-            signer.unwrap_or(&self.pki),
+            (signer.unwrap_or(&self.pki), uris),
         );
         self.agents.push(Agent {
             node: node.to_owned(),
@@ -169,7 +187,8 @@ impl World {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Daemon {
-        self.spawn_agent_signed_by(node, ip, root, extra, env, &self.pki)
+        let bound = inplace_api::pki::cluster_identity(CLUSTER.0, CLUSTER.1);
+        self.spawn_agent_signed_by(node, ip, root, extra, env, (&self.pki, &[&bound]))
     }
 
     fn spawn_agent_signed_by(
@@ -179,9 +198,9 @@ impl World {
         root: &Path,
         extra: &[&str],
         env: &[(&str, &str)],
-        signer: &Pki,
+        (signer, uris): (&Pki, &[&str]),
     ) -> Daemon {
-        let server = signer.server(node, &[node, ip]).unwrap();
+        let server = signer.server_with_uris(node, &[node, ip], uris).unwrap();
         let state = self.dir.path().join(format!("state-{node}"));
         let mut cmd = serve_command(
             Path::new(AGENT),

@@ -7,7 +7,7 @@
 //! | file | what |
 //! |---|---|
 //! | `ca.crt`, `ca.key` | a self-signed CA (path length 0) |
-//! | `server.crt`, `server.key` | the agent: SANs node name, `localhost`, `127.0.0.1`; serverAuth |
+//! | `server.crt`, `server.key` | the agent: SANs node name, `localhost`, `127.0.0.1` (and the cluster's URI SAN when given); serverAuth |
 //! | `updater.crt`, `updater.key` | the updater: URI SAN (default `spiffe://inplace-agent/updater`); clientAuth |
 //! | `reader.crt`, `reader.key` | a read-only client: URI SAN (default `spiffe://inplace-agent/reader`); clientAuth |
 //!
@@ -30,6 +30,30 @@ pub const DEFAULT_UPDATER_IDENTITY: &str = "spiffe://inplace-agent/updater";
 /// Default identity of the read-only client certificate.
 pub const DEFAULT_READER_IDENTITY: &str = "spiffe://inplace-agent/reader";
 
+/// What the URI SAN that binds an agent's serving certificate to its workload cluster
+/// starts with ([`cluster_identity`]).
+pub const CLUSTER_IDENTITY_PREFIX: &str = "spiffe://inplace-agent/cluster/";
+
+/// Whether `s` can be a namespace or a Cluster's name (a DNS-1123 subdomain: at most 253
+/// lowercase letters, digits, `-` and `.`, starting and ending with a letter or digit), so
+/// it can stand in a [`cluster_identity`] as it is.
+pub fn is_object_name(s: &str) -> bool {
+    let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    s.len() <= 253
+        && edge(s.chars().next())
+        && edge(s.chars().last())
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+}
+
+/// The URI SAN that binds an agent's serving certificate to the workload cluster
+/// `namespace/name` (the Cluster of the agent's Machine: the Machine's namespace and
+/// `spec.clusterName`): `spiffe://inplace-agent/cluster/<namespace>/<name>`. With
+/// `agentCA: File` the updater requires it (docs/pki.md, "An agent bound to its cluster").
+pub fn cluster_identity(namespace: &str, name: &str) -> String {
+    format!("{CLUSTER_IDENTITY_PREFIX}{namespace}/{name}")
+}
+
 /// What `pki init` creates.
 #[derive(Debug, Clone)]
 pub struct PkiInitOptions {
@@ -46,6 +70,10 @@ pub struct PkiInitOptions {
     pub validity: Duration,
     /// Replace existing files instead of refusing.
     pub overwrite: bool,
+    /// The workload cluster (`namespace`, `name`) the node belongs to: its
+    /// [`cluster_identity`] is added to the server certificate as a URI SAN, which an updater
+    /// with `agentCA: File` requires.
+    pub cluster: Option<(String, String)>,
 }
 
 impl PkiInitOptions {
@@ -58,6 +86,7 @@ impl PkiInitOptions {
             reader_identity: DEFAULT_READER_IDENTITY.to_owned(),
             validity: Duration::from_secs(365 * 24 * 3600),
             overwrite: false,
+            cluster: None,
         }
     }
 }
@@ -191,6 +220,24 @@ pub fn init(options: &PkiInitOptions) -> Result<PkiFiles, PkiError> {
     })?;
     server.distinguished_name = name(&options.node_name);
     server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    if let Some((namespace, cluster)) = &options.cluster {
+        let invalid = |detail: String| PkiError::Invalid {
+            field: "cluster",
+            detail,
+        };
+        for (what, part) in [("namespace", namespace), ("name", cluster)] {
+            if !is_object_name(part) {
+                return Err(invalid(format!(
+                    "the {what} {part:?} is not a Kubernetes object name (lowercase letters, \
+                     digits, '-' and '.')"
+                )));
+            }
+        }
+        let uri = cluster_identity(namespace, cluster)
+            .try_into()
+            .map_err(|e: rcgen::Error| invalid(e.to_string()))?;
+        server.subject_alt_names.push(SanType::URI(uri));
+    }
     let server = leaf(server, not_before, not_after, &issuer, "server certificate")?;
 
     let updater = client_leaf(
@@ -400,6 +447,40 @@ mod tests {
         options.overwrite = true;
         init(&options).unwrap();
         assert_ne!(std::fs::read(&first.ca_cert).unwrap(), before);
+    }
+
+    #[test]
+    fn init_binds_the_server_certificate_to_its_cluster_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = PkiInitOptions {
+            cluster: Some(("team-a".into(), "prod".into())),
+            ..PkiInitOptions::new(dir.path(), "worker-1")
+        };
+        let files = init(&options).unwrap();
+        let server = der(&files.server_cert);
+        let (_, parsed) = x509_parser::parse_x509_certificate(&server).unwrap();
+        use x509_parser::extensions::GeneralName;
+        let uris: Vec<_> = parsed
+            .subject_alternative_name()
+            .unwrap()
+            .unwrap()
+            .value
+            .general_names
+            .iter()
+            .filter_map(|n| match n {
+                GeneralName::URI(u) => Some(*u),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(uris, ["spiffe://inplace-agent/cluster/team-a/prod"]);
+
+        let bad = PkiInitOptions {
+            cluster: Some(("team-a".into(), "x/../y".into())),
+            overwrite: true,
+            ..PkiInitOptions::new(dir.path(), "worker-1")
+        };
+        let e = init(&bad).unwrap_err().to_string();
+        assert!(e.contains("not a Kubernetes object name"), "{e}");
     }
 
     #[test]

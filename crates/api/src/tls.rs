@@ -832,8 +832,18 @@ async fn linger(mut tcp: TcpStream) {
 /// Builds a client configuration: TLS 1.3, HTTP/2 ALPN, server verified against the CA
 /// bundle, client certificate presented. For the `submit` CLI and tests.
 pub fn client_config(paths: &ClientTlsPaths) -> Result<ClientConfig, TlsError> {
+    client_config_requiring(paths, None)
+}
+
+/// Like [`client_config`], and when `required_uri` is given the agent's certificate must
+/// also carry that URI SAN ([`crate::pki::cluster_identity`]: the agent is bound to the
+/// workload cluster the caller means), checked after the chain and the name.
+pub fn client_config_requiring(
+    paths: &ClientTlsPaths,
+    required_uri: Option<&str>,
+) -> Result<ClientConfig, TlsError> {
     let roots = load_roots(&paths.ca)?;
-    client_config_with_roots(roots, &paths.cert, &paths.key)
+    client_config_with_roots(roots, &paths.cert, &paths.key, required_uri)
 }
 
 /// Like [`client_config`], but the agent's certificate must chain to the CA certificates
@@ -866,23 +876,63 @@ pub fn client_config_trusting(
             detail: format!("{ignored} certificate(s), none parsable as a trust anchor"),
         });
     }
-    client_config_with_roots(roots, cert, key)
+    client_config_with_roots(roots, cert, key, None)
+}
+
+/// Like [`client_config_trusting`], with the one CA certificate `ca` (DER) already parsed
+/// and checked by the caller; `required_uri` as in [`client_config_requiring`].
+pub fn client_config_trusting_der(
+    ca: &CertificateDer<'_>,
+    origin: &str,
+    cert: &Path,
+    key: &Path,
+    required_uri: Option<&str>,
+) -> Result<ClientConfig, TlsError> {
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(ca.clone().into_owned())
+        .map_err(|e| TlsError::NoTrustAnchor {
+            path: PathBuf::from(origin),
+            detail: e.to_string(),
+        })?;
+    client_config_with_roots(roots, cert, key, required_uri)
 }
 
 fn client_config_with_roots(
     roots: RootCertStore,
     cert: &Path,
     key: &Path,
+    required_uri: Option<&str>,
 ) -> Result<ClientConfig, TlsError> {
     let chain = load_certificates(cert)?;
     let key = load_private_key(key)?;
-    let mut config = ClientConfig::builder_with_provider(provider())
+    let builder = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|source| TlsError::Rustls {
             context: "client tls versions",
             source,
-        })?
-        .with_root_certificates(roots)
+        })?;
+    let builder = match required_uri {
+        None => builder.with_root_certificates(roots),
+        Some(uri) => {
+            let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider(),
+            )
+            .build()
+            .map_err(|e| TlsError::NoTrustAnchor {
+                path: PathBuf::from("the agents' CA"),
+                detail: e.to_string(),
+            })?;
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(ClusterBoundVerifier {
+                    inner,
+                    required: uri.to_owned(),
+                }))
+        }
+    };
+    let mut config = builder
         .with_client_auth_cert(chain, key)
         .map_err(|source| TlsError::Rustls {
             context: "client certificate and key",
@@ -890,6 +940,97 @@ fn client_config_with_roots(
         })?;
     config.alpn_protocols = vec![ALPN_H2.to_vec()];
     Ok(config)
+}
+
+/// The agent's certificate chains to the CA and names the node but does not carry the URI
+/// SAN the client requires (it is not bound to the cluster the client means).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the agent's certificate does not carry the URI SAN {required}")]
+pub struct NotBoundToCluster {
+    /// The URI SAN required.
+    pub required: String,
+    /// The URI SANs the certificate has.
+    pub presented: Vec<String>,
+}
+
+/// Verifies an agent's certificate as webpki does (chain, validity, serverAuth, the node's
+/// name) and then requires one URI SAN: the identity that binds the agent to its cluster.
+#[derive(Debug)]
+struct ClusterBoundVerifier {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    required: String,
+}
+
+/// The URI SANs of a certificate (none when it does not parse: the chain check that comes
+/// first has refused such a certificate already).
+fn uri_sans(der: &[u8]) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return Vec::new();
+    };
+    match cert.subject_alternative_name() {
+        Ok(Some(ext)) => ext
+            .value
+            .general_names
+            .iter()
+            .filter_map(|n| match n {
+                GeneralName::URI(u) => Some((*u).to_owned()),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl rustls::client::danger::ServerCertVerifier for ClusterBoundVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let verified = self.inner.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )?;
+        let presented = uri_sans(end_entity.as_ref());
+        if presented.contains(&self.required) {
+            return Ok(verified);
+        }
+        Err(rustls::Error::InvalidCertificate(CertificateError::Other(
+            rustls::OtherError(Arc::new(NotBoundToCluster {
+                required: self.required.clone(),
+                presented,
+            })),
+        )))
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
 }
 
 /// Connecting a client channel failed.
@@ -960,6 +1101,14 @@ pub enum ConnectProblem {
     },
     /// The agent's certificate is not one for a server (no serverAuth usage).
     WrongKeyUsage,
+    /// The agent's certificate chains to the CA and names the node, but lacks the URI SAN
+    /// that binds it to the workload cluster the client means ([`NotBoundToCluster`]).
+    NotBoundToCluster {
+        /// The URI SAN required.
+        required: String,
+        /// The URI SANs the certificate has.
+        presented: Vec<String>,
+    },
     /// The agent ended the handshake with this alert: it did not accept the client's
     /// certificate (its log says why).
     RefusedByPeer(String),
@@ -982,6 +1131,7 @@ impl ConnectProblem {
                 | ConnectProblem::Expired { .. }
                 | ConnectProblem::NotYetValid { .. }
                 | ConnectProblem::WrongKeyUsage
+                | ConnectProblem::NotBoundToCluster { .. }
         )
     }
 
@@ -1037,6 +1187,21 @@ impl ConnectProblem {
             ),
             ConnectProblem::WrongKeyUsage => {
                 "the agent's certificate is not one for a server (no serverAuth usage)".to_string()
+            }
+            ConnectProblem::NotBoundToCluster {
+                required,
+                presented,
+            } => {
+                let has = if presented.is_empty() {
+                    "no URI SAN".to_string()
+                } else {
+                    format!("the URI SANs {}", presented.join(", "))
+                };
+                format!(
+                    "the agent's certificate is not bound to this Machine's cluster: it must carry \
+                     the URI SAN {required} and has {has}; issue the agent's certificate with it \
+                     (docs/pki.md, \"An agent bound to its cluster\")"
+                )
             }
             ConnectProblem::RefusedByPeer(alert) => format!(
                 "the agent refused the TLS handshake (alert {alert}): it did not accept this \
@@ -1215,6 +1380,13 @@ fn recognise_tls(e: &rustls::Error) -> Option<ConnectProblem> {
             }
             CertificateError::InvalidPurpose | CertificateError::InvalidPurposeContext { .. } => {
                 ConnectProblem::WrongKeyUsage
+            }
+            CertificateError::Other(other) => {
+                let unbound = other.0.downcast_ref::<NotBoundToCluster>()?;
+                ConnectProblem::NotBoundToCluster {
+                    required: unbound.required.clone(),
+                    presented: unbound.presented.clone(),
+                }
             }
             _ => return None,
         },

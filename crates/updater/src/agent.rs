@@ -1,16 +1,21 @@
-//! The agents' gRPC API, as a client: one mutual-TLS channel per (address, node), reused by
-//! every call (HTTP/2 multiplexes them), verified for the node's name so a recycled address
-//! cannot receive a plan meant for another node; `GetNodeInfo` answers kept for a short
-//! while (they decide which change kinds and gates a plan may use, and change only when the
-//! agent is upgraded or reconfigured).
+//! The agents' gRPC API, as a client: one mutual-TLS channel per (address, node, trust),
+//! reused by every call made under the same trust (HTTP/2 multiplexes them), verified for
+//! the node's name so a recycled address cannot receive a plan meant for another node;
+//! `GetNodeInfo` answers kept for a short while (they decide which change kinds and gates a
+//! plan may use, and change only when the agent is upgraded or reconfigured).
+//!
+//! Every call takes a [`Peer`], which only the edge builds from the live Machine and the
+//! effective settings ([`crate::edge::agent_ca`]): where the agent is, the node it must be,
+//! and how its certificate is verified — the `--agent-ca` file plus the URI SAN of the
+//! Machine's cluster, or the cluster's own proven CA. The trust is part of the channel's
+//! key (the CA's fingerprint and the required identity), so no call changes what another
+//! call trusts: two calls for the same address under different trust use two channels.
+//! Channels not used for [`CHANNEL_IDLE`] are dropped, and the pool holds at most
+//! [`MAX_CHANNELS`] (the least recently used go first), so channels made under a CA that
+//! is no longer used do not pile up.
 //!
 //! The client certificate files are re-read when they change (cert-manager rotates the
 //! Secret they come from); channels made with the old certificate are dropped then.
-//!
-//! Which CA an agent's certificate must chain to is set per (address, node) by
-//! [`Agents::trust`] before the first call ([`Trust`]): the `--agent-ca` file, or the CA of
-//! the Machine's workload cluster (its `<cluster>-ca` Secret, [`super::trust`]). A channel
-//! made under another CA (or an older version of the Secret) is dropped when it changes.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -20,46 +25,65 @@ use std::time::{Duration, Instant, SystemTime};
 use rustls::ClientConfig;
 use tonic::transport::Channel;
 
+use super::edge::agent_ca::{Peer, Trust};
 use super::translate::NodeFacts;
 use inplace_api::pb;
 use inplace_api::pb::node_agent_client::NodeAgentClient;
-use inplace_api::tls::{ClientTlsPaths, client_config, client_config_trusting, connect};
+use inplace_api::tls::{
+    ClientTlsPaths, client_config, client_config_requiring, client_config_trusting_der, connect,
+};
 
-/// Which CA verifies an agent's certificate.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Trust {
-    /// The `--agent-ca` file (one fleet CA).
-    #[default]
-    File,
-    /// The CA of the Machine's workload cluster.
-    Cluster(Arc<ClusterCa>),
+/// What a channel's certificate verification was made under, beyond the node's name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum TrustKey {
+    /// The `--agent-ca` file, requiring this URI SAN.
+    File {
+        /// The cluster's URI SAN.
+        required_uri: String,
+    },
+    /// A cluster's CA, by its fingerprint (SHA-256 of the certificate).
+    Cluster {
+        /// The fingerprint.
+        fingerprint: [u8; 32],
+    },
 }
 
-/// A workload cluster's CA as read from its Secret.
-#[derive(Debug, PartialEq, Eq)]
-pub struct ClusterCa {
-    /// The Cluster, `namespace/name`.
-    pub cluster: String,
-    /// The Secret, `namespace/name`.
-    pub secret: String,
-    /// The Secret's resourceVersion when read.
-    pub version: String,
-    /// Its `tls.crt` (PEM).
-    pub pem: Vec<u8>,
-}
-
-impl Trust {
-    /// Which CA, in words for a message.
-    pub fn describe(&self, file: &std::path::Path) -> String {
-        match self {
-            Trust::File => format!("the --agent-ca file {}", file.display()),
-            Trust::Cluster(ca) => format!(
-                "the CA of cluster {} (Secret {}, key tls.crt)",
-                ca.cluster, ca.secret
-            ),
+impl TrustKey {
+    fn of(trust: &Trust) -> TrustKey {
+        match trust {
+            Trust::File(cluster) => TrustKey::File {
+                required_uri: cluster.uri(),
+            },
+            Trust::Cluster(ca) => TrustKey::Cluster {
+                fingerprint: ca.fingerprint(),
+            },
         }
     }
 }
+
+/// The key of a pooled channel: (address, node name, trust).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ChannelKey {
+    target: String,
+    node: String,
+    trust: TrustKey,
+}
+
+impl ChannelKey {
+    fn of(peer: &Peer) -> ChannelKey {
+        ChannelKey {
+            target: peer.target().to_owned(),
+            node: peer.node().to_owned(),
+            trust: TrustKey::of(peer.trust()),
+        }
+    }
+}
+
+/// Channels unused this long are dropped.
+pub const CHANNEL_IDLE: Duration = Duration::from_secs(600);
+
+/// The most channels kept (one per agent and trust; a fleet of thousands of nodes).
+pub const MAX_CHANNELS: usize = 8192;
 
 /// How long a `GetNodeInfo` answer is reused.
 const FACTS_TTL: Duration = Duration::from_secs(30);
@@ -99,8 +123,8 @@ pub enum AgentError {
 
 struct Tls {
     config: Arc<ClientConfig>,
-    /// Configurations trusting a cluster's CA, by Secret, with its resourceVersion.
-    by_cluster: HashMap<String, (String, Arc<ClientConfig>)>,
+    /// Configurations by trust, with when each was last used.
+    by_trust: HashMap<TrustKey, (Arc<ClientConfig>, Instant)>,
     stamp: Vec<Option<(SystemTime, u64)>>,
     checked: Instant,
 }
@@ -109,14 +133,14 @@ struct Tls {
 struct Entry {
     client: NodeAgentClient<Channel>,
     facts: Option<(NodeFacts, Instant)>,
+    used: Instant,
 }
 
 /// The pool of agent connections.
 pub struct Agents {
     paths: ClientTlsPaths,
     tls: Mutex<Tls>,
-    pool: Mutex<HashMap<(String, String), Entry>>,
-    trusts: Mutex<HashMap<(String, String), Trust>>,
+    pool: Mutex<HashMap<ChannelKey, Entry>>,
     /// Calls that found the agent unreachable (for the metrics).
     pub unreachable: std::sync::atomic::AtomicU64,
 }
@@ -147,87 +171,89 @@ impl Agents {
         Ok(Agents {
             tls: Mutex::new(Tls {
                 config,
-                by_cluster: HashMap::new(),
+                by_trust: HashMap::new(),
                 stamp: stamp(&paths),
                 checked: Instant::now(),
             }),
             paths,
             pool: Mutex::new(HashMap::new()),
-            trusts: Mutex::new(HashMap::new()),
             unreachable: Default::default(),
         })
     }
 
-    fn lock_pool(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Entry>> {
+    fn lock_pool(&self) -> std::sync::MutexGuard<'_, HashMap<ChannelKey, Entry>> {
         self.pool.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The client configuration, re-read when its files changed.
-    fn config(&self) -> Arc<ClientConfig> {
-        let mut tls = self.tls.lock().unwrap_or_else(|e| e.into_inner());
-        if tls.checked.elapsed() >= RELOAD_CHECK {
-            tls.checked = Instant::now();
-            let now = stamp(&self.paths);
-            if now != tls.stamp {
-                match client_config(&self.paths) {
-                    Ok(config) => {
-                        tracing::info!("agent client certificate reloaded");
-                        tls.config = Arc::new(config);
-                        tls.by_cluster.clear();
-                        tls.stamp = now;
-                        self.lock_pool().clear();
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "agent client certificate not reloaded; keeping the old one");
-                    }
-                }
+    fn lock_tls(&self) -> std::sync::MutexGuard<'_, Tls> {
+        self.tls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Re-reads the client certificate files when they changed; the configurations and
+    /// channels made with the old ones are dropped then.
+    fn reload(&self) {
+        let mut tls = self.lock_tls();
+        if tls.checked.elapsed() < RELOAD_CHECK {
+            return;
+        }
+        tls.checked = Instant::now();
+        let now = stamp(&self.paths);
+        if now == tls.stamp {
+            return;
+        }
+        match client_config(&self.paths) {
+            Ok(config) => {
+                tracing::info!("agent client certificate reloaded");
+                tls.config = Arc::new(config);
+                tls.by_trust.clear();
+                tls.stamp = now;
+                self.lock_pool().clear();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "agent client certificate not reloaded; keeping the old one");
             }
         }
-        tls.config.clone()
     }
 
-    /// Sets which CA verifies the agent at `target` for `node`; a channel made under
-    /// another one is dropped.
-    pub fn trust(&self, target: &str, node: &str, trust: Trust) {
-        let key = (target.to_owned(), node.to_owned());
-        let mut trusts = self.trusts.lock().unwrap_or_else(|e| e.into_inner());
-        if trusts.get(&key).unwrap_or(&Trust::File) != &trust {
-            self.lock_pool().remove(&key);
-        }
-        if trust == Trust::File {
-            trusts.remove(&key);
-        } else {
-            trusts.insert(key, trust);
-        }
-    }
-
-    fn trust_of(&self, target: &str, node: &str) -> Trust {
-        self.trusts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&(target.to_owned(), node.to_owned()))
-            .cloned()
-            .unwrap_or_default()
-    }
-
-    /// The client configuration for `trust` (built once per version of a cluster's CA).
+    /// The client configuration for `trust` (built once per trust: per cluster identity
+    /// under the `--agent-ca` file, per CA fingerprint of a cluster's CA).
     fn config_for(&self, trust: &Trust) -> Result<Arc<ClientConfig>, String> {
-        let file = self.config();
-        let Trust::Cluster(ca) = trust else {
-            return Ok(file);
-        };
-        let mut tls = self.tls.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((version, config)) = tls.by_cluster.get(&ca.secret)
-            && *version == ca.version
-        {
+        self.reload();
+        let key = TrustKey::of(trust);
+        let mut tls = self.lock_tls();
+        if let Some((config, used)) = tls.by_trust.get_mut(&key) {
+            *used = Instant::now();
             return Ok(config.clone());
         }
-        let origin = format!("Secret {} key tls.crt", ca.secret);
-        let config = client_config_trusting(&ca.pem, &origin, &self.paths.cert, &self.paths.key)
-            .map(Arc::new)
-            .map_err(|e| format!("the CA of cluster {}: {e}", ca.cluster))?;
-        tls.by_cluster
-            .insert(ca.secret.clone(), (ca.version.clone(), config.clone()));
+        let config = match trust {
+            Trust::File(cluster) => client_config_requiring(&self.paths, Some(&cluster.uri()))
+                .map_err(|e| format!("the --agent-ca file for cluster {cluster}: {e}"))?,
+            Trust::Cluster(ca) => {
+                let origin = format!("Secret {} key tls.crt", ca.secret());
+                client_config_trusting_der(
+                    ca.der(),
+                    &origin,
+                    &self.paths.cert,
+                    &self.paths.key,
+                    None,
+                )
+                .map_err(|e| format!("the CA of cluster {}: {e}", ca.cluster()))?
+            }
+        };
+        let config = Arc::new(config);
+        let now = Instant::now();
+        tls.by_trust
+            .retain(|_, (_, used)| now.duration_since(*used) < CHANNEL_IDLE);
+        if tls.by_trust.len() >= MAX_CHANNELS
+            && let Some(oldest) = tls
+                .by_trust
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone())
+        {
+            tls.by_trust.remove(&oldest);
+        }
+        tls.by_trust.insert(key, (config.clone(), now));
         Ok(config)
     }
 
@@ -241,13 +267,14 @@ impl Agents {
         }
     }
 
-    async fn entry(&self, target: &str, node: &str) -> Result<Entry, AgentError> {
-        let key = (target.to_owned(), node.to_owned());
-        let trust = self.trust_of(target, node);
+    async fn entry(&self, peer: &Peer) -> Result<Entry, AgentError> {
+        let (target, node) = (peer.target(), peer.node());
+        let key = ChannelKey::of(peer);
         let config = self
-            .config_for(&trust)
+            .config_for(peer.trust())
             .map_err(|e| self.unreachable(node, target, e))?;
-        if let Some(entry) = self.lock_pool().get(&key) {
+        if let Some(entry) = self.lock_pool().get_mut(&key) {
+            entry.used = Instant::now();
             return Ok(entry.clone());
         }
         let channel = tokio::time::timeout(CALL_TIMEOUT, connect(target, Some(node), config))
@@ -259,36 +286,44 @@ impl Agents {
                 if e.problem().is_some_and(|p| p.is_certificate()) {
                     detail.push_str(&format!(
                         " (verified against {})",
-                        trust.describe(&self.paths.ca)
+                        peer.trust().describe(&self.paths.ca)
                     ));
                 }
                 self.unreachable(node, target, detail)
             })?;
+        let now = Instant::now();
         let entry = Entry {
             client: NodeAgentClient::new(channel),
             facts: None,
+            used: now,
         };
-        self.lock_pool().entry(key).or_insert(entry.clone());
-        Ok(entry)
+        let mut pool = self.lock_pool();
+        if !pool.contains_key(&key) {
+            // Channels of a CA or an agent no longer in use do not pile up.
+            pool.retain(|_, e| now.duration_since(e.used) < CHANNEL_IDLE);
+            if pool.len() >= MAX_CHANNELS
+                && let Some(oldest) = pool
+                    .iter()
+                    .min_by_key(|(_, e)| e.used)
+                    .map(|(k, _)| k.clone())
+            {
+                pool.remove(&oldest);
+            }
+        }
+        Ok(pool.entry(key).or_insert(entry).clone())
     }
 
-    fn forget(&self, target: &str, node: &str) {
-        self.lock_pool()
-            .remove(&(target.to_owned(), node.to_owned()));
+    fn forget(&self, peer: &Peer) {
+        self.lock_pool().remove(&ChannelKey::of(peer));
     }
 
-    fn status_error(
-        &self,
-        target: &str,
-        node: &str,
-        method: &'static str,
-        status: tonic::Status,
-    ) -> AgentError {
+    fn status_error(&self, peer: &Peer, method: &'static str, status: tonic::Status) -> AgentError {
+        let (target, node) = (peer.target(), peer.node());
         match status.code() {
             tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
                 if !status.message().contains("shutting down") =>
             {
-                self.forget(target, node);
+                self.forget(peer);
                 self.unreachable(node, target, format!("{method}: {}", status.message()))
             }
             code => AgentError::Refused {
@@ -301,8 +336,8 @@ impl Agents {
     }
 
     /// What the agent says about itself, checked to be the node we meant.
-    pub async fn facts(&self, target: &str, node: &str) -> Result<NodeFacts, AgentError> {
-        let entry = self.entry(target, node).await?;
+    pub async fn facts(&self, peer: &Peer) -> Result<NodeFacts, AgentError> {
+        let entry = self.entry(peer).await?;
         if let Some((facts, at)) = &entry.facts
             && at.elapsed() < FACTS_TTL
         {
@@ -314,21 +349,19 @@ impl Agents {
         let info = client
             .get_node_info(request)
             .await
-            .map_err(|s| self.status_error(target, node, "GetNodeInfo", s))?
+            .map_err(|s| self.status_error(peer, "GetNodeInfo", s))?
             .into_inner();
+        let node = peer.node();
         if !info.node_name.is_empty() && info.node_name != node {
-            self.forget(target, node);
+            self.forget(peer);
             return Err(self.unreachable(
                 node,
-                target,
+                peer.target(),
                 format!("the agent there serves node {:?}", info.node_name),
             ));
         }
         let facts = facts_from(&info, node);
-        if let Some(e) = self
-            .lock_pool()
-            .get_mut(&(target.to_owned(), node.to_owned()))
-        {
+        if let Some(e) = self.lock_pool().get_mut(&ChannelKey::of(peer)) {
             e.facts = Some((facts.clone(), Instant::now()));
         }
         Ok(facts)
@@ -337,34 +370,32 @@ impl Agents {
     /// `CheckPlan`.
     pub async fn check(
         &self,
-        target: &str,
-        node: &str,
+        peer: &Peer,
         plan: pb::Plan,
     ) -> Result<pb::CheckPlanResponse, AgentError> {
-        let mut client = self.entry(target, node).await?.client;
+        let mut client = self.entry(peer).await?.client;
         let mut request = tonic::Request::new(pb::CheckPlanRequest { plan: Some(plan) });
         request.set_timeout(CALL_TIMEOUT);
         client
             .check_plan(request)
             .await
             .map(tonic::Response::into_inner)
-            .map_err(|s| self.status_error(target, node, "CheckPlan", s))
+            .map_err(|s| self.status_error(peer, "CheckPlan", s))
     }
 
     /// `GetPlanStatus`; `None` when the agent does not know the id.
     pub async fn status(
         &self,
-        target: &str,
-        node: &str,
+        peer: &Peer,
         id: &str,
     ) -> Result<Option<pb::PlanStatus>, AgentError> {
-        let mut client = self.entry(target, node).await?.client;
+        let mut client = self.entry(peer).await?.client;
         let mut request = tonic::Request::new(pb::GetPlanStatusRequest { id: id.to_owned() });
         request.set_timeout(CALL_TIMEOUT);
         match client.get_plan_status(request).await {
             Ok(r) => Ok(Some(r.into_inner())),
             Err(s) if s.code() == tonic::Code::NotFound => Ok(None),
-            Err(s) => Err(self.status_error(target, node, "GetPlanStatus", s)),
+            Err(s) => Err(self.status_error(peer, "GetPlanStatus", s)),
         }
     }
 
@@ -373,31 +404,29 @@ impl Agents {
     /// terminal snapshot or until it breaks.
     pub async fn watch(
         &self,
-        target: &str,
-        node: &str,
+        peer: &Peer,
         id: &str,
     ) -> Result<Option<tonic::Streaming<pb::PlanStatus>>, AgentError> {
-        let mut client = self.entry(target, node).await?.client;
+        let mut client = self.entry(peer).await?.client;
         let request = tonic::Request::new(pb::WatchPlanRequest { id: id.to_owned() });
         match tokio::time::timeout(CALL_TIMEOUT, client.watch_plan(request)).await {
             Err(_) => {
-                self.forget(target, node);
-                Err(self.unreachable(node, target, "WatchPlan: timed out"))
+                self.forget(peer);
+                Err(self.unreachable(peer.node(), peer.target(), "WatchPlan: timed out"))
             }
             Ok(Ok(r)) => Ok(Some(r.into_inner())),
             Ok(Err(s)) if s.code() == tonic::Code::NotFound => Ok(None),
-            Ok(Err(s)) => Err(self.status_error(target, node, "WatchPlan", s)),
+            Ok(Err(s)) => Err(self.status_error(peer, "WatchPlan", s)),
         }
     }
 
     /// `ApplyPlan`.
     pub async fn apply(
         &self,
-        target: &str,
-        node: &str,
+        peer: &Peer,
         plan: pb::Plan,
     ) -> Result<pb::ApplyPlanResponse, AgentError> {
-        let mut client = self.entry(target, node).await?.client;
+        let mut client = self.entry(peer).await?.client;
         let mut request = tonic::Request::new(pb::ApplyPlanRequest {
             plan: Some(plan),
             retry: false,
@@ -407,7 +436,7 @@ impl Agents {
             .apply_plan(request)
             .await
             .map(tonic::Response::into_inner)
-            .map_err(|s| self.status_error(target, node, "ApplyPlan", s))
+            .map_err(|s| self.status_error(peer, "ApplyPlan", s))
     }
 
     /// `RetryPlan` of the attempt `from_attempt` that was seen to fail: a new attempt
@@ -415,12 +444,11 @@ impl Agents {
     /// two replicas, or again after a restart) starts one attempt.
     pub async fn retry(
         &self,
-        target: &str,
-        node: &str,
+        peer: &Peer,
         id: &str,
         from_attempt: u32,
     ) -> Result<pb::PlanStatus, AgentError> {
-        let mut client = self.entry(target, node).await?.client;
+        let mut client = self.entry(peer).await?.client;
         let mut request = tonic::Request::new(pb::RetryPlanRequest {
             id: id.to_owned(),
             from_attempt,
@@ -430,41 +458,32 @@ impl Agents {
             .retry_plan(request)
             .await
             .map(tonic::Response::into_inner)
-            .map_err(|s| self.status_error(target, node, "RetryPlan", s))
+            .map_err(|s| self.status_error(peer, "RetryPlan", s))
     }
 
     /// `GetDrift`: whether the node still matches the last plan that succeeded on it;
     /// `None` from an agent that predates the call.
-    pub async fn drift(
-        &self,
-        target: &str,
-        node: &str,
-    ) -> Result<Option<pb::DriftStatus>, AgentError> {
-        let mut client = self.entry(target, node).await?.client;
+    pub async fn drift(&self, peer: &Peer) -> Result<Option<pb::DriftStatus>, AgentError> {
+        let mut client = self.entry(peer).await?.client;
         let mut request = tonic::Request::new(pb::GetDriftRequest {});
         request.set_timeout(CALL_TIMEOUT);
         match client.get_drift(request).await {
             Ok(r) => Ok(Some(r.into_inner())),
             Err(s) if s.code() == tonic::Code::Unimplemented => Ok(None),
-            Err(s) => Err(self.status_error(target, node, "GetDrift", s)),
+            Err(s) => Err(self.status_error(peer, "GetDrift", s)),
         }
     }
 
     /// `RepairPlan`: a new attempt of the last succeeded plan, which must be `id`.
-    pub async fn repair(
-        &self,
-        target: &str,
-        node: &str,
-        id: &str,
-    ) -> Result<pb::PlanStatus, AgentError> {
-        let mut client = self.entry(target, node).await?.client;
+    pub async fn repair(&self, peer: &Peer, id: &str) -> Result<pb::PlanStatus, AgentError> {
+        let mut client = self.entry(peer).await?.client;
         let mut request = tonic::Request::new(pb::RepairPlanRequest { id: id.to_owned() });
         request.set_timeout(CALL_TIMEOUT);
         client
             .repair_plan(request)
             .await
             .map(tonic::Response::into_inner)
-            .map_err(|s| self.status_error(target, node, "RepairPlan", s))
+            .map_err(|s| self.status_error(peer, "RepairPlan", s))
     }
 
     /// Where the client certificate comes from.
@@ -515,7 +534,7 @@ mod tests {
             .port();
         let target = format!("https://127.0.0.1:{port}");
         let e = agents
-            .facts(&target, "node-a")
+            .facts(&Peer::for_tests(&target, "node-a"))
             .await
             .unwrap_err()
             .to_string();
@@ -533,36 +552,24 @@ mod tests {
     }
 
     #[test]
-    fn a_changed_trust_drops_the_channel_made_under_the_old_one() {
+    fn a_configuration_is_made_per_trust_and_kept_for_it() {
         let dir = tempfile::tempdir().unwrap();
         let pki = crate::emulate::Pki::new(dir.path()).unwrap();
         let client = pki.updater_client().unwrap();
         let agents = Agents::new(paths(pki.ca(), client.cert, client.key)).unwrap();
-        let ca = |version: &str| {
-            Trust::Cluster(Arc::new(ClusterCa {
-                cluster: "ns/c".into(),
-                secret: "ns/c-ca".into(),
-                version: version.into(),
-                pem: std::fs::read(pki.ca()).unwrap(),
-            }))
-        };
-        agents.trust("t", "n", ca("1"));
-        assert_eq!(agents.trust_of("t", "n"), ca("1"));
-        let one = agents.config_for(&ca("1")).unwrap();
-        assert!(Arc::ptr_eq(&one, &agents.config_for(&ca("1")).unwrap()));
-        assert!(!Arc::ptr_eq(&one, &agents.config_for(&ca("2")).unwrap()));
-        agents.trust("t", "n", Trust::File);
-        assert_eq!(agents.trust_of("t", "n"), Trust::File);
-        let bad = Trust::Cluster(Arc::new(ClusterCa {
-            cluster: "ns/d".into(),
-            secret: "ns/d-ca".into(),
-            version: "1".into(),
-            pem: b"REPLACE".to_vec(),
-        }));
-        let e = agents.config_for(&bad).unwrap_err();
-        assert!(
-            e.contains("the CA of cluster ns/d") && e.contains("Secret ns/d-ca key tls.crt"),
-            "{e}"
+        let red = Peer::for_tests_in("t", "n", "team-a", "red");
+        let blue = Peer::for_tests_in("t", "n", "team-b", "blue");
+        let one = agents.config_for(red.trust()).unwrap();
+        assert!(Arc::ptr_eq(&one, &agents.config_for(red.trust()).unwrap()));
+        // Another cluster's identity at the same address and node: another configuration,
+        // and the first one is still the one for red.
+        let other = agents.config_for(blue.trust()).unwrap();
+        assert!(!Arc::ptr_eq(&one, &other));
+        assert!(Arc::ptr_eq(&one, &agents.config_for(red.trust()).unwrap()));
+        assert_ne!(ChannelKey::of(&red), ChannelKey::of(&blue));
+        assert_eq!(
+            ChannelKey::of(&red),
+            ChannelKey::of(&Peer::for_tests_in("t", "n", "team-a", "red"))
         );
     }
 }

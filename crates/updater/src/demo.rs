@@ -86,7 +86,13 @@ fn free_port() -> anyhow::Result<u16> {
 
 /// Starts `inplace-agent serve` on the sandbox; returns once it listens.
 fn start_agent(bin: &Path, root: &Path, pki: &Pki, port: u16) -> anyhow::Result<KillOnDrop> {
-    let server = pki.server("agent", &["demo-node", "127.0.0.1"])?;
+    // The agent is bound to the demo Machine's cluster (default/demo), as the updater
+    // requires with agentCA: File.
+    let server = pki.server_with_uris(
+        "agent",
+        &["demo-node", "127.0.0.1"],
+        &[&inplace_api::pki::cluster_identity("default", "demo")],
+    )?;
     let log = root.with_extension("agent.log");
     let out = std::fs::File::create(&log)?;
     let child = Command::new(bin)

@@ -5,6 +5,7 @@
 //! `CanUpdateMachine` says so in its message.
 
 use super::agent::Agents;
+use super::edge::agent_ca::Peer;
 use super::progress::PlanRef;
 use inplace_api::pb;
 
@@ -46,10 +47,7 @@ pub type Said = Result<Option<pb::DriftStatus>, String>;
 
 /// Asks `plan`'s node about drift (`GetDrift`).
 pub async fn ask(agents: &Agents, plan: &PlanRef) -> Said {
-    agents
-        .drift(&plan.target, &plan.node)
-        .await
-        .map_err(|e| e.to_string())
+    agents.drift(&plan.peer).await.map_err(|e| e.to_string())
 }
 
 /// `status` of `plan` as the agent gave it; when the plan succeeded and the node has
@@ -74,21 +72,21 @@ pub async fn repair_if_drifted(
         Ok(Some(d)) => d,
         Ok(None) => return status,
         Err(e) => {
-            tracing::warn!(%machine, node = %plan.node, plan = %plan.id, error = %e, "cannot ask for drift");
+            tracing::warn!(%machine, node = %plan.peer.node(), plan = %plan.id, error = %e, "cannot ask for drift");
             return status;
         }
     };
     let Some(what) = drifted_from(&drift, &plan.id) else {
         return status;
     };
-    match agents.repair(&plan.target, &plan.node, &plan.id).await {
+    match agents.repair(&plan.peer, &plan.id).await {
         Ok(next) if next.hook_response.is_some() => {
-            tracing::warn!(%machine, node = %plan.node, plan = %plan.id, attempt = next.attempt, "node drifted from its plan ({what}): repairing");
+            tracing::warn!(%machine, node = %plan.peer.node(), plan = %plan.id, attempt = next.attempt, "node drifted from its plan ({what}): repairing");
             next
         }
         Ok(_) => status,
         Err(e) => {
-            tracing::warn!(%machine, node = %plan.node, plan = %plan.id, error = %e, "node drifted from its plan ({what}) and cannot be repaired");
+            tracing::warn!(%machine, node = %plan.peer.node(), plan = %plan.id, error = %e, "node drifted from its plan ({what}) and cannot be repaired");
             status
         }
     }
@@ -102,8 +100,9 @@ pub fn has_drifted_from(said: &Said, plan: &PlanRef) -> bool {
 
 /// `message` of `CanUpdateMachine`, with what the node's agent says about drift from the
 /// last plan that succeeded on it, when the node has drifted.
-pub async fn with_drift(agents: &Agents, target: &str, node: &str, message: String) -> String {
-    let Ok(Some(d)) = agents.drift(target, node).await else {
+pub async fn with_drift(agents: &Agents, peer: &Peer, message: String) -> String {
+    let node = peer.node();
+    let Ok(Some(d)) = agents.drift(peer).await else {
         return message;
     };
     let Some(what) = drifted_from(&d, &d.baseline_id) else {

@@ -28,6 +28,7 @@ pub struct Pki {
     /// Where the files are.
     pub dir: PathBuf,
     issuer: Issuer<'static, KeyPair>,
+    key_pem: String,
 }
 
 /// A certificate and key on disk.
@@ -54,6 +55,7 @@ impl Pki {
         std::fs::write(dir.join("ca.crt"), cert.pem())?;
         Ok(Pki {
             dir: dir.to_path_buf(),
+            key_pem: key.serialize_pem(),
             issuer: Issuer::new(params, key),
         })
     }
@@ -78,10 +80,32 @@ impl Pki {
         Ok(files)
     }
 
+    /// The CA's private key (PEM): for a test or demo that puts this CA where Cluster API
+    /// keeps a workload cluster's (the `<cluster>-ca` Secret's `tls.key`).
+    pub fn ca_key_pem(&self) -> &str {
+        &self.key_pem
+    }
+
     /// A server certificate for `names` (DNS names or IP addresses), saved as `<file>.crt`.
     pub fn server(&self, file: &str, names: &[&str]) -> anyhow::Result<CertFiles> {
+        self.server_with_uris(file, names, &[])
+    }
+
+    /// [`Pki::server`] with URI SANs too: an agent bound to its workload cluster carries
+    /// `inplace_api::pki::cluster_identity(namespace, name)`.
+    pub fn server_with_uris(
+        &self,
+        file: &str,
+        names: &[&str],
+        uris: &[&str],
+    ) -> anyhow::Result<CertFiles> {
         let mut params =
             CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())?;
+        for uri in uris {
+            params
+                .subject_alt_names
+                .push(SanType::URI((*uri).try_into()?));
+        }
         params
             .distinguished_name
             .push(DnType::CommonName, names.first().copied().unwrap_or(file));

@@ -28,6 +28,7 @@ use serde_json::Value;
 use super::agent::{AgentError, Agents};
 use super::bootstrap_data;
 use super::cluster::Cluster;
+use super::edge::agent_ca::{ClusterCas, Peer};
 use super::edge::extension_config::{Effective, ExtensionConfigs, Refused};
 use super::edge::yaml::{Document, Limits, ParseError};
 use super::hooks::{
@@ -43,7 +44,6 @@ use super::settings::Settings;
 use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate_removing, write_canonical,
 };
-use super::trust::ClusterCas;
 use super::unreachable::{SINCE_ANNOTATION, Verdict, Waits};
 use inplace_api::convert::plan_to_pb;
 use inplace_api::pb;
@@ -105,7 +105,7 @@ pub struct Updater {
     pub metrics: Arc<Metrics>,
     /// Failed plans reported as Events, retried on request ([`super::recovery`]).
     pub recovery: Arc<Recovery>,
-    /// The workload clusters' CAs that verify their agents ([`super::trust`]).
+    /// The workload clusters' CAs that verify their agents ([`super::edge::agent_ca`]).
     pub cluster_cas: Arc<ClusterCas>,
     /// Machines waiting on an unreachable agent ([`super::unreachable`]).
     pub waits: Arc<Waits>,
@@ -189,10 +189,7 @@ impl Updater {
             }
             let mut heard = known.heard;
             if known.word_stale
-                && let Ok(Some(status)) = self
-                    .agents
-                    .status(&known.plan.target, &known.plan.node, &known.plan.id)
-                    .await
+                && let Ok(Some(status)) = self.agents.status(&known.plan.peer, &known.plan.id).await
                 && known.plan.has_digest(&status.digest)
                 && status.hook_response.is_some()
                 && let Some(now) = self.plans.heard_by_call(&machine, &known.plan, &status)
@@ -333,42 +330,6 @@ impl Updater {
         );
         answer.object = object.to_owned();
         answer
-    }
-
-    /// The node name and the agent target of a live Machine.
-    fn locate(live: &Value, settings: &Settings, key: &str) -> Result<(String, String), Failure> {
-        let node = lookup(live, &["status", "nodeRef", "name"])
-            .and_then(Value::as_str)
-            .filter(|n| !n.is_empty())
-            .ok_or_else(|| Failure(format!("Machine {key} has no status.nodeRef.name yet")))?
-            .to_owned();
-        let addresses = lookup(live, &["status", "addresses"])
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default();
-        let address = settings
-            .address_types
-            .iter()
-            .find_map(|t| {
-                addresses.iter().find_map(|a| {
-                    (a.get("type").and_then(Value::as_str) == Some(t.as_str()))
-                        .then(|| a.get("address").and_then(Value::as_str))
-                        .flatten()
-                        .filter(|s| !s.is_empty())
-                })
-            })
-            .ok_or_else(|| {
-                Failure(format!(
-                    "Machine {key} has no status.addresses entry of type {} to reach node {node}'s agent",
-                    settings.address_types.join(" or ")
-                ))
-            })?;
-        let host = if address.contains(':') {
-            format!("[{address}]")
-        } else {
-            address.to_owned()
-        };
-        Ok((node, format!("https://{host}:{}", settings.agent_port)))
     }
 
     /// After `UpdateMachine` answered: a wait on an unreachable agent is logged, its start
@@ -617,13 +578,13 @@ impl Updater {
                     .and_then(Value::as_str)
                     .unwrap_or_default();
                 let machine = format!("{namespace}/{name}");
-                let (node, target) = Self::locate(&live, &settings, &machine).map_err(|f| f.0)?;
-                this.verify_with(&live, &settings, &machine, &target, &node)
+                let peer = this
+                    .peer(&live, &settings, &machine)
                     .await
                     .map_err(|f| f.0)?;
                 let facts = this
                     .agents
-                    .facts(&target, &node)
+                    .facts(&peer)
                     .await
                     .map_err(|e| format!("Machine {machine}: {e}"))?;
                 Ok::<_, String>((machine, facts))
@@ -647,22 +608,13 @@ impl Updater {
         }
     }
 
-    /// Sets which CA verifies the agent of the live Machine `key` (`settings.agentCA`).
-    async fn verify_with(
-        &self,
-        live: &Value,
-        settings: &Settings,
-        key: &str,
-        target: &str,
-        node: &str,
-    ) -> Result<(), Failure> {
-        let trust = self
-            .cluster_cas
-            .trust_for(&self.cluster, settings.agent_ca, live, key)
+    /// The agent of the live Machine `key` and how it is verified (`settings.agentCA`):
+    /// bound to the Machine's own cluster ([`super::edge::agent_ca`]).
+    async fn peer(&self, live: &Value, settings: &Settings, key: &str) -> Result<Peer, Failure> {
+        self.cluster_cas
+            .peer(&self.cluster, settings, live, key)
             .await
-            .map_err(|e| Failure(format!("Machine {key} (node {node}): {e}")))?;
-        self.agents.trust(target, node, trust);
-        Ok(())
+            .map_err(Failure)
     }
 
     async fn live_machine(&self, object: &Object) -> Result<Value, Failure> {
@@ -771,17 +723,12 @@ impl Updater {
             Ok(v) => v,
             Err(Failure(m)) => return not_covered(m),
         };
-        let (node, target) = match Self::locate(&live, settings, &key) {
-            Ok(x) => x,
+        let peer = match self.peer(&live, settings, &key).await {
+            Ok(p) => p,
             Err(Failure(m)) => return not_covered(m),
         };
-        if let Err(e) = self
-            .verify_with(&live, settings, &key, &target, &node)
-            .await
-        {
-            return not_covered(e.0);
-        }
-        let facts = match self.agents.facts(&target, &node).await {
+        let node = peer.node();
+        let facts = match self.agents.facts(&peer).await {
             Ok(f) => f,
             Err(e) => return not_covered(format!("Machine {key}: {e}")),
         };
@@ -818,7 +765,7 @@ impl Updater {
         };
         let check = match self
             .agents
-            .check(&target, &node, plan_to_pb(&translation.plan))
+            .check(&peer, plan_to_pb(&translation.plan))
             .await
         {
             Ok(c) => c,
@@ -843,7 +790,7 @@ impl Updater {
         );
         let message = coverage_message(&machine, &bootstrap);
         // Drift (issue 37): said in the message; the update repairs it.
-        let message = super::drift::with_drift(&self.agents, &target, &node, message).await;
+        let message = super::drift::with_drift(&self.agents, &peer, message).await;
         tracing::debug!(machine = %key, %node, plan = %translation.id, "CanUpdateMachine checked");
         Ok(Answer::new(
             &CanUpdateMachineResponse {
@@ -972,10 +919,8 @@ impl Updater {
                 Some(live_b)
             }
         };
-        let (node, target) = Self::locate(&live, settings, &key)?;
-        self.verify_with(&live, settings, &key, &target, &node)
-            .await?;
-        let facts = match self.agents.facts(&target, &node).await {
+        let peer = self.peer(&live, settings, &key).await?;
+        let facts = match self.agents.facts(&peer).await {
             Ok(f) => f,
             Err(e @ AgentError::Unreachable { .. }) => return Ok((waiting(&key, &e), false)),
             Err(e) => return Err(Failure(e.to_string())),
@@ -1006,8 +951,7 @@ impl Updater {
             id: translation.id,
             digest: translation.plan.digest(),
             digest_v1: translation.plan.digest_v1(),
-            target,
-            node,
+            peer,
             costs: super::pace::costs(&wire),
             cluster: cluster_of(desired.namespace(), &live_spec),
         };
@@ -1047,7 +991,8 @@ impl Updater {
                 retry_after_seconds: SUBMITTING_RETRY_SECONDS,
                 message: format!(
                     "plan {} is being submitted to inplace-agent on node {}",
-                    plan.id, plan.node
+                    plan.id,
+                    plan.peer.node()
                 ),
             },
             step: None,
@@ -1134,20 +1079,17 @@ impl Updater {
         wire: pb::Plan,
     ) -> Result<pb::PlanStatus, Result<(Answer, bool), Failure>> {
         let PlanRef {
-            id,
-            digest,
-            target,
-            node,
-            ..
+            id, digest, peer, ..
         } = plan;
-        let known = match self.agents.status(target, node, id).await {
+        let node = peer.node();
+        let known = match self.agents.status(peer, id).await {
             Ok(s) => s.filter(|s| plan.has_digest(&s.digest)),
             Err(e @ AgentError::Unreachable { .. }) => return Err(Ok((waiting(key, &e), false))),
             Err(e) => return Err(Err(Failure(e.to_string()))),
         };
         let status = match known {
             Some(s) => s,
-            None => match self.agents.apply(target, node, wire).await {
+            None => match self.agents.apply(peer, wire).await {
                 Ok(r) => {
                     if r.created {
                         self.metrics.plan_submitted();

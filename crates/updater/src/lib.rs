@@ -66,7 +66,6 @@ pub mod settings;
 pub(crate) mod setup;
 pub mod standin;
 pub mod translate;
-pub(crate) mod trust;
 pub mod unreachable;
 pub mod workload;
 

@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::agent::Agents;
+use super::edge::agent_ca::Peer;
 use inplace_api::pb;
 
 /// How long an entry's check against the live objects is trusted before it is repeated.
@@ -60,10 +61,8 @@ pub struct PlanRef {
     /// The plan's digest by the first definition (`sha256:...`), which agents before
     /// digests v2 report for it.
     pub digest_v1: String,
-    /// `https://address:port` of the node's agent.
-    pub target: String,
-    /// The node name its certificate must carry.
-    pub node: String,
+    /// The node's agent: where it is, its node name and how it is verified.
+    pub peer: Peer,
     /// The expected time of each change, for pacing CAPI's calls ([`super::pace::costs`]).
     pub costs: Vec<u32>,
     /// The Machine's workload cluster (`<namespace>/<spec.clusterName>`), for the fleet
@@ -734,9 +733,9 @@ pub async fn follow(
 ) {
     let mut backoff = BACKOFF_MIN;
     while plans.wanted(&machine, generation) {
-        match agents.watch(&plan.target, &plan.node, &plan.id).await {
+        match agents.watch(&plan.peer, &plan.id).await {
             Ok(Some(mut stream)) => {
-                tracing::debug!(%machine, node = %plan.node, plan = %plan.id, "plan stream opened");
+                tracing::debug!(%machine, node = %plan.peer.node(), plan = %plan.id, "plan stream opened");
                 loop {
                     match stream.message().await {
                         Ok(Some(status)) => {
@@ -752,7 +751,7 @@ pub async fn follow(
                         }
                         Ok(None) => break,
                         Err(s) => {
-                            tracing::debug!(%machine, node = %plan.node, plan = %plan.id, code = ?s.code(), "plan stream broke");
+                            tracing::debug!(%machine, node = %plan.peer.node(), plan = %plan.id, code = ?s.code(), "plan stream broke");
                             break;
                         }
                     }
@@ -782,8 +781,7 @@ mod tests {
             id: id.into(),
             digest: digest.into(),
             digest_v1: format!("v1 of {digest}"),
-            target: "https://127.0.0.1:1".into(),
-            node: "n".into(),
+            peer: Peer::for_tests("https://127.0.0.1:1", "n"),
             costs: vec![20],
             cluster: "c".into(),
         }

@@ -477,14 +477,10 @@ impl Recovery {
                 return status;
             }
         }
-        match self
-            .agents
-            .retry(&plan.target, &plan.node, &plan.id, heard.attempt)
-            .await
-        {
+        match self.agents.retry(&plan.peer, &plan.id, heard.attempt).await {
             Ok(next) if next.hook_response.is_some() => {
                 if next.attempt == heard.attempt + 1 {
-                    tracing::info!(%machine, node = %plan.node, plan = %plan.id, attempt = next.attempt, "plan retried ({RETRY_ANNOTATION})");
+                    tracing::info!(%machine, node = %plan.peer.node(), plan = %plan.id, attempt = next.attempt, "plan retried ({RETRY_ANNOTATION})");
                     let (this, machine, id, attempt) = (
                         self.clone(),
                         machine.to_owned(),

@@ -36,12 +36,32 @@ struct InitArgs {
     /// URI SAN of the reader certificate
     #[arg(long, default_value = DEFAULT_READER_IDENTITY)]
     reader_identity: String,
+    /// The workload cluster the node belongs to, NAMESPACE/NAME (its Cluster in the management
+    /// cluster): adds the URI SAN spiffe://inplace-agent/cluster/NAMESPACE/NAME to the server
+    /// certificate, which inplace-updater requires with agentCA: File (docs/pki.md)
+    #[arg(long, value_name = "NAMESPACE/NAME", value_parser = parse_cluster)]
+    cluster: Option<(String, String)>,
     /// Validity of the certificates, in days
     #[arg(long, default_value_t = 365, value_parser = clap::value_parser!(u64).range(1..=3650))]
     days: u64,
     /// Replace existing files
     #[arg(long)]
     overwrite: bool,
+}
+
+/// `--cluster NAMESPACE/NAME`.
+fn parse_cluster(s: &str) -> Result<(String, String), String> {
+    match s.split_once('/') {
+        Some((namespace, name))
+            if inplace_api::pki::is_object_name(namespace)
+                && inplace_api::pki::is_object_name(name) =>
+        {
+            Ok((namespace.to_owned(), name.to_owned()))
+        }
+        _ => Err(format!(
+            "{s:?} is not NAMESPACE/NAME of a Cluster (each a Kubernetes object name)"
+        )),
+    }
 }
 
 /// `inplace-agent pki`.
@@ -52,6 +72,7 @@ pub fn run(args: &PkiArgs) -> Exit {
         reader_identity: a.reader_identity.clone(),
         validity: Duration::from_secs(a.days.saturating_mul(24 * 3600)),
         overwrite: a.overwrite,
+        cluster: a.cluster.clone(),
         ..PkiInitOptions::new(&a.dir, &a.node_name)
     };
     match init(&options) {
@@ -65,8 +86,15 @@ pub fn run(args: &PkiArgs) -> Exit {
                 files.ca_cert.display(),
                 files.ca_key.display()
             );
+            let bound = a
+                .cluster
+                .as_ref()
+                .map(|(ns, name)| {
+                    format!(", cluster {}", inplace_api::pki::cluster_identity(ns, name))
+                })
+                .unwrap_or_default();
             outln!(
-                "  agent:   {} {} (node {})",
+                "  agent:   {} {} (node {}{bound})",
                 files.server_cert.display(),
                 files.server_key.display(),
                 a.node_name

@@ -261,6 +261,9 @@ pub(crate) fn hint(problem: &ConnectProblem, addr: &str, tls: &TlsArgs) -> Strin
         ConnectProblem::NotYetValid { .. } => {
             "check the clocks of this machine and of the CA that issued it".to_string()
         }
+        ConnectProblem::NotBoundToCluster { required, .. } => format!(
+            "issue the agent's certificate (tls.cert) with the URI SAN {required} (docs/pki.md)"
+        ),
         ConnectProblem::WrongKeyUsage => "the agent's certificate (tls.cert) must carry the \
              serverAuth extended key usage (docs/pki.md)"
             .to_string(),

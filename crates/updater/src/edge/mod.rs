@@ -18,6 +18,7 @@
 //! Architecture invariant: code outside this module cannot build these types from raw input;
 //! it accepts them as arguments.
 
+pub mod agent_ca;
 pub mod extension_config;
 pub mod kubeconfig;
 pub mod yaml;

@@ -162,11 +162,7 @@ impl Updater {
             self.drains.settle(key, &plan.id, None, "any", None);
             return Ok(None);
         }
-        let check = match self
-            .agents
-            .check(&plan.target, &plan.node, wire.clone())
-            .await
-        {
+        let check = match self.agents.check(&plan.peer, wire.clone()).await {
             Ok(c) => c,
             Err(e @ AgentError::Unreachable { .. }) => return Ok(Some(waiting(key, &e))),
             Err(e) => return Err(Failure(e.to_string())),
@@ -189,7 +185,7 @@ impl Updater {
             &settings.kubernetes_packages,
             version_differs(facts, wanted),
         );
-        let node = &plan.node;
+        let node = plan.peer.node();
         let reason = drain_reason(settings.drain, &settings.drain_on_restart_of, &effect);
         tracing::debug!(machine = %key, %node, plan = %plan.id, ?effect, kubelet = %facts.kubelet_version,
             reason = reason.as_deref().unwrap_or("none"), "drain decided");
@@ -242,7 +238,7 @@ impl Updater {
             && drain_reason(settings.drain, &settings.drain_on_restart_of, &effect).is_some()
     }
 
-    /// One round of the drain of `plan.node` for `plan`.
+    /// One round of the drain of `plan.peer.node()` for `plan`.
     async fn drain_step(
         &self,
         workload: &Workload,
@@ -252,7 +248,7 @@ impl Updater {
         plan: &PlanRef,
         reason: &str,
     ) -> Result<Step, DrainError> {
-        let node = plan.node.as_str();
+        let node = plan.peer.node();
         let cluster = workload.cluster.as_str();
         let object = workload.node(node).await?.ok_or_else(|| {
             Failure(format!(
@@ -465,7 +461,7 @@ impl Updater {
             self.drains.settle(&key, &plan.id, None, "any", None);
             return;
         }
-        let node = plan.node.as_str();
+        let node = plan.peer.node();
         let result = async {
             let workload = self
                 .drains
