@@ -29,7 +29,7 @@ use crate::support::updater::*;
 use inplace_api::pki::cluster_identity;
 use inplace_updater::emulate::Pki;
 use inplace_updater::hooks::Hook;
-use inplace_updater::standin::secret;
+use inplace_updater::standin::{extension_config, namespace, secret};
 
 /// How much of `retryAfterSeconds` the emulated CAPI waits (10 s → 100 ms).
 const SCALE: f64 = 0.01;
@@ -307,7 +307,41 @@ async fn a_forged_call_under_other_trust_changes_nothing_for_an_update_in_flight
         Some(&team_a),
         &[&cluster_identity("team-a", "prod")],
     );
-    w.start_updater();
+    // Both teams' namespaces are served, each by ExtensionConfigs of its own (team-b's under
+    // both trust modes): the other trust of team-b's calls is legitimate as far as settings go,
+    // so what is tested is that it does not reach team-a's calls.
+    w.start_updater_with(&[
+        "--extension-config",
+        "team-a",
+        "--extension-config",
+        "team-b-file",
+        "--extension-config",
+        "team-b-secret",
+    ]);
+    let port = w.agent_port.to_string();
+    for (team, name, settings) in [
+        (
+            "team-a",
+            "team-a",
+            json!({"agentPort": port, "agentCA": "ClusterSecret"}),
+        ),
+        ("team-b", "team-b-file", json!({"agentPort": port})),
+        (
+            "team-b",
+            "team-b-secret",
+            json!({"agentPort": port, "agentCA": "ClusterSecret"}),
+        ),
+    ] {
+        w.api.put(namespace(
+            team,
+            json!({"kubernetes.io/metadata.name": team}),
+        ));
+        w.api.put(extension_config(
+            name,
+            settings,
+            json!({"matchLabels": {"kubernetes.io/metadata.name": team}}),
+        ));
+    }
     w.api.put(secret(
         "team-a",
         "prod-ca",
@@ -326,7 +360,6 @@ async fn a_forged_call_under_other_trust_changes_nothing_for_an_update_in_flight
             ("tls.key", team_b.ca_key_pem().as_bytes()),
         ],
     ));
-    let port = w.agent_port.to_string();
     let legit = put(
         &w,
         "team-a",
@@ -361,7 +394,7 @@ async fn a_forged_call_under_other_trust_changes_nothing_for_an_update_in_flight
     // The forgers call again and again while team-a's update runs.
     let done = Arc::new(AtomicBool::new(false));
     let forger = {
-        let (done, mut capi) = (done.clone(), w.client());
+        let (done, mut capi) = (done.clone(), w.raw_client());
         tokio::spawn(async move {
             let mut answers = Vec::new();
             while !done.load(Ordering::Relaxed) {
@@ -380,7 +413,7 @@ async fn a_forged_call_under_other_trust_changes_nothing_for_an_update_in_flight
     };
     // Let the forgers go first, so every call of the update comes after one.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let mut capi = w.client();
+    let mut capi = w.raw_client();
     let seen = poll_update(&mut capi, &legit, SCALE).await;
     // And once more after it ended: the answer is still the plan's.
     let again = capi.call(Hook::UpdateMachine, &legit).await.unwrap().json();

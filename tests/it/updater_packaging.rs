@@ -209,15 +209,12 @@ fn rbac_gets_machines_kubeadmconfigs_and_secrets_patches_machines_and_creates_ev
             "/namespaces get",
             "/secrets get",
             "bootstrap.cluster.x-k8s.io/kubeadmconfigs get",
-            "cluster.x-k8s.io/clusters get",
             "cluster.x-k8s.io/machinedrainrules list",
             "cluster.x-k8s.io/machines get",
             "cluster.x-k8s.io/machines list",
             "cluster.x-k8s.io/machines patch",
             "cluster.x-k8s.io/machinesets get",
             "runtime.cluster.x-k8s.io/extensionconfigs get",
-            "runtime.cluster.x-k8s.io/extensionconfigs list",
-            "runtime.cluster.x-k8s.io/extensionconfigs watch",
         ]
     );
     // Every role is bound (the per-namespace template that shipped unbound is gone: the

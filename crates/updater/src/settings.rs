@@ -54,8 +54,9 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "agentCA",
-        "which CA verifies the agents' certificates: File (the --agent-ca file, default) or \
-         ClusterSecret (the Machine's cluster's <cluster>-ca Secret, key tls.crt)",
+        "which CA verifies the agents' certificates: File (the --agent-ca file, default; the \
+         certificate must also name the Machine's cluster in a URI SAN) or ClusterSecret (the \
+         Machine's cluster's <cluster>-ca Secret: tls.crt, proven by its key tls.key)",
     ),
     (
         "disableInPlaceUpdates",
