@@ -85,6 +85,12 @@ fn the_kustomization_holds_what_capi_and_the_updater_need_and_agrees_with_itself
             .find_map(|a| a.strip_prefix(&format!("{flag}=")))
             .unwrap()
     };
+    // The updater reads the ExtensionConfig that registers it, by name.
+    let registration = all.iter().find(|d| d["kind"] == "ExtensionConfig").unwrap();
+    assert_eq!(
+        registration["metadata"]["name"].as_str(),
+        Some(arg("--extension-config"))
+    );
 
     // Volumes: the serving Secret is the Certificate's, the client Secret is shipped, and
     // the files the flags name are in them.
