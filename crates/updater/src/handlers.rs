@@ -518,7 +518,7 @@ impl Updater {
     async fn machine_set_facts(
         self: &Arc<Self>,
         set: &Object,
-        settings: &Settings,
+        settings: &Effective,
     ) -> Result<Vec<(String, NodeFacts)>, String> {
         let key = key_of(set);
         // The MachineSet as it is, in the request's namespace: the request only names it (a
@@ -610,7 +610,7 @@ impl Updater {
 
     /// The agent of the live Machine `key` and how it is verified (`settings.agentCA`):
     /// bound to the Machine's own cluster ([`super::edge::agent_ca`]).
-    async fn peer(&self, live: &Value, settings: &Settings, key: &str) -> Result<Peer, Failure> {
+    async fn peer(&self, live: &Value, settings: &Effective, key: &str) -> Result<Peer, Failure> {
         self.cluster_cas
             .peer(&self.cluster, settings, live, key)
             .await

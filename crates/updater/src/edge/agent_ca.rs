@@ -45,6 +45,7 @@ use x509_parser::x509::SubjectPublicKeyInfo;
 use zeroize::Zeroizing;
 
 use crate::cluster::Cluster;
+use crate::edge::extension_config::Effective;
 use crate::settings::{AgentCa, Settings};
 use crate::translate::lookup;
 use inplace_api::pki::{cluster_identity, is_object_name};
@@ -445,7 +446,7 @@ impl ClusterCas {
     pub async fn peer(
         &self,
         cluster: &Cluster,
-        settings: &Settings,
+        settings: &Effective,
         live: &Value,
         key: &str,
     ) -> Result<Peer, String> {

@@ -11,7 +11,7 @@
 //! - [`yaml`]: bootstrap data, Ignition and hook request bodies → documents parsed under
 //!   size, depth, node-count and scalar-byte limits (an alias counted as what it expands to).
 //! - [`agent_ca`]: the CA that may verify a Machine's agent and the identity the agent must
-//!   present → a peer bound to the Machine's own cluster.
+//!   present → a peer bound to the Machine's own cluster, made only under effective settings.
 //! - [`extension_config`]: the operator's ExtensionConfig that selects the Machine's
 //!   namespace → the effective settings (a request's own `settings` only point at them).
 //!
