@@ -33,13 +33,7 @@ use super::hooks::{FailureResponse, Hook};
 use super::metrics::Scraped;
 use inplace_api::tls::{load_certificates, load_private_key};
 
-/// Largest request body read: 8 MiB. A request carries six objects (current and desired
-/// Machine, infrastructure machine and KubeadmConfig); a KubeadmConfig's content must fit
-/// the 1 MiB bootstrap data Secret CABPK renders it into, and the others are a few KiB, so a
-/// real request is under 3 MiB. The body, its parse and the request's copies cost about four
-/// times its size at peak (tests/it/updater_bounded.rs: 75 MiB for 16 MiB), so 8 MiB keeps
-/// the updater under 64 MiB (src/edge/yaml.rs bounds the parse).
-pub const MAX_BODY_BYTES: usize = 8 << 20;
+pub use super::edge::yaml::MAX_BODY_BYTES;
 
 /// Most connections served at once.
 const MAX_CONNECTIONS: usize = 1024;

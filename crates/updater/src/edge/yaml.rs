@@ -25,6 +25,15 @@ use std::fmt;
 use serde::de::{DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess};
 use serde_json::{Map, Number, Value};
 
+/// Largest request body read: 8 MiB. A request carries six objects (current and desired
+/// Machine, infrastructure machine and KubeadmConfig); a KubeadmConfig's content must fit
+/// the 1 MiB bootstrap data Secret CABPK renders it into, and the others are a few KiB, so a
+/// real request is under 3 MiB. The body, its parse and the request's copies cost about four
+/// times its size at peak (tests/it/updater_bounded.rs: 75 MiB for 16 MiB), so 8 MiB keeps
+/// the updater under 64 MiB (this module bounds the parse); the server reads no more
+/// (`server.rs`).
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+
 /// How much of an untrusted document the updater reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -74,15 +83,15 @@ impl Limits {
 
     /// A hook request body (JSON, no aliases: its scalars are never more than its bytes).
     ///
-    /// Input: the server's body limit ([`crate::server::MAX_BODY_BYTES`]). Depth: 64 (a
+    /// Input: the server's body limit ([`MAX_BODY_BYTES`]). Depth: 64 (a
     /// request nests its objects 3 levels deep, and an object's `managedFields` about 12
     /// more). Nodes: 200,000 (a request with six objects and their managed fields has a
     /// few thousand).
     pub const REQUEST_BODY: Limits = Limits {
-        input_bytes: crate::server::MAX_BODY_BYTES,
+        input_bytes: MAX_BODY_BYTES,
         depth: 64,
         nodes: 200_000,
-        scalar_bytes: crate::server::MAX_BODY_BYTES,
+        scalar_bytes: MAX_BODY_BYTES,
     };
 }
 
