@@ -187,7 +187,8 @@ fn real_reboot_resumes_after_boot() {
     powercut::wait_agent(&mut qga).expect("agent up after the reboot");
     let second_boot = boot_id(&mut qga);
     assert_ne!(first_boot, second_boot, "the node did not reboot");
-    let status = powercut::submit_wait(&mut qga, &plan).expect("plan succeeds after the reboot");
+    let status = powercut::submit_wait(&mut qga, &plan, powercut::FIRST_RUN_BUDGET)
+        .expect("plan succeeds after the reboot");
     assert_eq!(status["hookResponse"]["retryAfterSeconds"], 0, "{status}");
     let boots = sh_ok(&mut qga, "cat /var/lib/vm-boots", Duration::from_secs(30)).expect("boots");
     let boots: Vec<&str> = boots.lines().collect();

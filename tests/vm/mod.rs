@@ -15,7 +15,7 @@ use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -55,6 +55,18 @@ impl Accel {
         }
     }
 
+    /// The guest's virtual CPUs. Under TCG each is a host thread that must be scheduled
+    /// promptly: a guest whose vCPU threads wait behind other VMs' stalls its kernel (RCU
+    /// stall warnings, timers that do not fire) and its boot never reaches the guest agent.
+    /// One vCPU per emulated guest, and [`VmEnv::node`] runs only as many guests at once as
+    /// the host has cores for.
+    pub fn vcpus(&self) -> usize {
+        match self {
+            Accel::Kvm => 2,
+            Accel::Tcg { .. } => 1,
+        }
+    }
+
     /// One line for test output and the bench report.
     pub fn describe(&self) -> String {
         match self {
@@ -85,6 +97,34 @@ pub struct VmEnv {
     /// The node after `guest-setup` and a clean power-off, forked for each test.
     prepared: Mutex<Option<Arc<Snapshot>>>,
     pub setup_boot: Mutex<Option<Duration>>,
+    /// Free VM slots: the host's cores divided by the guests' vCPUs (at least one).
+    slots: Arc<(Mutex<usize>, Condvar)>,
+}
+
+/// A VM slot, held by a [`Node`] for its life and given back when it is dropped.
+pub struct Slot(Arc<(Mutex<usize>, Condvar)>);
+
+impl Slot {
+    fn take(slots: &Arc<(Mutex<usize>, Condvar)>, node: &str) -> Slot {
+        let (free, freed) = &**slots;
+        let mut n = free.lock().unwrap_or_else(|e| e.into_inner());
+        if *n == 0 {
+            eprintln!("VM node {node}: waiting for a free VM slot (one guest per core it needs)");
+        }
+        while *n == 0 {
+            n = freed.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+        *n -= 1;
+        Slot(slots.clone())
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let (free, freed) = &*self.0;
+        *free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        freed.notify_one();
+    }
 }
 
 fn in_ci() -> bool {
@@ -146,7 +186,12 @@ impl VmEnv {
     fn open(agent_bin: &Path, kubelet_bin: &Path) -> Result<VmEnv> {
         let image = Image::get()?;
         let accel = detect_accel(&image);
-        eprintln!("VM node: accelerator {}", accel.describe());
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let at_once = (cores / accel.vcpus()).max(1);
+        eprintln!(
+            "VM node: accelerator {}; {at_once} guest(s) at a time on {cores} core(s)",
+            accel.describe()
+        );
         Ok(VmEnv {
             image,
             accel,
@@ -154,12 +199,15 @@ impl VmEnv {
             kubelet_bin: kubelet_bin.to_path_buf(),
             prepared: Mutex::new(None),
             setup_boot: Mutex::new(None),
+            slots: Arc::new((Mutex::new(at_once), Condvar::new())),
         })
     }
 
     /// A new node: the prepared disk forked (first use boots the fresh image once and runs
     /// `guest-setup` in it), with its own share directory.
+    /// Waits for a free VM slot first; the node holds it until it is dropped.
     pub fn node(&self, name: &str) -> Result<Node> {
+        let slot = Slot::take(&self.slots, name);
         let prepared = {
             let mut p = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
             if p.is_none() {
@@ -179,6 +227,7 @@ impl VmEnv {
             accel: self.accel.clone(),
             image: self.image.clone(),
             boots: 0,
+            _slot: slot,
         })
     }
 
@@ -450,6 +499,7 @@ pub struct Node {
     pub accel: Accel,
     image: Image,
     boots: u32,
+    _slot: Slot,
 }
 
 impl Node {
@@ -504,7 +554,8 @@ impl Vm {
         if *accel == Accel::Kvm {
             cmd.args(["-cpu", "host"]);
         }
-        cmd.args(["-machine", "q35", "-m", "1024", "-smp", "2"])
+        cmd.args(["-machine", "q35", "-m", "1024"])
+            .args(["-smp", &accel.vcpus().to_string()])
             .args(["-nodefaults", "-display", "none", "-no-user-config"])
             .arg("-kernel")
             .arg(&image.kernel)
@@ -612,6 +663,15 @@ impl Vm {
             std::thread::sleep(Duration::from_millis(100));
         }
         Ok(())
+    }
+
+    /// The guest kernel reported that its CPUs stalled (RCU stall warnings): the host did
+    /// not schedule the emulator's threads for seconds. That says nothing about the node.
+    pub fn guest_starved(&self) -> bool {
+        let text = std::fs::read_to_string(&self.serial_log).unwrap_or_default();
+        text.contains("rcu_preempt detected stalls")
+            || text.contains("rcu_sched detected stalls")
+            || text.contains("self-detected stall")
     }
 
     /// The last lines of the serial console, for error messages.

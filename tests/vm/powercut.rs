@@ -117,28 +117,59 @@ pub fn wait_agent(qga: &mut Qga) -> Result<()> {
 }
 
 /// Submits a plan from inside the guest and waits for it to end; the final status JSON.
-pub fn submit_wait(qga: &mut Qga, plan_path: &str) -> Result<Value> {
-    let out = qga.sh(
-        &format!(
-            "{CLIENT} inplace-agent submit --wait --wait-timeout 900 --no-progress -o json {plan_path}"
-        ),
-        Duration::from_secs(960),
-    )?;
-    let status: Value = serde_json::from_str(&out.stdout).with_context(|| {
-        format!(
-            "submit {plan_path} exited {}: {}{}",
-            out.code, out.stdout, out.stderr
-        )
-    })?;
-    if out.code != 0 || status.get("phase").and_then(Value::as_str) != Some("Succeeded") {
-        bail!(
-            "plan {plan_path} did not succeed (exit {}): {}\n{}",
-            out.code,
-            status,
-            out.stderr
+///
+/// The node is judged, not one client call: as the updater does (Cluster API calls the hook
+/// again), a submission that ends without the plan's end — the client's deadline while the
+/// agent is still starting after a boot, a refused connection, an answer that is not a
+/// status — is made again until `budget` has passed. A plan that ended in any phase but
+/// Succeeded is a final answer and fails at once; so does running out of `budget`, with
+/// every attempt's words.
+pub fn submit_wait(qga: &mut Qga, plan_path: &str, budget: Duration) -> Result<Value> {
+    let began = Instant::now();
+    let mut attempts = Vec::new();
+    loop {
+        let left = budget
+            .saturating_sub(began.elapsed())
+            .max(Duration::from_secs(30));
+        let out = qga.sh(
+            &format!(
+                "{CLIENT} inplace-agent submit --wait --wait-timeout {} --no-progress -o json {plan_path}",
+                left.as_secs()
+            ),
+            left + Duration::from_secs(60),
         );
+        let words = match out {
+            Ok(out) => match serde_json::from_str::<Value>(&out.stdout) {
+                Ok(status) => match status.get("phase").and_then(Value::as_str) {
+                    Some("Succeeded") if out.code == 0 => return Ok(status),
+                    Some(phase @ ("Failed" | "RolledBack" | "Superseded" | "Cancelled")) => {
+                        bail!(
+                            "plan {plan_path} ended {phase} (exit {}): {status}\n{}",
+                            out.code,
+                            out.stderr
+                        )
+                    }
+                    _ => format!("exit {}: {status} {}", out.code, out.stderr.trim()),
+                },
+                Err(_) => format!("exit {}: {}{}", out.code, out.stdout, out.stderr.trim()),
+            },
+            Err(e) => format!("the guest agent: {e:#}"),
+        };
+        eprintln!(
+            "power cuts: submit {plan_path} after {} ms did not see the plan end ({words}); \
+             submitting again, as the updater would",
+            began.elapsed().as_millis()
+        );
+        attempts.push(words);
+        if began.elapsed() >= budget {
+            bail!(
+                "plan {plan_path} did not end within {} s; {} submissions: {attempts:#?}",
+                budget.as_secs(),
+                attempts.len()
+            );
+        }
+        std::thread::sleep(Duration::from_secs(2));
     }
-    Ok(status)
 }
 
 /// What one cut found.
@@ -239,14 +270,46 @@ pub fn seed() -> u64 {
         })
 }
 
+/// Boots the node and waits for the agent. A boot in which the guest kernel reported CPU
+/// stalls (the host did not run the emulator for seconds) and never reached the guest agent
+/// is cut and booted once more, loudly: that is the host's load, not the node. A second such
+/// boot, or a boot that fails any other way, is a failure.
 fn boot_and_wait(node: &mut Node, report: &mut Report) -> Result<(super::Vm, Qga)> {
     let began = Instant::now();
     let mut vm = node.boot()?;
-    let mut qga = vm.qga(BOOT_TIMEOUT)?;
+    let mut qga = match vm.qga(BOOT_TIMEOUT) {
+        Ok(q) => q,
+        Err(e) if vm.guest_starved() => {
+            eprintln!(
+                "VM node: WARNING: the guest's CPUs stalled during the boot (the host did not \
+                 run it); cutting and booting once more. The first boot: {e:#}"
+            );
+            vm.cut();
+            vm = node.boot()?;
+            vm.qga(BOOT_TIMEOUT)?
+        }
+        Err(e) => return Err(e),
+    };
     wait_agent(&mut qga)?;
     report.boot_ms.push(began.elapsed().as_millis() as u64);
     Ok((vm, qga))
 }
+
+/// How long a re-submission after a boot may take until the plan ends: four times the
+/// slowest boot and the slowest uninterrupted run measured on this node, at least 240 s.
+fn judge_budget(report: &Report) -> Duration {
+    let boot = report.boot_ms.iter().copied().max().unwrap_or(0);
+    let run = report
+        .reference
+        .iter()
+        .map(|t| t.total_ms)
+        .max()
+        .unwrap_or(0);
+    Duration::from_millis(4 * (boot + run)).max(Duration::from_secs(240))
+}
+
+/// The budget of a run with nothing measured yet (the reference runs).
+pub const FIRST_RUN_BUDGET: Duration = Duration::from_secs(900);
 
 /// The reference: plans A and B run uninterrupted on the fresh node; their end states. The
 /// node is then as it was before (B undoes A).
@@ -258,8 +321,8 @@ fn reference(node: &Node, qga: &mut Qga, report: &mut Report) -> Result<(String,
             &plan(which, &format!("ref-{which}")),
         )?;
         let began = Instant::now();
-        let status =
-            submit_wait(qga, &path).with_context(|| format!("reference run of plan {which}"))?;
+        let status = submit_wait(qga, &path, FIRST_RUN_BUDGET)
+            .with_context(|| format!("reference run of plan {which}"))?;
         let total = began.elapsed().as_millis() as u64;
         let ms = |k: &str| status.get(k).and_then(Value::as_u64).unwrap_or(0);
         let run = ms("finishedAtMs")
@@ -405,6 +468,7 @@ pub fn run(
             &id,
             &path,
             if which == 'a' { &state_a } else { &state_b },
+            judge_budget(&report),
         );
         let (phase_after, torn_tail, failure) = match outcome {
             Ok((phase, torn, ended_in)) => {
@@ -440,7 +504,13 @@ pub fn run(
 
 /// After the boot that follows a cut: where the cut fell, whether a torn tail was truncated;
 /// an error when the node did not converge.
-fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, bool, Option<u64>)> {
+fn judge(
+    qga: &mut Qga,
+    id: &str,
+    path: &str,
+    want: &str,
+    budget: Duration,
+) -> Result<(String, bool, Option<u64>)> {
     // Where the cut fell: the phase the agent resumed the plan in (it says so as it starts),
     // else, if the plan is known, it had ended before the cut; else it was not accepted yet.
     let log = qga.sh(
@@ -472,7 +542,7 @@ fn judge(qga: &mut Qga, id: &str, path: &str, want: &str) -> Result<(String, boo
             }
         }
     };
-    submit_wait(qga, path)?;
+    submit_wait(qga, path, budget)?;
     let got = snapshot(qga)?;
     if got != want {
         bail!(

@@ -378,18 +378,32 @@ impl Updater {
                     live_since(&live, now).unwrap_or(now)
                 }
                 read => {
+                    // The value names the Machine spec it was written under, so it is written
+                    // only when that spec is known (read live now or earlier in this call):
+                    // a value under a made-up spec would be ignored by every later reader.
                     let spec = match (&read, seen) {
-                        (Ok(Some(live)), _) => spec_digest(live),
-                        (_, Some((_, spec))) => spec,
-                        _ => spec_digest(&Value::Null),
+                        (Ok(Some(live)), _) => Some(spec_digest(live)),
+                        (_, Some((_, spec))) => Some(spec),
+                        _ => None,
                     };
-                    let at = since_value(now, &spec);
-                    if let Err(e) = self
-                        .cluster
-                        .annotate_machine(&namespace, &name, SINCE_ANNOTATION, &at)
-                        .await
-                    {
-                        tracing::warn!(machine = %key, error = %e, "the start of the wait is not kept on the Machine");
+                    match spec {
+                        Some(spec) => {
+                            let at = since_value(now, &spec);
+                            if let Err(e) = self
+                                .cluster
+                                .annotate_machine(&namespace, &name, SINCE_ANNOTATION, &at)
+                                .await
+                            {
+                                tracing::warn!(machine = %key, error = %e, "the start of the wait is not kept on the Machine");
+                            }
+                        }
+                        None => {
+                            let why = match &read {
+                                Err(e) => e.to_string(),
+                                _ => "the Machine is gone".to_owned(),
+                            };
+                            tracing::warn!(machine = %key, error = %why, "the start of the wait is not kept on the Machine: the live Machine could not be read; only this replica remembers it (a restart or another replica starts the wait anew)");
+                        }
                     }
                     now - now % 1000
                 }
