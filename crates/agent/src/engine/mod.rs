@@ -221,6 +221,16 @@ pub(crate) struct Shared {
     /// journaled, so concurrent submissions of the same plan accept it once and never share
     /// a run number.
     submissions: Mutex<()>,
+    /// The ids whose submission is being decided (admitted, staged, accepted): a second
+    /// submission of the same id waits for the first and then finds its result, instead of
+    /// staging every content again beside it. A client whose call timed out while a slow
+    /// node staged a large plan calls again; without this each call started the staging
+    /// anew, and on a slow enough node none ever finished within a call.
+    in_flight: Mutex<std::collections::HashSet<String>>,
+    in_flight_done: Condvar,
+    /// How many admissions ran (for tests of the above).
+    #[cfg(test)]
+    admissions: std::sync::atomic::AtomicUsize,
     work: Condvar,
     events: broadcast::Sender<Event>,
     config: EngineConfig,
@@ -443,6 +453,10 @@ impl Engine {
                     bodies_bytes: 0,
                 }),
                 submissions: Mutex::new(()),
+                in_flight: Mutex::new(std::collections::HashSet::new()),
+                in_flight_done: Condvar::new(),
+                #[cfg(test)]
+                admissions: std::sync::atomic::AtomicUsize::new(0),
                 work: Condvar::new(),
                 events,
                 config,
@@ -486,6 +500,10 @@ impl Engine {
 
     /// Checks a validated plan against this node without journaling anything.
     pub fn admit(&self, plan: &Plan) -> Result<steps::Prepared, SubmitError> {
+        #[cfg(test)]
+        self.shared
+            .admissions
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         admit(&self.shared.config, &self.shared.host, plan)
     }
 
@@ -504,6 +522,7 @@ impl Engine {
         source: &str,
         retry: bool,
     ) -> Result<Submission, SubmitError> {
+        let _one = self.one_submission_of(&plan.id);
         // An id this agent has never seen cannot be a repeat: its digest (a hash over all of
         // its content) is computed while its contents are staged, not before.
         let fresh = self.shared.lock().table.latest(&plan.id).is_none();
@@ -720,6 +739,28 @@ impl Engine {
             None => None,
         };
         Ok((staged, blob))
+    }
+
+    /// Waits until no other submission of `id` is being decided, then marks this one; the
+    /// mark is taken away when the guard is dropped (also on an error or a panic).
+    fn one_submission_of(&self, id: &str) -> InFlight<'_> {
+        let mut ids = self
+            .shared
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        while ids.contains(id) {
+            ids = self
+                .shared
+                .in_flight_done
+                .wait(ids)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        ids.insert(id.to_owned());
+        InFlight {
+            shared: &self.shared,
+            id: id.to_owned(),
+        }
     }
 
     fn submission_lock(&self) -> MutexGuard<'_, ()> {
@@ -1000,10 +1041,61 @@ pub fn admit(cfg: &EngineConfig, host: &Host, plan: &Plan) -> Result<steps::Prep
     })
 }
 
+/// A submission of one id being decided ([`Engine::one_submission_of`]).
+struct InFlight<'a> {
+    shared: &'a Shared,
+    id: String,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.shared
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+        self.shared.in_flight_done.notify_all();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::SettingsInput;
+
+    #[test]
+    fn concurrent_submissions_of_a_new_plan_stage_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, host) = sandbox(dir.path(), 1 << 20);
+        let (engine, _) = Engine::open(config, host).unwrap();
+        let (plan, _) = big_plan("once", "");
+        let start = Arc::new(std::sync::Barrier::new(4));
+        let answers: Vec<Submission> = std::thread::scope(|s| {
+            let calls: Vec<_> = (0..4)
+                .map(|_| {
+                    let (engine, plan, start) = (&engine, plan.clone(), start.clone());
+                    s.spawn(move || {
+                        start.wait();
+                        engine.submit(plan, "test", false).unwrap()
+                    })
+                })
+                .collect();
+            calls.into_iter().map(|c| c.join().unwrap()).collect()
+        });
+        let accepted = answers
+            .iter()
+            .filter(|a| matches!(a, Submission::Accepted(_)))
+            .count();
+        assert_eq!(accepted, 1, "{answers:?}");
+        assert_eq!(
+            engine
+                .shared
+                .admissions
+                .load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "one admission (staging) for four calls of the same new plan"
+        );
+    }
 
     fn plan(id: &str, content: &str) -> Plan {
         let text = format!(
