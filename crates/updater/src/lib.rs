@@ -64,6 +64,7 @@ pub(crate) mod recovery;
 pub(crate) mod server;
 pub mod settings;
 pub(crate) mod setup;
+pub mod skew;
 pub mod standin;
 pub mod translate;
 pub mod unreachable;
