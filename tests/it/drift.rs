@@ -467,3 +467,99 @@ fn a_check_process_without_a_request_says_what_to_run_instead() {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(said.contains("run inplace-agent drift"), "{said}");
 }
+
+/// Failed on the code before: a baseline applied by the CLI without `nodeName` was reported
+/// drifted by the daemon, and its repair was refused ("nodeName: is required by this
+/// agent"). The plan already succeeded on this very node (its journal says so): a repair of
+/// it needs no name to be sure of the node.
+#[test]
+fn a_baseline_applied_without_a_node_name_is_repaired() {
+    let node = Node::new();
+    let plan = node.plan_file(
+        "unnamed.yaml",
+        &format!("apiVersion: inplace.agent/v1\nkind: Plan\nid: unnamed\n{BASELINE}"),
+    );
+    let out = node.agent(&["apply", "--no-progress", &plan.display().to_string()]);
+    assert!(out.status.success(), "{}", text(&out));
+    let pki = NodePki::new(NODE).unwrap();
+    let agent = start(&node, &pki);
+    wait_for(&agent, false);
+    edit(&node, "/etc/kubernetes/extra.conf", "extra", "edited");
+    wait_for(&agent, true);
+    let (code, out) = run(&agent, &pki, As::Updater, &["repair", "--wait"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("unnamed"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(node.path("/etc/kubernetes/extra.conf")).unwrap(),
+        "extra\n"
+    );
+    let d = wait_for(&agent, false);
+    assert_eq!(d["baseline"]["attempt"], 2, "{d:#}");
+}
+
+/// Failed on the code before: an `absent` path whose directory did not exist when the
+/// watch began was never watched, so a file recreated there was noticed only by the 5-minute
+/// interval. The nearest existing ancestor is watched, and the directory once it appears.
+#[test]
+fn a_file_in_a_directory_made_after_the_watch_began_is_noticed_within_seconds() {
+    let node = Node::new();
+    let pki = NodePki::new(NODE).unwrap();
+    let agent = start(&node, &pki);
+    // Nothing else of the plan is in /etc/kubernetes: no watch of it for another reason.
+    let baseline = plan(
+        &node,
+        "late",
+        "changes:\n\
+         \x20 - kubeletConfig: {mergePatch: {maxPods: 90}}\n\
+         \x20 - absent: {path: /etc/kubernetes/late.d/deeper/stale.conf}\n",
+    );
+    let (code, out) = run(
+        &agent,
+        &pki,
+        As::Updater,
+        &["submit", &baseline.display().to_string(), "--wait"],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    wait_for(&agent, false);
+    assert!(!node.path("/etc/kubernetes/late.d").exists());
+    // Made as `mkdir -p` and a write would: each directory, then the file at once.
+    let edited = Instant::now();
+    std::fs::create_dir_all(node.path("/etc/kubernetes/late.d/deeper")).unwrap();
+    std::fs::write(
+        node.path("/etc/kubernetes/late.d/deeper/stale.conf"),
+        "back\n",
+    )
+    .unwrap();
+    let noticed = loop {
+        let d = drift(&agent);
+        if d["drifted"] == true {
+            break edited.elapsed();
+        }
+        assert!(
+            edited.elapsed() < Duration::from_secs(60),
+            "not noticed within 60 s (the interval is 300 s): {d:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("noticed {noticed:?} after the file was made");
+    // Removed again, with its directories: noticed, then made again: noticed again.
+    std::fs::remove_dir_all(node.path("/etc/kubernetes/late.d")).unwrap();
+    wait_for(&agent, false);
+    std::fs::create_dir_all(node.path("/etc/kubernetes/late.d/deeper")).unwrap();
+    let again = Instant::now();
+    std::fs::write(
+        node.path("/etc/kubernetes/late.d/deeper/stale.conf"),
+        "again\n",
+    )
+    .unwrap();
+    loop {
+        if drift(&agent)["drifted"] == true {
+            break;
+        }
+        assert!(
+            again.elapsed() < Duration::from_secs(60),
+            "the second time not noticed within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

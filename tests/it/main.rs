@@ -18,6 +18,7 @@ mod disk_full;
 mod dnf_host;
 mod download;
 mod drift;
+mod drift_local;
 mod hints;
 mod journal_compat;
 mod kubelet_standin;

@@ -212,10 +212,26 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
     if let Err(e) = services_ready(&host, &plan) {
         return super::fail(&e.into());
     }
-    let (engine, report) = match Engine::open(settings.engine.clone(), host) {
-        Ok(x) => x,
-        Err(e) => return super::fail(&e.into()),
+    let engine = match open_engine(&settings, host) {
+        Ok(e) => e,
+        Err(code) => return code,
     };
+    match run_known(&engine, plan, known, retry, plain, false) {
+        Ok(status) => {
+            match output {
+                Output::Json => outln!("{:#}", status_json(&status)),
+                Output::Text => outln!("{}", summary(&status)),
+            }
+            Exit::of_phase(status.phase)
+        }
+        Err(code) => code,
+    }
+}
+
+/// Opens the engine on the node's journal (taking its lock); warns about a torn record.
+fn open_engine(settings: &Settings, host: Arc<Host>) -> Result<Engine, Exit> {
+    let (engine, report) =
+        Engine::open(settings.engine.clone(), host).map_err(|e| super::fail(&e.into()))?;
     if let Some(torn) = report.torn {
         errln!(
             "warning: the journal ended in a torn record ({} bytes at offset {}), left by a \
@@ -224,7 +240,49 @@ pub fn apply(plan_path: &Path, node: &NodeArgs, output: Output, retry: bool, pla
             torn.offset
         );
     }
-    match run_known(&engine, plan, known, retry, plain, false) {
+    Ok(engine)
+}
+
+/// `inplace-agent repair` without `--addr`: the last plan that succeeded on this node (only
+/// if its id is `id`, when given), re-applied here as a new attempt of it, journaled as
+/// `repair of run N by cli`, with the same admission, rollback and gates as `apply`.
+pub fn repair(node: &NodeArgs, id: Option<&str>, output: Output, plain: bool) -> Exit {
+    let settings = match settings(node) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    // Nothing to repair to, and no trace left: the journal is not created for a refusal.
+    let journal = crate::journal::file_path(&settings.engine.state_dir);
+    if !journal.exists() {
+        errln!(
+            "error: no plan has succeeded on this node (no journal at {}): there is nothing \
+             to repair to; apply a plan first (inplace-agent apply PLAN), or pass the node's \
+             --root or --state-dir",
+            journal.display()
+        );
+        return Exit::Failed;
+    }
+    let host = match open_host(&settings) {
+        Ok(h) => h,
+        Err(code) => return code,
+    };
+    let engine = match open_engine(&settings, host) {
+        Ok(e) => e,
+        Err(code) => return code,
+    };
+    let events = engine.subscribe();
+    let submission = match engine.repair_of(id, "cli") {
+        Ok(s) => s,
+        Err(e) => return super::fail(&e.into()),
+    };
+    let status = submission.status().clone();
+    errln!(
+        "repairing: plan {} attempt {} re-applies {}",
+        status.id,
+        status.attempt,
+        status.source.trim_start_matches("repair of ")
+    );
+    match follow_run(&engine, status, events, plain, false) {
         Ok(status) => {
             match output {
                 Output::Json => outln!("{:#}", status_json(&status)),
@@ -310,7 +368,7 @@ fn run_known(
     plain: bool,
     quiet_unchanged: bool,
 ) -> Result<PlanStatus, Exit> {
-    let mut events = engine.subscribe();
+    let events = engine.subscribe();
     if let Some(current) = engine.current()
         && (current.id != plan.id || !plan.has_digest(&current.digest))
     {
@@ -347,6 +405,18 @@ fn run_known(
         );
         return Ok(s.clone());
     }
+    follow_run(engine, status, events, plain, quiet_unchanged)
+}
+
+/// Runs the engine on this thread until the run of `status` (just accepted; `events`
+/// subscribed before it was) has ended, showing its progress from a second thread.
+fn follow_run(
+    engine: &Engine,
+    status: PlanStatus,
+    mut events: tokio::sync::broadcast::Receiver<Event>,
+    plain: bool,
+    quiet_unchanged: bool,
+) -> Result<PlanStatus, Exit> {
     let run = status.run;
     let mut renderer =
         Renderer::new(run, status.progress.total, plain).quiet_unchanged(quiet_unchanged);

@@ -1,7 +1,8 @@
 //! The daemon's drift checks: one at start-up (a reboot is when sysctls and runtime state
 //! are lost), one every `drift.interval_seconds`, one `drift.debounce_ms` after a write to a
-//! directory the last succeeded plan wrote into (inotify, `host::watch`), and one after each
-//! run ends. A run in progress suspends checks (the engine refuses to check then). A check
+//! directory the last succeeded plan wrote into or one of those directories appearing
+//! (inotify, `host::watch`, which watches the nearest existing ancestor of a directory that
+//! does not exist yet), and one after each run ends. A run in progress suspends checks (the engine refuses to check then). A check
 //! that must read the node does so in a check process (`drift_probe`). Idle, the task waits
 //! on the inotify descriptor, the engine's events and one timer: no polling.
 //! With `drift.repair = "auto"`, found drift is repaired, at most once per
@@ -36,10 +37,11 @@ pub async fn run(engine: Engine, settings: DriftSettings, mut stopping: watch::R
     let mut watching: Option<(BTreeSet<NodePath>, AsyncFd<DirWatch>)> = None;
     loop {
         let readable = async {
-            match &watching {
-                Some((_, fd)) => fd.readable().await.map(|mut g| {
-                    g.get_inner().drain();
+            match &mut watching {
+                Some((_, fd)) => fd.readable_mut().await.map(|mut g| {
+                    let relevant = g.get_inner_mut().drain();
                     g.clear_ready();
+                    relevant
                 }),
                 None => std::future::pending().await,
             }
@@ -50,12 +52,16 @@ pub async fn run(engine: Engine, settings: DriftSettings, mut stopping: watch::R
                     return;
                 }
             }
-            noticed = readable => {
-                if noticed.is_err() {
+            noticed = readable => match noticed {
+                // A write in a watched directory, or one on the way to it appearing.
+                Ok(true) => due = due.min(Instant::now() + settings.debounce),
+                // Only writes beside the way to a directory that does not exist yet.
+                Ok(false) => {}
+                Err(_) => {
                     watching = None;
+                    due = due.min(Instant::now() + settings.debounce);
                 }
-                due = due.min(Instant::now() + settings.debounce);
-            }
+            },
             event = events.recv() => match event {
                 Ok(Event::Status(s)) if s.phase.is_terminal() => due = Instant::now(),
                 Ok(_) => {}
@@ -138,7 +144,20 @@ fn watch_dirs(
             )
         })
         .ok()?;
-    tracing::debug!(dirs = watch.get_ref().watched().len(), "watching for drift");
+    let w = watch.get_ref();
+    if w.left_out() > 0 {
+        tracing::warn!(
+            "the last succeeded plan writes into {} directories; {} of them are watched for \
+             writes, the others are checked every drift.interval_seconds only",
+            dirs.len(),
+            crate::host::watch::MAX_WATCHES
+        );
+    }
+    tracing::debug!(
+        dirs = w.watched().len(),
+        stand_ins = w.stand_ins().len(),
+        "watching for drift"
+    );
     Some((dirs.clone(), watch))
 }
 

@@ -1,6 +1,6 @@
 //! Command-line entry points. Exit codes: 0 succeeded (or nothing to do), 1 the plan failed
 //! or was rolled back (or the agent could not run it), 2 the input was invalid and nothing
-//! was changed.
+//! was changed; `drift` alone: 1 drifted, 3 unknown (the check could not be made).
 //!
 //! Everything the commands print goes through `outln!` and `errln!`: a reader that goes
 //! away (`inplace-agent journal | head`) ends the output quietly instead of a panic.
@@ -49,7 +49,8 @@ use crate::engine::state::Phase;
 /// How a command ended. [`Exit::code`] is the one place its number is chosen — the
 /// contract every script and unit depends on: 0 succeeded (or nothing to do), 1 the plan
 /// failed, was rolled back or could not be run, 2 the input was invalid and nothing was
-/// changed (the unit does not restart on 2: `RestartPreventExitStatus=2`).
+/// changed (the unit does not restart on 2: `RestartPreventExitStatus=2`); 3, for `drift`
+/// only, the node could not be checked (unknown).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exit {
     /// Succeeded, or nothing to do.
@@ -58,6 +59,9 @@ pub enum Exit {
     Failed,
     /// The input was invalid; nothing was changed.
     Invalid,
+    /// `drift` only: whether the node matches its last plan is not known, because the check
+    /// could not be made (never 0, never `drift`'s 1 = drifted; decision 0016).
+    Unknown,
 }
 
 impl Exit {
@@ -67,6 +71,7 @@ impl Exit {
             Exit::Ok => 0,
             Exit::Failed => 1,
             Exit::Invalid => 2,
+            Exit::Unknown => 3,
         }
     }
 
@@ -221,10 +226,20 @@ enum Command {
     Cancel(remote::CancelArgs),
     /// Start a new attempt of a failed plan on a remote agent
     Retry(remote::RetryArgs),
-    /// Whether the node still matches the last plan that succeeded on it (exit 1 when it
-    /// has drifted); `--addr`: of a remote agent
+    /// Whether the node still matches the last plan that succeeded on it: exit 0 it
+    /// matches, 1 it has drifted, 3 unknown (the check could not be made; the output says
+    /// why and what to do), 2 invalid flags or configuration; `--addr`: ask a remote agent
+    #[command(
+        after_help = "Exit codes: 0 the node matches its last succeeded plan (or no plan has \
+                      succeeded: nothing to drift from); 1 it has drifted; 2 the flags or the \
+                      configuration file are invalid; 3 unknown: the check could not be made \
+                      (the output says why and what to do). Without --addr the local agent's \
+                      last check is shown when it serves; when none serves, this command \
+                      checks the node itself, read-only."
+    )]
     Drift(drift::DriftArgs),
-    /// Re-apply the last plan that succeeded on a remote agent's node, as a new attempt
+    /// Re-apply the last plan that succeeded on this node as a new attempt of it: locally
+    /// (as `apply`, with --root and the node flags), or on a remote agent with --addr
     Repair(drift::RepairArgs),
     /// Certificates for trying the agent out
     Pki(pki::PkiArgs),

@@ -129,6 +129,11 @@ pub struct AgentChoice {
         conflicts_with = "addr"
     )]
     pub config: Option<PathBuf>,
+    /// The node's name, for what is read or checked here (no agent serving) [default:
+    /// node.name of the agent's configuration, else the last succeeded plan's nodeName, else
+    /// the root's /etc/hostname]
+    #[arg(long, value_name = "NAME")]
+    pub node_name: Option<String>,
     #[command(flatten)]
     pub(crate) tls: TlsArgs,
 }

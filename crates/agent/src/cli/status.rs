@@ -13,9 +13,11 @@ use super::remote::{
     AgentChoice, RemoteOutput, SnapshotView, StatusArgs, describe, hook_response_json,
 };
 use crate::config::{
-    ConfigError, DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, default_status_socket, load_config,
+    ConfigError, DEFAULT_CONFIG_PATH, DEFAULT_STATE_SUBDIR, SettingsInput, default_status_socket,
+    load_config,
 };
 use crate::engine::state::PlanStatus;
+use crate::engine::table::Table;
 use crate::status::api::{
     self, AgentStatus, Context, NodeInfo, PlanStatusDocument, PlanSummary, Source,
 };
@@ -27,7 +29,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const WATCH_EVERY: Duration = Duration::from_millis(250);
 
 /// Where the local agent and its journal are.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Local {
     /// The status socket.
     pub socket: PathBuf,
@@ -35,41 +37,30 @@ pub struct Local {
     pub state_dir: PathBuf,
     /// The node's root.
     pub root: PathBuf,
-    /// The node's name, when the configuration says.
+    /// The node's name, when the flags or the configuration say.
     pub node_name: Option<String>,
+    /// Where [`Local::node_name`] came from (`--node-name`, `node.name in FILE`).
+    pub node_name_from: String,
+    /// The configuration file's node settings with the flags over them: what a check made
+    /// here (`drift` with no agent serving) uses, as the agent would.
+    pub settings: SettingsInput,
 }
 
 impl Local {
     /// Flags first, then the agent's configuration file, then the defaults.
     pub fn resolve(args: &AgentChoice) -> Result<Local, ConfigError> {
-        Local::resolve_paths(&args.config, &args.root, &args.socket, &args.state_dir)
-    }
-
-    /// [`Local::resolve`] from the four flags that say where things are.
-    pub fn resolve_paths(
-        config: &Option<PathBuf>,
-        root: &Option<PathBuf>,
-        socket: &Option<PathBuf>,
-        state_dir: &Option<PathBuf>,
-    ) -> Result<Local, ConfigError> {
-        let args = LocalPaths {
-            config,
-            root,
-            socket,
-            state_dir,
-        };
-        let file = match &args.config {
-            Some(path) => Some(load_config(path)?),
+        let (file, file_path) = match &args.config {
+            Some(path) => (Some(load_config(path)?), path.display().to_string()),
             None if Path::new(DEFAULT_CONFIG_PATH).exists() => {
                 match load_config(Path::new(DEFAULT_CONFIG_PATH)) {
-                    Ok(input) => Some(input),
+                    Ok(input) => (Some(input), DEFAULT_CONFIG_PATH.to_string()),
                     Err(e) => {
                         errln!("warning: {e}; using the defaults");
-                        None
+                        (None, String::new())
                     }
                 }
             }
-            None => None,
+            None => (None, String::new()),
         };
         let file = file.unwrap_or_default();
         let root = args
@@ -87,21 +78,54 @@ impl Local {
             .clone()
             .or(file.settings.state_dir.clone())
             .unwrap_or_else(|| root.join(DEFAULT_STATE_SUBDIR));
+        let (node_name, node_name_from) = match (&args.node_name, &file.settings.node_name) {
+            (Some(name), _) => (Some(name.clone()), "--node-name".to_string()),
+            (None, Some(name)) => (Some(name.clone()), format!("node.name in {file_path}")),
+            (None, None) => (None, String::new()),
+        };
+        let settings = SettingsInput {
+            root: Some(root.clone()),
+            state_dir: Some(state_dir.clone()),
+            node_name: node_name.clone(),
+            ..file.settings
+        };
         Ok(Local {
             socket,
             state_dir,
             root,
-            node_name: file.settings.node_name.clone(),
+            node_name,
+            node_name_from,
+            settings,
         })
     }
-}
 
-/// The flags of [`Local::resolve_paths`].
-struct LocalPaths<'a> {
-    config: &'a Option<PathBuf>,
-    root: &'a Option<PathBuf>,
-    socket: &'a Option<PathBuf>,
-    state_dir: &'a Option<PathBuf>,
+    /// The node's name for a status read from the journal, and a note when the sources
+    /// disagree: the flags or the configuration, else the newest succeeded plan's
+    /// `nodeName`, else the root's `/etc/hostname`.
+    fn name_from_journal(&self, table: &Table) -> (String, Option<String>) {
+        let planned = table.baseline().and_then(|b| {
+            let doc = b.kept.doc.to_value();
+            let name = doc.get("nodeName")?.as_str()?.to_string();
+            let id = table.by_run(b.kept.run).map(|s| s.id.clone())?;
+            Some((name, id))
+        });
+        match (&self.node_name, planned) {
+            (Some(name), Some((other, id))) if *name != other => (
+                name.clone(),
+                Some(format!(
+                    "note: node name {name} is from {}; the last plan that succeeded here \
+                     ({id}) names node {other}",
+                    self.node_name_from
+                )),
+            ),
+            (Some(name), _) => (name.clone(), None),
+            (None, Some((name, _))) => (name, None),
+            (None, None) => (
+                crate::host::node::hostname(&self.root).unwrap_or_default(),
+                None,
+            ),
+        }
+    }
 }
 
 /// What was asked for.
@@ -170,12 +194,12 @@ fn from_journal(local: &Local, id: Option<&str>) -> Result<Doc, Exit> {
             }
         },
         None => {
+            let (name, note) = local.name_from_journal(&table);
+            if let Some(note) = note {
+                errln!("{note}");
+            }
             let node = NodeInfo {
-                name: local
-                    .node_name
-                    .clone()
-                    .or_else(|| crate::host::node::hostname(&local.root))
-                    .unwrap_or_default(),
+                name,
                 root: local.root.display().to_string(),
                 ..NodeInfo::default()
             };
@@ -424,7 +448,7 @@ pub fn render(a: &AgentStatus, now: u64) -> String {
         about.push(format!("kubelet {}", node.kubelet_version));
     }
     let name = if node.name.is_empty() {
-        "(unnamed)"
+        "(name unknown: --node-name or node.name says it)"
     } else {
         &node.name
     };
@@ -653,15 +677,28 @@ impl DriftView {
             .checked_at_ms
             .map(|t| format!(", checked {}", rfc3339(t)))
             .unwrap_or_else(|| ", as last journaled".to_string());
-        if self.drifted {
-            out.push(format!(
+        match (self.drifted, &self.problem, self.checked_at_ms) {
+            (true, _, _) => out.push(format!(
                 "drift: the node no longer matches {of} in {} change(s){when}",
                 self.changes.len()
-            ));
-        } else {
-            out.push(format!("drift: none, the node matches {of}{when}"));
+            )),
+            // Never "none" without a check that found none.
+            (false, Some(problem), _) => {
+                out.push(format!(
+                    "drift: unknown, the node could not be checked against {of}{}",
+                    self.checked_at_ms
+                        .map(|t| format!(" (at {})", rfc3339(t)))
+                        .unwrap_or_default()
+                ));
+                out.push(format!("  {problem}"));
+            }
+            (false, None, Some(_)) => out.push(format!("drift: none, the node matches {of}{when}")),
+            (false, None, None) => out.push(format!(
+                "drift: not checked now; the journal records no drift from {of} \
+                 (inplace-agent drift checks the node)"
+            )),
         }
-        if let Some(problem) = &self.problem {
+        if let (true, Some(problem)) = (self.drifted, &self.problem) {
             out.push(format!("  the last check could not be made: {problem}"));
         }
         for c in &self.changes {
@@ -683,16 +720,30 @@ impl DriftView {
     }
 }
 
-/// The local agent's status (its socket; its journal when no agent answers), for the
-/// commands that show part of it (`drift`). `Err` is the exit code (the error is printed).
-pub fn local_status(agent: &AgentChoice) -> Result<AgentStatus, Exit> {
-    let local = Local::resolve(agent).map_err(|e| {
-        errln!("error: {e}");
-        Exit::Invalid
-    })?;
-    match fetch(&local, None, false)? {
-        Doc::Agent(a) => Ok(*a),
-        Doc::Plan(_) => Err(Exit::Failed),
+/// The status of the local agent serving on `local`'s socket, for the commands that show
+/// part of it (`drift`); `Ok(None)` when no agent serves there. `Err` is the exit code
+/// (the error is printed).
+pub fn ask_agent(local: &Local) -> Result<Option<AgentStatus>, Exit> {
+    match client::get(&local.socket, "/v1/status", REQUEST_TIMEOUT) {
+        Ok(r) if r.status == 200 => serde_json::from_slice(&r.body).map(Some).map_err(|e| {
+            errln!(
+                "error: the agent's answer on {}: {e}",
+                local.socket.display()
+            );
+            Exit::Failed
+        }),
+        Ok(r) => {
+            let message = serde_json::from_slice::<api::ErrorDocument>(&r.body)
+                .map(|d| d.message)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&r.body).trim().to_string());
+            errln!("error: {message}");
+            Err(Exit::Failed)
+        }
+        Err(ClientError::NotServing { .. }) => Ok(None),
+        Err(e) => {
+            errln!("error: {e}");
+            Err(Exit::Failed)
+        }
     }
 }
 
@@ -735,7 +786,31 @@ mod tests {
         assert_eq!(
             clean.lines(),
             [
-                "drift: none, the node matches plan default/w-0@v1 attempt 2 (run 7), as last journaled"
+                "drift: not checked now; the journal records no drift from plan default/w-0@v1 \
+                 attempt 2 (run 7) (inplace-agent drift checks the node)"
+            ]
+        );
+        let checked = DriftView {
+            checked_at_ms: Some(0),
+            ..clean
+        };
+        assert_eq!(
+            checked.lines(),
+            [
+                "drift: none, the node matches plan default/w-0@v1 attempt 2 (run 7), checked \
+                 1970-01-01T00:00:00.000Z"
+            ]
+        );
+        let unknown = DriftView {
+            problem: Some("the plan needs systemd but it is not reachable".into()),
+            ..checked
+        };
+        assert_eq!(
+            unknown.lines(),
+            [
+                "drift: unknown, the node could not be checked against plan default/w-0@v1 \
+                 attempt 2 (run 7) (at 1970-01-01T00:00:00.000Z)",
+                "  the plan needs systemd but it is not reachable",
             ]
         );
     }

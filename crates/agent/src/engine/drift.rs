@@ -101,9 +101,11 @@ pub enum CheckOutcome {
 /// The changes of `plan` (the baseline) whose dry-run verdict says the node differs, with
 /// what differs; `gone` are the changes whose content is no longer kept (sha256 and
 /// length of what they wrote): their target no longer holds it. `Err` when the check
-/// cannot be made at all (the plan-level errors of the dry run: systemd unreachable, node
-/// name). A change this agent does not support, a reboot, and an `exec` change without
-/// `unless` (the command's effect cannot be observed) are not judged.
+/// cannot be made at all: the plan-level errors of the dry run (systemd unreachable, node
+/// name), a node that could not be read (a refused permission, an I/O error: not drift,
+/// and not "none" either), or a change this agent cannot check as it is configured now
+/// (service management off for a plan with units, `exec` not allowed). A reboot and an
+/// `exec` change without `unless` (the command's effect cannot be observed) are not judged.
 pub fn drifted_changes(
     config: &EngineConfig,
     host: &Host,
@@ -119,6 +121,12 @@ pub fn drifted_changes(
             .collect::<Vec<_>>()
             .join("; "));
     }
+    if !report.environment.is_empty() {
+        return Err(format!(
+            "the node could not be read: {}",
+            report.environment.join("; ")
+        ));
+    }
     let mut out = Vec::new();
     for verdict in &report.changes {
         let i = verdict.index;
@@ -130,8 +138,16 @@ pub fn drifted_changes(
             Change::Exec(e) => e.unless.is_some(),
             _ => true,
         };
-        if !judged || verdict.result == ChangeVerdict::Unsupported {
+        if !judged {
             continue;
+        }
+        if verdict.result == ChangeVerdict::Unsupported {
+            return Err(format!(
+                "changes[{i}] {} {} cannot be checked by this agent as it is configured: {}",
+                change.kind(),
+                change.target(),
+                verdict.detail
+            ));
         }
         let drifted = |detail: String, differences: Vec<Difference>| DriftedChange {
             index: i,
@@ -653,9 +669,38 @@ impl Engine {
                 which.join(", ")
             )));
         }
-        let prepared = self.admit(&plan)?;
+        // The plan succeeded on this very node (its journal says so): an agent that requires
+        // a `nodeName` of what it is sent (the daemon) does not require one of a repair, whose
+        // plan was not sent but read back from here. A plan naming another node is still
+        // refused: the agent's node name changed since it succeeded.
+        let prepared = self.admit_accepted(&plan).map_err(|e| match e {
+            SubmitError::WrongNode {
+                id,
+                plan_node,
+                node,
+            } => SubmitError::Conflict(format!(
+                "plan {id} cannot be repaired here: it names node {plan_node}, and this \
+                     agent is now node {node} (node.name or --node-name changed since it \
+                     succeeded); submit a plan for node {node}, or run the agent as node \
+                     {plan_node}"
+            )),
+            other => other,
+        })?;
         let source = format!("repair of run {} by {by}", baseline.kept.run);
         self.accept_attempt(plan, &status, &source, &prepared)
+    }
+
+    /// [`Engine::admit`] of a plan this node accepted already (a run starting, a repair
+    /// read back from the journal, where it succeeded): a `nodeName` is required of what is
+    /// sent, and was, or the plan is this node's own; it is not required again (decision
+    /// 0016). A plan naming another node is still refused.
+    pub(super) fn admit_accepted(&self, plan: &Plan) -> Result<steps::Prepared, SubmitError> {
+        if plan.node_name.is_none() && self.shared.config.require_node_name {
+            let mut config = self.shared.config.clone();
+            config.require_node_name = false;
+            return super::admit(&config, &self.shared.host, plan);
+        }
+        self.admit(plan)
     }
 }
 

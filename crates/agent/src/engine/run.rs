@@ -104,7 +104,8 @@ impl Runner {
         let engine = super::Engine {
             shared: self.shared.clone(),
         };
-        let prepared = engine.admit(plan).map_err(|e| {
+        // Accepted already: a nodeName is not required again (a repair has none to give).
+        let prepared = engine.admit_accepted(plan).map_err(|e| {
             Abort::Failed(ErrorInfo {
                 kind: match e {
                     super::SubmitError::Unsupported { .. } => ErrorKind::Unsupported,

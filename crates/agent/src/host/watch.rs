@@ -1,46 +1,85 @@
 //! Notice of writes under the node's directories (inotify), for drift checks: which
 //! directories to watch is the caller's; this only says "something changed there". Nothing
 //! is read or written on the node.
+//!
+//! A directory asked for that does not exist (yet) is stood in for by its nearest existing
+//! ancestor, watched only for the entry on the way to it: when that entry appears, the watch
+//! moves down (to the directory itself once it exists), and when a watched directory goes,
+//! back up to what remains. So a file made in a directory created after the watch began is
+//! noticed as soon as any other write (decision 0016). At most [`MAX_WATCHES`] directories
+//! are watched; the rest are covered by the periodic check only.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::path::PathBuf;
 
 use rustix::fs::inotify;
 
 use super::Host;
 use inplace_plan::NodePath;
 
+/// The most directories one watch asks for (each is at most one inotify watch: the
+/// directory or its stand-in). The kernel's default `max_user_watches` is 8,192 or more per
+/// user; a plan writing into more directories than this is covered by the periodic check.
+pub const MAX_WATCHES: usize = 1024;
+
 /// What is noticed in a watched directory: a file written and closed, renamed in or out,
-/// created, removed, or its mode or owner changed.
+/// created, removed, or its mode or owner changed; and the directory itself removed or
+/// renamed (the watch then moves to what remains).
 fn interesting() -> inotify::WatchFlags {
     use inotify::WatchFlags as W;
-    W::CLOSE_WRITE | W::MOVED_TO | W::MOVED_FROM | W::CREATE | W::DELETE | W::ATTRIB
+    W::CLOSE_WRITE
+        | W::MOVED_TO
+        | W::MOVED_FROM
+        | W::CREATE
+        | W::DELETE
+        | W::ATTRIB
+        | W::DELETE_SELF
+        | W::MOVE_SELF
+}
+
+/// One inotify watch: the directory (its node path; `/` is the root) and why it is watched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Watched {
+    /// The node path watched.
+    dir: String,
+    /// It is a directory asked for: every event in it counts.
+    wanted: bool,
+    /// Its entries on the way to directories asked for that do not exist yet: an event
+    /// naming one of them moves the watches.
+    toward: BTreeSet<String>,
 }
 
 /// An inotify instance watching directories of the node (non-blocking).
 #[derive(Debug)]
 pub struct DirWatch {
     fd: OwnedFd,
-    /// The directories watched (those that existed when added).
-    watched: Vec<NodePath>,
+    /// The node's root on this host.
+    root: PathBuf,
+    /// The directories asked for (at most [`MAX_WATCHES`]).
+    wanted: Vec<NodePath>,
+    /// How many directories asked for were left out (beyond [`MAX_WATCHES`]).
+    left_out: usize,
+    /// Each watch, by its descriptor.
+    watches: BTreeMap<i32, Watched>,
 }
 
 impl DirWatch {
-    /// Watches each of `dirs` that exists (a missing one is skipped: the periodic check
-    /// covers it). Symlinks are not followed.
+    /// Watches each of `dirs`, or, for one that does not exist, its nearest existing
+    /// ancestor until it does. Symlinks are not followed (a directory reached through one is
+    /// stood in for by the directory holding the link).
     pub fn new(host: &Host, dirs: &BTreeSet<NodePath>) -> std::io::Result<DirWatch> {
         let fd = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)?;
-        let mut watched = Vec::new();
-        for dir in dirs {
-            let path = host.root.host_path(dir);
-            let flags =
-                interesting() | inotify::WatchFlags::ONLYDIR | inotify::WatchFlags::DONT_FOLLOW;
-            if inotify::add_watch(&fd, &path, flags).is_ok() {
-                watched.push(dir.clone());
-            }
-        }
-        Ok(DirWatch { fd, watched })
+        let mut watch = DirWatch {
+            fd,
+            root: host.root.path().to_path_buf(),
+            wanted: dirs.iter().take(MAX_WATCHES).cloned().collect(),
+            left_out: dirs.len().saturating_sub(MAX_WATCHES),
+            watches: BTreeMap::new(),
+        };
+        watch.rescan();
+        Ok(watch)
     }
 
     /// Registers the watch with the current Tokio runtime, to await its readiness.
@@ -59,20 +98,129 @@ impl DirWatch {
         self.fd.as_fd()
     }
 
-    /// The directories watched.
-    pub fn watched(&self) -> &[NodePath] {
-        &self.watched
+    /// The directories asked for that are watched themselves (they exist).
+    pub fn watched(&self) -> Vec<NodePath> {
+        let mut out: Vec<NodePath> = self
+            .watches
+            .values()
+            .filter(|w| w.wanted)
+            .filter_map(|w| NodePath::parse(&w.dir).ok())
+            .collect();
+        out.sort();
+        out
     }
 
-    /// Reads every pending event; true when there was at least one.
-    pub fn drain(&self) -> bool {
+    /// The directories watched in place of ones asked for that do not exist (`/`: the root).
+    pub fn stand_ins(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .watches
+            .values()
+            .filter(|w| !w.wanted)
+            .map(|w| w.dir.clone())
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// How many directories asked for are not watched at all (beyond [`MAX_WATCHES`]).
+    pub fn left_out(&self) -> usize {
+        self.left_out
+    }
+
+    /// Reads every pending event; true when one may matter for drift: a change in a
+    /// directory asked for, or a directory on the way to one appearing or going (the
+    /// watches then move). Writes elsewhere in a stand-in directory do not count.
+    pub fn drain(&mut self) -> bool {
+        use inotify::ReadFlags as R;
         let mut buf = [MaybeUninit::<u8>::uninit(); 4096];
         let mut reader = inotify::Reader::new(&self.fd, &mut buf);
-        let mut any = false;
-        while reader.next().is_ok() {
-            any = true;
+        let (mut relevant, mut rescan) = (false, false);
+        while let Ok(event) = reader.next() {
+            let flags = event.events();
+            if flags.contains(R::QUEUE_OVERFLOW) {
+                // Events were lost: anything may have happened.
+                relevant = true;
+                rescan = true;
+                continue;
+            }
+            let Some(watched) = self.watches.get(&event.wd()) else {
+                continue;
+            };
+            if flags.intersects(R::IGNORED | R::DELETE_SELF | R::MOVE_SELF | R::UNMOUNT) {
+                rescan = true;
+                relevant |= watched.wanted;
+                continue;
+            }
+            let on_the_way = event
+                .file_name()
+                .and_then(|n| n.to_str().ok())
+                .is_some_and(|n| watched.toward.contains(n));
+            if on_the_way {
+                rescan = true;
+                relevant = true;
+            }
+            relevant |= watched.wanted;
         }
-        any
+        if rescan {
+            self.rescan();
+        }
+        relevant
+    }
+
+    /// Puts the watches where they belong now: on each directory asked for that exists,
+    /// else on its nearest existing ancestor; removes those no longer needed.
+    fn rescan(&mut self) {
+        // Node path watched -> (asked for itself, entries on the way).
+        let mut plan: BTreeMap<String, (bool, BTreeSet<String>)> = BTreeMap::new();
+        for dir in &self.wanted {
+            let (existing, next) = self.nearest_existing(dir);
+            let entry = plan.entry(existing).or_default();
+            match next {
+                None => entry.0 = true,
+                Some(name) => {
+                    entry.1.insert(name);
+                }
+            }
+        }
+        let mut now: BTreeMap<i32, Watched> = BTreeMap::new();
+        let flags = interesting() | inotify::WatchFlags::ONLYDIR | inotify::WatchFlags::DONT_FOLLOW;
+        for (dir, (wanted, toward)) in plan {
+            let path = self.root.join(dir.trim_start_matches('/'));
+            // Gone since it was looked at: the next event (or check) moves it again.
+            if let Ok(wd) = inotify::add_watch(&self.fd, &path, flags) {
+                now.insert(
+                    wd,
+                    Watched {
+                        dir,
+                        wanted,
+                        toward,
+                    },
+                );
+            }
+        }
+        for wd in self.watches.keys() {
+            if !now.contains_key(wd) {
+                // Already gone when its directory went; nothing to do then.
+                let _ = inotify::remove_watch(&self.fd, *wd);
+            }
+        }
+        self.watches = now;
+    }
+
+    /// The deepest directory of `dir` and its ancestors that exists as a directory (not
+    /// through a symlink), as a node path (`/` for the root), and the name of its entry on
+    /// the way to `dir` (`None` when it is `dir`).
+    fn nearest_existing(&self, dir: &NodePath) -> (String, Option<String>) {
+        let mut found = "/".to_string();
+        for ancestor in dir.ancestors_from_top() {
+            let is_dir = std::fs::symlink_metadata(self.root.join(ancestor.relative()))
+                .is_ok_and(|m| m.is_dir());
+            if !is_dir {
+                return (found, Some(ancestor.file_name().to_string()));
+            }
+            found = ancestor.as_str().to_string();
+        }
+        (found, None)
     }
 }
 
@@ -188,14 +336,14 @@ mod tests {
         std::fs::create_dir_all(dir.path().join("etc/kubernetes")).unwrap();
         std::fs::create_dir_all(dir.path().join("etc/other")).unwrap();
         let host = host_at(dir.path());
-        let dirs: BTreeSet<NodePath> = ["/etc/kubernetes", "/etc/missing"]
+        let dirs: BTreeSet<NodePath> = ["/etc/kubernetes"]
             .iter()
             .map(|p| NodePath::parse(p).unwrap())
             .collect();
-        let watch = DirWatch::new(&host, &dirs).unwrap();
+        let mut watch = DirWatch::new(&host, &dirs).unwrap();
         assert_eq!(
             watch.watched(),
-            &[NodePath::parse("/etc/kubernetes").unwrap()]
+            vec![NodePath::parse("/etc/kubernetes").unwrap()]
         );
         assert!(!watch.drain());
         std::fs::write(dir.path().join("etc/other/x"), "x").unwrap();
@@ -203,6 +351,58 @@ mod tests {
         std::fs::write(dir.path().join("etc/kubernetes/x"), "x").unwrap();
         assert!(watch.drain());
         assert!(!watch.drain());
+    }
+
+    #[test]
+    fn a_directory_made_after_the_watch_began_is_watched_as_it_appears_and_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let etc = dir.path().join("etc");
+        std::fs::create_dir_all(&etc).unwrap();
+        let host = host_at(dir.path());
+        let dirs: BTreeSet<NodePath> = [NodePath::parse("/etc/late.d/deeper").unwrap()].into();
+        let mut watch = DirWatch::new(&host, &dirs).unwrap();
+        assert!(watch.watched().is_empty());
+        assert_eq!(watch.stand_ins(), ["/etc"]);
+        // Other writes beside the way do not count.
+        std::fs::write(etc.join("unrelated"), "x").unwrap();
+        assert!(!watch.drain());
+        // The way appears: noticed, and the watch moves down, then onto the directory.
+        std::fs::create_dir(etc.join("late.d")).unwrap();
+        assert!(watch.drain());
+        assert_eq!(watch.stand_ins(), ["/etc/late.d"]);
+        std::fs::create_dir(etc.join("late.d/deeper")).unwrap();
+        assert!(watch.drain());
+        assert!(watch.stand_ins().is_empty());
+        assert_eq!(watch.watched(), dirs.iter().cloned().collect::<Vec<_>>());
+        std::fs::write(etc.join("late.d/deeper/x.conf"), "x").unwrap();
+        assert!(watch.drain());
+        std::fs::write(etc.join("unrelated"), "y").unwrap();
+        assert!(!watch.drain(), "the stand-in was left");
+        // Removed with its parent: noticed, and stood in for by what remains.
+        std::fs::remove_dir_all(etc.join("late.d")).unwrap();
+        assert!(watch.drain());
+        assert_eq!(watch.stand_ins(), ["/etc"]);
+        // Made at once, as `mkdir -p` does: the watch lands on the directory.
+        std::fs::create_dir_all(etc.join("late.d/deeper")).unwrap();
+        assert!(watch.drain());
+        assert_eq!(watch.watched().len(), 1, "{:?}", watch.stand_ins());
+    }
+
+    #[test]
+    fn a_missing_top_level_directory_is_stood_in_for_by_the_root_and_watches_are_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = host_at(dir.path());
+        let dirs: BTreeSet<NodePath> = (0..MAX_WATCHES + 5)
+            .map(|i| NodePath::parse(&format!("/opt{i}")).unwrap())
+            .collect();
+        let mut watch = DirWatch::new(&host, &dirs).unwrap();
+        assert_eq!(watch.stand_ins(), ["/"]);
+        assert_eq!(watch.left_out(), 5);
+        std::fs::write(dir.path().join("elsewhere"), "x").unwrap();
+        assert!(!watch.drain());
+        std::fs::create_dir(dir.path().join("opt1")).unwrap();
+        assert!(watch.drain());
+        assert_eq!(watch.watched(), [NodePath::parse("/opt1").unwrap()]);
     }
 
     #[test]
