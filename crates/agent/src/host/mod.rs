@@ -10,6 +10,7 @@ pub(crate) mod http;
 pub(crate) mod locks;
 pub(crate) mod memory;
 pub(crate) mod node;
+pub(crate) mod ports;
 pub(crate) mod package_manager;
 pub mod packages;
 pub mod systemd;
