@@ -57,7 +57,11 @@ fn serve_names_every_problem_at_once_and_check_configured_is_not_fooled() {
     let pki = node.beside("pki");
     let state = node.beside("state-is-a-file");
     std::fs::write(&state, "not a directory\n").unwrap();
-    let (cert, key, ca) = (pki.join("server.crt"), pki.join("server.key"), pki.join("ca.crt"));
+    let (cert, key, ca) = (
+        pki.join("server.crt"),
+        pki.join("server.key"),
+        pki.join("ca.crt"),
+    );
     let args = |extra: &[&str]| -> Output {
         let mut a = vec![
             "serve",
@@ -103,7 +107,10 @@ fn serve_names_every_problem_at_once_and_check_configured_is_not_fooled() {
     ] {
         assert!(said.contains(expected), "{expected:?} not in:\n{said}");
     }
-    assert!(!node.path("/var/lib/inplace-agent").exists(), "nothing is opened");
+    assert!(
+        !node.path("/var/lib/inplace-agent").exists(),
+        "nothing is opened"
+    );
 
     // The unit's ExecCondition=: no certificates, so not configured yet (exit 1, the unit is
     // skipped, not failed), and what else is wrong is named too.
@@ -200,7 +207,10 @@ fn an_argument_from_the_environment_is_named_as_such() {
     );
 
     // A bad value from the environment.
-    let out = agent(&["check", "-", "--root", root], &[("INPLACE_AGENT_SERVICES", "maybe")]);
+    let out = agent(
+        &["check", "-", "--root", root],
+        &[("INPLACE_AGENT_SERVICES", "maybe")],
+    );
     let said = text(&out);
     assert_eq!(out.status.code(), Some(2), "{said}");
     assert!(
@@ -275,8 +285,9 @@ fn a_port_in_use_names_the_process_that_holds_it() {
     let said = text(&out);
     assert_eq!(out.status.code(), Some(1), "{said}");
     assert!(
-        said.contains(&format!("metrics listener on {addr}: the address is already in use, held by {me}"))
-            && said.contains("set metrics.listen in the configuration file (or --metrics-listen)"),
+        said.contains(&format!(
+            "metrics listener on {addr}: the address is already in use, held by {me}"
+        )) && said.contains("set metrics.listen in the configuration file (or --metrics-listen)"),
         "{said}"
     );
     drop(held);
@@ -292,9 +303,10 @@ fn packaged_config() -> String {
 
 /// The 1-based number of the first line of `text` that is `line` once trimmed.
 fn line_no(text: &str, line: &str) -> usize {
-    text.lines().position(|l| l.trim() == line).unwrap_or_else(|| {
-        panic!("{line:?} is not a line of:\n{text}")
-    }) + 1
+    text.lines()
+        .position(|l| l.trim() == line)
+        .unwrap_or_else(|| panic!("{line:?} is not a line of:\n{text}"))
+        + 1
 }
 
 /// Uncomments the first line starting with `# {what}`.
@@ -313,8 +325,8 @@ fn uncomment(text: &str, what: &str) -> String {
         + "\n"
 }
 
-fn check(file: &PathBuf, text: &str) -> (Option<i32>, String) {
-    std::fs::write(file, text).unwrap();
+fn check(file: &PathBuf, content: &str) -> (Option<i32>, String) {
+    std::fs::write(file, content).unwrap();
     let out = agent(&["config", "check", s(file)], &[]);
     (out.status.code(), text(&out))
 }
@@ -328,7 +340,10 @@ fn a_key_under_a_commented_out_header_says_which_header_to_uncomment() {
 
     // The admin line uncommented, its header not: the case.
     let edited = uncomment(&packaged, "admin = ");
-    let key_line = line_no(&edited, "admin = [\"spiffe://inplace-agent/updater\"]  # default: nobody");
+    let key_line = line_no(
+        &edited,
+        "admin = [\"spiffe://inplace-agent/updater\"]  # default: nobody",
+    );
     let (code, said) = check(&file, &edited);
     assert_eq!(code, Some(2), "{said}");
     assert!(
@@ -361,7 +376,10 @@ fn a_key_under_a_commented_out_header_says_which_header_to_uncomment() {
     );
 
     // Under the wrong header, with the right one elsewhere: move it there.
-    let (code, said) = check(&file, "[grpc]\nadmin = []\n\n[authorization]\nreader = []\n");
+    let (code, said) = check(
+        &file,
+        "[grpc]\nadmin = []\n\n[authorization]\nreader = []\n",
+    );
     assert_eq!(code, Some(2), "{said}");
     assert!(
         said.contains("line 2 key grpc.admin: unknown field `admin`")

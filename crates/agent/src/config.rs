@@ -641,12 +641,10 @@ impl DaemonInput {
                 fix: None,
             });
         }
-        let drift = self.drift.resolve().map_err(|e| {
-            problems.push(SettingProblem {
-                what: e,
-                fix: None,
-            })
-        });
+        let drift = self
+            .drift
+            .resolve()
+            .map_err(|e| problems.push(SettingProblem { what: e, fix: None }));
         match (settings, node_name, drift) {
             (Some(settings), Some(node_name), Ok(drift)) if problems.is_empty() => {
                 let status = StatusSocketSettings {
@@ -1194,10 +1192,13 @@ mod file {
                  commented out, so {here}: uncomment \"[{name}]\" on line {at}"
             ));
         }
-        let real = lines.iter().enumerate().find_map(|(i, l)| match header_of(l) {
-            Some((false, name)) if homes.contains(&name.as_str()) => Some((i + 1, name)),
-            _ => None,
-        });
+        let real = lines
+            .iter()
+            .enumerate()
+            .find_map(|(i, l)| match header_of(l) {
+                Some((false, name)) if homes.contains(&name.as_str()) => Some((i + 1, name)),
+                _ => None,
+            });
         Some(match real {
             Some((at, name)) => format!(
                 "{key} is a key of {named} ({here}): move it under the \"[{name}]\" header on \
@@ -1228,7 +1229,8 @@ mod file {
             && name
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        (simple && (after.is_empty() || after.starts_with('#'))).then(|| (commented, name.to_owned()))
+        (simple && (after.is_empty() || after.starts_with('#')))
+            .then(|| (commented, name.to_owned()))
     }
 
     /// The dotted key whose key or value is at byte `offset`: the nearest `key = ...` at or
@@ -1372,7 +1374,11 @@ mod tests {
         assert!(file::sections_with("listen_adress").is_empty());
         let text = "# [node]\n# name = \"x\"\n\n# [authorization]\nadmin = []\n";
         let err = parse(text).unwrap_err();
-        assert_eq!((err.line, err.key.as_deref()), (Some(5), Some("admin")), "{err}");
+        assert_eq!(
+            (err.line, err.key.as_deref()),
+            (Some(5), Some("admin")),
+            "{err}"
+        );
         assert!(
             err.message.ends_with(
                 "; admin is a key of [authorization], and the header \"# [authorization]\" on \

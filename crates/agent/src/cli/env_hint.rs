@@ -67,7 +67,9 @@ fn hints(
     for kind in [ContextKind::InvalidArg, ContextKind::PriorArg] {
         match error.get(kind) {
             Some(ContextValue::String(s)) => named.extend(flag_of(s)),
-            Some(ContextValue::Strings(list)) => named.extend(list.iter().filter_map(|s| flag_of(s))),
+            Some(ContextValue::Strings(list)) => {
+                named.extend(list.iter().filter_map(|s| flag_of(s)))
+            }
             _ => {}
         }
     }
@@ -174,6 +176,9 @@ mod tests {
             run(&["drift", "--root", "/x", "--addr=h:1"], &both),
             Vec::<String>::new()
         );
-        assert_eq!(run(&["drift", "--bogus"], &["INPLACE_AGENT_ADDR"]), Vec::<String>::new());
+        assert_eq!(
+            run(&["drift", "--bogus"], &["INPLACE_AGENT_ADDR"]),
+            Vec::<String>::new()
+        );
     }
 }

@@ -108,7 +108,9 @@ fn listening_inodes(table: &str, addr: SocketAddr) -> Vec<u64> {
             let (ip, port) = local.split_once(':')?;
             let port = u16::from_str_radix(port, 16).ok()?;
             let ip = parse_ip(ip)?;
-            let overlaps = ip.is_unspecified() || addr.ip().is_unspecified() || ip == addr.ip()
+            let overlaps = ip.is_unspecified()
+                || addr.ip().is_unspecified()
+                || ip == addr.ip()
                 || ip.to_canonical() == addr.ip().to_canonical();
             (port == addr.port() && overlaps)
                 .then(|| inode.parse().ok())
@@ -205,7 +207,10 @@ mod tests {
                 Some("::1".parse().unwrap())
             );
         }
-        assert_eq!(listening_inodes("header only\n", "127.0.0.1:1".parse().unwrap()), Vec::<u64>::new());
+        assert_eq!(
+            listening_inodes("header only\n", "127.0.0.1:1".parse().unwrap()),
+            Vec::<u64>::new()
+        );
         assert_eq!(parse_ip("xyz"), None);
     }
 
