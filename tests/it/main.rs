@@ -31,6 +31,7 @@ mod packaging;
 mod packaging_install;
 mod properties;
 mod serve;
+mod startup;
 mod systemd_agent;
 mod systemd_host;
 mod systemd_packages;

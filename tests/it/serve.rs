@@ -1365,8 +1365,8 @@ async fn clients_that_cannot_connect_say_why_and_what_to_do() {
 }
 
 /// `serve` checks what it needs before it opens anything, exits 2 naming the setting, the
-/// file and the fix; `--check-configured` (the unit's ExecCondition=) only looks for the
-/// TLS files (issue 15).
+/// file and the fix; `--check-configured` (the unit's ExecCondition=) is decided by the TLS
+/// files (issue 15; every problem at once: tests/it/startup.rs).
 #[test]
 fn serve_refuses_to_start_without_what_it_needs_and_says_how_to_fix_it() {
     let node = Node::new();
@@ -1483,7 +1483,8 @@ fn serve_refuses_to_start_without_what_it_needs_and_says_how_to_fix_it() {
         );
     }
 
-    // The unit's ExecCondition=: quiet about a configuration, only the files count.
+    // The unit's ExecCondition=: the files decide (with one missing it also names what else is
+    // wrong; with all there, serve itself refuses, exit 2, and the unit fails).
     let (code, out) = serve(
         &missing,
         &f.server_key,

@@ -503,45 +503,69 @@ impl DaemonInput {
 
     /// Validates into [`DaemonSettings`]. The node name defaults to the first line of the
     /// root's `/etc/hostname`; the daemon refuses to start without one. Errors name the
-    /// setting.
+    /// setting; every problem found is in the error, joined by "; ".
     pub fn resolve(self) -> Result<DaemonSettings, String> {
+        self.resolve_each().map_err(|u| {
+            u.problems
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ")
+        })
+    }
+
+    /// [`DaemonInput::resolve`], with every problem apart and, when there is one, what could
+    /// still be told of the settings (for the start-up check to go on with: the TLS files,
+    /// the roles, the state directory).
+    pub fn resolve_each(self) -> Result<DaemonSettings, Box<Unresolved>> {
+        let mut problems = Vec::new();
         let root = self
             .settings
             .root
             .clone()
             .unwrap_or_else(|| PathBuf::from("/"));
         let node_name = match self.settings.node_name.clone() {
-            Some(name) => name,
-            None => crate::host::node::hostname(&root).ok_or_else(|| {
-                format!(
-                    "node name: not set (node.name, --node-name) and {} has none",
-                    root.join("etc/hostname").display()
-                )
-            })?,
+            Some(name) => Some((name, "node.name")),
+            None => match crate::host::node::hostname(&root) {
+                Some(name) => Some((name, "the first line of <root>/etc/hostname")),
+                None => {
+                    problems.push(SettingProblem {
+                        what: format!(
+                            "node name: not set (node.name, --node-name) and {} has none",
+                            root.join("etc/hostname").display()
+                        ),
+                        fix: Some(format!(
+                            "set node.name (or --node-name) to this node's Kubernetes name, or \
+                             write it to {}",
+                            root.join("etc/hostname").display()
+                        )),
+                    });
+                    None
+                }
+            },
         };
-        if !inplace_plan::is_dns_subdomain(&node_name) {
-            return Err(format!(
-                "node name {node_name:?}: not a valid Kubernetes node name (a lowercase DNS \
-                 subdomain); set node.name or --node-name"
-            ));
-        }
-        let mut settings = SettingsInput {
-            node_name: Some(node_name.clone()),
-            ..self.settings
-        }
-        .resolve()?;
-        settings.engine.require_node_name = true;
-        // Watchers that fall further behind recover from the engine's phase history; the
-        // broadcast's slots keep their last events alive while idle, so keep it small.
-        settings.engine.event_capacity = DAEMON_EVENT_CAPACITY;
-        let listen = match self.listen {
-            Some(addr) => addr,
-            None => DEFAULT_LISTEN
-                .parse()
-                .map_err(|e| format!("listen {DEFAULT_LISTEN}: {e}"))?,
+        let node_name = match node_name {
+            Some((name, _)) if inplace_plan::is_dns_subdomain(&name) => Some(name),
+            Some((name, from)) => {
+                problems.push(SettingProblem {
+                    what: format!(
+                        "node name {name:?} (from {from}): not a valid Kubernetes node name (a \
+                         lowercase DNS subdomain)"
+                    ),
+                    fix: Some(
+                        "set node.name or --node-name to the node's Kubernetes name".to_string(),
+                    ),
+                });
+                None
+            }
+            None => None,
         };
-        let pki = Path::new(DEFAULT_PKI_DIR);
-        let defaults = ServerTlsPaths::in_dir(pki);
+        let state_dir = self
+            .settings
+            .state_dir
+            .clone()
+            .unwrap_or_else(|| root.join(DEFAULT_STATE_SUBDIR));
+        let defaults = ServerTlsPaths::in_dir(Path::new(DEFAULT_PKI_DIR));
         let tls = ServerTlsPaths {
             cert: self.tls_cert.unwrap_or(defaults.cert),
             key: self.tls_key.unwrap_or(defaults.key),
@@ -551,6 +575,38 @@ impl DaemonInput {
             self.admin.unwrap_or_default(),
             self.reader.unwrap_or_default(),
         );
+        let settings = match (SettingsInput {
+            node_name: node_name.clone(),
+            ..self.settings
+        })
+        .resolve()
+        {
+            Ok(mut settings) => {
+                settings.engine.require_node_name = true;
+                // Watchers that fall further behind recover from the engine's phase
+                // history; the broadcast's slots keep their last events alive while idle,
+                // so keep it small.
+                settings.engine.event_capacity = DAEMON_EVENT_CAPACITY;
+                Some(settings)
+            }
+            Err(e) => {
+                problems.push(SettingProblem { what: e, fix: None });
+                None
+            }
+        };
+        let listen = match self.listen {
+            Some(addr) => addr,
+            None => match DEFAULT_LISTEN.parse() {
+                Ok(addr) => addr,
+                Err(e) => {
+                    problems.push(SettingProblem {
+                        what: format!("listen {DEFAULT_LISTEN}: {e}"),
+                        fix: None,
+                    });
+                    SocketAddr::from(([0, 0, 0, 0], 9443))
+                }
+            },
+        };
         let mut serve = ServeOptions::default();
         if let Some(n) = self.max_message_bytes {
             serve.max_message_bytes = n.get();
@@ -567,34 +623,96 @@ impl DaemonInput {
         let group = match self.status_group {
             None => Some(DEFAULT_STATUS_GROUP.to_string()),
             Some(g) if g.is_empty() => None,
-            Some(g) => {
-                check_group_name(&g).map_err(|e| format!("status group: {e}"))?;
-                Some(g)
-            }
+            Some(g) => match check_group_name(&g) {
+                Ok(()) => Some(g),
+                Err(e) => {
+                    problems.push(SettingProblem {
+                        what: format!("status group: {e}"),
+                        fix: None,
+                    });
+                    None
+                }
+            },
         };
-        let status = StatusSocketSettings {
-            path: self
-                .status_socket
-                .unwrap_or_else(|| default_status_socket(settings.root())),
-            group,
-            mode: self.status_mode.unwrap_or(DEFAULT_STATUS_MODE),
-        };
-        if status.mode > 0o777 {
-            return Err(format!("status mode {:o}: at most 0777", status.mode));
+        let mode = self.status_mode.unwrap_or(DEFAULT_STATUS_MODE);
+        if mode > 0o777 {
+            problems.push(SettingProblem {
+                what: format!("status mode {mode:o}: at most 0777"),
+                fix: None,
+            });
         }
-        Ok(DaemonSettings {
-            settings,
-            node_name,
-            listen,
-            tls,
-            rules,
-            serve,
-            status,
-            metrics_listen: self.metrics_listen,
-            log_format: self.log_format.unwrap_or_default(),
-            drift: self.drift.resolve()?,
-        })
+        let drift = self
+            .drift
+            .resolve()
+            .map_err(|e| problems.push(SettingProblem { what: e, fix: None }));
+        match (settings, node_name, drift) {
+            (Some(settings), Some(node_name), Ok(drift)) if problems.is_empty() => {
+                let status = StatusSocketSettings {
+                    path: self
+                        .status_socket
+                        .unwrap_or_else(|| default_status_socket(settings.root())),
+                    group,
+                    mode,
+                };
+                Ok(DaemonSettings {
+                    settings,
+                    node_name,
+                    listen,
+                    tls,
+                    rules,
+                    serve,
+                    status,
+                    metrics_listen: self.metrics_listen,
+                    log_format: self.log_format.unwrap_or_default(),
+                    drift,
+                })
+            }
+            (_, node_name, _) => Err(Box::new(Unresolved {
+                problems,
+                node_name,
+                root,
+                state_dir,
+                tls,
+                rules,
+            })),
+        }
     }
+}
+
+/// One setting that cannot be used: what is wrong (naming the key and flag), and how to fix
+/// it when that is more than "set it right".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettingProblem {
+    /// What is wrong, naming the setting.
+    pub what: String,
+    /// How to fix it, when the message does not already say.
+    pub fix: Option<String>,
+}
+
+impl std::fmt::Display for SettingProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.fix {
+            Some(fix) => write!(f, "{}; {fix}", self.what),
+            None => f.write_str(&self.what),
+        }
+    }
+}
+
+/// Daemon settings that did not validate: every problem, and what is known of the rest.
+#[derive(Debug, Clone)]
+pub struct Unresolved {
+    /// Each setting that cannot be used (at least one).
+    pub problems: Vec<SettingProblem>,
+    /// The node's name, when it is known and valid.
+    pub node_name: Option<String>,
+    /// The node's root directory as given.
+    pub root: PathBuf,
+    /// The state directory as given (or its default under the root).
+    pub state_dir: PathBuf,
+    /// The TLS files as given (or their defaults).
+    pub tls: ServerTlsPaths,
+    /// The roles as given.
+    pub rules: AuthzRules,
 }
 
 /// A configuration file could not be used: where, which key, what.
@@ -627,16 +745,33 @@ pub fn load_config(path: &Path) -> Result<DaemonInput, ConfigError> {
 pub fn parse_config(text: &str, path: &Path) -> Result<DaemonInput, ConfigError> {
     let file: file::ConfigFile = toml::from_str(text).map_err(|e| {
         let offset = e.span().map(|s| s.start);
+        let line = offset.map(|o| line_of(text, o));
+        let key = offset.and_then(|o| file::key_at(text, o));
+        // toml's messages end in a newline and sometimes carry a trailing period.
+        let mut message = e
+            .message()
+            .trim_end()
+            .trim_end_matches('.')
+            .replace('\n', "; ");
+        // A key of another section (its header still commented out, say): which one.
+        let unknown = message
+            .strip_prefix("unknown field `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(field, _)| field.to_owned());
+        if let (Some(field), Some(line)) = (unknown, line) {
+            let section = key
+                .as_deref()
+                .and_then(|k| k.rsplit_once('.'))
+                .map(|(table, _)| table);
+            if let Some(hint) = file::misplaced_key_hint(text, line, &field, section) {
+                message = format!("{message}; {hint}");
+            }
+        }
         ConfigError {
             path: path.to_path_buf(),
-            line: offset.map(|o| line_of(text, o)),
-            key: offset.and_then(|o| file::key_at(text, o)),
-            // toml's messages end in a newline and sometimes carry a trailing period.
-            message: e
-                .message()
-                .trim_end()
-                .trim_end_matches('.')
-                .replace('\n', "; "),
+            line,
+            key,
+            message,
         }
     })?;
     Ok(file.into_input())
@@ -942,6 +1077,162 @@ mod file {
         }
     }
 
+    // === Where a key belongs ===
+
+    /// The names of a struct's fields as its derived `Deserialize` declares them: the
+    /// configuration file's own schema, asked instead of written down a second time.
+    fn field_names<'de, T: Deserialize<'de>>() -> &'static [&'static str] {
+        let mut fields: &'static [&'static str] = &[];
+        let _ = T::deserialize(FieldNames(&mut fields));
+        fields
+    }
+
+    /// A deserializer that only records the field names a struct asks for.
+    struct FieldNames<'a>(&'a mut &'static [&'static str]);
+
+    /// Why [`FieldNames`] stops: it has no data to give.
+    #[derive(Debug)]
+    struct NoData;
+
+    impl std::fmt::Display for NoData {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("no data")
+        }
+    }
+
+    impl std::error::Error for NoData {}
+
+    impl serde::de::Error for NoData {
+        fn custom<T: std::fmt::Display>(_: T) -> Self {
+            NoData
+        }
+    }
+
+    impl<'de> serde::Deserializer<'de> for FieldNames<'_> {
+        type Error = NoData;
+
+        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, NoData> {
+            Err(NoData)
+        }
+
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _name: &'static str,
+            fields: &'static [&'static str],
+            _visitor: V,
+        ) -> Result<V::Value, NoData> {
+            *self.0 = fields;
+            Err(NoData)
+        }
+
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+
+    /// The sections (`[authorization]`) of the file format that have a key named `key`:
+    /// each section is asked, through the format itself, whether `key` is one of its fields.
+    pub(super) fn sections_with(key: &str) -> Vec<&'static str> {
+        let unknown = format!("unknown field `{key}`");
+        field_names::<ConfigFile>()
+            .iter()
+            .copied()
+            .filter(|section| {
+                let mut inner = toml::Table::new();
+                inner.insert(key.to_owned(), toml::Value::Boolean(true));
+                let mut outer = toml::Table::new();
+                outer.insert((*section).to_owned(), toml::Value::Table(inner));
+                match ConfigFile::deserialize(toml::Value::Table(outer)) {
+                    Ok(_) => true,
+                    Err(e) => !e.message().contains(&unknown),
+                }
+            })
+            .collect()
+    }
+
+    /// What to do about a key the file has in the wrong place: `key` (a bare key, as the
+    /// error named it) is on 1-based line `line` of `text`, in section `in_section` (`None`:
+    /// at the top, before any header). `None` when no other section has such a key.
+    pub(super) fn misplaced_key_hint(
+        text: &str,
+        line: usize,
+        key: &str,
+        in_section: Option<&str>,
+    ) -> Option<String> {
+        let homes: Vec<&str> = sections_with(key)
+            .into_iter()
+            .filter(|s| Some(*s) != in_section)
+            .collect();
+        if homes.is_empty() {
+            return None;
+        }
+        let lines: Vec<&str> = text.lines().collect();
+        let above = &lines[..line.saturating_sub(1).min(lines.len())];
+        // The nearest header above the key, commented out or not.
+        let nearest = above.iter().enumerate().rev().find_map(|(i, l)| {
+            let (commented, name) = header_of(l)?;
+            Some((i + 1, commented, name))
+        });
+        let named = homes
+            .iter()
+            .map(|s| format!("[{s}]"))
+            .collect::<Vec<_>>()
+            .join(" or ");
+        let here = match in_section {
+            Some(s) => format!("it is read as a key of [{s}]"),
+            None => "it is read as a top-level key".to_owned(),
+        };
+        if let Some((at, true, name)) = nearest
+            && homes.contains(&name.as_str())
+        {
+            return Some(format!(
+                "{key} is a key of [{name}], and the header \"# [{name}]\" on line {at} is still \
+                 commented out, so {here}: uncomment \"[{name}]\" on line {at}"
+            ));
+        }
+        let real = lines
+            .iter()
+            .enumerate()
+            .find_map(|(i, l)| match header_of(l) {
+                Some((false, name)) if homes.contains(&name.as_str()) => Some((i + 1, name)),
+                _ => None,
+            });
+        Some(match real {
+            Some((at, name)) => format!(
+                "{key} is a key of {named} ({here}): move it under the \"[{name}]\" header on \
+                 line {at}"
+            ),
+            None => format!(
+                "{key} is a key of {named} ({here}): put \"[{}]\" on a line of its own above it",
+                homes[0]
+            ),
+        })
+    }
+
+    /// A table header line, `[name]` or commented out (`# [name]`): (commented, name).
+    fn header_of(line: &str) -> Option<(bool, String)> {
+        let trimmed = line.trim();
+        let (commented, rest) = match trimmed.strip_prefix('#') {
+            Some(rest) => (true, rest.trim_start_matches('#').trim()),
+            None => (false, trimmed),
+        };
+        let rest = rest.strip_prefix('[')?;
+        if rest.starts_with('[') {
+            return None;
+        }
+        let (name, after) = rest.split_once(']')?;
+        let after = after.trim();
+        let name = name.trim();
+        let simple = !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        (simple && (after.is_empty() || after.starts_with('#')))
+            .then(|| (commented, name.to_owned()))
+    }
+
     /// The dotted key whose key or value is at byte `offset`: the nearest `key = ...` at or
     /// above the offset (values may span lines, as arrays do), prefixed with the `[table]`
     /// it is in. Good for the files people write; `None` when it cannot tell.
@@ -1074,6 +1365,38 @@ mod tests {
         let err = parse("# tables\n[grcp]\nlisten = \"127.0.0.1:1\"\n").unwrap_err();
         assert_eq!(err.line, Some(2), "{err}");
         assert!(err.message.contains("unknown field `grcp`"), "{err}");
+    }
+
+    #[test]
+    fn a_key_of_another_section_says_which_and_where_its_header_is() {
+        assert_eq!(file::sections_with("admin"), ["authorization"]);
+        assert_eq!(file::sections_with("listen"), ["grpc", "metrics"]);
+        assert!(file::sections_with("listen_adress").is_empty());
+        let text = "# [node]\n# name = \"x\"\n\n# [authorization]\nadmin = []\n";
+        let err = parse(text).unwrap_err();
+        assert_eq!(
+            (err.line, err.key.as_deref()),
+            (Some(5), Some("admin")),
+            "{err}"
+        );
+        assert!(
+            err.message.ends_with(
+                "; admin is a key of [authorization], and the header \"# [authorization]\" on \
+                 line 4 is still commented out, so it is read as a top-level key: uncomment \
+                 \"[authorization]\" on line 4"
+            ),
+            "{err}"
+        );
+        let err = parse("[tls]\nlisten = \"127.0.0.1:1\"\n").unwrap_err();
+        assert!(
+            err.message.ends_with(
+                "; listen is a key of [grpc] or [metrics] (it is read as a key of [tls]): put \
+                 \"[grpc]\" on a line of its own above it"
+            ),
+            "{err}"
+        );
+        let err = parse("[grpc]\nlisten_adress = 1\n").unwrap_err();
+        assert!(!err.message.contains("is a key of"), "{err}");
     }
 
     #[test]

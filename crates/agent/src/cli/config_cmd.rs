@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 
 use super::Exit;
+use super::selfcheck::Subject;
 use crate::config::{DEFAULT_CONFIG, load_config};
 
 /// Arguments of `config`.
@@ -36,35 +37,19 @@ pub fn run(args: &ConfigArgs) -> Exit {
             Exit::Ok
         }
         ConfigCommand::Check { file } => {
-            let checked = load_config(file)
-                .map_err(|e| e.to_string())
-                .and_then(|input| {
-                    input
-                        .resolve()
-                        .map_err(|e| format!("config {}: {e}", file.display()))
-                });
-            match checked {
-                Ok(settings) => {
-                    let findings = super::selfcheck::check(&settings, Some(file));
-                    for w in &findings.warnings {
-                        errln!("warning: {w}");
-                    }
-                    if !findings.problems.is_empty() {
-                        errln!(
-                            "error: config {}: serve would not start ({} problem{}):",
-                            file.display(),
-                            findings.problems.len(),
-                            if findings.problems.len() == 1 {
-                                ""
-                            } else {
-                                "s"
-                            }
-                        );
-                        for p in &findings.problems {
-                            errln!("error: {p}");
-                        }
-                        return Exit::Invalid;
-                    }
+            let resolved = match load_config(file) {
+                Ok(input) => input.resolve_each(),
+                Err(e) => {
+                    errln!("error: {e}");
+                    return Exit::Invalid;
+                }
+            };
+            let findings = super::selfcheck::check(Subject::of_result(&resolved), Some(file));
+            for w in &findings.warnings {
+                errln!("warning: {w}");
+            }
+            match resolved {
+                Ok(settings) if findings.problems.is_empty() => {
                     outln!(
                         "config {}: valid (node {}, gRPC on {}, status socket {}{})",
                         file.display(),
@@ -78,8 +63,16 @@ pub fn run(args: &ConfigArgs) -> Exit {
                     );
                     Exit::Ok
                 }
-                Err(e) => {
-                    errln!("error: {e}");
+                _ => {
+                    let n = findings.problems.len();
+                    errln!(
+                        "error: config {}: serve would not start ({n} problem{}):",
+                        file.display(),
+                        if n == 1 { "" } else { "s" }
+                    );
+                    for p in &findings.problems {
+                        errln!("error: {p}");
+                    }
                     Exit::Invalid
                 }
             }

@@ -26,6 +26,7 @@ mod demo_systemd;
 mod drift;
 pub mod drift_probe;
 mod drift_watch;
+mod env_hint;
 mod journal;
 mod logging;
 mod pki;
@@ -391,7 +392,8 @@ pub fn command() -> clap::Command {
 
 /// Runs the CLI and returns the process exit code.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Like `Cli::parse()`, and names an environment variable behind a parse error.
+    let cli: Cli = env_hint::parse();
     // `serve` sets logging up once it has read its configuration (log.format).
     if !matches!(cli.command, Command::Serve(_)) {
         logging::init("error", crate::config::LogFormat::Plain, false);

@@ -1,12 +1,15 @@
 //! The start-up self-check of `serve` (and `config check`): before anything is opened, the
-//! TLS files are there, readable and of the right kind, the server certificate names the
-//! node, the CA bundle parses, and somebody may call the agent's admin methods. Each problem
-//! says which setting, which file, and how to fix it; `serve` exits 2 on any of them (the
-//! unit's `RestartPreventExitStatus=2`: a restart would not fix a configuration).
+//! settings validate (the node name among them), the TLS files are there, readable and of
+//! the right kind, the server certificate names the node, the CA bundle parses, somebody may
+//! call the agent's admin methods, and the state directory can be written. Every problem is
+//! found in one go, not only the first: each says which setting, which file, and how to fix
+//! it; `serve` exits 2 on any of them (the unit's `RestartPreventExitStatus=2`: a restart
+//! would not fix a configuration).
 
 use std::path::{Path, PathBuf};
 
-use crate::config::DaemonSettings;
+use crate::config::{DaemonSettings, Unresolved};
+use inplace_api::authz::AuthzRules;
 use inplace_api::tls::{self, ServerTlsPaths};
 
 /// One thing that keeps the agent from serving.
@@ -16,6 +19,8 @@ pub struct Problem {
     pub what: String,
     /// How to fix it, naming a key of the configuration file and a flag.
     pub fix: String,
+    /// A TLS file that does not exist: the agent is not configured yet (`--check-configured`).
+    pub missing_file: bool,
 }
 
 impl std::fmt::Display for Problem {
@@ -53,12 +58,77 @@ pub fn missing_tls_files(paths: &ServerTlsPaths) -> Vec<PathBuf> {
         .collect()
 }
 
+/// What the check looks at: the validated settings, or what is known of settings that did
+/// not validate (their problems are then the check's first).
+#[derive(Debug, Clone, Copy)]
+pub struct Subject<'a> {
+    /// The TLS files.
+    pub tls: &'a ServerTlsPaths,
+    /// The roles.
+    pub rules: &'a AuthzRules,
+    /// The node's name, when it is known and valid.
+    pub node_name: Option<&'a str>,
+    /// The state directory.
+    pub state_dir: &'a Path,
+    /// The settings' own problems (`None`: they validated).
+    pub unresolved: Option<&'a Unresolved>,
+}
+
+impl<'a> Subject<'a> {
+    /// The validated settings.
+    pub fn of(settings: &'a DaemonSettings) -> Subject<'a> {
+        Subject {
+            tls: &settings.tls,
+            rules: &settings.rules,
+            node_name: Some(&settings.node_name),
+            state_dir: &settings.settings.engine.state_dir,
+            unresolved: None,
+        }
+    }
+
+    /// Settings that did not validate: their problems, and the rest checked as far as known.
+    pub fn of_unresolved(unresolved: &'a Unresolved) -> Subject<'a> {
+        Subject {
+            tls: &unresolved.tls,
+            rules: &unresolved.rules,
+            node_name: unresolved.node_name.as_deref(),
+            state_dir: &unresolved.state_dir,
+            unresolved: Some(unresolved),
+        }
+    }
+
+    /// Whichever of the two a resolution gave.
+    pub fn of_result(resolved: &'a Result<DaemonSettings, Box<Unresolved>>) -> Subject<'a> {
+        match resolved {
+            Ok(settings) => Subject::of(settings),
+            Err(unresolved) => Subject::of_unresolved(unresolved),
+        }
+    }
+}
+
 /// Checks what `serve` needs before it opens anything; `config` is the file the settings came
-/// from (for the fixes).
-pub fn check(settings: &DaemonSettings, config: Option<&Path>) -> Findings {
+/// from (for the fixes). Every problem is named, not only the first.
+pub fn check(subject: Subject<'_>, config: Option<&Path>) -> Findings {
     let mut found = Findings::default();
-    let paths = &settings.tls;
-    let node = &settings.node_name;
+    if let Some(unresolved) = subject.unresolved {
+        for p in &unresolved.problems {
+            found.problems.push(Problem {
+                what: p.what.clone(),
+                fix: p.fix.clone().unwrap_or_else(|| {
+                    format!(
+                        "correct that setting in {} (docs/configuration.md names each key and \
+                         its flag)",
+                        config
+                            .map(|f| f.display().to_string())
+                            .unwrap_or_else(|| "the flags".into())
+                    )
+                }),
+                missing_file: false,
+            });
+        }
+    }
+    let paths = subject.tls;
+    let node = subject.node_name.unwrap_or("NODE");
     let pki_init = format!(
         "for a first try, `inplace-agent pki init {} --node-name {node}` makes throwaway ones \
          (docs/pki.md)",
@@ -99,14 +169,16 @@ pub fn check(settings: &DaemonSettings, config: Option<&Path>) -> Findings {
                     "put {what} there, or point {} at it{first}",
                     setting(key, flag, config)
                 ),
+                missing_file: e.kind() == std::io::ErrorKind::NotFound,
             });
         }
     }
     if readable {
-        check_material(paths, node, config, &mut found);
+        check_material(paths, subject.node_name, config, &mut found);
     }
-    if settings.rules.admin().is_empty() {
-        let readers = if settings.rules.reader().is_empty() {
+    let rules = subject.rules;
+    if rules.admin().is_empty() {
+        let readers = if rules.reader().is_empty() {
             "no identity may call the agent at all"
         } else {
             "only readers may call the agent"
@@ -122,9 +194,58 @@ pub fn check(settings: &DaemonSettings, config: Option<&Path>) -> Findings {
                  [authorization]",
                 setting("authorization.admin", "--admin", config)
             ),
+            missing_file: false,
         });
     }
+    check_state_dir(subject.state_dir, config, &mut found);
     found
+}
+
+/// The state directory (journal, backups) must be a directory the agent can write, or one
+/// it can create: checked without creating anything.
+fn check_state_dir(dir: &Path, config: Option<&Path>, found: &mut Findings) {
+    use rustix::fs::{Access, access};
+    let elsewhere = setting("node.state_dir", "--state-dir", config);
+    // The directory, or the nearest ancestor that exists (where it would be created).
+    let mut at = dir;
+    while !at.exists() {
+        match at.parent() {
+            Some(parent) => at = parent,
+            None => return,
+        }
+    }
+    let what = if at == dir {
+        format!("node.state_dir {}", dir.display())
+    } else {
+        format!(
+            "node.state_dir {} cannot be created: {}",
+            dir.display(),
+            at.display()
+        )
+    };
+    if !at.is_dir() {
+        found.problems.push(Problem {
+            what: format!("{what}: not a directory"),
+            fix: format!("remove what is there, or point {elsewhere} at a directory"),
+            missing_file: false,
+        });
+    } else if let Err(e) = access(at, Access::WRITE_OK | Access::EXEC_OK) {
+        let why = match e {
+            rustix::io::Errno::ROFS => "on a read-only filesystem".to_string(),
+            rustix::io::Errno::ACCESS | rustix::io::Errno::PERM => {
+                "not writable by this process".to_string()
+            }
+            other => std::io::Error::from(other).to_string(),
+        };
+        let root = super::not_root_hint_for_node()
+            .map(|_| "run the agent as root, or ")
+            .unwrap_or_default();
+        found.problems.push(Problem {
+            what: format!("{what}: {why}"),
+            fix: format!("{root}point {elsewhere} at a writable directory"),
+            missing_file: false,
+        });
+    }
 }
 
 fn io_words(e: &std::io::Error) -> String {
@@ -136,10 +257,19 @@ fn io_words(e: &std::io::Error) -> String {
 }
 
 /// The files are readable: are they what they must be?
-fn check_material(paths: &ServerTlsPaths, node: &str, config: Option<&Path>, found: &mut Findings) {
+fn check_material(
+    paths: &ServerTlsPaths,
+    node: Option<&str>,
+    config: Option<&Path>,
+    found: &mut Findings,
+) {
     let mut parsed = true;
     match tls::load_certificates(&paths.cert) {
-        Ok(chain) => check_leaf(&chain[0], paths, node, config, found),
+        Ok(chain) => {
+            if let Some(leaf) = chain.first() {
+                check_leaf(leaf, paths, node, config, found)
+            }
+        }
         Err(e) => {
             parsed = false;
             found.problems.push(Problem {
@@ -148,6 +278,7 @@ fn check_material(paths: &ServerTlsPaths, node: &str, config: Option<&Path>, fou
                     "tls.cert must be the server certificate chain in PEM, leaf first ({})",
                     setting("tls.cert", "--tls-cert", config)
                 ),
+                missing_file: false,
             });
         }
     }
@@ -160,6 +291,7 @@ fn check_material(paths: &ServerTlsPaths, node: &str, config: Option<&Path>, fou
                  ({})",
                 setting("tls.key", "--tls-key", config)
             ),
+            missing_file: false,
         });
     }
     let ca = tls::load_certificates(&paths.client_ca).and_then(|certs| {
@@ -183,6 +315,7 @@ fn check_material(paths: &ServerTlsPaths, node: &str, config: Option<&Path>, fou
                  client certificates ({})",
                 setting("tls.client_ca", "--client-ca", config)
             ),
+            missing_file: false,
         });
     }
     if parsed && let Err(e) = tls::server_config(paths) {
@@ -193,6 +326,7 @@ fn check_material(paths: &ServerTlsPaths, node: &str, config: Option<&Path>, fou
                 setting("tls.cert", "--tls-cert", config),
                 setting("tls.key", "--tls-key", config)
             ),
+            missing_file: false,
         });
     }
 }
@@ -202,7 +336,7 @@ fn check_material(paths: &ServerTlsPaths, node: &str, config: Option<&Path>, fou
 fn check_leaf(
     der: &rustls::pki_types::CertificateDer<'_>,
     paths: &ServerTlsPaths,
-    node: &str,
+    node: Option<&str>,
     config: Option<&Path>,
     found: &mut Findings,
 ) {
@@ -213,11 +347,15 @@ fn check_leaf(
                 paths.cert.display()
             ),
             fix: "tls.cert must be a PEM X.509 certificate chain, leaf first".to_string(),
+            missing_file: false,
         });
         return;
     };
     let names = dns_names(&cert);
-    if !names.iter().any(|n| name_matches(n, node)) {
+    // Without a node name (itself a problem) there is nothing to compare the names with.
+    if let Some(node) = node
+        && !names.iter().any(|n| name_matches(n, node))
+    {
         let has = if names.is_empty() {
             "no DNS names".to_string()
         } else {
@@ -235,6 +373,7 @@ fn check_leaf(
                  node's Kubernetes name, set {}",
                 setting("node.name", "--node-name", config)
             ),
+            missing_file: false,
         });
     }
     let now = std::time::SystemTime::now()

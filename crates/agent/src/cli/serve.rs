@@ -15,9 +15,11 @@ use clap::Args;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::selfcheck::Subject;
 use super::{Exit, Invalid};
 use crate::config::{
-    DEFAULT_CONFIG_PATH, DaemonInput, DaemonSettings, PlanLimitsInput, SettingsInput, load_config,
+    ConfigError, DEFAULT_CONFIG_PATH, DaemonInput, DaemonSettings, PlanLimitsInput, SettingsInput,
+    Unresolved, load_config,
 };
 use crate::engine::Engine;
 use crate::host::Host;
@@ -180,14 +182,24 @@ impl ServeArgs {
         }
     }
 
-    /// The configuration file (if any) with the flags over it, validated. Every error is
-    /// invalid input ([`ConfigError`](crate::config::ConfigError) or [`Invalid`]).
-    pub fn settings(&self) -> anyhow::Result<DaemonSettings> {
+    /// The configuration file (if any) with the flags over it, validated: every problem of
+    /// the settings, with what is known of the rest (`Err` inside); `Err` outside when the
+    /// file itself cannot be used (the rest depends on what it says).
+    pub fn resolve(&self) -> Result<Result<DaemonSettings, Box<Unresolved>>, ConfigError> {
         let file = match self.config_file() {
             Some(path) => load_config(&path)?,
             None => DaemonInput::default(),
         };
-        Ok(file.overlay(self.input()).resolve().map_err(Invalid::new)?)
+        Ok(file.overlay(self.input()).resolve_each())
+    }
+
+    /// The configuration file (if any) with the flags over it, validated. Every error is
+    /// invalid input ([`ConfigError`] or [`Invalid`]).
+    pub fn settings(&self) -> anyhow::Result<DaemonSettings> {
+        self.resolve()?.map_err(|u| {
+            let all: Vec<String> = u.problems.iter().map(ToString::to_string).collect();
+            Invalid::new(all.join("; ")).into()
+        })
     }
 }
 
@@ -248,9 +260,18 @@ impl Daemon {
         if let Some(current) = engine.current() {
             tracing::info!(id = %current.id, digest = %current.digest, phase = %current.phase, "an unfinished plan resumes");
         }
-        let listener = TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("listen on {listen}"))?;
+        let listener = match TcpListener::bind(listen).await {
+            Ok(listener) => listener,
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                anyhow::bail!(
+                    "listen on {listen}: the address is already in use, {}: stop that \
+                     process, or set grpc.listen in the configuration file (or --listen) to a \
+                     free address",
+                    crate::host::ports::held_by(listen)
+                )
+            }
+            Err(e) => return Err(e).with_context(|| format!("listen on {listen}")),
+        };
         let addr = listener
             .local_addr()
             .with_context(|| format!("listen on {listen}"))?;
@@ -453,29 +474,67 @@ async fn report_status(n: Arc<crate::notify::Notifier>, engine: Engine, addr: So
 
 /// `inplace-agent serve`.
 pub fn run(args: &ServeArgs) -> Exit {
-    let settings = match args.settings() {
-        Ok(s) => s,
-        // Whether it is configured is for serve itself to say, with the file and line.
+    let config = args.config_file();
+    let resolved = match args.resolve() {
+        Ok(r) => r,
+        // What the file sets is unknown, so are the TLS files: whether it is configured is
+        // for serve itself to say, with the file and line (the unit then fails, exit 2).
         Err(_) if args.check_configured => return Exit::Ok,
         // The daemon reads a check process's answer, and tells why it could not check.
         Err(e) if args.drift_probe => {
-            println!("the configuration cannot be read now ({e:#}); fix it and restart the agent");
+            println!("the configuration cannot be read now ({e}); fix it and restart the agent");
             return Exit::Invalid;
         }
         Err(e) => {
             super::logging::init("info", args.log_format.unwrap_or_default(), true);
-            return super::fail(&e);
+            return super::fail(&anyhow::Error::new(e));
         }
     };
-    let config = args.config_file();
     if args.check_configured {
-        return configured(&settings, config.as_deref());
+        return configured(&resolved, config.as_deref());
     }
     if args.drift_probe {
-        super::logging::init("warn", settings.log_format, true);
-        return super::drift_probe::answer(settings);
+        return match resolved {
+            Ok(settings) => {
+                super::logging::init("warn", settings.log_format, true);
+                super::drift_probe::answer(settings)
+            }
+            Err(u) => {
+                let all: Vec<String> = u.problems.iter().map(ToString::to_string).collect();
+                println!(
+                    "the configuration cannot be used now ({}); fix it and restart the agent",
+                    all.join("; ")
+                );
+                Exit::Invalid
+            }
+        };
     }
-    super::logging::init("info", settings.log_format, true);
+    let log_format = match &resolved {
+        Ok(settings) => settings.log_format,
+        Err(_) => args.log_format.unwrap_or_default(),
+    };
+    super::logging::init("info", log_format, true);
+    let findings = super::selfcheck::check(Subject::of_result(&resolved), config.as_deref());
+    for warning in &findings.warnings {
+        tracing::warn!("{warning}");
+    }
+    let settings = match resolved {
+        Ok(settings) if findings.problems.is_empty() => settings,
+        _ => {
+            let file = config
+                .as_ref()
+                .map(|f| format!("the configuration {}", f.display()))
+                .unwrap_or_else(|| "the flags (no configuration file)".to_string());
+            errln!(
+                "error: inplace-agent cannot serve with {file} ({}):",
+                count(findings.problems.len())
+            );
+            for p in &findings.problems {
+                errln!("error: {p}");
+            }
+            return Exit::Invalid;
+        }
+    };
     let mut settings = settings;
     // Drift checks read the node in a process of their own, started with these same
     // arguments (`drift_probe`).
@@ -484,29 +543,6 @@ pub fn run(args: &ServeArgs) -> Exit {
         args: std::env::args_os().skip(1).collect(),
         time_limit: super::drift_probe::TIME_LIMIT,
     });
-    let findings = super::selfcheck::check(&settings, config.as_deref());
-    for warning in &findings.warnings {
-        tracing::warn!("{warning}");
-    }
-    if !findings.problems.is_empty() {
-        let file = config
-            .as_ref()
-            .map(|f| format!("the configuration {}", f.display()))
-            .unwrap_or_else(|| "the flags (no configuration file)".to_string());
-        errln!(
-            "error: inplace-agent cannot serve with {file} ({} problem{}):",
-            findings.problems.len(),
-            if findings.problems.len() == 1 {
-                ""
-            } else {
-                "s"
-            }
-        );
-        for p in &findings.problems {
-            errln!("error: {p}");
-        }
-        return Exit::Invalid;
-    }
     let served = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(BLOCKING_THREADS)
@@ -521,23 +557,47 @@ pub fn run(args: &ServeArgs) -> Exit {
     }
 }
 
-/// `serve --check-configured`: 0 when the TLS files exist, 1 (saying which are missing and
-/// what to do) when the agent is not configured yet.
-fn configured(settings: &DaemonSettings, config: Option<&std::path::Path>) -> Exit {
-    let missing = super::selfcheck::missing_tls_files(&settings.tls);
+/// "1 problem", "3 problems".
+fn count(n: usize) -> String {
+    format!("{n} problem{}", if n == 1 { "" } else { "s" })
+}
+
+/// `serve --check-configured` (the unit's `ExecCondition=`): 1 when a TLS file is missing —
+/// the agent is not configured yet, and the unit is skipped, not failed — naming the missing
+/// files and every other problem serve would name once they are there; 0 otherwise, when
+/// serve itself either starts or refuses with exit 2 naming every problem (a configured
+/// agent that cannot start is a failed unit, not a skipped one).
+fn configured(
+    resolved: &Result<DaemonSettings, Box<Unresolved>>,
+    config: Option<&std::path::Path>,
+) -> Exit {
+    let subject = Subject::of_result(resolved);
+    let missing = super::selfcheck::missing_tls_files(subject.tls);
     if missing.is_empty() {
         return Exit::Ok;
     }
     let list: Vec<String> = missing.iter().map(|p| p.display().to_string()).collect();
     errln!(
         "inplace-agent is not configured yet, so it does not start: missing {}. Put the \
-         certificates there, list the updater under [authorization] in {}, then: systemctl \
-         start inplace-agent (docs/install.md)",
+         certificates there (docs/pki.md), then: systemctl start inplace-agent \
+         (docs/install.md)",
         list.join(", "),
-        config
-            .map(|f| f.display().to_string())
-            .unwrap_or_else(|| "the configuration".into()),
     );
+    let findings = super::selfcheck::check(subject, config);
+    let others: Vec<_> = findings
+        .problems
+        .iter()
+        .filter(|p| !p.missing_file)
+        .collect();
+    if !others.is_empty() {
+        errln!(
+            "once they are there it would still not start ({}):",
+            count(others.len())
+        );
+        for p in others {
+            errln!("error: {p}");
+        }
+    }
     Exit::Failed
 }
 

@@ -12,6 +12,7 @@ pub(crate) mod memory;
 pub(crate) mod node;
 pub(crate) mod package_manager;
 pub mod packages;
+pub(crate) mod ports;
 pub mod systemd;
 pub(crate) mod users;
 pub mod watch;

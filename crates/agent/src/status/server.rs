@@ -226,9 +226,18 @@ impl StatusServer {
         )));
         let mut metrics_addr = None;
         if let Some(addr) = metrics_listen {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| format!("metrics listener on {addr}: {e}"))?;
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                if e.kind() == std::io::ErrorKind::AddrInUse {
+                    format!(
+                        "metrics listener on {addr}: the address is already in use, {}: stop \
+                         that process, or set metrics.listen in the configuration file (or \
+                         --metrics-listen) to a free address",
+                        crate::host::ports::held_by(addr)
+                    )
+                } else {
+                    format!("metrics listener on {addr}: {e}")
+                }
+            })?;
             let local = listener
                 .local_addr()
                 .map_err(|e| format!("metrics listener on {addr}: {e}"))?;
