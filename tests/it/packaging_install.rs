@@ -48,7 +48,7 @@ fn find<'a>(all: &'a [Value], kind: &str) -> &'a Value {
 /// clusterctl's variable substitution, as cmd/clusterctl/client/yamlprocessor does it with
 /// envsubst: `${NAME}` and `${NAME:=default}`; a variable with neither a value nor a default
 /// is an error naming it.
-fn render(text: &str, values: &BTreeMap<&str, &str>) -> Result<String, String> {
+pub(crate) fn render(text: &str, values: &BTreeMap<&str, &str>) -> Result<String, String> {
     let mut out = String::new();
     let mut rest = text;
     let mut missing = Vec::new();
@@ -82,7 +82,7 @@ fn render(text: &str, values: &BTreeMap<&str, &str>) -> Result<String, String> {
 }
 
 /// `packaging/clusterctl/build --out <tmp>`: the version directory of the repository.
-fn clusterctl_repository() -> (tempfile::TempDir, PathBuf) {
+pub(crate) fn clusterctl_repository() -> (tempfile::TempDir, PathBuf) {
     let out = tempfile::Builder::new()
         .prefix("inplace-test-clusterctl-")
         .tempdir()
@@ -550,6 +550,179 @@ fn the_pinned_kubectl_builds_what_the_machines_kubectl_builds_and_an_old_one_is_
             build(&machine, dir),
             build(&pinned, dir),
             "{dir}: {machine} and {pinned} differ"
+        );
+    }
+}
+
+/// The metric families a `/metrics` text declares (`# TYPE` lines), with a counter's
+/// `_total` sample name too (Prometheus text names counters either way).
+fn families(text: &str) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        let mut words = line
+            .strip_prefix("# TYPE ")
+            .unwrap_or_default()
+            .split_whitespace();
+        if let (Some(name), Some(kind)) = (words.next(), words.next()) {
+            out.insert(name.to_owned());
+            if kind == "counter" && !name.ends_with("_total") {
+                out.insert(format!("{name}_total"));
+            }
+        }
+    }
+    out
+}
+
+/// The metric names (`inplace_...`) of every `expr` of a PrometheusRule file.
+fn alert_metrics(rel: &str) -> Vec<String> {
+    let rules = &file_documents(rel)[0];
+    let mut out = Vec::new();
+    for group in rules["spec"]["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            let expr = rule["expr"].as_str().unwrap();
+            let names: Vec<String> = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("inplace_"))
+                .map(str::to_owned)
+                .collect();
+            assert!(!names.is_empty(), "{rel}: {expr} uses no metric of ours");
+            out.extend(names);
+        }
+    }
+    out
+}
+
+/// What the programs serve is what the alerts and the docs name: a real agent's and a real
+/// updater's `/metrics` declare every metric the two PrometheusRules use (the agent's
+/// drift, certificate expiry and failed plans alerts included), and docs/observability.md
+/// has one metrics table, whose first column lists exactly the metrics both serve (its
+/// agent table used to be cut in two by a blank line, the drift rows a paragraph of their
+/// own). The monitoring kustomizations ship both rules and docs/install.md names them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_the_alerts_and_the_docs_name_is_one_the_programs_serve() {
+    use crate::support::agent::Agent;
+    use crate::support::pki::NodePki;
+    use std::io::{Read as _, Write as _};
+
+    let node = crate::support::Node::new();
+    let pki = NodePki::new("metrics-node").unwrap();
+    let agent = Agent::start_env(&node, &pki, &["--metrics-listen", "127.0.0.1:0"], &[]);
+    let addr = agent
+        .log()
+        .split("serving metrics on http://")
+        .nth(1)
+        .and_then(|s| s.split('/').next())
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("no metrics listener: {}", agent.log()));
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut agent_text = String::new();
+    s.read_to_string(&mut agent_text).unwrap();
+    let agent_served = families(&agent_text);
+
+    let mut w = crate::support::updater::World::new(148).await;
+    w.start_updater();
+    let updater_text = String::from_utf8(
+        w.raw_client()
+            .request("GET", "/metrics", b"")
+            .await
+            .unwrap()
+            .body,
+    )
+    .unwrap();
+    let updater_served = families(&updater_text);
+    assert!(
+        agent_served.contains("inplace_agent_drifted_changes"),
+        "{agent_text}"
+    );
+    assert!(
+        updater_served.contains("inplace_updater_requests_total"),
+        "{updater_text}"
+    );
+
+    for (rule, served) in [
+        (
+            "packaging/kubernetes/monitoring/agent/prometheusrule.yaml",
+            &agent_served,
+        ),
+        (
+            "packaging/kubernetes/monitoring/updater/prometheusrule.yaml",
+            &updater_served,
+        ),
+    ] {
+        for m in alert_metrics(rule) {
+            assert!(
+                served.contains(&m),
+                "{rule}: {m} is not a metric the program serves"
+            );
+        }
+        let dir = Path::new(rule).parent().unwrap();
+        let k = &file_documents(&format!("{}/kustomization.yaml", dir.display()))[0];
+        assert!(
+            k["resources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r == "prometheusrule.yaml"),
+            "{} does not ship its PrometheusRule",
+            dir.display()
+        );
+    }
+    let agent_alerts = alert_metrics("packaging/kubernetes/monitoring/agent/prometheusrule.yaml");
+    for m in [
+        "inplace_agent_drifted_changes",
+        "inplace_agent_tls_server_certificate_expiry_timestamp_seconds",
+        "inplace_agent_plans_total",
+    ] {
+        assert!(agent_alerts.iter().any(|a| a == m), "no agent alert on {m}");
+    }
+
+    // One table: the metric names of its first column, from the first row naming an agent
+    // metric to the first line that is not a row.
+    let docs = std::fs::read_to_string(Path::new(REPO).join("docs/observability.md")).unwrap();
+    let tables = docs
+        .split("\n\n")
+        .filter(|p| p.trim_start().starts_with('|'))
+        .filter(|p| p.contains("`inplace_"));
+    let tables: Vec<&str> = tables.collect();
+    assert_eq!(
+        tables.len(),
+        1,
+        "docs/observability.md has {} metrics tables",
+        tables.len()
+    );
+    let mut documented = std::collections::BTreeSet::new();
+    for row in tables[0].lines() {
+        assert!(row.starts_with('|'), "not a table row: {row}");
+        let first = row.split('|').nth(1).unwrap_or_default();
+        for name in first.split('`').skip(1).step_by(2) {
+            documented.insert(name.to_owned());
+        }
+    }
+    let all: std::collections::BTreeSet<String> =
+        agent_served.union(&updater_served).cloned().collect();
+    // A counter is documented by its `_total` name.
+    let served: std::collections::BTreeSet<String> = all
+        .iter()
+        .filter(|m| !all.contains(&format!("{m}_total")))
+        .cloned()
+        .collect();
+    let undocumented: Vec<&String> = served.difference(&documented).collect();
+    let unserved: Vec<&String> = documented.difference(&served).collect();
+    assert!(
+        undocumented.is_empty() && unserved.is_empty(),
+        "docs/observability.md's metrics table lacks {undocumented:?} and lists {unserved:?}, which no program serves"
+    );
+
+    let install = std::fs::read_to_string(Path::new(REPO).join("docs/install.md")).unwrap();
+    for k in [
+        "packaging/kubernetes/monitoring/agent",
+        "packaging/kubernetes/monitoring/updater",
+    ] {
+        assert!(
+            install.contains(&format!("kubectl apply -k {k}")),
+            "docs/install.md does not name {k}"
         );
     }
 }
