@@ -1306,15 +1306,17 @@ fn validate_names_a_missing_tool_first_and_how_to_get_it() {
         .tempdir()
         .unwrap();
     let path = std::env::var_os("PATH").unwrap_or_default();
-    for tool in ["python3", "openssl"] {
-        let found = std::env::split_paths(&path)
+    let which = |tool: &str| {
+        std::env::split_paths(&path)
             .map(|d| d.join(tool))
             .find(|p| p.is_file())
-            .unwrap_or_else(|| panic!("{tool} is not on PATH (tests/setup)"));
-        std::os::unix::fs::symlink(found, bin.path().join(tool)).unwrap();
+            .unwrap_or_else(|| panic!("{tool} is not on PATH (tests/setup)"))
+    };
+    for tool in ["python3", "openssl"] {
+        std::os::unix::fs::symlink(which(tool), bin.path().join(tool)).unwrap();
     }
     let started = std::time::Instant::now();
-    let out = Command::new("bash")
+    let out = Command::new(which("bash"))
         .arg(Path::new(REPO).join("packaging/validate"))
         .env("PATH", bin.path())
         .output()
