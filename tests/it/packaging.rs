@@ -1255,6 +1255,16 @@ fn the_manifests_validate_and_agree_with_each_other() {
     let certificate =
         &yaml_documents("packaging/kubernetes/agent/cert-manager/certificate.yaml")[0];
     assert_eq!(certificate["spec"]["secretName"], secret);
+    // Cluster API generates node names: the shared certificate names them by a wildcard for
+    // their DNS domain, never by a list of names (it listed worker-1..3).
+    let names = certificate["spec"]["dnsNames"].as_array().unwrap();
+    assert!(
+        !names.is_empty()
+            && names.iter().all(|n| n
+                .as_str()
+                .is_some_and(|n| n.starts_with("*.") && n.ends_with(".example"))),
+        "cert-manager/certificate.yaml names nodes: {names:?}"
+    );
     assert_eq!(
         certificate["spec"]["usages"],
         serde_json::json!(["digital signature", "server auth"])
@@ -1283,4 +1293,46 @@ fn the_manifests_validate_and_agree_with_each_other() {
         assert_eq!(doc["apiVersion"], "cert-manager.io/v1");
         assert_eq!(doc["metadata"]["namespace"], "inplace-agent");
     }
+}
+
+/// `packaging/validate` looks for the tools nothing installs for it before anything else and,
+/// with one missing, names it, its Debian package and tests/setup at once (it used to fail
+/// at its last step, shellcheck, after about 110 s). Here PATH holds every tool it looks for
+/// but shellcheck.
+#[test]
+fn validate_names_a_missing_tool_first_and_how_to_get_it() {
+    let bin = tempfile::Builder::new()
+        .prefix("inplace-test-path-")
+        .tempdir()
+        .unwrap();
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let which = |tool: &str| {
+        std::env::split_paths(&path)
+            .map(|d| d.join(tool))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| panic!("{tool} is not on PATH (tests/setup)"))
+    };
+    for tool in ["python3", "openssl"] {
+        std::os::unix::fs::symlink(which(tool), bin.path().join(tool)).unwrap();
+    }
+    let started = std::time::Instant::now();
+    let out = Command::new(which("bash"))
+        .arg(Path::new(REPO).join("packaging/validate"))
+        .env("PATH", bin.path())
+        .output()
+        .unwrap();
+    let err = text(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("shellcheck (Debian package shellcheck)")
+            && err.contains("tests/setup")
+            && !err.contains("openssl (")
+            && !err.contains("python3 ("),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "took {:?}: {err}",
+        started.elapsed()
+    );
 }

@@ -48,7 +48,7 @@ fn find<'a>(all: &'a [Value], kind: &str) -> &'a Value {
 /// clusterctl's variable substitution, as cmd/clusterctl/client/yamlprocessor does it with
 /// envsubst: `${NAME}` and `${NAME:=default}`; a variable with neither a value nor a default
 /// is an error naming it.
-fn render(text: &str, values: &BTreeMap<&str, &str>) -> Result<String, String> {
+pub(crate) fn render(text: &str, values: &BTreeMap<&str, &str>) -> Result<String, String> {
     let mut out = String::new();
     let mut rest = text;
     let mut missing = Vec::new();
@@ -82,7 +82,7 @@ fn render(text: &str, values: &BTreeMap<&str, &str>) -> Result<String, String> {
 }
 
 /// `packaging/clusterctl/build --out <tmp>`: the version directory of the repository.
-fn clusterctl_repository() -> (tempfile::TempDir, PathBuf) {
+pub(crate) fn clusterctl_repository() -> (tempfile::TempDir, PathBuf) {
     let out = tempfile::Builder::new()
         .prefix("inplace-test-clusterctl-")
         .tempdir()
@@ -550,6 +550,183 @@ fn the_pinned_kubectl_builds_what_the_machines_kubectl_builds_and_an_old_one_is_
             build(&machine, dir),
             build(&pinned, dir),
             "{dir}: {machine} and {pinned} differ"
+        );
+    }
+}
+
+/// The code's metric list: the names `crates/<crate>/src/<file>` registers or encodes, with
+/// its registry's prefix (`Registry::with_prefix`): the first string literal of every
+/// `register(`, `encode_descriptor(`, `counter(`, `gauge(` and `labelled(` call. Each name is
+/// served as itself, or with `_total` (a counter) or `_info` (an info metric).
+fn code_metrics(file: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(Path::new(REPO).join(file)).unwrap();
+    let literal = |rest: &str| -> Option<String> {
+        let rest = rest
+            .trim_start()
+            .strip_prefix("&mut encoder,")
+            .unwrap_or(rest)
+            .trim_start();
+        let rest = rest.strip_prefix('"')?;
+        let name = &rest[..rest.find('"')?];
+        (!name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+            .then(|| name.to_owned())
+    };
+    let prefix = text
+        .split("with_prefix(")
+        .nth(1)
+        .and_then(literal)
+        .unwrap_or_else(|| panic!("{file}: no Registry::with_prefix"));
+    let mut names = Vec::new();
+    for call in [
+        "register(",
+        "encode_descriptor(",
+        "counter(",
+        "gauge(",
+        "labelled(",
+    ] {
+        for (at, _) in text.match_indices(call) {
+            let before = text[..at].chars().next_back();
+            if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+                continue; // register_collector(, my_counter(
+            }
+            if let Some(name) = literal(&text[at + call.len()..]) {
+                names.push(format!("{prefix}_{name}"));
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Whether `name` (as a query or the docs write it) is the metric `code` (as registered).
+fn is_metric(name: &str, code: &str) -> bool {
+    name == code || name == format!("{code}_total") || name == format!("{code}_info")
+}
+
+/// The metric names (`inplace_...`) of every `expr` of a PrometheusRule file.
+fn alert_metrics(rel: &str) -> Vec<String> {
+    let rules = &file_documents(rel)[0];
+    let mut out = Vec::new();
+    for group in rules["spec"]["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            let expr = rule["expr"].as_str().unwrap();
+            let names: Vec<String> = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("inplace_"))
+                .map(str::to_owned)
+                .collect();
+            assert!(!names.is_empty(), "{rel}: {expr} uses no metric of ours");
+            out.extend(names);
+        }
+    }
+    out
+}
+
+/// The code's metric list is what the alerts and the docs name: every metric the two
+/// PrometheusRules use (the agent's drift, certificate expiry and failed plans alerts
+/// included) is one the agent's or the updater's metrics code registers, and
+/// docs/observability.md has one metrics table whose first column lists exactly the metrics
+/// of both (its agent table used to be cut in two by a blank line, the drift rows a paragraph
+/// of their own, and the updater's drain metrics were missing). The monitoring
+/// kustomizations ship both rules and docs/install.md names them.
+#[test]
+fn every_metric_the_alerts_and_the_docs_name_is_one_the_code_registers() {
+    let agent_served = code_metrics("crates/agent/src/status/metrics.rs");
+    let updater_served = code_metrics("crates/updater/src/metrics.rs");
+    for (list, some) in [
+        (&agent_served, "inplace_agent_drifted_changes"),
+        (&agent_served, "inplace_agent_plans"),
+        (&updater_served, "inplace_updater_requests"),
+        (&updater_served, "inplace_updater_agents_unreachable"),
+    ] {
+        assert!(
+            list.iter().any(|m| m == some),
+            "{some} not found in {list:?}"
+        );
+    }
+    for (rule, served) in [
+        (
+            "packaging/kubernetes/monitoring/agent/prometheusrule.yaml",
+            &agent_served,
+        ),
+        (
+            "packaging/kubernetes/monitoring/updater/prometheusrule.yaml",
+            &updater_served,
+        ),
+    ] {
+        for m in alert_metrics(rule) {
+            assert!(
+                served.iter().any(|c| is_metric(&m, c)),
+                "{rule}: {m} is not a metric the code registers"
+            );
+        }
+        let dir = Path::new(rule).parent().unwrap();
+        let k = &file_documents(&format!("{}/kustomization.yaml", dir.display()))[0];
+        assert!(
+            k["resources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r == "prometheusrule.yaml"),
+            "{} does not ship its PrometheusRule",
+            dir.display()
+        );
+    }
+    let agent_alerts = alert_metrics("packaging/kubernetes/monitoring/agent/prometheusrule.yaml");
+    for m in [
+        "inplace_agent_drifted_changes",
+        "inplace_agent_tls_server_certificate_expiry_timestamp_seconds",
+        "inplace_agent_plans_total",
+    ] {
+        assert!(agent_alerts.iter().any(|a| a == m), "no agent alert on {m}");
+    }
+
+    // One table: the metric names of its first column, from the first row naming an agent
+    // metric to the first line that is not a row.
+    let docs = std::fs::read_to_string(Path::new(REPO).join("docs/observability.md")).unwrap();
+    let tables = docs
+        .split("\n\n")
+        .filter(|p| p.trim_start().starts_with('|'))
+        .filter(|p| p.contains("`inplace_"));
+    let tables: Vec<&str> = tables.collect();
+    assert_eq!(
+        tables.len(),
+        1,
+        "docs/observability.md has {} metrics tables",
+        tables.len()
+    );
+    let mut documented = std::collections::BTreeSet::new();
+    for row in tables[0].lines() {
+        assert!(row.starts_with('|'), "not a table row: {row}");
+        let first = row.split('|').nth(1).unwrap_or_default();
+        for name in first.split('`').skip(1).step_by(2) {
+            documented.insert(name.to_owned());
+        }
+    }
+    let all: Vec<&String> = agent_served.iter().chain(&updater_served).collect();
+    let undocumented: Vec<&&String> = all
+        .iter()
+        .filter(|c| !documented.iter().any(|d| is_metric(d, c)))
+        .collect();
+    let unserved: Vec<&String> = documented
+        .iter()
+        .filter(|d| !all.iter().any(|c| is_metric(d, c)))
+        .collect();
+    assert!(
+        undocumented.is_empty() && unserved.is_empty(),
+        "docs/observability.md's metrics table lacks {undocumented:?} and lists {unserved:?}, \
+         which no program registers"
+    );
+
+    let install = std::fs::read_to_string(Path::new(REPO).join("docs/install.md")).unwrap();
+    for k in [
+        "packaging/kubernetes/monitoring/agent",
+        "packaging/kubernetes/monitoring/updater",
+    ] {
+        assert!(
+            install.contains(&format!("kubectl apply -k {k}")),
+            "docs/install.md does not name {k}"
         );
     }
 }

@@ -31,6 +31,7 @@ use inplace_api::pb;
 use inplace_api::pb::node_agent_client::NodeAgentClient;
 use inplace_api::tls::{
     ClientTlsPaths, client_config, client_config_requiring, client_config_trusting_der, connect,
+    load_certificates, load_private_key,
 };
 
 /// What a channel's certificate verification was made under, beyond the node's name.
@@ -122,7 +123,6 @@ pub enum AgentError {
 }
 
 struct Tls {
-    config: Arc<ClientConfig>,
     /// Configurations by trust, with when each was last used.
     by_trust: HashMap<TrustKey, (Arc<ClientConfig>, Instant)>,
     stamp: Vec<Option<(SystemTime, u64)>>,
@@ -136,9 +136,69 @@ struct Entry {
     used: Instant,
 }
 
+/// The files the updater's agent client is made of: its certificate and key (the `admin`
+/// role on the agents), and the `--agent-ca` file when it was given. That file is the CA of
+/// `agentCA: File` only; under `agentCA: ClusterSecret` each cluster's CA Secret verifies
+/// its agents, so an updater whose settings all say `ClusterSecret` needs no file.
+#[derive(Debug, Clone)]
+pub struct ClientFiles {
+    /// `--agent-ca`: the fleet CA of `agentCA: File`, if given.
+    pub ca: Option<PathBuf>,
+    /// `--agent-cert`: the client certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// `--agent-key`: its private key.
+    pub key: PathBuf,
+}
+
+impl From<ClientTlsPaths> for ClientFiles {
+    fn from(p: ClientTlsPaths) -> ClientFiles {
+        ClientFiles {
+            ca: Some(p.ca),
+            cert: p.cert,
+            key: p.key,
+        }
+    }
+}
+
+/// What `agentCA: File` answers when the updater was started without `--agent-ca` (the
+/// settings refuse it first, [`crate::settings::Defaults::agent_ca_file`]; this is the
+/// client's own guard).
+pub const NO_AGENT_CA: &str = "settings.agentCA is File (the default), which verifies the agents \
+     against the --agent-ca file, and this updater was started without --agent-ca: start it \
+     with --agent-ca FILE, or set agentCA: ClusterSecret in the ExtensionConfig's settings \
+     (docs/pki.md, \"Which CA verifies the agents\")";
+
+/// Loads the client certificate and key (and the `--agent-ca` file when given): what
+/// [`Agents::new`] refuses to start without, and what a reload must pass.
+fn check(files: &ClientFiles) -> Result<(), inplace_api::tls::TlsError> {
+    match &files.ca {
+        Some(ca) => client_config(&ClientTlsPaths {
+            ca: ca.clone(),
+            cert: files.cert.clone(),
+            key: files.key.clone(),
+        })
+        .map(drop),
+        None => {
+            let chain = load_certificates(&files.cert)?;
+            let key = load_private_key(&files.key)?;
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .and_then(|b| {
+                    b.with_root_certificates(rustls::RootCertStore::empty())
+                        .with_client_auth_cert(chain, key)
+                })
+                .map(drop)
+                .map_err(|source| inplace_api::tls::TlsError::Rustls {
+                    context: "client certificate and key",
+                    source,
+                })
+        }
+    }
+}
+
 /// The pool of agent connections.
 pub struct Agents {
-    paths: ClientTlsPaths,
+    files: ClientFiles,
     tls: Mutex<Tls>,
     pool: Mutex<HashMap<ChannelKey, Entry>>,
     /// Calls that found the agent unreachable (for the metrics).
@@ -148,14 +208,15 @@ pub struct Agents {
 impl std::fmt::Debug for Agents {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Agents")
-            .field("paths", &self.paths)
+            .field("files", &self.files)
             .finish()
     }
 }
 
-fn stamp(paths: &ClientTlsPaths) -> Vec<Option<(SystemTime, u64)>> {
-    [&paths.ca, &paths.cert, &paths.key]
+fn stamp(files: &ClientFiles) -> Vec<Option<(SystemTime, u64)>> {
+    [files.ca.as_ref(), Some(&files.cert), Some(&files.key)]
         .iter()
+        .flatten()
         .map(|p| {
             std::fs::metadata(p)
                 .ok()
@@ -165,17 +226,18 @@ fn stamp(paths: &ClientTlsPaths) -> Vec<Option<(SystemTime, u64)>> {
 }
 
 impl Agents {
-    /// A pool presenting the client certificate at `paths` and trusting its CA for agents.
-    pub fn new(paths: ClientTlsPaths) -> Result<Agents, inplace_api::tls::TlsError> {
-        let config = Arc::new(client_config(&paths)?);
+    /// A pool presenting the client certificate of `files`, trusting the `--agent-ca` file
+    /// (when given) for agents under `agentCA: File`.
+    pub fn new(files: impl Into<ClientFiles>) -> Result<Agents, inplace_api::tls::TlsError> {
+        let files = files.into();
+        check(&files)?;
         Ok(Agents {
             tls: Mutex::new(Tls {
-                config,
                 by_trust: HashMap::new(),
-                stamp: stamp(&paths),
+                stamp: stamp(&files),
                 checked: Instant::now(),
             }),
-            paths,
+            files,
             pool: Mutex::new(HashMap::new()),
             unreachable: Default::default(),
         })
@@ -197,14 +259,13 @@ impl Agents {
             return;
         }
         tls.checked = Instant::now();
-        let now = stamp(&self.paths);
+        let now = stamp(&self.files);
         if now == tls.stamp {
             return;
         }
-        match client_config(&self.paths) {
-            Ok(config) => {
+        match check(&self.files) {
+            Ok(()) => {
                 tracing::info!("agent client certificate reloaded");
-                tls.config = Arc::new(config);
                 tls.by_trust.clear();
                 tls.stamp = now;
                 self.lock_pool().clear();
@@ -226,15 +287,23 @@ impl Agents {
             return Ok(config.clone());
         }
         let config = match trust {
-            Trust::File(cluster) => client_config_requiring(&self.paths, Some(&cluster.uri()))
-                .map_err(|e| format!("the --agent-ca file for cluster {cluster}: {e}"))?,
+            Trust::File(cluster) => {
+                let ca = self.files.ca.clone().ok_or(NO_AGENT_CA)?;
+                let paths = ClientTlsPaths {
+                    ca,
+                    cert: self.files.cert.clone(),
+                    key: self.files.key.clone(),
+                };
+                client_config_requiring(&paths, Some(&cluster.uri()))
+                    .map_err(|e| format!("the --agent-ca file for cluster {cluster}: {e}"))?
+            }
             Trust::Cluster(ca) => {
                 let origin = format!("Secret {} key tls.crt", ca.secret());
                 client_config_trusting_der(
                     ca.der(),
                     &origin,
-                    &self.paths.cert,
-                    &self.paths.key,
+                    &self.files.cert,
+                    &self.files.key,
                     None,
                 )
                 .map_err(|e| format!("the CA of cluster {}: {e}", ca.cluster()))?
@@ -286,7 +355,7 @@ impl Agents {
                 if e.problem().is_some_and(|p| p.is_certificate()) {
                     detail.push_str(&format!(
                         " (verified against {})",
-                        peer.trust().describe(&self.paths.ca)
+                        peer.trust().describe(self.files.ca.as_deref())
                     ));
                 }
                 self.unreachable(node, target, detail)
@@ -487,8 +556,8 @@ impl Agents {
     }
 
     /// Where the client certificate comes from.
-    pub fn paths(&self) -> &ClientTlsPaths {
-        &self.paths
+    pub fn files(&self) -> &ClientFiles {
+        &self.files
     }
 }
 

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use super::agent::paths;
+use super::agent::ClientFiles;
 use super::deadlines::ConnectionLimits;
 use super::errors::chain;
 use super::server::Server;
@@ -68,9 +68,15 @@ struct ServeArgs {
     /// Its private key (PEM)
     #[arg(long)]
     tls_key: PathBuf,
-    /// CA bundle the agents' certificates chain to
+    /// CA bundle the agents' certificates chain to under the setting agentCA: File (the
+    /// default); not needed when every ExtensionConfig sets agentCA: ClusterSecret
+    ///
+    /// Trust modes (the ExtensionConfig setting agentCA): File needs --agent-ca, --agent-cert
+    /// and --agent-key; ClusterSecret needs --agent-cert and --agent-key (each cluster's CA
+    /// Secret verifies its agents). Without --agent-ca, calls under File are refused,
+    /// naming this flag.
     #[arg(long)]
-    agent_ca: PathBuf,
+    agent_ca: Option<PathBuf>,
     /// Client certificate presented to agents (admin role)
     #[arg(long)]
     agent_cert: PathBuf,
@@ -253,11 +259,11 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         let (updater, tls) = build(
             &args.tls_cert,
             &args.tls_key,
-            paths(
-                args.agent_ca.clone(),
-                args.agent_cert.clone(),
-                args.agent_key.clone(),
-            ),
+            ClientFiles {
+                ca: args.agent_ca.clone(),
+                cert: args.agent_cert.clone(),
+                key: args.agent_key.clone(),
+            },
             args.agent_port,
             args.kubeconfig.as_deref(),
             args.extension_configs.clone(),
@@ -268,6 +274,12 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
             idle: Duration::from_secs(args.idle_timeout),
             ..ConnectionLimits::default()
         };
+        if args.agent_ca.is_none() {
+            tracing::info!(
+                "no --agent-ca: calls under agentCA: ClusterSecret are served, calls under \
+                 agentCA: File (the default) are refused naming the flag"
+            );
+        }
         let server = Server::start(args.listen, tls, updater, limits).await?;
         tracing::info!(
             extension_configs = %args.extension_configs.join(","),

@@ -127,11 +127,17 @@ pub const FILES_SET: &str = "kubeadmconfig-files";
 pub struct Defaults {
     /// `--agent-port`.
     pub agent_port: u16,
+    /// Whether `--agent-ca` was given: `agentCA: File` (the default) needs it, and settings
+    /// that say `File` are refused without it.
+    pub agent_ca_file: bool,
 }
 
 impl Default for Defaults {
     fn default() -> Self {
-        Defaults { agent_port: 9443 }
+        Defaults {
+            agent_port: 9443,
+            agent_ca_file: true,
+        }
     }
 }
 
@@ -337,6 +343,22 @@ impl Settings {
                 }
             };
         }
+        if s.agent_ca == AgentCa::File && !defaults.agent_ca_file {
+            return Err(bad(
+                "agentCA",
+                format!(
+                    "is File{}, which verifies the agents against the --agent-ca file, and \
+                     this updater was started without --agent-ca: start it with --agent-ca \
+                     FILE, or set agentCA: ClusterSecret (docs/pki.md, \"Which CA verifies \
+                     the agents\")",
+                    if get("agentCA").is_none() {
+                        " (the default: the settings do not set it)"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
         if let Some(v) = get("disableInPlaceUpdates") {
             s.disable_in_place = match v {
                 "true" => true,
@@ -450,6 +472,31 @@ mod tests {
                 .kubelet_healthz_url,
             None
         );
+    }
+
+    /// Without `--agent-ca`, `ClusterSecret` is served and `File` (set, or the default) is
+    /// refused naming the flag and the other mode.
+    #[test]
+    fn agent_ca_file_is_required_only_by_the_file_mode() {
+        let without = Defaults {
+            agent_ca_file: false,
+            ..Defaults::default()
+        };
+        let parse = |v: Value| Settings::from_extension_config(v.as_object().unwrap(), &without);
+        assert_eq!(
+            parse(json!({"agentCA": "ClusterSecret"})).unwrap().agent_ca,
+            AgentCa::ClusterSecret
+        );
+        for (settings, default) in [(json!({}), true), (json!({"agentCA": "File"}), false)] {
+            let e = parse(settings).unwrap_err();
+            assert_eq!(e.field, "settings.agentCA");
+            assert!(
+                e.message.contains("started without --agent-ca")
+                    && e.message.contains("agentCA: ClusterSecret"),
+                "{e}"
+            );
+            assert_eq!(e.message.contains("the default"), default, "{e}");
+        }
     }
 
     #[test]

@@ -20,13 +20,15 @@ use crate::edge::kubeconfig::LocalServers;
 pub async fn build(
     tls_cert: &std::path::Path,
     tls_key: &std::path::Path,
-    agent_paths: inplace_api::tls::ClientTlsPaths,
+    agent_files: impl Into<super::agent::ClientFiles>,
     agent_port: u16,
     kubeconfig: Option<&std::path::Path>,
     extension_configs: Vec<String>,
     local_workload_servers: LocalServers,
 ) -> anyhow::Result<(Arc<Updater>, Arc<ServingTls>)> {
-    let agents = Arc::new(Agents::new(agent_paths).context("agent client certificate")?);
+    let agent_files = agent_files.into();
+    let agent_ca_file = agent_files.ca.is_some();
+    let agents = Arc::new(Agents::new(agent_files).context("agent client certificate")?);
     let cluster = Cluster::connect(kubeconfig).await?;
     let recovery = Arc::new(Recovery::new(cluster.clone(), agents.clone()));
     let updater = Arc::new_cyclic(|weak: &std::sync::Weak<Updater>| {
@@ -43,7 +45,10 @@ pub async fn build(
         Updater {
             extension_configs: Arc::new(ExtensionConfigs::new(
                 extension_configs,
-                Defaults { agent_port },
+                Defaults {
+                    agent_port,
+                    agent_ca_file,
+                },
             )),
             cluster,
             agents,

@@ -118,11 +118,26 @@ fn serving_tls() -> anyhow::Result<(String, rustls::ServerConfig)> {
     Ok((ca_pem, config))
 }
 
-/// Kinds without a namespace (the stand-in serves these three).
-const CLUSTER_SCOPED: [&str; 3] = ["Node", "Namespace", "ExtensionConfig"];
+/// Kinds without a namespace (the stand-in serves the first three; the RBAC and cert-manager
+/// ones are stored for the tests that install the kustomizations into it).
+const CLUSTER_SCOPED: [&str; 6] = [
+    "Node",
+    "Namespace",
+    "ExtensionConfig",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ClusterIssuer",
+];
 
 /// Their plurals.
-const CLUSTER_SCOPED_PLURALS: [&str; 3] = ["nodes", "namespaces", "extensionconfigs"];
+const CLUSTER_SCOPED_PLURALS: [&str; 6] = [
+    "nodes",
+    "namespaces",
+    "extensionconfigs",
+    "clusterroles",
+    "clusterrolebindings",
+    "clusterissuers",
+];
 
 /// Plurals the stand-in lists (the drain's, and Machines for `CanUpdateMachineSet`; Secrets
 /// and everything else are never listed).

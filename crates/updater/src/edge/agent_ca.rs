@@ -180,11 +180,11 @@ pub enum Trust {
 
 impl Trust {
     /// Which CA and identity, in words for a message.
-    pub fn describe(&self, file: &std::path::Path) -> String {
+    pub fn describe(&self, file: Option<&std::path::Path>) -> String {
         match self {
             Trust::File(cluster) => format!(
                 "the --agent-ca file {} and the URI SAN {} of cluster {cluster}",
-                file.display(),
+                file.map_or("(none given)".into(), |f| f.display().to_string()),
                 cluster.uri()
             ),
             Trust::Cluster(ca) => format!(
