@@ -8,7 +8,16 @@
 //!
 //! ```text
 //! updater [--agents N] [--callers C] [--slow M] [--start-concurrency S] [--json FILE]
+//! updater --done [--json FILE]
 //! ```
+//!
+//! `--done` measures only "done when the node is done" (docs/decisions/0018): Machines whose
+//! plan lasts 3 s, 30 s and 3 min (the kubelet stand-in keeps the version gate waiting that
+//! long after the plan wrote the Machine's file), called as CAPI calls (each Machine by a
+//! worker of its own, again `retryAfterSeconds` after an in-progress answer), all rows at
+//! once; per plan the delay from the node finishing it (the agent's `finishedAtMs`) to the
+//! done answer, and the calls per Machine per second. Run it against another
+//! `INPLACE_UPDATER_BIN` for the figures of another version.
 //!
 //! Figures: for each Machine polled as CAPI does, how long after its first UpdateMachine
 //! call it was answered done (a plan of one file, and, on M of the Machines, a plan whose
@@ -63,6 +72,7 @@ struct Options {
     slow: usize,
     start_concurrency: usize,
     json: Option<PathBuf>,
+    done: bool,
 }
 
 fn options() -> Result<Options, Error> {
@@ -72,6 +82,7 @@ fn options() -> Result<Options, Error> {
         slow: 100,
         start_concurrency: 16,
         json: None,
+        done: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -83,6 +94,7 @@ fn options() -> Result<Options, Error> {
             "--slow" => o.slow = value()?.parse()?,
             "--start-concurrency" => o.start_concurrency = value()?.parse()?,
             "--json" => o.json = Some(value()?.into()),
+            "--done" => o.done = true,
             other => return Err(format!("unknown option {other}").into()),
         }
     }
@@ -113,13 +125,15 @@ fn spawn_agent(dir: &Path, pki: &Pki, i: usize, port: u16) -> Result<Starting, E
     let kubelet = root.join("usr/local/bin/kubelet");
     std::fs::create_dir_all(kubelet.parent().ok_or("no parent")?)?;
     // A kubelet at v1.35.2, except for 30 s after a plan wrote "slow" into the Machine's
-    // file: then it still says v1.35.1, and the plan's version gate waits (a 30 s plan).
+    // file (N s after "slow=N"): then it still says v1.35.1, and the plan's version gate
+    // waits (a 30 s plan, an N s plan).
     let file = root.join("etc/kubernetes/inplace-demo.conf");
     std::fs::write(
         &kubelet,
         format!(
-            "#!/bin/sh\nf='{}'\nif grep -q slow \"$f\" 2>/dev/null && \
-             [ $(( $(date +%s) - $(stat -c %Y \"$f\") )) -lt {SLOW_PLAN_SECONDS} ]; then\n  \
+            "#!/bin/sh\nf='{}'\ns=$(sed -n 's/^slow=\\([0-9]*\\).*/\\1/p' \"$f\" 2>/dev/null)\n\
+             if [ -z \"$s\" ] && grep -q slow \"$f\" 2>/dev/null; then s={SLOW_PLAN_SECONDS}; fi\n\
+             if [ -n \"$s\" ] && [ $(( $(date +%s) - $(stat -c %Y \"$f\") )) -lt \"$s\" ]; then\n  \
              echo 'Kubernetes v1.35.1'\nelse\n  echo 'Kubernetes v1.35.2'\nfi\n",
             file.display()
         ),
@@ -465,9 +479,188 @@ fn loadavg() -> String {
         .join(" ")
 }
 
+/// The plan durations of `--done`, and how many plans of each one Machine runs in a row.
+const DONE_ROWS: [(u64, usize); 3] = [(3, 6), (30, 2), (180, 1)];
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// One Machine of `--done`: `plans` plans of `seconds` each, one after the other, called as
+/// CAPI calls; per plan (delay from the node's finish to the done answer in seconds, calls,
+/// seconds from the first call to done).
+async fn done_machine(
+    addr: SocketAddr,
+    ca: PathBuf,
+    api: Arc<ApiStandin>,
+    i: usize,
+    port: u16,
+    seconds: u64,
+    plans: usize,
+    root: PathBuf,
+) -> Result<Vec<(f64, usize, f64)>, String> {
+    let mut client = CapiClient::new(addr, HOST, &ca).map_err(|e| e.to_string())?;
+    let socket = root.join("run/inplace-agent/status.sock");
+    let mut out = Vec::new();
+    for k in 0..plans {
+        let content = format!("slow={seconds} plan {k}\n");
+        let mut c = config(i);
+        c["spec"]["files"][0]["content"] = json!(content);
+        api.put(c);
+        let mut v: Value = serde_json::from_slice(&request(i, port)).map_err(|e| e.to_string())?;
+        v["desired"]["bootstrapConfig"]["spec"]["files"][0]["content"] = json!(content);
+        let body = serde_json::to_vec(&v).map_err(|e| e.to_string())?;
+        let first = now_ms();
+        let mut calls = 0;
+        let done = loop {
+            let r = client
+                .call(Hook::UpdateMachine, &body)
+                .await
+                .map_err(|e| e.to_string())?;
+            calls += 1;
+            let at = now_ms();
+            let v = r.json();
+            if v["status"] != "Success" {
+                return Err(format!("machine {i}: {v}"));
+            }
+            let retry = v["retryAfterSeconds"].as_u64().unwrap_or(0);
+            if retry == 0 {
+                break at;
+            }
+            if at - first > (seconds + 120) * 1000 {
+                return Err(format!(
+                    "machine {i}: not done after {} s",
+                    (at - first) / 1000
+                ));
+            }
+            tokio::time::sleep(Duration::from_secs(retry)).await;
+        };
+        let status = tokio::task::block_in_place(|| {
+            inplace_agent::status::client::get(&socket, "/v1/status", Duration::from_secs(30))
+        })
+        .map_err(|e| format!("machine {i}: the agent's status: {e}"))?;
+        let status: Value = serde_json::from_slice(&status.body).map_err(|e| e.to_string())?;
+        let finished = status["recent"][0]["finishedAtMs"]
+            .as_u64()
+            .ok_or_else(|| format!("machine {i}: no finishedAtMs in {status}"))?;
+        out.push((
+            done.saturating_sub(finished) as f64 / 1000.0,
+            calls,
+            (done - first) as f64 / 1000.0,
+        ));
+    }
+    Ok(out)
+}
+
+/// `--done`: one agent per row of [`DONE_ROWS`], all rows at once.
+fn done_main(o: &Options) -> Result<(), Error> {
+    let work = tempfile::Builder::new()
+        .prefix("inplace-updater-bench-done-")
+        .tempdir()?;
+    let dir = work.path();
+    let pki = Pki::new(&dir.join("pki"))?;
+    let client_cert = pki.updater_client()?;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?.port()
+    };
+    let load_start = loadavg();
+    println!("load average at start: {load_start}");
+    let mut daemons: Vec<Daemon> = Vec::new();
+    for i in 0..DONE_ROWS.len() {
+        daemons.push(spawn_agent(dir, &pki, i, port)?.wait()?);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let result = runtime.block_on(async {
+        let api = Arc::new(ApiStandin::start().await?);
+        for i in 0..DONE_ROWS.len() {
+            api.put(machine(i));
+            api.put(config(i));
+        }
+        api.put(inplace_updater::standin::extension_config(
+            "inplace-updater",
+            request_settings(port),
+            serde_json::Value::Null,
+        ));
+        let kubeconfig = dir.join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig)?;
+        let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;
+        let mut cmd = Command::new(bin("updater", support::programs::UPDATER));
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+            .arg(&serving.cert)
+            .arg("--tls-key")
+            .arg(&serving.key)
+            .arg("--agent-ca")
+            .arg(pki.ca())
+            .arg("--agent-cert")
+            .arg(&client_cert.cert)
+            .arg("--agent-key")
+            .arg(&client_cert.key)
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .env("INPLACE_UPDATER_LOG", "warn");
+        let updater = tokio::task::block_in_place(|| {
+            Daemon::start(cmd, Ready::LogFile(dir.join("updater.log")))
+        })
+        .map_err(|e| format!("the updater did not start: {e}"))?;
+        let addr: SocketAddr = updater.addr.parse()?;
+        daemons.push(updater);
+        let mut tasks = Vec::new();
+        for (i, (seconds, plans)) in DONE_ROWS.iter().copied().enumerate() {
+            let root = dir.join(node(i)).join("root");
+            tasks.push(tokio::spawn(done_machine(
+                addr,
+                pki.ca(),
+                api.clone(),
+                i,
+                port,
+                seconds,
+                plans,
+                root,
+            )));
+        }
+        let mut rows = Vec::new();
+        for ((seconds, _), t) in DONE_ROWS.iter().zip(tasks) {
+            let got = t.await??;
+            let delays: Vec<f64> = got.iter().map(|g| g.0).collect();
+            let calls: usize = got.iter().map(|g| g.1).sum();
+            let took: f64 = got.iter().map(|g| g.2).sum();
+            let rate = calls as f64 / took.max(1e-9);
+            let row = json!({
+                "plan_seconds": seconds,
+                "plans": got.len(),
+                "delay_after_node_done_s": seconds_summary(&format!("a {seconds} s plan: node done → Machine done"), delays),
+                "calls_per_machine_per_second": rate,
+                "calls": calls,
+            });
+            println!("a {seconds} s plan: {calls} calls in {took:.1} s, {rate:.2} calls per Machine per second");
+            rows.push(row);
+        }
+        Ok::<Value, Error>(json!({
+            "updater": bin("updater", support::programs::UPDATER).display().to_string(),
+            "rows": rows,
+            "loadavg_start": load_start, "loadavg_end": loadavg(),
+        }))
+    });
+    drop(daemons);
+    let figures = result?;
+    if let Some(path) = &o.json {
+        std::fs::write(path, serde_json::to_vec_pretty(&figures)?)?;
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Error> {
     let o = options()?;
     raise_nofile();
+    if o.done {
+        return done_main(&o);
+    }
     let work = tempfile::Builder::new()
         .prefix("inplace-updater-bench-")
         .tempdir()?;

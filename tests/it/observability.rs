@@ -1,9 +1,10 @@
 //! Operating the agent: the status socket, `inplace-agent status`, the metrics, the logs and
 //! sd_notify, against the real `inplace-agent serve` binary on sandbox node trees.
 //!
-//! A slow change is `kubeadmUpgradeNode` with a stand-in `kubeadm` on the agent's `PATH`
-//! (the agent runs node commands without chroot here) that waits until the test creates a
-//! flag file, so the test decides how long the plan stays in the middle of its changes.
+//! A slow change is `kubeadmUpgradeNode` with a stand-in `kubeadm` in the node's tree (the
+//! agent runs without chroot here, and still runs the root's own kubeadm) that waits until
+//! the test creates a flag file, so the test decides how long the plan stays in the middle
+//! of its changes.
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::{Command, Stdio};
@@ -35,19 +36,22 @@ fn pki() -> NodePki {
     NodePki::new(NODE).unwrap()
 }
 
-/// A `kubeadm` stand-in that waits for `<dir>/release` and a flag to release it.
+/// A `kubeadm` stand-in at `/usr/local/bin/kubeadm` of a node's tree that waits for
+/// `<dir>/release` and a flag to release it.
 struct SlowKubeadm {
     dir: tempfile::TempDir,
 }
 
 impl SlowKubeadm {
-    fn new() -> SlowKubeadm {
+    fn new(root: &std::path::Path) -> SlowKubeadm {
         let dir = tempfile::tempdir().unwrap();
         let script = format!(
             "#!/bin/sh\nwhile [ ! -e {0}/release ]; do sleep 0.05; done\necho \"kubeadm $*\"\n",
             dir.path().display()
         );
-        let path = dir.path().join("kubeadm");
+        let bin = root.join("usr/local/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let path = bin.join("kubeadm");
         std::fs::write(&path, script).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         SlowKubeadm { dir }
@@ -55,15 +59,6 @@ impl SlowKubeadm {
 
     fn release(&self) {
         std::fs::write(self.dir.path().join("release"), "").unwrap();
-    }
-
-    /// `PATH` with the stand-in first.
-    fn path_env(&self) -> String {
-        format!(
-            "{}:{}",
-            self.dir.path().display(),
-            std::env::var("PATH").unwrap_or_default()
-        )
     }
 }
 
@@ -151,8 +146,8 @@ fn json_out(out: &std::process::Output) -> Value {
 async fn a_running_plan_says_where_it_is_and_then_how_it_ended() {
     let node = Node::new();
     let pki = pki();
-    let kubeadm = SlowKubeadm::new();
-    let agent = Agent::start_env(&node, &pki, &[], &[("PATH", &kubeadm.path_env())]);
+    let kubeadm = SlowKubeadm::new(node.root());
+    let agent = Agent::start(&node, &pki, &[]);
     let root = node.root().display().to_string();
     let mut admin = pki.client(&agent.addr, As::Updater).await;
     let accepted = submit(&mut admin, &slow_plan("slow")).await;
@@ -913,7 +908,7 @@ async fn a_thousand_concurrent_status_requests_during_an_apply_all_succeed() {
 async fn serve_tells_systemd_it_is_ready_where_the_plan_is_and_that_it_lives() {
     let node = Node::new();
     let pki = pki();
-    let kubeadm = SlowKubeadm::new();
+    let kubeadm = SlowKubeadm::new(node.root());
     let dir = tempfile::tempdir().unwrap();
     let notify_path = dir.path().join("notify.sock");
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
@@ -944,7 +939,6 @@ async fn serve_tells_systemd_it_is_ready_where_the_plan_is_and_that_it_lives() {
         &[
             ("NOTIFY_SOCKET", notify_path.to_str().unwrap()),
             ("WATCHDOG_USEC", "200000"),
-            ("PATH", &kubeadm.path_env()),
         ],
     );
     let mut admin = pki.client(&agent.addr, As::Updater).await;

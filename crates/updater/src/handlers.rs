@@ -173,6 +173,7 @@ impl SecretSource for Fetched {
 impl Updater {
     /// Answers one hook call; never panics on input, every problem is a Failure body.
     pub async fn handle(self: &Arc<Self>, hook: Hook, body: &[u8]) -> Answer {
+        let began = std::time::Instant::now();
         let fingerprint: Fingerprint =
             sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body)).into();
         if hook == Hook::UpdateMachine
@@ -187,7 +188,7 @@ impl Updater {
                     this.plans.refreshed(&key, &fingerprint, recorded);
                 });
             }
-            let mut heard = known.heard;
+            let (mut heard, mut seen) = (known.heard, known.seen);
             if known.word_stale
                 && let Ok(Some(status)) = self.agents.status(&known.plan.peer, &known.plan.id).await
                 && known.plan.has_digest(&status.digest)
@@ -196,8 +197,10 @@ impl Updater {
             {
                 // The stream tells phases and steps; a gate's attempts only a call does.
                 heard = now;
+                seen = self.plans.seen(&machine, &known.plan).unwrap_or(seen);
             }
-            let mut answer = hook_answer(&heard, &known.plan.costs);
+            // Held to the plan's end when that is near, else asked back when it will be.
+            let mut answer = self.paced(&machine, &known.plan, heard, seen, began).await;
             answer.object = machine;
             self.after_plan(hook, body, &mut answer).await;
             self.answered(hook, &answer);
@@ -968,6 +971,7 @@ impl Updater {
             peer,
             costs: super::pace::costs(&wire),
             cluster: cluster_of(desired.namespace(), &live_spec),
+            hold: settings.update_wait,
         };
         // A succeeded plan whose node drifted from it is repaired (below, in `submit`): a new
         // attempt, which drains first as a new plan would.
@@ -1025,18 +1029,73 @@ impl Updater {
         let answered = match tokio::time::timeout_at(until.into(), &mut task).await {
             Ok(Ok(result)) => result?,
             Ok(Err(e)) => return Err(Failure(format!("the submission task ended: {e}"))),
-            Err(_) => return Ok((hook_answer(&heard, &plan.costs), true)),
+            Err(_) => {
+                let retry = paced_retry(&heard, &plan, Default::default());
+                return Ok((hook_answer(&heard, retry), true));
+            }
         };
         if !answered.1 || answered.0.outcome != "in_progress" {
             return Ok(answered);
         }
         // Submitted and running: the agent's stream reaches the memory; done when it ends.
         if let Some(done) = self.plans.settled(&key, &plan, until).await {
-            return Ok((hook_answer(&done, &plan.costs), true));
+            return Ok((hook_answer(&done, 0), true));
         }
-        match self.plans.current(&key) {
-            Some((now_plan, now)) if now_plan == plan => Ok((hook_answer(&now, &plan.costs), true)),
+        // Not done within the wait: CAPI is asked back when the plan is expected to be
+        // near its end ([`super::pace::next`]; the next call holds then).
+        match (self.plans.current(&key), self.plans.seen(&key, &plan)) {
+            (Some((now_plan, now)), Some(seen)) if now_plan == plan => {
+                let retry = paced_retry(&now, &plan, seen);
+                Ok((hook_answer(&now, retry), true))
+            }
             _ => Ok(answered),
+        }
+    }
+
+    /// The answer to a call about `machine`'s `plan`, of which the agent last said `heard`
+    /// (`seen`: what the updater saw of its pace), the call having begun at `began`: done
+    /// or failed as it is; in progress, held until the plan's terminal status arrives when
+    /// that is expected within the call's window (`plan.hold` after `began`, and a hold is
+    /// free: [`super::progress::MAX_HOLDS`]), otherwise asked back when the end is expected
+    /// within a window ([`super::pace`]). A Machine is so reported done about when its node
+    /// is done, whatever the plan's length.
+    async fn paced(
+        &self,
+        machine: &str,
+        plan: &PlanRef,
+        heard: Heard,
+        seen: super::pace::Seen,
+        began: std::time::Instant,
+    ) -> Answer {
+        if !in_progress(&heard) {
+            return hook_answer(&heard, 0);
+        }
+        let until = began + plan.hold;
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        match super::pace::next(
+            &plan.costs,
+            heard.position(),
+            seen,
+            left,
+            heard.hook.retry_after_seconds,
+        ) {
+            super::pace::Next::Retry(retry) => return hook_answer(&heard, retry),
+            super::pace::Next::Hold => {}
+        }
+        let Some(_holding) = self.plans.try_hold() else {
+            // As many calls hold as may: this one is asked back in a second.
+            return hook_answer(&heard, super::pace::MIN_RETRY_SECONDS);
+        };
+        if let Some(done) = self.plans.settled(machine, plan, until).await {
+            return hook_answer(&done, 0);
+        }
+        // Not over within the window after all: the agent's word now, asked back when the
+        // plan is expected near its end again.
+        match (self.plans.current(machine), self.plans.seen(machine, plan)) {
+            (Some((now_plan, now)), Some(seen)) if &now_plan == plan => {
+                hook_answer(&now, paced_retry(&now, plan, seen))
+            }
+            _ => hook_answer(&heard, paced_retry(&heard, plan, seen)),
         }
     }
 
@@ -1068,10 +1127,11 @@ impl Updater {
             .await;
         // Drift (issue 37): a succeeded plan on a node that no longer matches it is repaired.
         let status = super::drift::repair_if_drifted(&self.agents, &key, &plan, status, said).await;
-        let answer = hook_answer(&Heard::of(&status), &plan.costs);
-        if let Follow::Start(generation) =
-            self.plans.record(&key, fingerprint, plan.clone(), &status)
-        {
+        let heard = Heard::of(&status);
+        let following = self.plans.record(&key, fingerprint, plan.clone(), &status);
+        let seen = self.plans.seen(&key, &plan).unwrap_or_default();
+        let answer = hook_answer(&heard, paced_retry(&heard, &plan, seen));
+        if let Follow::Start(generation) = following {
             let task = tokio::spawn(follow(
                 self.plans.clone(),
                 self.agents.clone(),
@@ -1129,27 +1189,46 @@ impl Updater {
     }
 }
 
-/// The answer for what the agent said: its hook response, with `retryAfterSeconds` of a plan
-/// in progress paced by what the plan still has to do (`costs`: its changes' expected times;
-/// empty: as the agent said).
-fn hook_answer(heard: &Heard, costs: &[u32]) -> Answer {
+/// Whether the agent's word is of a plan still in progress (`Success` and a retry).
+fn in_progress(heard: &Heard) -> bool {
+    heard.hook.status == pb::HookStatus::Success as i32 && heard.hook.retry_after_seconds > 0
+}
+
+/// `retryAfterSeconds` for a plan in progress answered without holding: when it is expected
+/// to be near its end ([`super::pace::next`] with no window left).
+fn paced_retry(heard: &Heard, plan: &PlanRef, seen: super::pace::Seen) -> i32 {
+    match super::pace::next(
+        &plan.costs,
+        heard.position(),
+        seen,
+        std::time::Duration::ZERO,
+        heard.hook.retry_after_seconds,
+    ) {
+        super::pace::Next::Retry(seconds) => seconds,
+        super::pace::Next::Hold => super::pace::MIN_RETRY_SECONDS,
+    }
+}
+
+/// The answer for what the agent said: its hook response, a plan in progress asked back
+/// after `retry` seconds (paced: [`paced_retry`], [`Updater::paced`]).
+fn hook_answer(heard: &Heard, retry: i32) -> Answer {
     let hook = &heard.hook;
     let ok = hook.status == pb::HookStatus::Success as i32;
-    let retry = if ok && hook.retry_after_seconds > 0 && !costs.is_empty() {
-        super::pace::retry_after(costs, heard.position(), hook.retry_after_seconds)
-    } else {
-        hook.retry_after_seconds
-    };
     let outcome = match (ok, hook.retry_after_seconds) {
         (true, 0) => "done",
         (true, _) => "in_progress",
         (false, _) => "failure",
     };
+    let retry = if in_progress(heard) {
+        retry.max(super::pace::MIN_RETRY_SECONDS)
+    } else {
+        0
+    };
     Answer::new(
         &UpdateMachineResponse::new(
             if ok { Status::Success } else { Status::Failure },
             hook.message.clone(),
-            if ok { retry.max(0) } else { 0 },
+            retry,
         ),
         &hook.message,
         outcome,

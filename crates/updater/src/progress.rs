@@ -44,6 +44,11 @@ pub const SILENT: Duration = Duration::from_secs(30);
 /// Entries not read for this long are dropped (the Machine is gone or done).
 pub const IDLE: Duration = Duration::from_secs(600);
 
+/// How many calls may wait for their plan's end at once (each holds one of Cluster API's
+/// Machine reconcile workers, 10 by default: `--machine-concurrency` in Cluster API's
+/// `main.go`); beyond, a call that would hold answers in progress with a retry of 1 s.
+pub const MAX_HOLDS: usize = 4;
+
 /// Backoff between attempts to open a plan's stream again.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
@@ -68,6 +73,9 @@ pub struct PlanRef {
     /// The Machine's workload cluster (`<namespace>/<spec.clusterName>`), for the fleet
     /// metrics.
     pub cluster: String,
+    /// How long a call may wait for the plan's end (the effective `updateWaitSeconds`):
+    /// [`super::pace::Next::Hold`].
+    pub hold: Duration,
 }
 
 impl PlanRef {
@@ -153,6 +161,69 @@ struct Entry {
     /// When this replica first took up the plan (its submission, or the first call that
     /// found it on the agent): the start of its duration in the fleet metrics.
     began: Instant,
+    /// What the updater saw of the plan's pace ([`super::pace::Seen`]).
+    tracked: Tracked,
+}
+
+/// Where an entry's plan is and since when, and how long its finished changes took.
+#[derive(Debug, Clone, Copy)]
+struct Tracked {
+    /// (attempt, phase, step, rebooting) as last seen.
+    at: (u32, i32, u32, bool),
+    /// When the plan was first seen there.
+    since: Instant,
+    spent_ms: u64,
+    expected_ms: u64,
+}
+
+impl Tracked {
+    fn new(now: Instant) -> Tracked {
+        Tracked {
+            at: (0, pb::Phase::Unspecified as i32, 0, false),
+            since: now,
+            spent_ms: 0,
+            expected_ms: 0,
+        }
+    }
+
+    /// A status of the plan arrived at `now`: a new position restarts the clock, and the
+    /// finished changes' times are summed against their estimates (`costs`).
+    fn observe(&mut self, status: &pb::PlanStatus, costs: &[u32], now: Instant) {
+        let at = (
+            status.attempt,
+            status.phase,
+            status.step.as_ref().map_or(0, |s| s.index),
+            status.rebooting,
+        );
+        if at != self.at {
+            self.at = at;
+            self.since = now;
+        }
+        let (mut spent, mut expected) = (0u64, 0u64);
+        for c in &status.changes {
+            let finished = [pb::ChangeState::Changed, pb::ChangeState::Unchanged]
+                .iter()
+                .any(|s| *s as i32 == c.state);
+            let (Some(d), Some(cost)) = (c.duration.as_ref(), costs.get(c.index as usize)) else {
+                continue;
+            };
+            if !finished || d.seconds < 0 || d.nanos < 0 {
+                continue;
+            }
+            spent += d.seconds as u64 * 1000 + d.nanos as u64 / 1_000_000;
+            expected += u64::from(*cost);
+        }
+        self.spent_ms = spent;
+        self.expected_ms = expected;
+    }
+
+    fn seen(&self, now: Instant) -> super::pace::Seen {
+        super::pace::Seen {
+            spent_ms: self.spent_ms,
+            expected_ms: self.expected_ms,
+            here: now.duration_since(self.since),
+        }
+    }
 }
 
 /// Where the submission of an entry's plan is.
@@ -193,6 +264,8 @@ pub struct Remembered {
     /// gate's attempts are status notes, not events), so the caller asks the agent
     /// (`GetPlanStatus`, no cluster reads) before answering ([`Plans::heard_by_call`]).
     pub word_stale: bool,
+    /// What the updater saw of the plan's pace, for the answer's `retryAfterSeconds`.
+    pub seen: super::pace::Seen,
 }
 
 /// The remembered plans, by Machine (`namespace/name`).
@@ -208,6 +281,18 @@ pub struct Plans {
     changed: tokio::sync::Notify,
     /// Told when a plan this replica took up reaches a terminal phase (the metrics).
     on_end: std::sync::OnceLock<OnEnd>,
+    /// Calls waiting for their plan's end now ([`MAX_HOLDS`]).
+    holding: std::sync::atomic::AtomicUsize,
+}
+
+/// A call's leave to wait for its plan's end ([`Plans::try_hold`]); given back when dropped.
+#[derive(Debug)]
+pub struct Holding<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// Called with the outcome word and the duration of a plan that reached a terminal phase.
@@ -319,7 +404,29 @@ impl Plans {
             plan: e.plan.clone(),
             refresh,
             word_stale,
+            seen: e.tracked.seen(now),
         })
+    }
+
+    /// What the updater saw of the pace of `machine`'s entry, if it is of `plan`.
+    pub fn seen(&self, machine: &str, plan: &PlanRef) -> Option<super::pace::Seen> {
+        let now = Instant::now();
+        self.lock()
+            .get(machine)
+            .filter(|e| &e.plan == plan)
+            .map(|e| e.tracked.seen(now))
+    }
+
+    /// Leave for one more call to wait for its plan's end, unless [`MAX_HOLDS`] calls
+    /// already do.
+    pub fn try_hold(&self) -> Option<Holding<'_>> {
+        use std::sync::atomic::Ordering;
+        self.holding
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_HOLDS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Holding(&self.holding))
     }
 
     /// A request was checked against the live objects and the agent answered `status` for
@@ -367,6 +474,7 @@ impl Plans {
             if !older {
                 e.heard = heard;
                 e.heard_at = now;
+                e.tracked.observe(status, &e.plan.costs, now);
             }
             if terminal(e.heard.phase) || e.following {
                 return Follow::No;
@@ -377,6 +485,8 @@ impl Plans {
             return Follow::Start(generation);
         }
         let generation = self.next_generation();
+        let mut tracked = Tracked::new(now);
+        tracked.observe(status, &plan.costs, now);
         if let Some(old) = entries.insert(
             machine.to_owned(),
             Entry {
@@ -393,6 +503,7 @@ impl Plans {
                 refreshing: false,
                 submit: Submit::Answered,
                 began: now,
+                tracked,
             },
         ) && let Some(f) = old.follower
         {
@@ -434,6 +545,7 @@ impl Plans {
                 refreshing: false,
                 submit: Submit::Running,
                 began: now,
+                tracked: Tracked::new(now),
             },
         ) && let Some(f) = old.follower
         {
@@ -569,8 +681,10 @@ impl Plans {
         if terminal(status.phase) && !terminal(e.heard.phase) {
             self.ended(status.phase, e.began);
         }
+        let now = Instant::now();
         e.heard = Heard::of(status);
-        e.heard_at = Instant::now();
+        e.heard_at = now;
+        e.tracked.observe(status, &e.plan.costs, now);
         e.streaming = true;
         if terminal(status.phase) {
             e.streaming = false;
@@ -623,8 +737,10 @@ impl Plans {
                 if terminal(heard.phase) && !terminal(e.heard.phase) {
                     self.ended(heard.phase, e.began);
                 }
+                let now = Instant::now();
                 e.heard = heard;
-                e.heard_at = Instant::now();
+                e.heard_at = now;
+                e.tracked.observe(status, &e.plan.costs, now);
             }
             e.heard.clone()
         };
@@ -784,6 +900,7 @@ mod tests {
             peer: Peer::for_tests("https://127.0.0.1:1", "n"),
             costs: vec![20],
             cluster: "c".into(),
+            hold: Duration::from_secs(3),
         }
     }
 

@@ -185,6 +185,7 @@ impl Host {
         &self,
         explicit: Option<&str>,
     ) -> Result<packages::ManagerKind, packages::PkgError> {
+        packages::usable(self.root.path(), self.settings.commands_in_root)?;
         let kind = match explicit {
             Some(name) => packages::manager_kind(name)?,
             None => match self.settings.packages.manager {

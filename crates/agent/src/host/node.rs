@@ -105,12 +105,12 @@ pub fn hostname(root: &Path) -> Option<String> {
         .map(str::to_string)
 }
 
-/// The version `kubelet --version` reports (`v1.31.2`), run on the node like every node
-/// command (chrooted into the root when configured); `None` when there is no kubelet or it
-/// does not answer within 5 seconds.
+/// The version `kubelet --version` reports (`v1.31.2`), the node's own kubelet run as every
+/// node program (chrooted into the root, or the root's kubelet without chroot:
+/// [`super::command::node_program`]); `None` when there is no kubelet or it does not answer
+/// within 5 seconds.
 pub fn kubelet_version(host: &Host) -> Option<String> {
-    let spec = host
-        .command(["kubelet", "--version"])
+    let spec = super::command::node_program(host, ["kubelet", "--version"])
         .timeout(KUBELET_VERSION_TIMEOUT);
     let output = super::command::run(&spec).ok()?;
     if !output.success() {

@@ -2,7 +2,10 @@
 //! at the root, overridable.
 //!
 //! Every command runs inside the root (through `chroot(8)` when the root is not `/`) with a
-//! timeout and bounded captured output, which callers keep for the journal. Commands that
+//! timeout and bounded captured output, which callers keep for the journal. apt, dpkg, dnf
+//! and rpm act on absolute paths (their databases, `/etc/apt`), so chroot is the only way
+//! they act on a root that is not `/`: without it (`node.chroot = false`) such a root has no
+//! package manager ([`usable`]), rather than one that would change the agent's own system. Commands that
 //! change the package database first check the manager's locks and, while another process
 //! holds one (or when the command fails because of one), wait with exponential backoff up to
 //! a bound, telling the caller who holds it so the status can say so.
@@ -11,6 +14,21 @@ use std::path::Path;
 
 use super::locks::open_in_root;
 pub use super::package_manager::*;
+
+/// Whether package managers may act on the node at `root` when node commands run chrooted
+/// into it (`commands_in_root`) or not: always on `/`; in another root only chrooted.
+pub fn usable(root: &Path, commands_in_root: bool) -> Result<(), PkgError> {
+    if commands_in_root || root == Path::new("/") {
+        return Ok(());
+    }
+    Err(PkgError::NoManager {
+        root: root.to_path_buf(),
+        detail: "package managers act on a root that is not / only chrooted into it, and node \
+                 commands do not chroot here (node.chroot = false, --no-chroot): run with \
+                 chroot to change packages in this root"
+            .to_string(),
+    })
+}
 
 /// Finds the package manager of the node at `root`: apt when dpkg's status database is not
 /// empty and `apt-get` exists, otherwise dnf when an rpm database and `dnf` exist. A Debian

@@ -248,7 +248,9 @@ pub fn node_info(engine: &Engine) -> pb::GetNodeInfoResponse {
     let host = engine.host();
     let config = engine.config();
     let os = node::os_info(host);
-    let manager = packages::detect(host.root_path()).ok();
+    let manager = packages::usable(host.root_path(), host.settings().commands_in_root)
+        .and_then(|()| packages::detect(host.root_path()))
+        .ok();
     let capabilities = &config.capabilities;
     let supported_change_kinds = ChangeKind::ALL
         .iter()

@@ -62,18 +62,12 @@ pub fn find_kubelet(host: &Host) -> Option<(String, std::path::PathBuf)> {
 }
 
 /// The version the node's kubelet reports, found and run as the `kubeletVersion` gate runs
-/// it (by its path in the root when commands do not run inside it, where the agent's own
-/// PATH is not the node's); `GetNodeInfo.kubelet_version`, which the updater's drain
-/// compares with the Machine's version.
+/// it (the root's own kubelet, chrooted or not: [`crate::host::command::node_program`]);
+/// `GetNodeInfo.kubelet_version`, which the updater's drain compares with the Machine's
+/// version.
 pub fn kubelet_version(host: &Host) -> Option<String> {
-    let (node_path, here) = find_kubelet(host)?;
-    let program = if host.settings().commands_in_root {
-        node_path
-    } else {
-        here.display().to_string()
-    };
-    let spec = host
-        .command([program, "--version".to_string()])
+    let (node_path, _) = find_kubelet(host)?;
+    let spec = crate::host::command::node_program(host, [node_path, "--version".to_string()])
         .timeout(Duration::from_secs(5));
     let out = crate::host::command::run(&spec).ok()?;
     if !out.success() {
@@ -104,20 +98,17 @@ pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String
         }
         Probe::KubeletVersion { version } => {
             // The root's kubelet, run inside the root (chroot) or by its path in it.
-            let Some((node_path, here)) = find_kubelet(host) else {
+            let Some((node_path, _)) = find_kubelet(host) else {
                 return Err(format!(
                     "no kubelet binary on the node (looked in {})",
                     KUBELET_DIRS.join(", ")
                 ));
             };
-            let program = if host.settings().commands_in_root {
-                node_path.clone()
-            } else {
-                here.display().to_string()
-            };
-            let spec = host
-                .command([program, "--version".to_string()])
-                .timeout(budget);
+            let spec = crate::host::command::node_program(
+                host,
+                [node_path.clone(), "--version".to_string()],
+            )
+            .timeout(budget);
             match crate::host::command::run(&spec) {
                 Ok(out) if out.success() => {
                     let seen = parse_kubelet_version(&out.stdout).unwrap_or_default();

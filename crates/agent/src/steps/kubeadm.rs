@@ -1,4 +1,6 @@
-//! `kubeadmUpgradeNode`: runs `kubeadm upgrade node` in the node's root with the step timeout.
+//! `kubeadmUpgradeNode`: runs `kubeadm upgrade node` in the node's root with the step timeout:
+//! the node's own kubeadm, chrooted into the root, or without chroot the root's kubeadm
+//! started in the root ([`command::node_program`]), never one on the agent's `PATH`.
 //!
 //! It is an action, not a state, so "desired state" needs a definition. It **runs** when
 //!
@@ -78,7 +80,7 @@ pub fn execute(
     m: &UpgradeNode,
     note: &mut dyn FnMut(Note),
 ) -> Result<String, StepError> {
-    let mut spec = host.command(m.argv()).timeout(m.timeout);
+    let mut spec = command::node_program(host, m.argv()).timeout(m.timeout);
     spec.max_output = MAX_OUTPUT;
     note(Note::Status(&format!("running {}", spec.display())));
     let out = command::run(&spec)

@@ -150,12 +150,22 @@ impl Node for HostNode<'_> {
     }
 
     fn query(&self, argv: &[&str], timeout: Duration) -> Result<String, String> {
-        let spec = self.host.command(argv.iter().copied()).timeout(timeout);
-        match crate::host::command::run(&spec) {
-            Ok(out) if out.success() => Ok(out.stdout.trim().to_string()),
-            Ok(out) => Err(format!("{}: {}", spec.display(), out.summary())),
-            Err(e) => Err(e.to_string()),
-        }
+        query_with(self.host.command(argv.iter().copied()).timeout(timeout))
+    }
+
+    fn query_program(&self, argv: &[&str], timeout: Duration) -> Result<String, String> {
+        query_with(
+            crate::host::command::node_program(self.host, argv.iter().copied()).timeout(timeout),
+        )
+    }
+}
+
+/// Runs a query: its trimmed stdout, or why it failed.
+fn query_with(spec: crate::host::command::CommandSpec) -> Result<String, String> {
+    match crate::host::command::run(&spec) {
+        Ok(out) if out.success() => Ok(out.stdout.trim().to_string()),
+        Ok(out) => Err(format!("{}: {}", spec.display(), out.summary())),
+        Err(e) => Err(e.to_string()),
     }
 }
 

@@ -215,9 +215,9 @@ impl Kind for KubeadmUpgradeNodeChange {
         } else {
             ctx.step_timeout.min(Duration::from_secs(30))
         };
-        let kubeadm = node.query(&["kubeadm", "version", "-o", "short"], budget);
+        let kubeadm = node.query_program(&["kubeadm", "version", "-o", "short"], budget);
         let kubelet = node
-            .query(&["kubelet", "--version"], budget)
+            .query_program(&["kubelet", "--version"], budget)
             .map(|out| parse_kubelet_version(&out).unwrap_or(out));
         if let (Ok(a), Ok(b)) = (&kubeadm, &kubelet)
             && upgrade_pending(a, b)

@@ -81,6 +81,13 @@ pub trait Node {
     /// Runs a query command on the node (in its root) with a timeout: its trimmed stdout,
     /// or why it failed.
     fn query(&self, argv: &[&str], timeout: Duration) -> Result<String, String>;
+
+    /// Runs one of the node's own programs (`kubeadm version`, `kubelet --version`) as a
+    /// query: the one in the node's root, whether or not node commands run chrooted into it
+    /// (a plan author's command line is [`Node::query`]). By default as [`Node::query`].
+    fn query_program(&self, argv: &[&str], timeout: Duration) -> Result<String, String> {
+        self.query(argv, timeout)
+    }
 }
 
 /// A package manager's database, as far as kinds ask it.
