@@ -2,7 +2,9 @@
 //! applied, a managed file is edited by hand, and the agent reports it (status socket,
 //! `drift` command, metrics, gRPC for the reader role, the journal) within seconds, naming
 //! the field; restoring the file clears it; a restart keeps it; `repair` (admin only)
-//! restores the node; and a run in progress is never reported as drift.
+//! restores the node, also of a baseline applied without `nodeName`; a file made in a
+//! directory created after the watch began is noticed within seconds; and a run in progress
+//! is never reported as drift. Without a daemon: `tests/it/drift_local.rs`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -4,7 +4,9 @@
 //! for a plan with packages, units or sysctls, at least hourly). The daemon sends it the
 //! baseline (the plan and what its run resolved, as the daemon's journal holds it) on its
 //! standard input; it reads the node exactly as `CheckPlan` would, answers what it found on
-//! its standard output and exits. Its log lines go where the daemon's go.
+//! its standard output and exits. Its log lines go where the daemon's go. `inplace-agent
+//! drift` with no agent serving makes the same look (`engine::drift::look`) in its own
+//! process, against the journal's baseline (`cli::drift`, decision 0016).
 //!
 //! Why a process: what a check touches — the plan read back with its contents, the dry run
 //! of every kind, hashing — is code and memory an idle daemon never needs again. Made in the
