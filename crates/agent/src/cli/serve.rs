@@ -123,9 +123,11 @@ pub struct ServeArgs {
     /// standard input, answer what differs on standard output; nothing is started
     #[arg(long, hide = true)]
     pub drift_probe: bool,
-    /// Only say whether the agent is configured enough to start: exit 0 when its TLS files
-    /// exist, 1 naming the missing ones (the unit's ExecCondition=, so that an unconfigured
-    /// agent waits quietly instead of failing); nothing is started
+    /// Only say whether the agent is configured enough to start: exit 1 when a TLS file is
+    /// missing, naming those and every other problem serve would name (the unit's
+    /// ExecCondition=, so that an unconfigured agent waits quietly instead of failing); 0 when
+    /// they are all there (serve then starts, or refuses naming each problem); nothing is
+    /// started
     #[arg(long)]
     pub check_configured: bool,
 }
