@@ -240,6 +240,36 @@ async fn a_kubelet_flag_on_agents_without_services_says_why_in_the_log_an_event_
         "{out}"
     );
     assert_eq!(w.api.events(), written, "explain writes no Event");
+    // docs/updater.md's example is this very output.
+    assert_eq!(
+        out,
+        documented_explain_output(),
+        "docs/updater.md, \"Why was my Machine replaced?\""
+    );
+}
+
+/// The output lines of the example after `<!-- explain-example -->` in docs/updater.md (the
+/// command's lines and `$ echo $?` left out).
+fn documented_explain_output() -> String {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/updater.md"))
+            .unwrap();
+    let (_, after) = doc.split_once("<!-- explain-example -->\n```\n").unwrap();
+    let (block, _) = after.split_once("```").unwrap();
+    let mut out = String::new();
+    let mut in_command = false;
+    for line in block.lines() {
+        if line.starts_with("$ echo") {
+            break;
+        }
+        if line.starts_with("$ ") || in_command {
+            in_command = line.ends_with('\\');
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 /// (b) A field that never goes in place (preKubeadmCommands) on a KubeadmControlPlane's
