@@ -55,6 +55,7 @@ mod updater_rbac;
 mod updater_retry;
 mod updater_translate;
 mod updater_trust;
+mod updater_why;
 
 /// A test file in `tests/it/` that is not a module of this binary is never compiled, so its
 /// tests would silently not run.

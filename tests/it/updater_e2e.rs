@@ -541,6 +541,9 @@ fn the_demo_drives_an_agent_through_emulated_capi_calls() {
         "pods left on demo-node: kube-system/kube-proxy-demo, kube-system/etcd-demo-node",
         "cordoned after the plan succeeded: false",
         "UpdateMachine → Failure",
+        // The not-in-place answer and its reason: the updater's log line, the Event.
+        "reason_class=\"field-not-in-place\"",
+        "Event on MachineDeployment default/demo-md-0: Normal NotUpdatedInPlace (count 1): not in place: preKubeadmCommands runs only when the node is bootstrapped",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
     }

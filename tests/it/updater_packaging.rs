@@ -220,6 +220,9 @@ fn rbac_gets_machines_kubeadmconfigs_and_secrets_patches_machines_and_creates_ev
         seen,
         [
             "/events create",
+            // The not-in-place Event's count, bumped (crates/updater/src/events.rs).
+            "/events get",
+            "/events patch",
             "/namespaces get",
             "/secrets get",
             "bootstrap.cluster.x-k8s.io/kubeadmconfigs get",

@@ -275,6 +275,15 @@ fn both_installs_allow_the_settings_and_ownership_reads() {
             "/apis/cluster.x-k8s.io/v1beta2/namespaces/default/machinesets/md-0-7g4hb",
         ),
         ("POST", "/api/v1/namespaces/default/events"),
+        // The not-in-place Event's count, bumped (crates/updater/src/events.rs).
+        (
+            "GET",
+            "/api/v1/namespaces/default/events/md-0.0123456789abcdef",
+        ),
+        (
+            "PATCH",
+            "/api/v1/namespaces/default/events/md-0.0123456789abcdef",
+        ),
         (
             "PATCH",
             "/apis/cluster.x-k8s.io/v1beta2/namespaces/default/machines/md-0",
@@ -313,6 +322,12 @@ fn both_installs_allow_the_settings_and_ownership_reads() {
                 "/apis/runtime.cluster.x-k8s.io/v1beta2/extensionconfigs/inplace-updater",
             ),
             ("POST", "/api/v1/namespaces/default/pods/web-0/eviction"),
+            // Events: its own by name, never a list, a watch or a deletion.
+            ("GET", "/api/v1/namespaces/default/events"),
+            (
+                "DELETE",
+                "/api/v1/namespaces/default/events/md-0.0123456789abcdef",
+            ),
         ] {
             let r = Request::from_http(m, p).unwrap();
             assert!(!rbac.allows((&ns, &name), &r), "{install} allows {r}");

@@ -1,4 +1,4 @@
-//! `inplace-updater` subcommands: `serve`, `translate`, `version`, `demo`.
+//! `inplace-updater` subcommands: `serve`, `translate`, `explain`, `version`, `demo`.
 //!
 //! Exit codes: 0 success, 1 a runtime failure (the server could not start), 2 invalid input.
 
@@ -44,6 +44,9 @@ enum Command {
     Serve(ServeArgs),
     /// Print the plan a desired Machine and KubeadmConfig translate to
     Translate(TranslateArgs),
+    /// Would a proposed change of a MachineDeployment or KubeadmControlPlane go in place,
+    /// and why not (before you apply it)
+    Explain(super::explain::ExplainArgs),
     /// Print the version
     Version,
     /// Emulated Cluster API calls drive a real agent on a sandbox node
@@ -176,6 +179,7 @@ pub fn main() -> ExitCode {
             }
         }
         Command::Demo(args) => super::demo::run(&args),
+        Command::Explain(args) => super::explain::run(&args),
     }
 }
 

@@ -392,3 +392,110 @@ impl Cluster {
             .collect())
     }
 }
+
+/// `cluster.x-k8s.io/v1beta2` MachineDeployment (`inplace-updater explain`).
+pub fn machine_deployment_resource() -> ApiResource {
+    ApiResource {
+        group: "cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "cluster.x-k8s.io/v1beta2".into(),
+        kind: "MachineDeployment".into(),
+        plural: "machinedeployments".into(),
+    }
+}
+
+/// `controlplane.cluster.x-k8s.io/v1beta2` KubeadmControlPlane (`inplace-updater explain`).
+pub fn kubeadm_control_plane_resource() -> ApiResource {
+    ApiResource {
+        group: "controlplane.cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "controlplane.cluster.x-k8s.io/v1beta2".into(),
+        kind: "KubeadmControlPlane".into(),
+        plural: "kubeadmcontrolplanes".into(),
+    }
+}
+
+/// `bootstrap.cluster.x-k8s.io/v1beta2` KubeadmConfigTemplate (`inplace-updater explain`).
+pub fn kubeadm_config_template_resource() -> ApiResource {
+    ApiResource {
+        group: "bootstrap.cluster.x-k8s.io".into(),
+        version: "v1beta2".into(),
+        api_version: "bootstrap.cluster.x-k8s.io/v1beta2".into(),
+        kind: "KubeadmConfigTemplate".into(),
+        plural: "kubeadmconfigtemplates".into(),
+    }
+}
+
+// === the not-in-place Events (`super::events`) and `explain`'s reads ===
+
+impl Cluster {
+    /// The Event `name`, or `None` (it expired, or was never created).
+    pub async fn event(&self, namespace: &str, name: &str) -> Result<Option<Value>, ClusterError> {
+        self.get_dynamic(&event_resource(), "Event", namespace, name)
+            .await
+    }
+
+    /// A JSON merge patch of the Event `name`; `Ok(false)` when it does not exist (404).
+    pub async fn patch_event(
+        &self,
+        namespace: &str,
+        name: &str,
+        patch: &Value,
+    ) -> Result<bool, ClusterError> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &event_resource());
+        match api
+            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(false),
+            Err(e) => Err(ClusterError {
+                op: "patch",
+                what: "Event",
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                detail: e.to_string(),
+            }),
+        }
+    }
+
+    /// Any namespaced object of `resource` by name, or `None` (`explain`).
+    pub async fn object(
+        &self,
+        resource: &ApiResource,
+        what: &'static str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<Value>, ClusterError> {
+        self.get_dynamic(resource, what, namespace, name).await
+    }
+
+    /// The objects of `resource` in `namespace` with the labels of `selector` (`k=v,k=v`;
+    /// `explain`: a MachineDeployment's MachineSets, a KubeadmControlPlane's Machines).
+    pub async fn list(
+        &self,
+        resource: &ApiResource,
+        what: &'static str,
+        namespace: &str,
+        selector: &str,
+    ) -> Result<Vec<Value>, ClusterError> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, resource);
+        let err = |detail: String| ClusterError {
+            op: "list",
+            what,
+            namespace: namespace.to_owned(),
+            name: format!("?labelSelector={selector}"),
+            detail,
+        };
+        let list = api
+            .list(&kube::api::ListParams::default().labels(selector))
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        list.items
+            .into_iter()
+            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
+            .collect()
+    }
+}

@@ -229,6 +229,22 @@ fn show(root: &Path, path: &str) {
 
 async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     let agent_bin = agent_binary(args)?;
+    // The updater's log lines that say why a change is not in place (the rest of its log
+    // would drown the demo's story).
+    {
+        use tracing_subscriber::Layer as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        let layer = tracing_subscriber::fmt::layer()
+            .with_target(false)
+            .without_time()
+            .with_ansi(false)
+            .with_writer(std::io::stdout)
+            .with_filter(tracing_subscriber::filter::filter_fn(|m| {
+                m.fields().field("reason_class").is_some()
+            }));
+        let _ = tracing_subscriber::registry().with(layer).try_init();
+    }
     let dir = tempfile::Builder::new()
         .prefix("inplace-updater-demo-")
         .tempdir()?;
@@ -400,6 +416,11 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     step("a version bump (v1.35.3): the updater cordons and drains the node first, as CAPI drains");
     drain_demo(&api, &mut capi, port, &version_file).await?;
 
+    step(
+        "a change that cannot go in place (preKubeadmCommands): CAPI rolls out, and the updater says why",
+    );
+    why_not_demo(&api, &mut capi, port, &request).await?;
+
     step("someone calls UpdateMachine for a Machine CAPI is not updating: refused, nothing starts");
     let idle = machine("v1.35.3", false);
     if let Some(path) = object_path(&idle) {
@@ -427,6 +448,67 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
         "\ndone: docs/updater.md explains what the updater covers in place and how to install it"
     );
     Ok(())
+}
+
+/// The not-in-place step: the MachineDeployment owns the current MachineSet; a new
+/// template adds a preKubeadmCommands entry, which runs only when a node is bootstrapped.
+/// The answer's reason is in the updater's log line and in an Event on the
+/// MachineDeployment (docs/updater.md, "Why was my Machine replaced?").
+async fn why_not_demo(
+    api: &ApiStandin,
+    capi: &mut CapiClient,
+    port: u16,
+    covered: &Value,
+) -> anyhow::Result<()> {
+    let uid = "d3a0d3a0-0000-4000-8000-000000000001";
+    api.put(
+        json!({"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineDeployment",
+        "metadata": {"name": "demo-md-0", "namespace": "default", "uid": uid},
+        "spec": {"clusterName": "demo", "replicas": 1,
+                 "template": covered["current"]["machineSet"]["spec"]["template"].clone()}}),
+    );
+    let mut set = covered["current"]["machineSet"].clone();
+    set["metadata"]["ownerReferences"] = json!([{"apiVersion": "cluster.x-k8s.io/v1beta2",
+        "kind": "MachineDeployment", "name": "demo-md-0", "uid": uid, "controller": true}]);
+    api.put(set);
+    let mut request = covered.clone();
+    request["settings"] = json!({"agentPort": port.to_string()});
+    request["desired"]["machineSet"]["spec"]["template"]["spec"]["version"] =
+        covered["current"]["machineSet"]["spec"]["template"]["spec"]["version"].clone();
+    request["desired"]["bootstrapConfigTemplate"] =
+        covered["current"]["bootstrapConfigTemplate"].clone();
+    request["desired"]["bootstrapConfigTemplate"]["spec"]["template"]["spec"]["preKubeadmCommands"] =
+        json!(["echo hello from a new node"]);
+    let v = capi
+        .call(Hook::CanUpdateMachineSet, &serde_json::to_vec(&request)?)
+        .await?
+        .json();
+    println!(
+        "   CanUpdateMachineSet → {} (no bootstrapConfigTemplatePatch: CAPI rolls out)",
+        v["status"].as_str().unwrap_or("?")
+    );
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let events = api.events();
+        if let Some(e) = events
+            .iter()
+            .find(|e| e["involvedObject"]["kind"] == "MachineDeployment")
+        {
+            println!(
+                "   Event on MachineDeployment default/{}: {} {} (count {}): {}",
+                e["involvedObject"]["name"].as_str().unwrap_or(""),
+                e["type"].as_str().unwrap_or(""),
+                e["reason"].as_str().unwrap_or(""),
+                e["count"],
+                e["message"].as_str().unwrap_or("")
+            );
+            return Ok(());
+        }
+        if Instant::now() > until {
+            anyhow::bail!("no Event on the MachineDeployment within 5 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The drain step: the stand-in serves the workload cluster too (the `demo-kubeconfig`

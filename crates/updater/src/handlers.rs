@@ -45,6 +45,7 @@ use super::translate::{
     Desired, NodeFacts, SecretSource, TranslateError, lookup, translate_removing, write_canonical,
 };
 use super::unreachable::{SINCE_ANNOTATION, Verdict, Waits};
+use super::why::{Class, Why};
 use inplace_api::convert::plan_to_pb;
 use inplace_api::pb;
 
@@ -86,8 +87,13 @@ pub struct Answer {
     pub outcome: &'static str,
     /// The Machine (or MachineSet) it was about, for the log.
     pub object: String,
+    /// The live object the decision was about (`namespace/name`): the Machine, or the
+    /// current MachineSet of `CanUpdateMachineSet` (whose owner gets the Event).
+    pub subject: String,
     /// The agent could not be reached: why (the answer is a wait).
     pub unreachable: Option<String>,
+    /// Why a `CanUpdate*` answer covers less than everything ([`super::why`]).
+    pub why: Option<Why>,
 }
 
 /// The updater: configuration, the cluster and the agents.
@@ -111,6 +117,8 @@ pub struct Updater {
     pub waits: Arc<Waits>,
     /// The drain's workload clients and what it settled ([`draining`]).
     pub drains: Arc<Drains>,
+    /// Not-in-place answers as Events, deduplicated and rate-bounded ([`super::events`]).
+    pub not_in_place: Arc<super::events::NotInPlace>,
 }
 
 pub use draining::Drains;
@@ -126,8 +134,16 @@ impl Answer {
             message: message.to_owned(),
             outcome,
             object: String::new(),
+            subject: String::new(),
             unreachable: None,
+            why: None,
         }
+    }
+
+    /// The same answer, saying why it is not everything in place.
+    fn because(mut self, why: Option<Why>) -> Answer {
+        self.why = why;
+        self
     }
 
     /// The body as a JSON value (tests, the demo).
@@ -209,6 +225,7 @@ impl Updater {
         let mut answer = self.handle_parsed(hook, body, fingerprint).await;
         self.after_plan(hook, body, &mut answer).await;
         self.answered(hook, &answer);
+        self.decided(hook, &answer);
         answer
     }
 
@@ -287,9 +304,18 @@ impl Updater {
             }
             Hook::Discovery => unreachable_discovery(),
         };
+        let subject = if hook == Hook::CanUpdateMachineSet {
+            request
+                .object("current", "machineSet")
+                .map(|o| key_of(&o))
+                .unwrap_or_default()
+        } else {
+            object.clone()
+        };
         match result {
             Ok(mut answer) => {
                 answer.object = object;
+                answer.subject = subject;
                 answer
             }
             Err(Failure(message)) => self.failure(hook, &object, message),
@@ -321,6 +347,26 @@ impl Updater {
         if hook == Hook::UpdateMachine && answer.outcome == "failure" {
             self.recovery
                 .answered_failure(&self.plans, &answer.object, &answer.message);
+        }
+    }
+
+    /// After a `CanUpdate*` call was answered: the decision counted by outcome and reason
+    /// class, and a reason reported as an Event on the object an operator looks at
+    /// ([`super::events`]; in the background, deduplicated and rate-bounded).
+    fn decided(&self, hook: Hook, answer: &Answer) {
+        if !matches!(hook, Hook::CanUpdateMachine | Hook::CanUpdateMachineSet) {
+            return;
+        }
+        self.metrics.decision(
+            hook.as_str(),
+            answer.outcome,
+            answer.why.as_ref().map(Why::class),
+        );
+        if let Some(why) = &answer.why
+            && let Some((namespace, name)) = answer.subject.split_once('/')
+        {
+            self.not_in_place
+                .report(hook, namespace, name, why, inplace_base::time::now_ms());
         }
     }
 
@@ -469,8 +515,8 @@ impl Updater {
     /// `CanUpdateMachineSet`: the agents of the current MachineSet's Machines are asked
     /// (cached `GetNodeInfo`, all within [`SET_CHECK_TIMEOUT`]): any that cannot be reached
     /// covers nothing (a rollout is safe; an in-place update would wait on it), and the
-    /// coverage is what every one of them can do.
-    async fn can_update_machine_set(
+    /// coverage is what every one of them can do ([`decide_machine_set`]).
+    pub(crate) async fn can_update_machine_set(
         self: &Arc<Self>,
         request: &HookRequest,
         settings: &Effective,
@@ -479,55 +525,38 @@ impl Updater {
             return can_update_machine_set(request, settings);
         }
         let current = request.object("current", "machineSet")?;
-        let set = key_of(&current);
-        let not_covered = |message: String| Ok(machine_set_not_covered(&message));
-        let asked = tokio::time::timeout(
-            SET_CHECK_TIMEOUT,
-            self.machine_set_facts(&current, settings),
-        )
-        .await;
-        let facts = match asked {
-            Err(_) => {
-                return not_covered(format!(
+        match self.ask_machine_set(&current, settings).await {
+            Ok(facts) => decide_machine_set(request, settings, &facts),
+            Err(why) => Ok(machine_set_not_covered(why)),
+        }
+    }
+
+    /// What the agents of the current MachineSet's Machines say (by Machine), within
+    /// [`SET_CHECK_TIMEOUT`], or why the MachineSet cannot be updated in place at all.
+    pub(crate) async fn ask_machine_set(
+        self: &Arc<Self>,
+        current: &Object,
+        settings: &Effective,
+    ) -> Result<Vec<(String, NodeFacts)>, Why> {
+        let set = key_of(current);
+        let asked =
+            tokio::time::timeout(SET_CHECK_TIMEOUT, self.machine_set_facts(current, settings))
+                .await;
+        match asked {
+            Err(_) => Err(Why::whole(
+                Class::Unreachable,
+                format!(
                     "MachineSet {set}: its nodes' agents did not all answer within {}s; a rollout \
                      replaces the Machines",
                     SET_CHECK_TIMEOUT.as_secs()
-                ));
-            }
-            Ok(Err(problems)) => {
-                return not_covered(format!(
-                    "MachineSet {set}: {}; a rollout replaces the Machines",
-                    problems
-                ));
-            }
-            Ok(Ok(facts)) => facts,
-        };
-        let assumed = NodeFacts::assumed("").capabilities();
-        let mut caps = assumed;
-        let mut lacking = Vec::new();
-        for (machine, f) in &facts {
-            let c = set_capabilities(f);
-            let missing = missing(c);
-            if !missing.is_empty() {
-                lacking.push(format!(
-                    "node {} (Machine {machine}) cannot move {}",
-                    f.node_name,
-                    missing.join(", ")
-                ));
-            }
-            caps = super::translate::Capabilities {
-                files: caps.files && c.files,
-                prune: caps.prune && c.prune,
-                kubelet_flags: caps.kubelet_flags && c.kubelet_flags,
-                version: caps.version && c.version,
-            };
+                ),
+            )),
+            Ok(Err((class, problems))) => Err(Why::whole(
+                class,
+                format!("MachineSet {set}: {problems}; a rollout replaces the Machines"),
+            )),
+            Ok(Ok(facts)) => Ok(facts),
         }
-        let note = match lacking.len() {
-            0 => String::new(),
-            1..=3 => lacking.join("; "),
-            n => format!("{} and {} more", lacking[..3].join("; "), n - 3),
-        };
-        can_update_machine_set_for(request, settings, caps, &note)
     }
 
     /// What the agents of the MachineSet's Machines say (by Machine), or what kept some
@@ -536,16 +565,21 @@ impl Updater {
         self: &Arc<Self>,
         set: &Object,
         settings: &Effective,
-    ) -> Result<Vec<(String, NodeFacts)>, String> {
+    ) -> Result<Vec<(String, NodeFacts)>, (Class, String)> {
         let key = key_of(set);
+        let lookup_failed = |e: String| (Class::Lookup, e);
         // The MachineSet as it is, in the request's namespace: the request only names it (a
         // caller could send any selector and learn of any Machine).
         let live = self
             .cluster
             .machine_set(set.namespace(), set.name())
             .await
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| format!("MachineSet {key} does not exist in the management cluster"))?;
+            .map_err(|e| lookup_failed(e.to_string()))?
+            .ok_or_else(|| {
+                lookup_failed(format!(
+                    "MachineSet {key} does not exist in the management cluster"
+                ))
+            })?;
         let uid = lookup(&live, &["metadata", "uid"]).and_then(Value::as_str);
         // Cluster API's MachineSets always have a selector; one without names no Machines
         // (answered with what a current agent can do, as for an empty set).
@@ -565,7 +599,7 @@ impl Updater {
             .cluster
             .machines(set.namespace(), &selector)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| lookup_failed(e.to_string()))?;
         // Owned by this very MachineSet (CAPI's MachineSet controller adopts by selector and
         // sets itself as the controller): a Machine that only carries its labels is not asked
         // about, and not named.
@@ -590,7 +624,10 @@ impl Updater {
             let namespace = set.namespace().to_owned();
             let at_once = at_once.clone();
             asks.spawn(async move {
-                let _turn = at_once.acquire().await.map_err(|e| e.to_string())?;
+                let _turn = at_once
+                    .acquire()
+                    .await
+                    .map_err(|e| (Class::Unreachable, e.to_string()))?;
                 let name = lookup(&live, &["metadata", "name"])
                     .and_then(Value::as_str)
                     .unwrap_or_default();
@@ -598,13 +635,13 @@ impl Updater {
                 let peer = this
                     .peer(&live, &settings, &machine)
                     .await
-                    .map_err(|f| f.0)?;
+                    .map_err(|f| (Class::AgentTrust, f.0))?;
                 let facts = this
                     .agents
                     .facts(&peer)
                     .await
-                    .map_err(|e| format!("Machine {machine}: {e}"))?;
-                Ok::<_, String>((machine, facts))
+                    .map_err(|e| (Class::Unreachable, format!("Machine {machine}: {e}")))?;
+                Ok::<_, (Class, String)>((machine, facts))
             });
         }
         let mut facts = Vec::new();
@@ -613,16 +650,22 @@ impl Updater {
             match answer {
                 Ok(Ok(f)) => facts.push(f),
                 Ok(Err(e)) => problems.push(e),
-                Err(e) => problems.push(format!("asking an agent: {e}")),
+                Err(e) => problems.push((Class::Unreachable, format!("asking an agent: {e}"))),
             }
         }
         facts.sort_by(|a, b| a.0.cmp(&b.0));
         problems.sort();
-        match problems.len() {
-            0 => Ok(facts),
-            1..=2 => Err(problems.join("; ")),
-            n => Err(format!("{} and {} more", problems[..2].join("; "), n - 2)),
-        }
+        let Some(class) = problems.first().map(|p| p.0) else {
+            return Ok(facts);
+        };
+        let words: Vec<&str> = problems.iter().map(|p| p.1.as_str()).collect();
+        Err((
+            class,
+            match words.len() {
+                1..=2 => words.join("; "),
+                n => format!("{} and {} more", words[..2].join("; "), n - 2),
+            },
+        ))
     }
 
     /// The agent of the live Machine `key` and how it is verified (`settings.agentCA`):
@@ -674,88 +717,42 @@ impl Updater {
         Fetched(out, namespace.to_owned())
     }
 
-    async fn can_update_machine(
+    /// `CanUpdateMachine`: [`machine_precheck`], then the node's agent: its abilities
+    /// (`GetNodeInfo`) give the coverage ([`cover_machine_request`]), and `CheckPlan` of the
+    /// translated plan says whether the node would accept it.
+    pub(crate) async fn can_update_machine(
         &self,
         request: &HookRequest,
         settings: &Effective,
     ) -> Result<Answer, Failure> {
+        let not_covered = |why: Why| -> Result<Answer, Failure> { Ok(machine_not_covered(why)) };
+        if let Some(why) = machine_precheck(request, settings)? {
+            return not_covered(why);
+        }
         let current = request.object("current", "machine")?;
-        current.expect("Machine", "cluster.x-k8s.io")?;
         let desired = request.object("desired", "machine")?;
-        desired.expect("Machine", "cluster.x-k8s.io")?;
-        let current_b = request.optional_object("current", "bootstrapConfig")?;
         let desired_b = request.optional_object("desired", "bootstrapConfig")?;
         let infra = request.optional_object("desired", "infrastructureMachine")?;
-        let not_covered = |message: String| -> Result<Answer, Failure> {
-            let message = bounded(&message, 1024);
-            Ok(Answer::new(
-                &CanUpdateMachineResponse {
-                    kind: Hook::CanUpdateMachine.response_kind(),
-                    api_version: HOOKS_API_VERSION,
-                    status: Status::Success,
-                    message: message.clone(),
-                    machine_patch: None,
-                    infrastructure_machine_patch: None,
-                    bootstrap_config_patch: None,
-                    affects_availability: None,
-                },
-                &message,
-                "not_covered",
-            ))
-        };
-        if settings.disable_in_place {
-            return not_covered(
-                "in-place updates are disabled (settings.disableInPlaceUpdates)".into(),
-            );
-        }
-        for b in [&current_b, &desired_b].into_iter().flatten() {
-            if b.kind() != "KubeadmConfig" {
-                return not_covered(format!(
-                    "{}.kind {:?}: this updater translates KubeadmConfig only; a rollout replaces the Machine",
-                    b.field,
-                    b.kind()
-                ));
-            }
-            b.expect("KubeadmConfig", "bootstrap.cluster.x-k8s.io")?;
-        }
-        if current_b.is_some() != desired_b.is_some() {
-            return not_covered("only one side has a bootstrap config".into());
-        }
-        // Everything a call reads is in the Machine's own namespace (the Secrets its files
-        // name included): a bootstrap config of another namespace is not this Machine's.
-        if let Some(b) = [&current_b, &desired_b]
-            .into_iter()
-            .flatten()
-            .find(|b| b.namespace() != desired.namespace())
-        {
-            return Err(Failure(format!(
-                "bad request: {}.metadata.namespace: is {:?}, not the Machine's namespace {:?}; nothing was read",
-                b.field,
-                b.namespace(),
-                desired.namespace()
-            )));
-        }
         let key = key_of(&desired);
         let live = match self.live_machine(&desired).await {
             Ok(v) => v,
-            Err(Failure(m)) => return not_covered(m),
+            Err(Failure(m)) => return not_covered(Why::whole(Class::Lookup, m)),
         };
         let peer = match self.peer(&live, settings, &key).await {
             Ok(p) => p,
-            Err(Failure(m)) => return not_covered(m),
+            Err(Failure(m)) => return not_covered(Why::whole(Class::AgentTrust, m)),
         };
         let node = peer.node();
         let facts = match self.agents.facts(&peer).await {
             Ok(f) => f,
-            Err(e) => return not_covered(format!("Machine {key}: {e}")),
+            Err(e) => {
+                return not_covered(Why::whole(
+                    Class::Unreachable,
+                    format!("Machine {key}: {e}"),
+                ));
+            }
         };
-        let caps = facts.capabilities();
-        let machine = cover_machine(current.spec(), desired.spec(), caps);
-        let version_changes = machine.covered.iter().any(|c| c == "version");
-        let bootstrap = match (&current_b, &desired_b) {
-            (Some(c), Some(d)) => cover_kubeadm(c.spec(), d.spec(), caps, version_changes),
-            _ => Coverage::default(),
-        };
+        let (machine, bootstrap) = cover_machine_request(request, facts.capabilities())?;
         // Would the node accept the desired state at all?
         let (fetched, written) = tokio::join!(
             self.secrets(desired.namespace(), desired_b.as_ref().map(|o| &o.value)),
@@ -763,7 +760,7 @@ impl Updater {
         );
         let written = match written {
             Ok(w) => w,
-            Err(m) => return not_covered(m),
+            Err(m) => return not_covered(Why::whole(Class::Lookup, m)),
         };
         let translation = translate_removing(
             &Desired {
@@ -778,7 +775,12 @@ impl Updater {
         );
         let translation = match translation {
             Ok(t) => t,
-            Err(e) => return not_covered(format!("cannot translate the desired state: {e}")),
+            Err(e) => {
+                return not_covered(Why::whole(
+                    Class::Translation,
+                    format!("cannot translate the desired state: {e}"),
+                ));
+            }
         };
         let check = match self
             .agents
@@ -786,11 +788,15 @@ impl Updater {
             .await
         {
             Ok(c) => c,
-            Err(e) => return not_covered(e.to_string()),
+            Err(e) => return not_covered(Why::whole(Class::Unreachable, e.to_string())),
         };
         if !check.applicable {
-            return not_covered(format!("node {node}: {}", not_applicable(&check)));
+            return not_covered(Why::whole(
+                Class::AgentRefused,
+                format!("node {node}: {}", not_applicable(&check)),
+            ));
         }
+        let current_b = request.optional_object("current", "bootstrapConfig")?;
         let machine_patch =
             Patch::json_patch(&spec_patch(&current.value, &["spec"], &machine.spec));
         let bootstrap_patch = current_b
@@ -806,6 +812,10 @@ impl Updater {
             &check,
         );
         let message = coverage_message(&machine, &bootstrap);
+        let mut why = coverage_why(&machine, &bootstrap);
+        if let Some(why) = &mut why {
+            super::why::attribute(why, &[(key.clone(), facts.clone())]);
+        }
         // Drift (issue 37): said in the message; the update repairs it.
         let message = super::drift::with_drift(&self.agents, &peer, message).await;
         tracing::debug!(machine = %key, %node, plan = %translation.id, "CanUpdateMachine checked");
@@ -826,7 +836,8 @@ impl Updater {
             },
             &message,
             if complete { "covered" } else { "partial" },
-        ))
+        )
+        .because(why))
     }
 
     /// `UpdateMachine` the slow way (what [`Updater::handle`] does not answer from
@@ -1245,8 +1256,8 @@ fn cluster_of(namespace: &str, spec: &Value) -> String {
 }
 
 /// A `CanUpdateMachineSet` answer that covers nothing: Cluster API rolls the MachineSet out.
-fn machine_set_not_covered(message: &str) -> Answer {
-    let message = bounded(message, 1024);
+fn machine_set_not_covered(why: Why) -> Answer {
+    let message = bounded(&why.sentence(), 1024);
     Answer::new(
         &CanUpdateMachineSetResponse {
             kind: Hook::CanUpdateMachineSet.response_kind(),
@@ -1261,6 +1272,152 @@ fn machine_set_not_covered(message: &str) -> Answer {
         &message,
         "not_covered",
     )
+    .because(Some(why))
+}
+
+/// A `CanUpdateMachine` answer that covers nothing: Cluster API replaces the Machine.
+fn machine_not_covered(why: Why) -> Answer {
+    let message = bounded(&why.sentence(), 1024);
+    Answer::new(
+        &CanUpdateMachineResponse {
+            kind: Hook::CanUpdateMachine.response_kind(),
+            api_version: HOOKS_API_VERSION,
+            status: Status::Success,
+            message: message.clone(),
+            machine_patch: None,
+            infrastructure_machine_patch: None,
+            bootstrap_config_patch: None,
+            affects_availability: None,
+        },
+        &message,
+        "not_covered",
+    )
+    .because(Some(why))
+}
+
+/// What `CanUpdateMachine` decides before any node is asked (pure): a request it answers
+/// with a Failure (`Err`), why nothing can be covered (`Some`), or `None` to go on.
+pub fn machine_precheck(
+    request: &HookRequest,
+    settings: &Settings,
+) -> Result<Option<Why>, Failure> {
+    let current = request.object("current", "machine")?;
+    current.expect("Machine", "cluster.x-k8s.io")?;
+    let desired = request.object("desired", "machine")?;
+    desired.expect("Machine", "cluster.x-k8s.io")?;
+    let current_b = request.optional_object("current", "bootstrapConfig")?;
+    let desired_b = request.optional_object("desired", "bootstrapConfig")?;
+    request.optional_object("desired", "infrastructureMachine")?;
+    if settings.disable_in_place {
+        return Ok(Some(Why::whole(
+            Class::Settings,
+            "in-place updates are disabled (settings.disableInPlaceUpdates)",
+        )));
+    }
+    for b in [&current_b, &desired_b].into_iter().flatten() {
+        if b.kind() != "KubeadmConfig" {
+            return Ok(Some(Why::whole(
+                Class::UnsupportedBootstrap,
+                format!(
+                    "{}.kind {:?}: this updater translates KubeadmConfig only; a rollout replaces the Machine",
+                    b.field,
+                    b.kind()
+                ),
+            )));
+        }
+        b.expect("KubeadmConfig", "bootstrap.cluster.x-k8s.io")?;
+    }
+    if current_b.is_some() != desired_b.is_some() {
+        return Ok(Some(Why::whole(
+            Class::FieldNotInPlace,
+            "only one side has a bootstrap config",
+        )));
+    }
+    // Everything a call reads is in the Machine's own namespace (the Secrets its files
+    // name included): a bootstrap config of another namespace is not this Machine's.
+    if let Some(b) = [&current_b, &desired_b]
+        .into_iter()
+        .flatten()
+        .find(|b| b.namespace() != desired.namespace())
+    {
+        return Err(Failure(format!(
+            "bad request: {}.metadata.namespace: is {:?}, not the Machine's namespace {:?}; nothing was read",
+            b.field,
+            b.namespace(),
+            desired.namespace()
+        )));
+    }
+    Ok(None)
+}
+
+/// The coverage of a `CanUpdateMachine` request on a node that can do `caps` (pure): of
+/// the Machine's spec and of its KubeadmConfig's.
+pub fn cover_machine_request(
+    request: &HookRequest,
+    caps: super::translate::Capabilities,
+) -> Result<(Coverage, Coverage), Failure> {
+    let current = request.object("current", "machine")?;
+    let desired = request.object("desired", "machine")?;
+    let current_b = request.optional_object("current", "bootstrapConfig")?;
+    let desired_b = request.optional_object("desired", "bootstrapConfig")?;
+    let machine = cover_machine(current.spec(), desired.spec(), caps);
+    let version_changes = machine.covered.iter().any(|c| c == "version");
+    let bootstrap = match (&current_b, &desired_b) {
+        (Some(c), Some(d)) => cover_kubeadm(c.spec(), d.spec(), caps, version_changes),
+        _ => Coverage::default(),
+    };
+    Ok((machine, bootstrap))
+}
+
+/// Why a coverage is not complete, from the gaps [`super::patch`] found.
+pub fn coverage_why(machine: &Coverage, bootstrap: &Coverage) -> Option<Why> {
+    Why::of(
+        machine
+            .uncovered
+            .iter()
+            .chain(&bootstrap.uncovered)
+            .cloned()
+            .collect(),
+    )
+}
+
+/// `CanUpdateMachineSet` for the nodes whose agents said `facts` (by Machine; none: what a
+/// current agent can do), pure: the coverage is what all of them can do, and the reason
+/// names the nodes that lack what a field needs.
+pub fn decide_machine_set(
+    request: &HookRequest,
+    settings: &Settings,
+    facts: &[(String, NodeFacts)],
+) -> Result<Answer, Failure> {
+    let mut caps = NodeFacts::assumed("").capabilities();
+    let mut lacking = Vec::new();
+    for (machine, f) in facts {
+        let c = set_capabilities(f);
+        let missing = missing(c);
+        if !missing.is_empty() {
+            lacking.push(format!(
+                "node {} (Machine {machine}) cannot move {}",
+                f.node_name,
+                missing.join(", ")
+            ));
+        }
+        caps = super::translate::Capabilities {
+            files: caps.files && c.files,
+            prune: caps.prune && c.prune,
+            kubelet_flags: caps.kubelet_flags && c.kubelet_flags,
+            version: caps.version && c.version,
+        };
+    }
+    let note = match lacking.len() {
+        0 => String::new(),
+        1..=3 => lacking.join("; "),
+        n => format!("{} and {} more", lacking[..3].join("; "), n - 3),
+    };
+    let mut answer = can_update_machine_set_for(request, settings, caps, &note)?;
+    if let Some(why) = &mut answer.why {
+        super::why::attribute(why, facts);
+    }
+    Ok(answer)
 }
 
 fn unreachable_discovery() -> Result<Answer, Failure> {
@@ -1314,11 +1471,11 @@ fn not_applicable(check: &pb::CheckPlanResponse) -> String {
 }
 
 fn coverage_message(machine: &Coverage, bootstrap: &Coverage) -> String {
-    let uncovered: Vec<&str> = machine
+    let uncovered: Vec<String> = machine
         .uncovered
         .iter()
         .chain(&bootstrap.uncovered)
-        .map(String::as_str)
+        .map(ToString::to_string)
         .collect();
     if uncovered.is_empty() {
         return String::new();
@@ -1393,19 +1550,23 @@ pub fn can_update_machine_set_for(
         }
         t.expect("KubeadmConfigTemplate", "bootstrap.cluster.x-k8s.io")?;
     }
-    let empty = |message: String| machine_set_not_covered(&message);
     if settings.disable_in_place {
-        return Ok(empty(
-            "in-place updates are disabled (settings.disableInPlaceUpdates)".into(),
-        ));
+        return Ok(machine_set_not_covered(Why::whole(
+            Class::Settings,
+            "in-place updates are disabled (settings.disableInPlaceUpdates)",
+        )));
     }
     if let Some(message) = foreign {
-        return Ok(empty(message));
+        return Ok(machine_set_not_covered(Why::whole(
+            Class::UnsupportedBootstrap,
+            message,
+        )));
     }
     if current_t.is_some() != desired_t.is_some() {
-        return Ok(empty(
-            "only one side has a bootstrap config template".into(),
-        ));
+        return Ok(machine_set_not_covered(Why::whole(
+            Class::FieldNotInPlace,
+            "only one side has a bootstrap config template",
+        )));
     }
     const TEMPLATE_SPEC: &[&str] = &["spec", "template", "spec"];
     let null = Value::Null;
@@ -1456,5 +1617,6 @@ pub fn can_update_machine_set_for(
         },
         &message,
         if complete { "covered" } else { "partial" },
-    ))
+    )
+    .because(coverage_why(&machine, &bootstrap)))
 }

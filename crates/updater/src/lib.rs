@@ -26,6 +26,8 @@
 //! - [`drain`]: the drain before a disruptive plan (pure); [`workload`]: the workload
 //!   cluster's Node, Pods and Evictions (kube-rs, from the `<cluster>-kubeconfig` Secret).
 //! - `drift`: a node that drifted from its succeeded plan is repaired, not answered done.
+//! - [`why`]: why an answer is not everything in place; [`events`]: it, as an Event;
+//!   [`explain`]: it, before a change is applied.
 //! - [`standin`]: a STAND-IN Kubernetes API for tests, the demo and the benchmark.
 //!
 //! Architecture invariant: the updater is a client of the agent's API (`inplace_api`) and of
@@ -54,6 +56,8 @@ pub(crate) mod drift;
 pub mod edge;
 pub mod emulate;
 pub(crate) mod errors;
+pub(crate) mod events;
+pub mod explain;
 pub mod handlers;
 pub mod hooks;
 pub(crate) mod metrics;
@@ -68,6 +72,7 @@ pub mod skew;
 pub mod standin;
 pub mod translate;
 pub mod unreachable;
+pub mod why;
 pub mod workload;
 
 /// The updater's version and the commit it was built from (`inplace-updater version`).

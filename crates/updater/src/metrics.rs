@@ -1,4 +1,5 @@
-//! The updater's Prometheus metrics (`GET /metrics`): requests by hook and outcome, their
+//! The updater's Prometheus metrics (`GET /metrics`): requests by hook and outcome, the
+//! in-place decisions by hook, outcome and reason class ([`super::why::Class`]), their
 //! latency, plans submitted, agents found unreachable, serving certificate reloads, the
 //! drain's (started, finished, timed out, pods evicted, evictions refused, duration). Label
 //! values are bounded (hook names and outcome words, never Machine names).
@@ -13,6 +14,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+type Labels3 = [(&'static str, &'static str); 3];
 type Labels2 = [(&'static str, &'static str); 2];
 type Labels1 = [(&'static str, &'static str); 1];
 
@@ -167,6 +169,7 @@ impl prometheus_client::collector::Collector for FleetCollector {
 pub struct Metrics {
     registry: Registry,
     requests: Family<Labels2, Counter>,
+    decisions: Family<Labels3, Counter>,
     latency: Family<Labels1, Histogram, fn() -> Histogram>,
     plans_submitted: Counter,
     plan_failures: Family<Labels1, Counter>,
@@ -188,6 +191,15 @@ impl Metrics {
             "requests",
             "Hook requests answered, by hook and outcome (success, failure, covered, partial, not_covered, in_progress, done)",
             requests.clone(),
+        );
+        let decisions = Family::<Labels3, Counter>::default();
+        registry.register(
+            "decisions",
+            "CanUpdateMachineSet and CanUpdateMachine answers, by hook, outcome (covered, \
+             partial, not_covered) and the class of the reason a change is not in place \
+             (none when it is: field-not-in-place, unsupported-bootstrap, agent-capability, \
+             agent-refused, unreachable, agent-trust, translation, lookup, settings)",
+            decisions.clone(),
         );
         let latency =
             Family::<Labels1, Histogram, fn() -> Histogram>::new_with_constructor(histogram);
@@ -226,6 +238,7 @@ impl Metrics {
         Arc::new(Metrics {
             registry,
             requests,
+            decisions,
             latency,
             plans_submitted,
             plan_failures,
@@ -245,6 +258,21 @@ impl Metrics {
         self.latency
             .get_or_create(&[("hook", hook)])
             .observe(seconds);
+    }
+
+    /// Counts a `CanUpdate*` decision: `outcome` (`covered`, `partial`, `not_covered`; a
+    /// Failure answer is counted as `failure`) and the class of why it is not everything in
+    /// place (`None`: it is).
+    pub fn decision(
+        &self,
+        hook: &'static str,
+        outcome: &'static str,
+        class: Option<super::why::Class>,
+    ) {
+        let reason = class.map_or("none", super::why::Class::as_str);
+        self.decisions
+            .get_or_create(&[("hook", hook), ("outcome", outcome), ("reason", reason)])
+            .inc();
     }
 
     /// Counts a plan an agent accepted as new.

@@ -18,6 +18,7 @@ use serde_json::{Map, Value, json};
 use super::translate::{
     Capabilities, FEATURE_GATES, KUBELET_ARGS, NO_NODE_WORK, kubelet_args, lookup,
 };
+use super::why::{Class, Gap, Need};
 
 /// Machine spec fields CAPI clears before comparing (`CleanupMachineSpecForDiff`); they
 /// never need covering.
@@ -39,8 +40,9 @@ pub struct Coverage {
     pub spec: Value,
     /// Fields copied (covered), e.g. `version`, `files`.
     pub covered: Vec<String>,
-    /// Fields still different after the copy, with why (for the response message).
-    pub uncovered: Vec<String>,
+    /// Fields still different after the copy, with why ([`super::why`]: the response
+    /// message, the log, the Event, the metric).
+    pub uncovered: Vec<Gap>,
     /// A covered change restarts the kubelet (version, flags): it affects availability.
     pub disruptive: bool,
 }
@@ -65,13 +67,20 @@ pub fn cover_machine(current: &Value, desired: &Value, caps: Capabilities) -> Co
             out.covered.push("version".into());
             out.disruptive = true;
         } else {
-            out.uncovered
-                .push("version (the node's agent cannot install packages)".into());
+            out.uncovered.push(Gap::needs(
+                "version",
+                Need::Version,
+                "needs new packages and kubeadm upgrade node",
+            ));
         }
     }
     for key in differing_keys(&out.spec, desired) {
         if !MACHINE_FIELDS_CAPI_IGNORES.contains(&key.as_str()) && key != "version" {
-            out.uncovered.push(format!("{key} (not node work)"));
+            out.uncovered.push(Gap::new(
+                key,
+                Class::FieldNotInPlace,
+                "is not node work: only a new Machine changes it",
+            ));
         }
     }
     out
@@ -97,7 +106,7 @@ pub fn cover_kubeadm(
                 set(&mut out.spec, &["files"], df.cloned());
                 out.covered.push("files".into());
             }
-            Some(why) => out.uncovered.push(format!("files ({why})")),
+            Some(gap) => out.uncovered.push(gap),
         }
     }
     // kubeletExtraArgs
@@ -109,9 +118,7 @@ pub fn cover_kubeadm(
                 out.covered.push(KUBELET_ARGS.join("."));
                 out.disruptive = true;
             }
-            Some(why) => out
-                .uncovered
-                .push(format!("{} ({why})", KUBELET_ARGS.join("."))),
+            Some(gap) => out.uncovered.push(gap),
         }
     }
     // featureGates, with a version bump only
@@ -124,9 +131,10 @@ pub fn cover_kubeadm(
             set(&mut out.spec, FEATURE_GATES, dg.cloned());
             out.covered.push(FEATURE_GATES.join("."));
         } else {
-            out.uncovered.push(format!(
-                "{} (changed without a version bump: no kubeadm upgrade would apply it)",
-                FEATURE_GATES.join(".")
+            out.uncovered.push(Gap::new(
+                FEATURE_GATES.join("."),
+                Class::FieldNotInPlace,
+                "changed without a version bump: no kubeadm upgrade would apply it",
             ));
         }
     }
@@ -140,18 +148,16 @@ pub fn cover_kubeadm(
     // Whatever still differs, named down to the level that differs (for the message).
     let mut rest = Vec::new();
     differing_paths(&out.spec, desired, "", 3, &mut rest);
-    let reported: Vec<String> = out
-        .uncovered
-        .iter()
-        .map(|u| u.split(' ').next().unwrap_or("").to_owned())
-        .collect();
+    let reported: Vec<String> = out.uncovered.iter().map(|u| u.field.clone()).collect();
     rest.retain(|p| {
         !reported
             .iter()
             .any(|r| p.starts_with(r.as_str()) || r.starts_with(p.as_str()))
     });
-    out.uncovered
-        .extend(rest.into_iter().map(|p| format!("{p} (not done in place)")));
+    out.uncovered.extend(rest.into_iter().map(|p| {
+        let why = never_in_place(&p);
+        Gap::new(p, Class::FieldNotInPlace, why)
+    }));
     out
 }
 
@@ -159,9 +165,14 @@ fn files_refusal(
     current: Option<&Value>,
     desired: Option<&Value>,
     caps: Capabilities,
-) -> Option<String> {
+) -> Option<Gap> {
+    let never = |why: String| Some(Gap::new("files", Class::FieldNotInPlace, why));
     if !caps.files {
-        return Some("the node's agent cannot write files".into());
+        return Some(Gap::needs(
+            "files",
+            Need::Files,
+            "need an agent that writes files",
+        ));
     }
     let paths = |v: Option<&Value>| -> Vec<String> {
         v.and_then(Value::as_array)
@@ -184,20 +195,24 @@ fn files_refusal(
             .and_then(Value::as_str)
             .filter(|f| !f.is_empty())
         {
-            return Some(format!(
-                "files[{i}] has contentFormat {f}, rendered only at bootstrap"
+            return never(format!(
+                "hold files[{i}] with contentFormat {f}, rendered only at bootstrap"
             ));
         }
         match file.get("encoding").and_then(Value::as_str).unwrap_or("") {
             "" | "base64" | "gzip" | "gzip+base64" => {}
-            other => return Some(format!("files[{i}] has the unknown encoding {other:?}")),
+            other => {
+                return never(format!(
+                    "hold files[{i}] with the unknown encoding {other:?}"
+                ));
+            }
         }
         if !file
             .get("path")
             .and_then(Value::as_str)
             .is_some_and(|p| p.starts_with('/'))
         {
-            return Some(format!("files[{i}] has no absolute path"));
+            return never(format!("hold files[{i}] without an absolute path"));
         }
     }
     let kept = paths(desired);
@@ -206,9 +221,13 @@ fn files_refusal(
         .filter(|p| !kept.contains(p))
         .collect();
     if !dropped.is_empty() && !caps.prune {
-        return Some(format!(
-            "{} would stay on the node: the node's agent cannot remove dropped files",
-            dropped.join(", ")
+        return Some(Gap::needs(
+            "files",
+            Need::Prune,
+            format!(
+                "drop {}, which must be removed from the node",
+                dropped.join(", ")
+            ),
         ));
     }
     None
@@ -218,9 +237,14 @@ fn flags_refusal(
     current: Option<&Value>,
     desired: Option<&Value>,
     caps: Capabilities,
-) -> Option<String> {
+) -> Option<Gap> {
+    let field = KUBELET_ARGS.join(".");
     if !caps.kubelet_flags {
-        return Some("the node's agent cannot set kubelet flags".into());
+        return Some(Gap::needs(
+            field,
+            Need::KubeletRestart,
+            "needs a kubelet restart",
+        ));
     }
     let names = |v: Option<&Value>| -> Result<Map<String, Value>, String> {
         match v {
@@ -230,21 +254,40 @@ fn flags_refusal(
     };
     let cur = match names(current) {
         Ok(m) => m,
-        Err(e) => return Some(e),
+        Err(e) => return Some(Gap::new(field, Class::FieldNotInPlace, e)),
     };
     let des = match names(desired) {
         Ok(m) => m,
-        Err(e) => return Some(e),
+        Err(e) => return Some(Gap::new(field, Class::FieldNotInPlace, e)),
     };
     let dropped: Vec<&String> = cur.keys().filter(|k| !des.contains_key(*k)).collect();
     if !dropped.is_empty() {
         let names: Vec<&str> = dropped.iter().map(|s| s.as_str()).collect();
-        return Some(format!(
-            "dropping {} cannot be done in place: the updater only sees the desired flags",
-            names.join(", ")
+        return Some(Gap::new(
+            field,
+            Class::FieldNotInPlace,
+            format!(
+                "drops {}: dropping a flag is not done in place (the updater only sees the \
+                 desired flags)",
+                names.join(", ")
+            ),
         ));
     }
     None
+}
+
+/// Why a KubeadmConfig field outside what the updater covers stays different.
+fn never_in_place(path: &str) -> &'static str {
+    let top = path.split('.').next().unwrap_or(path);
+    match top {
+        "preKubeadmCommands" | "postKubeadmCommands" | "bootCommands" => {
+            "runs only when the node is bootstrapped: only a new Machine applies it"
+        }
+        "diskSetup" | "mounts" | "format" | "ignition" | "users" | "ntp" => {
+            "is set up only when the node is bootstrapped: only a new Machine applies it"
+        }
+        _ => "is not done in place: only a new Machine applies it",
+    }
 }
 
 /// Sets (`Some`) or removes (`None`) the value at `path`, creating objects on the way.
@@ -406,7 +449,11 @@ mod tests {
         };
         let c = cover_kubeadm(&cur, &des, no_prune, false);
         assert!(!c.complete());
-        assert!(c.uncovered[0].contains("/etc/b"), "{:?}", c.uncovered);
+        assert!(
+            c.uncovered[0].to_string().contains("/etc/b"),
+            "{:?}",
+            c.uncovered
+        );
 
         let flags =
             |v: Value| json!({"joinConfiguration": {"nodeRegistration": {"kubeletExtraArgs": v}}});
@@ -414,7 +461,11 @@ mod tests {
         let des = flags(json!([{"name": "max-pods", "value": "150"}]));
         let c = cover_kubeadm(&cur, &des, ALL, false);
         assert!(!c.complete());
-        assert!(c.uncovered[0].contains("dropping v"), "{:?}", c.uncovered);
+        assert!(
+            c.uncovered[0].to_string().contains("drops v"),
+            "{:?}",
+            c.uncovered
+        );
     }
 
     #[test]

@@ -388,6 +388,11 @@ async fn route(
     let message = answer.message.as_str();
     if answer.outcome == "failure" {
         tracing::warn!(hook = %hook, machine = %answer.object, body_sha256 = %digest, outcome = answer.outcome, ms = seconds * 1e3, message, "hook answered");
+    } else if let Some(why) = &answer.why {
+        // Cluster API shows no CanUpdate* message of a successful answer: the reason is
+        // said here (crates/updater/src/why.rs).
+        let reason = why.sentence();
+        tracing::info!(hook = %hook, machine = %answer.object, body_sha256 = %digest, outcome = answer.outcome, ms = seconds * 1e3, reason_class = why.class().as_str(), reason = %reason, "hook answered: not everything in place");
     } else {
         tracing::info!(hook = %hook, machine = %answer.object, body_sha256 = %digest, outcome = answer.outcome, ms = seconds * 1e3, "hook answered");
     }

@@ -31,6 +31,10 @@ pub async fn build(
     let agents = Arc::new(Agents::new(agent_files).context("agent client certificate")?);
     let cluster = Cluster::connect(kubeconfig).await?;
     let recovery = Arc::new(Recovery::new(cluster.clone(), agents.clone()));
+    let not_in_place = Arc::new(super::events::NotInPlace::new(
+        cluster.clone(),
+        recovery.instance(),
+    ));
     let updater = Arc::new_cyclic(|weak: &std::sync::Weak<Updater>| {
         let weak = weak.clone();
         let metrics = Metrics::new(Arc::new(move || {
@@ -55,6 +59,7 @@ pub async fn build(
             plans: Arc::new(Plans::new()),
             metrics,
             recovery,
+            not_in_place,
             cluster_cas: Default::default(),
             waits: Default::default(),
             drains: Arc::new({

@@ -1,6 +1,8 @@
-//! A STAND-IN for the Kubernetes API server: the few paths the updater uses (`get` of a
-//! Machine with status, a KubeadmConfig, a Secret; `list` of Machines by label selector; `create` of a `v1` Event, 409
-//! AlreadyExists for a name taken; a JSON merge `patch` of a Machine), serving the objects'
+//! A STAND-IN for the Kubernetes API server: the few paths the updater uses (`get` of any
+//! object it holds — a Machine with status, a KubeadmConfig, a Secret, a MachineSet, a
+//! MachineDeployment, a KubeadmControlPlane, a KubeadmConfigTemplate, an Event; `list` of
+//! Machines and MachineSets by label selector, and of Events; `create` of a `v1` Event, 409
+//! AlreadyExists for a name taken; a JSON merge `patch` of a Machine or an Event), serving the objects'
 //! real JSON shapes and the API server's `Status` object for errors, over HTTP/1.1 on
 //! loopback (plain, or HTTPS on the same port with a certificate from a CA of its own, as
 //! a workload cluster's kubeconfig must be https). For the drain it also serves a workload cluster's paths (one stand-in may be
@@ -34,8 +36,8 @@ use serde_json::{Value, json};
 pub struct Store {
     objects: BTreeMap<String, Value>,
     requests: Vec<(String, String)>,
-    /// Created Events, in order.
-    events: Vec<Value>,
+    /// The paths of the Events created, in order.
+    events: Vec<String>,
     /// The last resourceVersion handed out.
     version: u64,
 }
@@ -139,10 +141,13 @@ const CLUSTER_SCOPED_PLURALS: [&str; 6] = [
     "clusterissuers",
 ];
 
-/// Plurals the stand-in lists (the drain's, and Machines for `CanUpdateMachineSet`; Secrets
-/// and everything else are never listed).
-const LISTED: [&str; 6] = [
+/// Plurals the stand-in lists (the drain's, Machines for `CanUpdateMachineSet`, MachineSets
+/// for `explain`, Events as `kubectl describe` lists them; Secrets and everything else are
+/// never listed).
+const LISTED: [&str; 8] = [
     "machines",
+    "machinesets",
+    "events",
     "pods",
     "namespaces",
     "poddisruptionbudgets",
@@ -277,10 +282,15 @@ impl ApiStandin {
         }
     }
 
-    /// The Events created so far, in order, as stored (with `metadata.uid`,
-    /// `creationTimestamp` and `resourceVersion` set).
+    /// The Events created so far, in order, as stored now (with `metadata.uid`,
+    /// `creationTimestamp` and `resourceVersion` set, and the patches since applied).
     pub fn events(&self) -> Vec<Value> {
-        self.lock().events.clone()
+        let store = self.lock();
+        store
+            .events
+            .iter()
+            .filter_map(|p| store.objects.get(p).cloned())
+            .collect()
     }
 
     /// Every request so far as (method, path with query).
@@ -405,8 +415,14 @@ impl Store {
                     .map(query_decode)
             })
         };
-        let node = parameter("fieldSelector")
-            .and_then(|v| v.strip_prefix("spec.nodeName=").map(str::to_owned));
+        let fields = parameter("fieldSelector").unwrap_or_default();
+        let node = fields.strip_prefix("spec.nodeName=").map(str::to_owned);
+        // `involvedObject.<key>=<value>`, as `kubectl describe` selects an object's Events.
+        let involved: Vec<(String, String)> = fields
+            .split(',')
+            .filter_map(|kv| kv.strip_prefix("involvedObject.")?.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
         let labels = parameter("labelSelector").unwrap_or_default();
         let wanted: Vec<(&str, &str)> = labels
             .split(',')
@@ -432,6 +448,14 @@ impl Store {
             .filter(|o| {
                 node.as_deref()
                     .is_none_or(|n| o.pointer("/spec/nodeName").and_then(Value::as_str) == Some(n))
+            })
+            .filter(|o| {
+                involved.iter().all(|(k, v)| {
+                    o.get("involvedObject")
+                        .and_then(|i| i.get(k))
+                        .and_then(Value::as_str)
+                        == Some(v.as_str())
+                })
             })
             .filter(|o| {
                 wanted.iter().all(|(k, v)| {
@@ -574,8 +598,8 @@ impl Store {
         meta["uid"] = json!(format!("standin-event-{version}"));
         meta["resourceVersion"] = json!(version);
         meta["creationTimestamp"] = json!("2025-01-01T00:00:00Z");
-        self.objects.insert(at, event.clone());
-        self.events.push(event.clone());
+        self.objects.insert(at.clone(), event.clone());
+        self.events.push(at);
         json_response(StatusCode::CREATED, &event)
     }
 
@@ -637,9 +661,14 @@ fn handle(
         let (ns, name) = (segments[3].to_owned(), segments[5].to_owned());
         return store.evict(&ns, &name);
     }
+    // PATCH of a Machine (annotations), a Node (cordon) or an Event (its count, as
+    // client-go's event correlator bumps it).
     if method == Method::PATCH
         && (segments.get(1) == Some(&"cluster.x-k8s.io")
-            || (segments.len() == 4 && segments[..3] == ["api", "v1", "nodes"]))
+            || (segments.len() == 4 && segments[..3] == ["api", "v1", "nodes"])
+            || (segments.len() == 6
+                && segments[..3] == ["api", "v1", "namespaces"]
+                && segments[4] == "events"))
     {
         return store.patch(&path, content_type, body);
     }
@@ -648,7 +677,7 @@ fn handle(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
             format!(
-                "the stand-in serves only get, create of events and evictions, patch of machines and nodes; {method} {path} is not served"
+                "the stand-in serves only get, create of events and evictions, patch of machines, nodes and events; {method} {path} is not served"
             ),
         );
     }
