@@ -332,25 +332,24 @@ fn updater(
     })))
 }
 
+/// The defaults the settings are read under. `agentCA: File` needs `--agent-ca` only when
+/// the agents are asked; without agent credentials the trust mode decides nothing here.
+fn defaults(args: &ExplainArgs) -> Defaults {
+    Defaults {
+        agent_port: args.agent_port,
+        agent_ca_file: args.agent_ca.is_some() || args.agent_cert.is_none(),
+    }
+}
+
 /// Answers `args` for the `proposed` objects.
 pub async fn explain(args: &ExplainArgs, proposed: &[Value]) -> anyhow::Result<Explanation> {
     let cluster = Cluster::connect(args.kubeconfig.as_deref()).await?;
-    let configs = ExtensionConfigs::new(
-        vec![args.extension_config.clone()],
-        Defaults {
-            agent_port: args.agent_port,
-        },
-    );
+    let configs = ExtensionConfigs::new(vec![args.extension_config.clone()], defaults(args));
     let settings = settings_of(&cluster, &args.extension_config).await?;
     let updater = updater(
         args,
         &cluster,
-        ExtensionConfigs::new(
-            vec![args.extension_config.clone()],
-            Defaults {
-                agent_port: args.agent_port,
-            },
-        ),
+        ExtensionConfigs::new(vec![args.extension_config.clone()], defaults(args)),
     )?;
     if let Some(target) = &args.machine_deployment {
         let (ns, name) = split(target, "machine-deployment")?;
