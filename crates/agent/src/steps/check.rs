@@ -84,7 +84,18 @@ pub fn kubelet_version(host: &Host) -> Option<String> {
 
 /// One attempt of a probe: `Ok(observation)` when it passes, `Err(observation)` when not.
 pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String, String> {
+    probe_once_with(host, probe, None, budget)
+}
+
+/// [`probe_once`] with the `controlPlane` gate's baseline from before the plan, if any.
+pub fn probe_once_with(
+    host: &Host,
+    probe: &Probe,
+    baseline: Option<&super::control_plane::Baseline>,
+    budget: Duration,
+) -> Result<String, String> {
     match probe {
+        Probe::ControlPlane(gate) => super::control_plane::probe(host, gate, baseline, budget),
         Probe::HttpGet { url, expect_status } => match http::get(url, budget) {
             Ok(reply) if reply.status == *expect_status => Ok(format!("answered {}", reply.status)),
             Ok(reply) => Err(format!(
@@ -181,6 +192,17 @@ pub fn run_check(
     stop: &dyn Fn() -> bool,
     progress: &mut dyn FnMut(&str),
 ) -> CheckOutcome {
+    run_check_with(host, check, None, stop, progress)
+}
+
+/// [`run_check`] with the `controlPlane` gate's baseline from before the plan, if any.
+pub fn run_check_with(
+    host: &Host,
+    check: &Check,
+    baseline: Option<&super::control_plane::Baseline>,
+    stop: &dyn Fn() -> bool,
+    progress: &mut dyn FnMut(&str),
+) -> CheckOutcome {
     let start = Instant::now();
     let deadline = start + check.timeout;
     let mut attempts = 0;
@@ -190,7 +212,7 @@ pub fn run_check(
         // passes a gate of 60 s); at least 200 ms, so the last attempt is a real one.
         let left = deadline.saturating_duration_since(Instant::now());
         let budget = left.max(Duration::from_millis(200));
-        match probe_once(host, &check.probe, budget) {
+        match probe_once_with(host, &check.probe, baseline, budget) {
             Ok(seen) => {
                 return CheckOutcome {
                     passed: true,
