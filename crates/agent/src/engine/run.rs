@@ -897,7 +897,7 @@ impl Runner {
                 inner.table.set_message(run, format!("{name}: {msg}"));
             };
             let baseline = crate::steps::control_plane::recall(run, index);
-            let outcome = crate::steps::check::run_check_with(
+            let outcome = crate::steps::check::run_check(
                 &self.shared.host,
                 check,
                 baseline.as_ref(),

@@ -82,13 +82,9 @@ pub fn kubelet_version(host: &Host) -> Option<String> {
     parse_kubelet_version(&out.stdout)
 }
 
-/// One attempt of a probe: `Ok(observation)` when it passes, `Err(observation)` when not.
-pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String, String> {
-    probe_once_with(host, probe, None, budget)
-}
-
-/// [`probe_once`] with the `controlPlane` gate's baseline from before the plan, if any.
-pub fn probe_once_with(
+/// One attempt of a probe: `Ok(observation)` when it passes, `Err(observation)` when not;
+/// `baseline` is the `controlPlane` gate's from before the plan, if any.
+pub fn probe_once(
     host: &Host,
     probe: &Probe,
     baseline: Option<&super::control_plane::Baseline>,
@@ -185,18 +181,9 @@ pub fn parse_kubelet_version(out: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Polls a gate until it passes, its timeout runs out, or `stop()` says to give up.
+/// Polls a gate until it passes, its timeout runs out, or `stop()` says to give up;
+/// `baseline` is the `controlPlane` gate's from before the plan, if any.
 pub fn run_check(
-    host: &Host,
-    check: &Check,
-    stop: &dyn Fn() -> bool,
-    progress: &mut dyn FnMut(&str),
-) -> CheckOutcome {
-    run_check_with(host, check, None, stop, progress)
-}
-
-/// [`run_check`] with the `controlPlane` gate's baseline from before the plan, if any.
-pub fn run_check_with(
     host: &Host,
     check: &Check,
     baseline: Option<&super::control_plane::Baseline>,
@@ -212,7 +199,7 @@ pub fn run_check_with(
         // passes a gate of 60 s); at least 200 ms, so the last attempt is a real one.
         let left = deadline.saturating_duration_since(Instant::now());
         let budget = left.max(Duration::from_millis(200));
-        match probe_once_with(host, &check.probe, baseline, budget) {
+        match probe_once(host, &check.probe, baseline, budget) {
             Ok(seen) => {
                 return CheckOutcome {
                     passed: true,
@@ -282,7 +269,7 @@ mod tests {
             timeout: Duration::from_secs(30),
             period: Duration::from_secs(1),
         };
-        let outcome = run_check(&host, &check, &|| false, &mut |_| {});
+        let outcome = run_check(&host, &check, None, &|| false, &mut |_| {});
         assert!(outcome.passed, "{outcome:?}");
         assert_eq!(outcome.attempts, 1);
     }

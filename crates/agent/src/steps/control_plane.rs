@@ -365,7 +365,7 @@ fn advertise_endpoint(host: &Host) -> Option<String> {
         .get("annotations")?
         .get(ADVERTISE_ANNOTATION)?
         .as_str()?;
-    inplace_plan::check_endpoint(e).ok().map(|()| e.to_string())
+    inplace_plan::kinds::check_endpoint(e).ok().map(|()| e.to_string())
 }
 
 /// The node's kubelet credential, from its kubeconfig: the current context's user's client
