@@ -134,11 +134,13 @@ impl ControlPlane {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let mut roots = rustls::RootCertStore::empty();
         roots.add(ca.der().clone()).unwrap();
-        let verifier =
-            rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-                .allow_unauthenticated()
-                .build()
-                .unwrap();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .allow_unauthenticated()
+        .build()
+        .unwrap();
         let config = Arc::new(
             rustls::ServerConfig::builder_with_provider(provider)
                 .with_safe_default_protocol_versions()
@@ -157,7 +159,8 @@ impl ControlPlane {
             let root = root.clone();
             thread::spawn(move || {
                 for stream in api.incoming().flatten() {
-                    let (config, behaviour, root) = (config.clone(), behaviour.clone(), root.clone());
+                    let (config, behaviour, root) =
+                        (config.clone(), behaviour.clone(), root.clone());
                     thread::spawn(move || serve_api(stream, config, &behaviour, &root));
                 }
             });
@@ -190,14 +193,19 @@ impl ControlPlane {
              \"127.0.0.1:{}\", etcdMetrics: \"127.0.0.1:{}\", timeoutSeconds: 3, periodSeconds: 1}}\n",
             self.api_port, self.etcd_port
         );
-        self.node.plan_file(&format!("{}.yaml", id.replace('/', "_")), &text)
+        self.node
+            .plan_file(&format!("{}.yaml", id.replace('/', "_")), &text)
     }
 
     fn apply(&self, id: &str) -> (Value, String) {
         let plan = self.plan(id);
-        let out = self
-            .node
-            .agent(&["apply", "--no-chroot", "--output", "json", plan.to_str().unwrap()]);
+        let out = self.node.agent(&[
+            "apply",
+            "--no-chroot",
+            "--output",
+            "json",
+            plan.to_str().unwrap(),
+        ]);
         let status: Value = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|_| panic!("no status: {}", text(&out)));
         (status, text(&out))
@@ -273,9 +281,14 @@ fn serve_api(tcp: TcpStream, config: Arc<rustls::ServerConfig>, b: &Behaviour, r
         _ => "Service Unavailable",
     };
     let head = if chunked {
-        format!("HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        format!(
+            "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
     } else {
-        format!("HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n", body.len())
+        format!(
+            "HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
     };
     let _ = tls.write_all(head.as_bytes());
     if chunked {
@@ -342,7 +355,9 @@ fn serve_etcd(mut stream: TcpStream, b: &Behaviour) {
     };
     let (status, body) = match path.as_str() {
         "/health?serializable=true" => (200, r#"{"health":"true","reason":""}"#),
-        "/health" if b.etcd_leader.load(Ordering::SeqCst) => (200, r#"{"health":"true","reason":""}"#),
+        "/health" if b.etcd_leader.load(Ordering::SeqCst) => {
+            (200, r#"{"health":"true","reason":""}"#)
+        }
         "/health" => (503, r#"{"health":"false","reason":"RAFT NO LEADER"}"#),
         _ => (404, "404 page not found\n"),
     };
@@ -378,17 +393,26 @@ fn an_api_server_that_stays_unready_fails_the_gate_and_rolls_back() {
     assert_eq!(status["phase"], "RolledBack", "{out}");
     assert_eq!(status["error"]["kind"], "verification", "{out}");
     assert!(
-        status["error"]["step"].as_str().unwrap_or("").contains("controlPlane"),
+        status["error"]["step"]
+            .as_str()
+            .unwrap_or("")
+            .contains("controlPlane"),
         "{status}"
     );
     let d = detail(&status);
     assert!(d.starts_with("kube-apiserver: "), "{d}");
     assert!(
-        d.contains(&format!("https://127.0.0.1:{}/readyz answered 503", cp.api_port)),
+        d.contains(&format!(
+            "https://127.0.0.1:{}/readyz answered 503",
+            cp.api_port
+        )),
         "{d}"
     );
     assert!(d.contains("[-]etcd failed"), "{d}");
-    assert!(cp.apiserver_manifest().contains("v1.35.2"), "manifest restored");
+    assert!(
+        cp.apiserver_manifest().contains("v1.35.2"),
+        "manifest restored"
+    );
 }
 
 #[test]
@@ -400,7 +424,10 @@ fn a_mirror_pod_on_the_old_manifest_fails_the_gate_and_rolls_back() {
     let d = detail(&status);
     assert!(d.starts_with("kube-apiserver: mirror pod kube-system/kube-apiserver-cp-0 still runs the manifest from before the plan"), "{d}");
     assert!(d.contains("kubernetes.io/config.hash"), "{d}");
-    assert!(cp.apiserver_manifest().contains("v1.35.2"), "manifest restored");
+    assert!(
+        cp.apiserver_manifest().contains("v1.35.2"),
+        "manifest restored"
+    );
 }
 
 #[test]
@@ -412,9 +439,15 @@ fn etcd_without_a_leader_fails_the_gate_and_rolls_back() {
     let d = detail(&status);
     assert!(d.starts_with("etcd: the cluster has no leader"), "{d}");
     assert!(
-        d.contains(&format!("http://127.0.0.1:{}/health answered 503", cp.etcd_port)),
+        d.contains(&format!(
+            "http://127.0.0.1:{}/health answered 503",
+            cp.etcd_port
+        )),
         "{d}"
     );
     assert!(d.contains("RAFT NO LEADER"), "{d}");
-    assert!(cp.apiserver_manifest().contains("v1.35.2"), "manifest restored");
+    assert!(
+        cp.apiserver_manifest().contains("v1.35.2"),
+        "manifest restored"
+    );
 }

@@ -49,8 +49,15 @@ fn a_control_plane_version_bump_ends_with_the_control_plane_gate_and_a_worker_do
     };
     let node = NodeFacts::assumed("cp-0");
     let s = settings();
-    let t = translate_for(&desired, MachineRole::ControlPlane, &s, &node, &NoSecrets, &[])
-        .unwrap();
+    let t = translate_for(
+        &desired,
+        MachineRole::ControlPlane,
+        &s,
+        &node,
+        &NoSecrets,
+        &[],
+    )
+    .unwrap();
     assert!(t.restarts_control_plane);
     assert!(restarts_control_plane(&t.plan));
     assert_eq!(
@@ -64,14 +71,22 @@ fn a_control_plane_version_bump_ends_with_the_control_plane_gate_and_a_worker_do
     assert_eq!(g.etcd, EtcdTopology::Stacked);
     assert_eq!(
         g.components,
-        ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"]
+        [
+            "etcd",
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler"
+        ]
     );
     assert!(t.plan.verify[3].timeout.as_secs() >= 300);
 
     // The same desired state for a Machine the live objects call a worker: no gate.
     let w = translate_for(&desired, MachineRole::Worker, &s, &node, &NoSecrets, &[]).unwrap();
     assert!(!w.restarts_control_plane);
-    assert_eq!(gates(&w.plan.verify), ["unitActive", "httpGet", "kubeletVersion"]);
+    assert_eq!(
+        gates(&w.plan.verify),
+        ["unitActive", "httpGet", "kubeletVersion"]
+    );
 
     // External etcd: no etcd member or pod to check on the node.
     let mut external = bootstrap.clone();
@@ -81,8 +96,15 @@ fn a_control_plane_version_bump_ends_with_the_control_plane_gate_and_a_worker_do
         bootstrap: Some(&external),
         ..desired
     };
-    let t = translate_for(&desired, MachineRole::ControlPlane, &s, &node, &NoSecrets, &[])
-        .unwrap();
+    let t = translate_for(
+        &desired,
+        MachineRole::ControlPlane,
+        &s,
+        &node,
+        &NoSecrets,
+        &[],
+    )
+    .unwrap();
     let Some(Probe::ControlPlane(g)) = t.plan.verify.last().map(|c| &c.probe) else {
         panic!("{:?}", t.plan.verify);
     };
@@ -94,10 +116,7 @@ fn a_control_plane_version_bump_ends_with_the_control_plane_gate_and_a_worker_do
 fn a_file_only_control_plane_plan_has_no_gate_but_a_manifest_file_does() {
     let (mut machine, mut bootstrap) = control_plane_objects();
     // No version bump (the node's kubelet already runs it): files only.
-    machine["spec"]
-        .as_object_mut()
-        .unwrap()
-        .remove("version");
+    machine["spec"].as_object_mut().unwrap().remove("version");
     bootstrap["spec"]["joinConfiguration"]["nodeRegistration"]
         .as_object_mut()
         .unwrap()
@@ -109,8 +128,15 @@ fn a_file_only_control_plane_plan_has_no_gate_but_a_manifest_file_does() {
         infrastructure: None,
         bootstrap: Some(&bootstrap),
     };
-    let t = translate_for(&desired, MachineRole::ControlPlane, &s, &node, &NoSecrets, &[])
-        .unwrap();
+    let t = translate_for(
+        &desired,
+        MachineRole::ControlPlane,
+        &s,
+        &node,
+        &NoSecrets,
+        &[],
+    )
+    .unwrap();
     assert!(!t.restarts_control_plane);
     assert!(gates(&t.plan.verify).is_empty(), "{:?}", t.plan.verify);
 
@@ -124,8 +150,15 @@ fn a_file_only_control_plane_plan_has_no_gate_but_a_manifest_file_does() {
         bootstrap: Some(&with_manifest),
         ..desired
     };
-    let t = translate_for(&desired, MachineRole::ControlPlane, &s, &node, &NoSecrets, &[])
-        .unwrap();
+    let t = translate_for(
+        &desired,
+        MachineRole::ControlPlane,
+        &s,
+        &node,
+        &NoSecrets,
+        &[],
+    )
+    .unwrap();
     assert!(t.restarts_control_plane);
     assert_eq!(gates(&t.plan.verify), ["controlPlane"]);
 }
@@ -140,14 +173,30 @@ fn an_agent_without_the_gate_is_refused_for_a_control_plane_restart() {
     };
     let mut node = NodeFacts::assumed("cp-0");
     node.check_kinds.retain(|k| k != "controlPlane");
-    let e = translate_for(&desired, MachineRole::ControlPlane, &settings(), &node, &NoSecrets, &[])
-        .unwrap_err();
+    let e = translate_for(
+        &desired,
+        MachineRole::ControlPlane,
+        &settings(),
+        &node,
+        &NoSecrets,
+        &[],
+    )
+    .unwrap_err();
     assert!(
-        e.message.contains("the agent on node cp-0 cannot prove a control-plane node healthy"),
+        e.message
+            .contains("the agent on node cp-0 cannot prove a control-plane node healthy"),
         "{e}"
     );
     // A worker's plan does not need it.
-    translate_for(&desired, MachineRole::Worker, &settings(), &node, &NoSecrets, &[]).unwrap();
+    translate_for(
+        &desired,
+        MachineRole::Worker,
+        &settings(),
+        &node,
+        &NoSecrets,
+        &[],
+    )
+    .unwrap();
 }
 
 #[test]
@@ -181,6 +230,12 @@ async fn can_update_machine_says_a_control_plane_restart_affects_availability() 
     let mut req: Value = can_update_machine_request();
     req["settings"]["agentPort"] = json!(w.agent_port.to_string());
     req["settings"]["drain"] = json!("Never");
+    // The sandbox node has no package manager (the version is not covered): the plan's
+    // control-plane restart is a static pod manifest among the files.
+    for side in ["current", "desired"] {
+        req[side]["bootstrapConfig"]["spec"]["files"][0]["path"] =
+            json!("/etc/kubernetes/manifests/kube-vip.yaml");
+    }
     let name = req["desired"]["machine"]["metadata"]["name"]
         .as_str()
         .unwrap()

@@ -560,22 +560,22 @@ pub fn translate_for(
     };
     let validate = |document: &Value| {
         validate_value(document, "updater", &limits).map_err(|invalid| {
-        let first = invalid.errors.first();
-        let (field, message) = match first {
-            Some(e) => {
-                let source = e
-                    .field
-                    .strip_prefix("changes[")
-                    .and_then(|r| r.split_once(']'))
-                    .and_then(|(n, _)| n.parse::<usize>().ok())
-                    .and_then(|n| sources.get(n))
-                    .cloned()
-                    .unwrap_or_else(|| "plan".to_owned());
-                (source, format!("the plan would be invalid: {e}"))
-            }
-            None => ("plan".to_owned(), invalid.to_string()),
-        };
-        terr(field, message)
+            let first = invalid.errors.first();
+            let (field, message) = match first {
+                Some(e) => {
+                    let source = e
+                        .field
+                        .strip_prefix("changes[")
+                        .and_then(|r| r.split_once(']'))
+                        .and_then(|(n, _)| n.parse::<usize>().ok())
+                        .and_then(|n| sources.get(n))
+                        .cloned()
+                        .unwrap_or_else(|| "plan".to_owned());
+                    (source, format!("the plan would be invalid: {e}"))
+                }
+                None => ("plan".to_owned(), invalid.to_string()),
+            };
+            terr(field, message)
         })
     };
     let mut plan = validate(&document)?;

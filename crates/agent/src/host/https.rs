@@ -50,12 +50,11 @@ pub fn client(
     if added == 0 {
         return Err(format!("{origin}: no certificate usable as a trust anchor"));
     }
-    let builder = ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| format!("tls: {e}"))?
-    .with_root_certificates(roots);
+    let builder =
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("tls: {e}"))?
+            .with_root_certificates(roots);
     let config = match identity {
         Some(id) => builder
             .with_client_auth_cert(id.chain, id.key)
@@ -106,8 +105,8 @@ pub fn get(
     tcp.set_read_timeout(Some(left))
         .and_then(|()| tcp.set_write_timeout(Some(left)))
         .map_err(|e| format!("{url}: {e}"))?;
-    let conn = ClientConnection::new(config.clone(), name)
-        .map_err(|e| format!("{url}: tls: {e}"))?;
+    let conn =
+        ClientConnection::new(config.clone(), name).map_err(|e| format!("{url}: tls: {e}"))?;
     let mut tls = StreamOwned::new(conn, tcp);
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: inplace-agent/{}\r\n\
@@ -234,8 +233,11 @@ mod tests {
         assert_eq!(r.body, b"until close");
         assert!(parse_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\nx", 10).is_err());
         assert!(
-            parse_reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nff\r\nab", 10)
-                .is_err()
+            parse_reply(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nff\r\nab",
+                10
+            )
+            .is_err()
         );
         assert!(parse_reply(b"SSH-2.0\r\n\r\n", 10).is_err());
     }

@@ -53,7 +53,8 @@ pub const API_SERVER_NAME: &str = "kubernetes";
 /// Where the API server listens when nothing says otherwise.
 pub const API_SERVER_DEFAULT: &str = "127.0.0.1:6443";
 /// The annotation kubeadm writes the API server's advertise endpoint into.
-pub const ADVERTISE_ANNOTATION: &str = "kubeadm.kubernetes.io/kube-apiserver.advertise-address.endpoint";
+pub const ADVERTISE_ANNOTATION: &str =
+    "kubeadm.kubernetes.io/kube-apiserver.advertise-address.endpoint";
 /// The kubelet's hash of the static pod a mirror pod stands for.
 pub const CONFIG_HASH: &str = "kubernetes.io/config.hash";
 /// The kubelet's mark of a mirror pod (the hash of the static pod it mirrors).
@@ -314,7 +315,11 @@ fn failed_checks(body: &[u8]) -> String {
         .take(8)
         .collect();
     let said = if failed.is_empty() {
-        text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
+        text.lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .unwrap_or("")
+            .to_string()
     } else {
         failed.join(", ")
     };
@@ -339,7 +344,9 @@ fn read_file(host: &Host, path: &str) -> Result<Option<Vec<u8>>, String> {
     let p = NodePath::parse(path).map_err(|e| format!("{path}: {e}"))?;
     match host.root.meta(&p) {
         Ok(Some((_, size))) if size > MAX_FILE => {
-            return Err(format!("{path}: {size} bytes, more than the {MAX_FILE} read"));
+            return Err(format!(
+                "{path}: {size} bytes, more than the {MAX_FILE} read"
+            ));
         }
         Ok(_) => {}
         Err(e) => return Err(e.to_string()),
@@ -365,7 +372,9 @@ fn advertise_endpoint(host: &Host) -> Option<String> {
         .get("annotations")?
         .get(ADVERTISE_ANNOTATION)?
         .as_str()?;
-    inplace_plan::kinds::check_endpoint(e).ok().map(|()| e.to_string())
+    inplace_plan::kinds::check_endpoint(e)
+        .ok()
+        .map(|()| e.to_string())
 }
 
 /// The node's kubelet credential, from its kubeconfig: the current context's user's client
@@ -374,7 +383,8 @@ fn advertise_endpoint(host: &Host) -> Option<String> {
 fn kubelet_identity(host: &Host) -> Result<https::ClientIdentity, String> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let bytes = read_file(host, KUBELET_CONF)?.ok_or_else(|| format!("{KUBELET_CONF} is missing"))?;
+    let bytes =
+        read_file(host, KUBELET_CONF)?.ok_or_else(|| format!("{KUBELET_CONF} is missing"))?;
     let conf: Value = serde_yaml_ng::from_slice(&bytes)
         .map_err(|_| format!("{KUBELET_CONF} is not a YAML kubeconfig"))?;
     let named = |list: &str, name: &str| -> Option<Value> {
@@ -469,8 +479,8 @@ impl Api {
             Ok(id) => (Some(id), None),
             Err(e) => (None, Some(e)),
         };
-        let config = https::client(&ca, CLUSTER_CA, identity)
-            .map_err(|e| format!("kube-apiserver: {e}"))?;
+        let config =
+            https::client(&ca, CLUSTER_CA, identity).map_err(|e| format!("kube-apiserver: {e}"))?;
         Ok(Api {
             addr,
             config,
@@ -482,9 +492,16 @@ impl Api {
         https::get(&self.config, &self.addr, API_SERVER_NAME, path, budget, max)
     }
 
-    fn mirror_pod(&self, node: &str, component: &str, budget: Duration) -> Result<MirrorPod, String> {
+    fn mirror_pod(
+        &self,
+        node: &str,
+        component: &str,
+        budget: Duration,
+    ) -> Result<MirrorPod, String> {
         if let Some(why) = &self.no_identity {
-            return Err(format!("cannot read it without the kubelet's credential: {why}"));
+            return Err(format!(
+                "cannot read it without the kubelet's credential: {why}"
+            ));
         }
         let path = format!("/api/v1/namespaces/kube-system/pods/{component}-{node}");
         let url = format!("https://{}{path}", self.addr);
@@ -521,7 +538,10 @@ impl Api {
         let why_not_ready = if ready {
             None
         } else {
-            let phase = v.pointer("/status/phase").and_then(Value::as_str).unwrap_or("");
+            let phase = v
+                .pointer("/status/phase")
+                .and_then(Value::as_str)
+                .unwrap_or("");
             let reason = ready_cond
                 .and_then(|c| c.get("reason").or_else(|| c.get("message")))
                 .and_then(Value::as_str)

@@ -96,13 +96,8 @@ impl ControlPlaneGate {
     }
 
     /// The keys of the body besides the common ones.
-    pub const KEYS: [&'static str; 5] = [
-        "nodeName",
-        "components",
-        "etcd",
-        "apiServer",
-        "etcdMetrics",
-    ];
+    pub const KEYS: [&'static str; 5] =
+        ["nodeName", "components", "etcd", "apiServer", "etcdMetrics"];
 
     /// Reads the body `m` at field path `path`, reporting problems through `cx`.
     pub(crate) fn parse(cx: &mut Cx<'_>, path: &str, m: &Map<String, Value>) -> Option<Self> {
@@ -183,7 +178,8 @@ impl ControlPlaneGate {
             }
         };
         let api_server = endpoint(cx, "apiServer")?;
-        let etcd_metrics = endpoint(cx, "etcdMetrics")?.unwrap_or_else(|| ETCD_METRICS_DEFAULT.into());
+        let etcd_metrics =
+            endpoint(cx, "etcdMetrics")?.unwrap_or_else(|| ETCD_METRICS_DEFAULT.into());
         Some(ControlPlaneGate {
             node_name,
             components,
@@ -215,6 +211,68 @@ pub fn check_endpoint(s: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Limits, Probe, parse_plan};
+
+    fn gate(body: &str) -> Result<ControlPlaneGate, String> {
+        let yaml = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: a/b@c\nverify:\n  - controlPlane: {body}\n"
+        );
+        match parse_plan(yaml.as_bytes(), "t.yaml", &Limits::default()) {
+            Ok(plan) => match &plan.verify[0].probe {
+                Probe::ControlPlane(g) => {
+                    // The canonical form reads back as the same plan.
+                    let again =
+                        crate::validate_value(&plan.canonical_json(), "c", &Limits::default())
+                            .map_err(|e| e.to_string())?;
+                    assert_eq!(again, plan);
+                    Ok(g.clone())
+                }
+                other => panic!("{other:?}"),
+            },
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    #[test]
+    fn defaults_follow_the_etcd_topology() {
+        let g = gate("{nodeName: cp-0}").unwrap();
+        assert_eq!(g.etcd, EtcdTopology::Stacked);
+        assert_eq!(g.components, CONTROL_PLANE_COMPONENTS);
+        assert_eq!(g.api_server, None);
+        assert_eq!(g.etcd_metrics, ETCD_METRICS_DEFAULT);
+        let g = gate("{nodeName: cp-0, etcd: external, apiServer: \"10.0.0.1:6443\"}").unwrap();
+        assert_eq!(
+            g.components,
+            [
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kube-scheduler"
+            ]
+        );
+        assert_eq!(g.api_server.as_deref(), Some("10.0.0.1:6443"));
+    }
+
+    #[test]
+    fn bad_bodies_name_their_field() {
+        let e = gate("{etcd: stacked}").unwrap_err();
+        assert!(e.contains("verify[0].controlPlane.nodeName"), "{e}");
+        let e = gate("{nodeName: cp-0, components: [kube-proxy]}").unwrap_err();
+        assert!(
+            e.contains("\"kube-proxy\" is not a kubeadm control-plane static pod"),
+            "{e}"
+        );
+        let e = gate("{nodeName: cp-0, etcd: external, components: [etcd]}").unwrap_err();
+        assert!(
+            e.contains("etcd runs on the node only when etcd is stacked"),
+            "{e}"
+        );
+        let e = gate("{nodeName: cp-0, etcd: local}").unwrap_err();
+        assert!(e.contains("verify[0].controlPlane.etcd"), "{e}");
+        let e = gate("{nodeName: cp-0, apiServer: \"https://x:6443\"}").unwrap_err();
+        assert!(e.contains("verify[0].controlPlane.apiServer"), "{e}");
+        let e = gate("{nodeName: cp-0, components: [etcd, etcd]}").unwrap_err();
+        assert!(e.contains("named twice"), "{e}");
+    }
 
     #[test]
     fn endpoints_are_host_and_port() {
