@@ -182,6 +182,15 @@ pub fn plan_to_pb(plan: &Plan) -> pb::Plan {
                     timeout_seconds,
                     period_seconds,
                 }),
+                Probe::ControlPlane(g) => Kind::ControlPlane(pb::ControlPlaneCheck {
+                    node_name: g.node_name.clone(),
+                    components: g.components.clone(),
+                    etcd: g.etcd.as_str().to_owned(),
+                    api_server: g.api_server.clone().unwrap_or_default(),
+                    etcd_metrics: g.etcd_metrics.clone(),
+                    timeout_seconds,
+                    period_seconds,
+                }),
             };
             pb::Check { kind: Some(kind) }
         })
@@ -516,6 +525,22 @@ fn check(check: &pb::Check) -> Value {
             m.insert("argv".into(), json!(c.argv));
             ("command", c.timeout_seconds, c.period_seconds)
         }
+        Kind::ControlPlane(c) => {
+            m.insert("nodeName".into(), json!(c.node_name));
+            if !c.components.is_empty() {
+                m.insert("components".into(), json!(c.components));
+            }
+            for (key, v) in [
+                ("etcd", &c.etcd),
+                ("apiServer", &c.api_server),
+                ("etcdMetrics", &c.etcd_metrics),
+            ] {
+                if !v.is_empty() {
+                    m.insert(key.into(), json!(v));
+                }
+            }
+            ("controlPlane", c.timeout_seconds, c.period_seconds)
+        }
     };
     put_u32(&mut m, "timeoutSeconds", timeout);
     put_u32(&mut m, "periodSeconds", period);
@@ -571,6 +596,8 @@ verify:
   - httpGet: {url: "http://127.0.0.1:10248/healthz", expectStatus: 204, timeoutSeconds: 30}
   - kubeletVersion: {version: v1.31.2, periodSeconds: 3}
   - command: {argv: [/usr/bin/true]}
+  - controlPlane: {nodeName: cp-0, components: [kube-apiserver, etcd], etcd: stacked,
+                   apiServer: "10.0.0.10:6443", etcdMetrics: "127.0.0.1:2381", timeoutSeconds: 300}
 "#;
 
     /// ... and the same plan as a wire message.
@@ -676,6 +703,15 @@ verify:
                     timeout_seconds: 0,
                     period_seconds: 0,
                 })),
+                check(C::ControlPlane(pb::ControlPlaneCheck {
+                    node_name: "cp-0".into(),
+                    components: strings(&["kube-apiserver", "etcd"]),
+                    etcd: "stacked".into(),
+                    api_server: "10.0.0.10:6443".into(),
+                    etcd_metrics: "127.0.0.1:2381".into(),
+                    timeout_seconds: 300,
+                    period_seconds: 0,
+                })),
             ],
         }
     }
@@ -689,7 +725,7 @@ verify:
         assert_eq!(from_wire, from_file);
         assert_eq!(from_wire.digest(), from_file.digest());
         assert_eq!(from_wire.changes.len(), 12);
-        assert_eq!(from_wire.verify.len(), 4);
+        assert_eq!(from_wire.verify.len(), 5);
     }
 
     #[test]

@@ -273,6 +273,7 @@ fn check_value(c: &Check) -> Value {
         Probe::HttpGet { url, expect_status } => json!({"url": url, "expectStatus": expect_status}),
         Probe::KubeletVersion { version } => json!({"version": version}),
         Probe::Command { argv } => json!({"argv": argv}),
+        Probe::ControlPlane(g) => g.canonical(),
     };
     if let Value::Object(m) = &mut body {
         m.insert("timeoutSeconds".into(), json!(c.timeout.as_secs()));

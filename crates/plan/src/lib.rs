@@ -24,10 +24,10 @@ use std::time::Duration;
 
 pub use error::{FieldError, InvalidPlan};
 pub use kinds::{
-    AbsentChange, ArtifactChange, Change, ChangeKind, DropIn, ExecChange, FileChange,
-    KUBEADM_FLAGS_PATH, KUBELET_CONFIG_PATH, KUBELET_UNIT, Kind, KubeadmUpgradeNodeChange,
-    KubeletConfigChange, KubeletFlagsChange, PackageChange, RebootChange, SysctlChange, UnitChange,
-    UnitState, sysctl_conf_path,
+    AbsentChange, ArtifactChange, Change, ChangeKind, ControlPlaneGate, DropIn, EtcdTopology,
+    ExecChange, FileChange, KUBEADM_FLAGS_PATH, KUBELET_CONFIG_PATH, KUBELET_UNIT, Kind,
+    KubeadmUpgradeNodeChange, KubeletConfigChange, KubeletFlagsChange, PackageChange, RebootChange,
+    SysctlChange, UnitChange, UnitState, sysctl_conf_path,
 };
 pub use parse::{
     API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,
@@ -230,6 +230,9 @@ pub enum Probe {
         /// Program and arguments.
         argv: Vec<String>,
     },
+    /// A kubeadm control-plane node is healthy: API server ready, static pods on the
+    /// current manifests, the local etcd member and quorum (`controlPlane`).
+    ControlPlane(ControlPlaneGate),
 }
 
 impl Probe {
@@ -240,6 +243,7 @@ impl Probe {
             Probe::HttpGet { .. } => "httpGet",
             Probe::KubeletVersion { .. } => "kubeletVersion",
             Probe::Command { .. } => "command",
+            Probe::ControlPlane(_) => "controlPlane",
         }
     }
 
@@ -250,6 +254,7 @@ impl Probe {
             Probe::HttpGet { url, .. } => url.clone(),
             Probe::KubeletVersion { version } => version.clone(),
             Probe::Command { argv } => argv.join(" "),
+            Probe::ControlPlane(g) => g.target(),
         }
     }
 }

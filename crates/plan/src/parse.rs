@@ -915,7 +915,13 @@ impl Cx<'_> {
     fn check(&mut self, index: usize, v: &Value) -> Option<Check> {
         let base = format!("verify[{index}]");
         let m = self.object(&base, v)?;
-        const PROBES: [&str; 4] = ["unitActive", "httpGet", "kubeletVersion", "command"];
+        const PROBES: [&str; 5] = [
+            "unitActive",
+            "httpGet",
+            "kubeletVersion",
+            "command",
+            "controlPlane",
+        ];
         if m.len() != 1 {
             self.err(
                 &base,
@@ -985,6 +991,10 @@ impl Cx<'_> {
                         return None;
                     }
                 }
+            }
+            "controlPlane" => {
+                self.known_keys(&path, m, &with(&ControlPlaneGate::KEYS));
+                Probe::ControlPlane(ControlPlaneGate::parse(self, &path, m)?)
             }
             _ => {
                 self.known_keys(&path, m, &with(&["argv"]));

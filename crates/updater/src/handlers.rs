@@ -762,12 +762,14 @@ impl Updater {
             Ok(w) => w,
             Err(m) => return not_covered(Why::whole(Class::Lookup, m)),
         };
-        let translation = translate_removing(
+        // The role is the live Machine's (its labels and owners), never the request's.
+        let translation = super::translate::translate_for(
             &Desired {
                 machine: &desired.value,
                 infrastructure: infra.as_ref().map(|o| &o.value),
                 bootstrap: desired_b.as_ref().map(|o| &o.value),
             },
+            super::translate::MachineRole::of(&live),
             settings,
             &facts,
             &fetched,
@@ -828,7 +830,9 @@ impl Updater {
                 machine_patch,
                 infrastructure_machine_patch: None,
                 bootstrap_config_patch: bootstrap_patch,
-                affects_availability: if drains {
+                // A restarted API server or etcd member is a control-plane node out of
+                // service (decision 0019), drained or not.
+                affects_availability: if drains || translation.restarts_control_plane {
                     Some(true)
                 } else {
                     (complete && none).then_some(false)

@@ -15,7 +15,11 @@
 //!   when it prepares the plan and journals that. On a node without a package manager the
 //!   version is only verified (`kubeletVersion` gate);
 //! - gates: `kubeletVersion` for the version; after a kubelet restart (flags or packages)
-//!   `unitActive kubelet.service` and the kubelet healthz, when the agent manages services.
+//!   `unitActive kubelet.service` and the kubelet healthz, when the agent manages services;
+//!   on a control-plane Machine ([`MachineRole`], read from the live Machine) whose plan
+//!   restarts a control-plane component (`kubeadmUpgradeNode`, a change under
+//!   `/etc/kubernetes/manifests`), `controlPlane` last: the API server ready, the static pods
+//!   on their new manifests, the local etcd member and the quorum (decision 0019).
 //!
 //! Nothing here does I/O: Secrets come in through [`SecretSource`], the node's abilities as
 //! [`NodeFacts`], the paths the bootstrap data wrote as a list. The plan id is
@@ -70,7 +74,7 @@ impl NodeFacts {
                 "kubeadmUpgradeNode",
                 "reboot",
             ]),
-            check_kinds: s(&["unitActive", "httpGet", "kubeletVersion"]),
+            check_kinds: s(&["unitActive", "httpGet", "kubeletVersion", "controlPlane"]),
             features: s(&[FEATURE_PRUNE, FEATURE_VERSION_PATTERN]),
             services_managed: true,
             package_manager: "apt".into(),
@@ -176,7 +180,77 @@ pub struct Translation {
     pub document: Value,
     /// The validated plan (what goes on the wire, through `rpc::convert::plan_to_pb`).
     pub plan: Plan,
+    /// The plan restarts a component of a control-plane node (so it carries the
+    /// `controlPlane` gate, and affects availability: `CanUpdateMachine` says so).
+    pub restarts_control_plane: bool,
 }
+
+/// Which kind of Machine a plan is for: a control-plane Machine gets the `controlPlane` gate
+/// on plans that restart one of its components.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MachineRole {
+    /// Owned by a KubeadmControlPlane, or labelled `cluster.x-k8s.io/control-plane`.
+    ControlPlane,
+    /// Anything else.
+    Worker,
+}
+
+/// The label Cluster API puts on every control-plane Machine (`MachineControlPlaneLabel`,
+/// cluster-api `api/core/v1beta2/machine_types.go`).
+pub const CONTROL_PLANE_LABEL: &str = "cluster.x-k8s.io/control-plane";
+
+/// The static pod manifests of a kubeadm node: a change under it restarts a component.
+pub const MANIFESTS_DIR: &str = "/etc/kubernetes/manifests/";
+
+impl MachineRole {
+    /// The role of `machine` (a Machine object as read): the control-plane label, or an
+    /// owner reference to a KubeadmControlPlane. Handlers pass the **live** Machine, never
+    /// the request's (decision 0015).
+    pub fn of(machine: &Value) -> MachineRole {
+        let labelled = machine
+            .pointer("/metadata/labels")
+            .and_then(Value::as_object)
+            .is_some_and(|l| l.contains_key(CONTROL_PLANE_LABEL));
+        let owned = machine
+            .pointer("/metadata/ownerReferences")
+            .and_then(Value::as_array)
+            .is_some_and(|refs| {
+                refs.iter()
+                    .any(|r| r.get("kind").and_then(Value::as_str) == Some("KubeadmControlPlane"))
+            });
+        if labelled || owned {
+            MachineRole::ControlPlane
+        } else {
+            MachineRole::Worker
+        }
+    }
+}
+
+/// Whether `plan` restarts a control-plane component on a kubeadm node: it runs `kubeadm
+/// upgrade node` (which rewrites the static pod manifests) or writes or removes a path under
+/// `/etc/kubernetes/manifests/` (the kubelet restarts the static pod) — pure.
+pub fn restarts_control_plane(plan: &Plan) -> bool {
+    plan.changes.iter().any(|c| {
+        matches!(c, inplace_plan::Change::KubeadmUpgradeNode(_))
+            || c.spec()
+                .writes()
+                .iter()
+                .any(|w| w.path.to_string().starts_with(MANIFESTS_DIR))
+    })
+}
+
+/// The etcd topology of a KubeadmConfig spec: `external` when
+/// `clusterConfiguration.etcd.external` is set, else `stacked` (kubeadm's local etcd).
+fn etcd_topology(bootstrap: Option<&Value>) -> &'static str {
+    let external = bootstrap
+        .and_then(|b| b.pointer("/spec/clusterConfiguration/etcd/external"))
+        .is_some_and(|e| !e.is_null());
+    if external { "external" } else { "stacked" }
+}
+
+/// The least time the `controlPlane` gate gets: an API server and etcd restarted by
+/// `kubeadm upgrade node` take tens of seconds to be ready again.
+pub const CONTROL_PLANE_GATE_MIN_SECONDS: u32 = 300;
 
 /// `<namespace>/<machine>@<first 12 hex of sha256 over the desired specs>`: the specs of the
 /// Machine, InfraMachine and BootstrapConfig, each in canonical JSON (keys sorted), so the
@@ -327,6 +401,22 @@ pub fn translate_removing(
     secrets: &dyn SecretSource,
     bootstrap_written: &[String],
 ) -> Result<Translation, TranslateError> {
+    let role = MachineRole::of(desired.machine);
+    translate_for(desired, role, settings, node, secrets, bootstrap_written)
+}
+
+/// [`translate_removing`] for a Machine of `role`, as read from the live Machine
+/// ([`MachineRole::of`]): on a control-plane Machine, a plan that restarts a control-plane
+/// component ([`restarts_control_plane`]) ends with the `controlPlane` gate; an agent that
+/// cannot run it is refused (an older agent would call the node done unproven).
+pub fn translate_for(
+    desired: &Desired<'_>,
+    role: MachineRole,
+    settings: &Settings,
+    node: &NodeFacts,
+    secrets: &dyn SecretSource,
+    bootstrap_written: &[String],
+) -> Result<Translation, TranslateError> {
     let machine_spec = desired.machine.get("spec").unwrap_or(&Value::Null);
     let mut changes: Vec<Value> = Vec::new();
     let mut sources: Vec<String> = Vec::new();
@@ -455,7 +545,7 @@ pub fn translate_removing(
     if node.feature(FEATURE_PRUNE) && desired.bootstrap.is_some() {
         options.insert("prune".into(), json!({"set": FILES_SET}));
     }
-    let document = json!({
+    let mut document = json!({
         "apiVersion": inplace_plan::API_VERSION,
         "kind": "Plan",
         "id": id,
@@ -468,25 +558,57 @@ pub fn translate_removing(
         allow: AllowList::everything(),
         ..Limits::default()
     };
-    let plan = validate_value(&document, "updater", &limits).map_err(|invalid| {
-        let first = invalid.errors.first();
-        let (field, message) = match first {
-            Some(e) => {
-                let source = e
-                    .field
-                    .strip_prefix("changes[")
-                    .and_then(|r| r.split_once(']'))
-                    .and_then(|(n, _)| n.parse::<usize>().ok())
-                    .and_then(|n| sources.get(n))
-                    .cloned()
-                    .unwrap_or_else(|| "plan".to_owned());
-                (source, format!("the plan would be invalid: {e}"))
-            }
-            None => ("plan".to_owned(), invalid.to_string()),
-        };
-        terr(field, message)
-    })?;
-    Ok(Translation { id, document, plan })
+    let validate = |document: &Value| {
+        validate_value(document, "updater", &limits).map_err(|invalid| {
+            let first = invalid.errors.first();
+            let (field, message) = match first {
+                Some(e) => {
+                    let source = e
+                        .field
+                        .strip_prefix("changes[")
+                        .and_then(|r| r.split_once(']'))
+                        .and_then(|(n, _)| n.parse::<usize>().ok())
+                        .and_then(|n| sources.get(n))
+                        .cloned()
+                        .unwrap_or_else(|| "plan".to_owned());
+                    (source, format!("the plan would be invalid: {e}"))
+                }
+                None => ("plan".to_owned(), invalid.to_string()),
+            };
+            terr(field, message)
+        })
+    };
+    let mut plan = validate(&document)?;
+    let restarts = role == MachineRole::ControlPlane && restarts_control_plane(&plan);
+    if restarts {
+        if !node.check("controlPlane") {
+            return Err(terr(
+                "machine.spec",
+                format!(
+                    "the agent on node {} cannot prove a control-plane node healthy (no \
+                     controlPlane gate), so this control-plane change would be called done \
+                     while its API server or etcd may still be restarting; upgrade \
+                     inplace-agent on the node",
+                    node.node_name
+                ),
+            ));
+        }
+        let gate = json!({"controlPlane": {
+            "nodeName": node.node_name,
+            "etcd": etcd_topology(desired.bootstrap),
+            "timeoutSeconds": settings.gate_timeout_seconds.max(CONTROL_PLANE_GATE_MIN_SECONDS),
+        }});
+        if let Some(v) = document.get_mut("verify").and_then(Value::as_array_mut) {
+            v.push(gate);
+        }
+        plan = validate(&document)?;
+    }
+    Ok(Translation {
+        id,
+        document,
+        plan,
+        restarts_control_plane: restarts,
+    })
 }
 
 /// The paths of `written` that no `file` change of `changes` writes, in order, once each.

@@ -334,6 +334,8 @@ impl Runner {
         let plan = resolved.as_deref().unwrap_or(plan);
         self.admit(plan)?;
         self.fetch_artifacts(run, plan)?;
+        // The control-plane gates' "before" (steps::control_plane), now that nothing changed.
+        crate::steps::control_plane::capture(&self.shared.host, run, plan);
         self.phase(run, Phase::Applying, None)?;
         Ok(())
     }
@@ -895,8 +897,14 @@ impl Runner {
                 let mut inner = self.shared.lock();
                 inner.table.set_message(run, format!("{name}: {msg}"));
             };
-            let outcome =
-                crate::steps::check::run_check(&self.shared.host, check, &stop, &mut progress);
+            let baseline = crate::steps::control_plane::recall(run, index);
+            let outcome = crate::steps::check::run_check(
+                &self.shared.host,
+                check,
+                baseline.as_ref(),
+                &stop,
+                &mut progress,
+            );
             let message = self.with_unit_failures(run, outcome.message.clone(), outcome.passed);
             self.record(
                 Record::CheckDone {

@@ -7,6 +7,7 @@ pub mod dnf;
 pub mod download;
 pub(crate) mod fs;
 pub(crate) mod http;
+pub(crate) mod https;
 pub(crate) mod locks;
 pub(crate) mod memory;
 pub(crate) mod node;

@@ -292,6 +292,7 @@ fn supported_check_kinds(services: bool, capabilities: &crate::steps::Capabiliti
     }
     kinds.push("httpGet".to_owned());
     kinds.push("kubeletVersion".to_owned());
+    kinds.push("controlPlane".to_owned());
     if capabilities.exec_allowed {
         kinds.push("command".to_owned());
     }

@@ -311,7 +311,13 @@ fn outcome_label(outcome: UnitJobOutcome) -> &'static str {
 
 /// The check kinds plans can name (a bounded label).
 fn check_kind_label(kind: &str) -> &'static str {
-    const KINDS: [&str; 4] = ["httpGet", "command", "unitActive", "kubeletVersion"];
+    const KINDS: [&str; 5] = [
+        "httpGet",
+        "command",
+        "unitActive",
+        "kubeletVersion",
+        "controlPlane",
+    ];
     KINDS.into_iter().find(|k| *k == kind).unwrap_or("other")
 }
 

@@ -76,9 +76,16 @@ pub fn kubelet_version(host: &Host) -> Option<String> {
     parse_kubelet_version(&out.stdout)
 }
 
-/// One attempt of a probe: `Ok(observation)` when it passes, `Err(observation)` when not.
-pub fn probe_once(host: &Host, probe: &Probe, budget: Duration) -> Result<String, String> {
+/// One attempt of a probe: `Ok(observation)` when it passes, `Err(observation)` when not;
+/// `baseline` is the `controlPlane` gate's from before the plan, if any.
+pub fn probe_once(
+    host: &Host,
+    probe: &Probe,
+    baseline: Option<&super::control_plane::Baseline>,
+    budget: Duration,
+) -> Result<String, String> {
     match probe {
+        Probe::ControlPlane(gate) => super::control_plane::probe(host, gate, baseline, budget),
         Probe::HttpGet { url, expect_status } => match http::get(url, budget) {
             Ok(reply) if reply.status == *expect_status => Ok(format!("answered {}", reply.status)),
             Ok(reply) => Err(format!(
@@ -165,10 +172,12 @@ pub fn parse_kubelet_version(out: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Polls a gate until it passes, its timeout runs out, or `stop()` says to give up.
+/// Polls a gate until it passes, its timeout runs out, or `stop()` says to give up;
+/// `baseline` is the `controlPlane` gate's from before the plan, if any.
 pub fn run_check(
     host: &Host,
     check: &Check,
+    baseline: Option<&super::control_plane::Baseline>,
     stop: &dyn Fn() -> bool,
     progress: &mut dyn FnMut(&str),
 ) -> CheckOutcome {
@@ -181,7 +190,7 @@ pub fn run_check(
         // passes a gate of 60 s); at least 200 ms, so the last attempt is a real one.
         let left = deadline.saturating_duration_since(Instant::now());
         let budget = left.max(Duration::from_millis(200));
-        match probe_once(host, &check.probe, budget) {
+        match probe_once(host, &check.probe, baseline, budget) {
             Ok(seen) => {
                 return CheckOutcome {
                     passed: true,
@@ -251,7 +260,7 @@ mod tests {
             timeout: Duration::from_secs(30),
             period: Duration::from_secs(1),
         };
-        let outcome = run_check(&host, &check, &|| false, &mut |_| {});
+        let outcome = run_check(&host, &check, None, &|| false, &mut |_| {});
         assert!(outcome.passed, "{outcome:?}");
         assert_eq!(outcome.attempts, 1);
     }

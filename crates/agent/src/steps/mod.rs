@@ -9,6 +9,7 @@
 
 pub mod artifact;
 pub mod check;
+pub mod control_plane;
 pub mod kubeadm;
 mod node;
 pub mod package;

@@ -25,6 +25,7 @@ use inplace_base::StepError;
 
 mod absent;
 mod artifact;
+mod control_plane;
 mod drift;
 mod exec;
 mod file;
@@ -40,6 +41,9 @@ mod unit;
 
 pub use absent::AbsentChange;
 pub use artifact::ArtifactChange;
+pub use control_plane::{
+    CONTROL_PLANE_COMPONENTS, ControlPlaneGate, ETCD_METRICS_DEFAULT, EtcdTopology, check_endpoint,
+};
 pub use drift::{Difference, differences};
 pub use exec::ExecChange;
 pub use file::FileChange;
