@@ -195,7 +195,8 @@ fn config(i: usize) -> Value {
 /// The ExtensionConfig's settings, which every request carries.
 fn request_settings(port: u16) -> Value {
     // No workload cluster here: the drain (one CheckPlan more per new plan) is off.
-    json!({"agentPort": port.to_string(), "drain": "Never"})
+    // Gates wait up to 10 minutes (`--done` has a 3 min plan).
+    json!({"agentPort": port.to_string(), "drain": "Never", "gateTimeoutSeconds": "600"})
 }
 
 fn request(i: usize, port: u16) -> Vec<u8> {
@@ -497,8 +498,7 @@ async fn done_machine(
     api: Arc<ApiStandin>,
     i: usize,
     port: u16,
-    seconds: u64,
-    plans: usize,
+    (seconds, plans): (u64, usize),
     root: PathBuf,
 ) -> Result<Vec<(f64, usize, f64)>, String> {
     let mut client = CapiClient::new(addr, HOST, &ca).map_err(|e| e.to_string())?;
@@ -603,7 +603,7 @@ fn done_main(o: &Options) -> Result<(), Error> {
             .arg(&client_cert.key)
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .env("INPLACE_UPDATER_LOG", "warn");
+            .env("INPLACE_UPDATER_LOG", "warn,inplace_updater::cli=info");
         let updater = tokio::task::block_in_place(|| {
             Daemon::start(cmd, Ready::LogFile(dir.join("updater.log")))
         })
@@ -619,8 +619,7 @@ fn done_main(o: &Options) -> Result<(), Error> {
                 api.clone(),
                 i,
                 port,
-                seconds,
-                plans,
+                (seconds, plans),
                 root,
             )));
         }

@@ -44,6 +44,7 @@ fn without_chroot_kubeadm_is_the_trees_own_run_in_the_tree_never_the_agents() {
     let root = node.root().canonicalize().unwrap();
     // The tree's kubeadm records where it ran, the root it was told, and its arguments.
     let record = node.path("var/log/kubeadm-ran");
+    std::fs::create_dir_all(node.path("var/log")).unwrap();
     script(
         &node.path("usr/bin/kubeadm"),
         &format!(

@@ -7,10 +7,11 @@
 //! Cluster API) and gives a call 10 s (`DefaultHandlersTimeoutSeconds`; the discovery
 //! response's `timeoutSeconds`). A plan that ends between two calls is reported done at the
 //! next one, so the wait after the end is at most the retry. Estimates cannot space the
-//! calls: they are wrong both ways (a `kubeadm upgrade node` estimated at 20 s that had
-//! nothing to do ended after 0.09 s, and a 13.8 s Machine came of a 3.09 s plan answered
-//! "10 s"), so an estimate-paced retry costs up to the whole retry whenever the node is
-//! faster than its estimate. So (docs/decisions/0018-done-when-the-node-is-done.md):
+//! calls: they are wrong both ways (a package or `kubeadm upgrade node` step may have
+//! nothing to do; issue 45 measured a Machine done after 13.8 s whose plan ran 3.09 s,
+//! answered "10 s" by the estimate), so an estimate-paced retry costs up to the whole retry
+//! whenever the node is faster than its estimate. So
+//! (docs/decisions/0018-done-when-the-node-is-done.md):
 //!
 //! - a call about a running plan [`Next::Hold`]s: it waits up to the hold window
 //!   (`updateWaitSeconds`, 3 s) for the plan's terminal status, which the `WatchPlan` stream
