@@ -55,6 +55,7 @@ mod updater_packaging;
 mod updater_progress;
 mod updater_rbac;
 mod updater_retry;
+mod updater_skew;
 mod updater_translate;
 mod updater_trust;
 mod updater_why;

@@ -525,6 +525,10 @@ impl Updater {
             return can_update_machine_set(request, settings);
         }
         let current = request.object("current", "machineSet")?;
+        let desired = request.object("desired", "machineSet")?;
+        if let Some(why) = self.machine_set_skew(&current, &desired).await {
+            return Ok(machine_set_not_covered(why));
+        }
         match self.ask_machine_set(&current, settings).await {
             Ok(facts) => decide_machine_set(request, settings, &facts),
             Err(why) => Ok(machine_set_not_covered(why)),
@@ -668,6 +672,95 @@ impl Updater {
         ))
     }
 
+    /// Kubernetes' version skew rules ([`super::skew`]) for moving the live Machine `live`
+    /// to the version of `desired`: its role and running version from the live Machine, the
+    /// control plane's versions from its cluster's live control-plane Machines.
+    async fn machine_skew(&self, live: &Value, desired: &Object) -> Option<Why> {
+        use super::skew::{Role, running_version};
+        let role = match super::translate::MachineRole::of(live) {
+            super::translate::MachineRole::ControlPlane => Role::ControlPlane,
+            super::translate::MachineRole::Worker => Role::Worker,
+        };
+        let name = live.pointer("/metadata/name").and_then(Value::as_str)?;
+        let subject = format!("Machine {}/{name}", desired.namespace());
+        self.skew(
+            desired.namespace(),
+            live.pointer("/spec/clusterName").and_then(Value::as_str)?,
+            &subject,
+            name,
+            role,
+            running_version(live)?,
+            desired.spec().get("version").and_then(Value::as_str)?,
+        )
+        .await
+    }
+
+    /// [`Updater::machine_skew`] for a MachineSet's Machines (workers): the version of the
+    /// live MachineSet's template to that of the desired one.
+    async fn machine_set_skew(&self, current: &Object, desired: &Object) -> Option<Why> {
+        use super::skew::{Role, Version};
+        let live = self
+            .cluster
+            .machine_set(current.namespace(), current.name())
+            .await
+            .ok()??;
+        let version = |o: &Value| {
+            o.pointer("/spec/template/spec/version")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
+        let subject = format!("MachineSet {}/{}", current.namespace(), current.name());
+        self.skew(
+            current.namespace(),
+            live.pointer("/spec/clusterName").and_then(Value::as_str)?,
+            &subject,
+            "",
+            Role::Worker,
+            Version::parse(&version(&live)?)?,
+            &version(&desired.value)?,
+        )
+        .await
+    }
+
+    /// Checks a move of `machine` (`subject` in words) of `cluster` in `namespace` from
+    /// `current` to `desired`; `None` when it keeps the rules, or moves no version.
+    #[allow(clippy::too_many_arguments)]
+    async fn skew(
+        &self,
+        namespace: &str,
+        cluster: &str,
+        subject: &str,
+        machine: &str,
+        role: super::skew::Role,
+        current: super::skew::Version,
+        desired: &str,
+    ) -> Option<Why> {
+        use super::skew::{Version, check, control_plane_selector, members};
+        let desired = Version::parse(desired)?;
+        if desired == current {
+            return None;
+        }
+        let plane = match self
+            .cluster
+            .machines(namespace, &control_plane_selector(cluster))
+            .await
+        {
+            Ok(list) => members(&list, machine),
+            Err(e) => {
+                return Some(Why::whole(
+                    Class::Lookup,
+                    format!(
+                        "{subject}: the control plane's versions could not be read for the version \
+                         skew rules: {e}"
+                    ),
+                ));
+            }
+        };
+        check(subject, role, current, desired, &plane)
+            .err()
+            .map(|refusal| Why::whole(Class::Skew, refusal.0))
+    }
+
     /// The agent of the live Machine `key` and how it is verified (`settings.agentCA`):
     /// bound to the Machine's own cluster ([`super::edge::agent_ca`]).
     async fn peer(&self, live: &Value, settings: &Effective, key: &str) -> Result<Peer, Failure> {
@@ -738,6 +831,9 @@ impl Updater {
             Ok(v) => v,
             Err(Failure(m)) => return not_covered(Why::whole(Class::Lookup, m)),
         };
+        if let Some(why) = self.machine_skew(&live, &desired).await {
+            return not_covered(why);
+        }
         let peer = match self.peer(&live, settings, &key).await {
             Ok(p) => p,
             Err(Failure(m)) => return not_covered(Why::whole(Class::AgentTrust, m)),

@@ -93,8 +93,9 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// Checks a move of `machine` from `current` to `desired`. `control_plane` holds the
-/// cluster's control-plane Machines other than `machine` itself.
+/// Checks a move of `machine` (named as the message should name it: `Machine ns/name`,
+/// `MachineSet ns/name`) from `current` to `desired`. `control_plane` holds the cluster's
+/// control-plane Machines other than the one moved.
 pub fn check(
     machine: &str,
     role: Role,
@@ -107,20 +108,20 @@ pub fn check(
     }
     if desired.major != current.major {
         return Err(Refusal(format!(
-            "Machine {machine}: {current} → {desired} changes the major version; \
+            "{machine}: {current} → {desired} changes the major version; \
              no in-place path exists between major versions"
         )));
     }
     if desired.minor < current.minor {
         return Err(Refusal(format!(
-            "Machine {machine}: {current} → {desired} is a minor version downgrade; kubeadm \
+            "{machine}: {current} → {desired} is a minor version downgrade; kubeadm \
              does not downgrade a minor version in place (etcd and the API may already have \
              moved their data forward): replace the Machine instead"
         )));
     }
     if desired.minor > current.minor + 1 {
         return Err(Refusal(format!(
-            "Machine {machine}: {current} → {desired} skips v{}.{}; kubeadm upgrades one \
+            "{machine}: {current} → {desired} skips v{}.{}; kubeadm upgrades one \
              minor version at a time: move to v{}.{} first",
             current.major,
             current.minor + 1,
@@ -131,14 +132,14 @@ pub fn check(
     let oldest = control_plane.iter().min_by_key(|m| m.version);
     match (role, oldest) {
         (Role::Worker, Some(oldest)) if desired > oldest.version => Err(Refusal(format!(
-            "Machine {machine}: {desired} is newer than the control plane (Machine {} runs \
+            "{machine}: {desired} is newer than the control plane (Machine {} runs \
              {}); a kubelet must not be newer than the oldest API server: upgrade the control \
              plane first",
             oldest.machine, oldest.version
         ))),
         (Role::ControlPlane, Some(oldest)) if desired.minor > oldest.version.minor + 1 => {
             Err(Refusal(format!(
-                "Machine {machine}: {desired} would be more than one minor version ahead of \
+                "{machine}: {desired} would be more than one minor version ahead of \
                  control-plane Machine {} ({}); the API servers of a cluster may be at most \
                  one minor version apart: move that one first",
                 oldest.machine, oldest.version

@@ -400,7 +400,7 @@ fn query_decode(text: &str) -> String {
 impl Store {
     /// GET of a collection: the objects under `prefix` (`api/v1`, `apis/<group>/<version>`)
     /// of `plural`, in `namespace` or all; `fieldSelector=spec.nodeName=<node>` for Pods,
-    /// `labelSelector=k=v,...` (equality only) for any kind.
+    /// `labelSelector=k=v,k,...` (equality, and `k` for "has the label") for any kind.
     fn list(
         &self,
         prefix: &[&str],
@@ -424,9 +424,14 @@ impl Store {
             .map(|(k, v)| (k.to_owned(), v.to_owned()))
             .collect();
         let labels = parameter("labelSelector").unwrap_or_default();
-        let wanted: Vec<(&str, &str)> = labels
+        // `k=v` wants that value; a bare `k` wants the label with any value.
+        let wanted: Vec<(&str, Option<&str>)> = labels
             .split(',')
-            .filter_map(|kv| kv.split_once('='))
+            .filter(|kv| !kv.is_empty())
+            .map(|kv| match kv.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (kv, None),
+            })
             .collect();
         let base = format!("/{}/", prefix.join("/"));
         let items: Vec<Value> = self
@@ -459,10 +464,14 @@ impl Store {
             })
             .filter(|o| {
                 wanted.iter().all(|(k, v)| {
-                    o.pointer("/metadata/labels")
+                    let label = o
+                        .pointer("/metadata/labels")
                         .and_then(|l| l.get(*k))
-                        .and_then(Value::as_str)
-                        == Some(*v)
+                        .and_then(Value::as_str);
+                    match v {
+                        Some(v) => label == Some(*v),
+                        None => label.is_some(),
+                    }
                 })
             })
             .cloned()

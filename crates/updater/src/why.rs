@@ -31,6 +31,8 @@ pub enum Class {
     AgentTrust,
     /// The desired state could not be translated into a plan (a Secret it names, a file).
     Translation,
+    /// The version move breaks Kubernetes' version skew rules ([`super::skew`]).
+    Skew,
     /// An object the decision needs could not be read from the management cluster.
     Lookup,
     /// The operator's settings turn in-place updates off (`disableInPlaceUpdates`).
@@ -39,7 +41,7 @@ pub enum Class {
 
 impl Class {
     /// Every class, in the order the metric lists them.
-    pub const ALL: [Class; 9] = [
+    pub const ALL: [Class; 10] = [
         Class::FieldNotInPlace,
         Class::UnsupportedBootstrap,
         Class::AgentCapability,
@@ -47,6 +49,7 @@ impl Class {
         Class::Unreachable,
         Class::AgentTrust,
         Class::Translation,
+        Class::Skew,
         Class::Lookup,
         Class::Settings,
     ];
@@ -61,6 +64,7 @@ impl Class {
             Class::Unreachable => "unreachable",
             Class::AgentTrust => "agent-trust",
             Class::Translation => "translation",
+            Class::Skew => "skew",
             Class::Lookup => "lookup",
             Class::Settings => "settings",
         }

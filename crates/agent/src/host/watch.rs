@@ -65,6 +65,9 @@ pub struct DirWatch {
     watches: BTreeMap<i32, Watched>,
 }
 
+/// How many times one rescan follows directories that appeared while it placed watches.
+const MAX_RESCANS: usize = 16;
+
 impl DirWatch {
     /// Watches each of `dirs`, or, for one that does not exist, its nearest existing
     /// ancestor until it does. Symlinks are not followed (a directory reached through one is
@@ -162,14 +165,40 @@ impl DirWatch {
             relevant |= watched.wanted;
         }
         if rescan {
-            self.rescan();
+            relevant |= self.rescan();
         }
         relevant
     }
 
-    /// Puts the watches where they belong now: on each directory asked for that exists,
-    /// else on its nearest existing ancestor; removes those no longer needed.
-    fn rescan(&mut self) {
+    /// Puts the watches where they belong now ([`DirWatch::place`]), again while a
+    /// directory on the way appeared between the look and the watch: its creation happened
+    /// before anything watched its parent, so no event will ever tell of it, nor of what was
+    /// made inside it meanwhile. True when that happened (a check is due: files may already
+    /// be there). Bounded: a tree made faster than it can be followed is left to the next
+    /// event or the interval.
+    fn rescan(&mut self) -> bool {
+        let mut appeared = false;
+        for _ in 0..MAX_RESCANS {
+            self.place();
+            let missed = self.watches.values().any(|w| {
+                w.toward.iter().any(|name| {
+                    std::fs::symlink_metadata(
+                        self.root.join(w.dir.trim_start_matches('/')).join(name),
+                    )
+                    .is_ok_and(|m| m.is_dir())
+                })
+            });
+            if !missed {
+                return appeared;
+            }
+            appeared = true;
+        }
+        appeared
+    }
+
+    /// Puts the watches where they belong as the node is now: on each directory asked for
+    /// that exists, else on its nearest existing ancestor; removes those no longer needed.
+    fn place(&mut self) {
         // Node path watched -> (asked for itself, entries on the way).
         let mut plan: BTreeMap<String, (bool, BTreeSet<String>)> = BTreeMap::new();
         for dir in &self.wanted {
