@@ -135,19 +135,8 @@ impl Cluster {
         namespace: &str,
         name: &str,
     ) -> Result<Option<Value>, ClusterError> {
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, resource);
-        let err = |detail: String| ClusterError {
-            op: "get",
-            what,
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-            detail,
-        };
-        let object = api.get_opt(name).await.map_err(|e| err(e.to_string()))?;
-        object
-            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
-            .transpose()
+        let api = Api::namespaced_with(self.client.clone(), namespace, resource);
+        get_from(api, what, namespace, name).await
     }
 
     /// The live Machine (with status), or `None` when it does not exist.
@@ -172,19 +161,8 @@ impl Cluster {
 
     /// The ExtensionConfig `name` (cluster-scoped), or `None` when it does not exist.
     pub async fn extension_config(&self, name: &str) -> Result<Option<Value>, ClusterError> {
-        let api: Api<DynamicObject> =
-            Api::all_with(self.client.clone(), &extension_config_resource());
-        let err = |detail: String| ClusterError {
-            op: "get",
-            what: "ExtensionConfig",
-            namespace: String::new(),
-            name: name.to_owned(),
-            detail,
-        };
-        let object = api.get_opt(name).await.map_err(|e| err(e.to_string()))?;
-        object
-            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
-            .transpose()
+        let api = Api::all_with(self.client.clone(), &extension_config_resource());
+        get_from(api, "ExtensionConfig", "", name).await
     }
 
     /// The labels of Namespace `name`, or `None` when it does not exist.
@@ -210,23 +188,8 @@ impl Cluster {
         namespace: &str,
         selector: &str,
     ) -> Result<Vec<Value>, ClusterError> {
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, &machine_resource());
-        let err = |detail: String| ClusterError {
-            op: "list",
-            what: "Machine",
-            namespace: namespace.to_owned(),
-            name: format!("?labelSelector={selector}"),
-            detail,
-        };
-        let list = api
-            .list(&kube::api::ListParams::default().labels(selector))
+        self.list(&machine_resource(), "Machine", namespace, selector)
             .await
-            .map_err(|e| err(e.to_string()))?;
-        list.items
-            .into_iter()
-            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
-            .collect()
     }
 
     /// The live KubeadmConfig, or `None`.
@@ -391,6 +354,27 @@ impl Cluster {
             .filter_map(|o| serde_json::to_value(o).ok())
             .collect())
     }
+}
+
+/// `name` through `api` (namespaced or cluster-scoped), or `None` when it does not exist;
+/// errors name `what`, `namespace` (empty: cluster-scoped) and `name`.
+async fn get_from(
+    api: Api<DynamicObject>,
+    what: &'static str,
+    namespace: &str,
+    name: &str,
+) -> Result<Option<Value>, ClusterError> {
+    let err = |detail: String| ClusterError {
+        op: "get",
+        what,
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+        detail,
+    };
+    let object = api.get_opt(name).await.map_err(|e| err(e.to_string()))?;
+    object
+        .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
+        .transpose()
 }
 
 /// `cluster.x-k8s.io/v1beta2` MachineDeployment (`inplace-updater explain`).
