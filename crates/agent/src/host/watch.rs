@@ -179,7 +179,9 @@ impl DirWatch {
     fn rescan(&mut self) -> bool {
         let mut appeared = false;
         for _ in 0..MAX_RESCANS {
-            self.place();
+            // A directory that went between the look and the watch leaves its targets
+            // unwatched, and no event would move them again: look again.
+            let vanished = !self.place();
             let missed = self.watches.values().any(|w| {
                 w.toward.iter().any(|name| {
                     std::fs::symlink_metadata(
@@ -188,7 +190,7 @@ impl DirWatch {
                     .is_ok_and(|m| m.is_dir())
                 })
             });
-            if !missed {
+            if !missed && !vanished {
                 return appeared;
             }
             appeared = true;
@@ -198,7 +200,9 @@ impl DirWatch {
 
     /// Puts the watches where they belong as the node is now: on each directory asked for
     /// that exists, else on its nearest existing ancestor; removes those no longer needed.
-    fn place(&mut self) {
+    /// False when a directory looked at was gone before it could be watched.
+    fn place(&mut self) -> bool {
+        let mut all = true;
         // Node path watched -> (asked for itself, entries on the way).
         let mut plan: BTreeMap<String, (bool, BTreeSet<String>)> = BTreeMap::new();
         for dir in &self.wanted {
@@ -215,16 +219,19 @@ impl DirWatch {
         let flags = interesting() | inotify::WatchFlags::ONLYDIR | inotify::WatchFlags::DONT_FOLLOW;
         for (dir, (wanted, toward)) in plan {
             let path = self.root.join(dir.trim_start_matches('/'));
-            // Gone since it was looked at: the next event (or check) moves it again.
-            if let Ok(wd) = inotify::add_watch(&self.fd, &path, flags) {
-                now.insert(
-                    wd,
-                    Watched {
-                        dir,
-                        wanted,
-                        toward,
-                    },
-                );
+            match inotify::add_watch(&self.fd, &path, flags) {
+                Ok(wd) => {
+                    now.insert(
+                        wd,
+                        Watched {
+                            dir,
+                            wanted,
+                            toward,
+                        },
+                    );
+                }
+                // Gone since it was looked at: the caller looks again.
+                Err(_) => all = false,
             }
         }
         for wd in self.watches.keys() {
@@ -234,6 +241,7 @@ impl DirWatch {
             }
         }
         self.watches = now;
+        all
     }
 
     /// The deepest directory of `dir` and its ancestors that exists as a directory (not
