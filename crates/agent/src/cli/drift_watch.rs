@@ -2,7 +2,9 @@
 //! are lost), one every `drift.interval_seconds`, one `drift.debounce_ms` after a write to a
 //! directory the last succeeded plan wrote into or one of those directories appearing
 //! (inotify, `host::watch`, which watches the nearest existing ancestor of a directory that
-//! does not exist yet), and one after each run ends. A run in progress suspends checks (the engine refuses to check then). A check
+//! does not exist yet), one more as soon as a new set of directories is watched (a write
+//! between the check that found them and the watch would otherwise go unseen until the
+//! interval), and one after each run ends. A run in progress suspends checks (the engine refuses to check then). A check
 //! that must read the node does so in a check process (`drift_probe`). Idle, the task waits
 //! on the inotify descriptor, the engine's events and one timer: no polling.
 //! With `drift.repair = "auto"`, found drift is repaired, at most once per
@@ -80,6 +82,14 @@ pub async fn run(engine: Engine, settings: DriftSettings, mut stopping: watch::R
                 let dirs = engine.drift().watch;
                 if watching.as_ref().is_none_or(|(w, _)| *w != dirs) {
                     watching = watch_dirs(&engine, &dirs);
+                    // A write after this check read the node and before the watch was placed
+                    // was seen by neither: look once more now that it is (the next write
+                    // wakes the watch). The set is the same then, so this happens once per
+                    // change of the managed directories.
+                    if watching.is_some() {
+                        due = Instant::now();
+                        continue;
+                    }
                 }
                 if settings.repair == RepairMode::Auto && engine.drift().drifted() {
                     auto_repair(&engine, settings.repair_min_interval).await;
