@@ -8,6 +8,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod api_server_certificate;
 mod apply;
 mod apt_host;
 mod architecture;

@@ -1044,6 +1044,11 @@ async fn node_info_cancel_and_retry() {
         "the sandbox has no package manager"
     );
     assert!(info.supported_change_kinds.contains(&"file".to_string()));
+    // An updater tests for this before it sends a certSANs change (decision 0021).
+    assert!(
+        info.supported_change_kinds
+            .contains(&"apiServerCertificate".to_string())
+    );
     assert!(!info.supported_change_kinds.contains(&"exec".to_string()));
     assert!(!info.supported_change_kinds.contains(&"package".to_string()));
     assert_eq!(info.current_plan_id, "");

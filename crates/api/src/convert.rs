@@ -143,6 +143,13 @@ pub fn plan_to_pb(plan: &Plan) -> pb::Plan {
                 Change::Reboot(r) => Kind::Reboot(pb::RebootChange {
                     reason: r.reason.clone(),
                 }),
+                Change::ApiServerCertificate(a) => {
+                    Kind::ApiServerCertificate(pb::ApiServerCertificateChange {
+                        cert_sans: a.cert_sans.clone(),
+                        previous: a.previous.clone(),
+                        certificates_dir: a.certificates_dir.as_str().to_owned(),
+                    })
+                }
                 Change::Exec(e) => Kind::Exec(pb::ExecChange {
                     argv: e.argv.clone(),
                     unless: e.unless.clone().unwrap_or_default(),
@@ -458,6 +465,12 @@ fn change(
         Kind::Reboot(r) => {
             put_str(&mut m, "reason", &r.reason);
             "reboot"
+        }
+        Kind::ApiServerCertificate(a) => {
+            m.insert("certSANs".into(), json!(a.cert_sans));
+            put_list(&mut m, "previous", &a.previous);
+            put_str(&mut m, "certificatesDir", &a.certificates_dir);
+            "apiServerCertificate"
         }
         Kind::Exec(e) => {
             m.insert("argv".into(), json!(e.argv));

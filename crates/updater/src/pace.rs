@@ -47,7 +47,12 @@ fn expected_ms(change: &pb::Change) -> u32 {
     use pb::change::Kind;
     match &change.kind {
         Some(Kind::File(_) | Kind::Absent(_) | Kind::Sysctl(_)) => 20,
-        Some(Kind::KubeletConfig(_) | Kind::KubeletFlags(_) | Kind::Unit(_)) => 50,
+        Some(
+            Kind::KubeletConfig(_)
+            | Kind::KubeletFlags(_)
+            | Kind::Unit(_)
+            | Kind::ApiServerCertificate(_),
+        ) => 50,
         Some(Kind::Exec(_)) => 5_000,
         Some(Kind::Artifact(_)) => 10_000,
         Some(Kind::Package(_)) => 15_000,

@@ -24,7 +24,9 @@ use super::{Disruption, NodePath, Owner};
 use inplace_base::StepError;
 
 mod absent;
+mod api_server_certificate;
 mod artifact;
+mod certificate;
 mod control_plane;
 mod drift;
 mod exec;
@@ -40,6 +42,8 @@ mod sysctl;
 mod unit;
 
 pub use absent::AbsentChange;
+pub use api_server_certificate::{ApiServerCertificateChange, CERTIFICATES_DIR};
+pub use certificate::{San, desired_sans};
 pub use artifact::ArtifactChange;
 pub use control_plane::{
     CONTROL_PLANE_COMPONENTS, ControlPlaneGate, ETCD_METRICS_DEFAULT, EtcdTopology, check_endpoint,
@@ -269,6 +273,8 @@ kinds! {
     Reboot(RebootChange) = "reboot",
     /// An escape hatch command (disabled unless the config allows it).
     Exec(ExecChange) = "exec",
+    /// The API server's serving certificate carries these names (reissued from the CA).
+    ApiServerCertificate(ApiServerCertificateChange) = "apiServerCertificate",
 }
 
 impl ChangeKind {

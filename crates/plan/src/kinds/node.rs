@@ -88,6 +88,12 @@ pub trait Node {
     fn query_program(&self, argv: &[&str], timeout: Duration) -> Result<String, String> {
         self.query(argv, timeout)
     }
+
+    /// The time now, for what a change issues (a certificate's NotBefore); a test's node
+    /// may fix it.
+    fn now(&self) -> std::time::SystemTime {
+        std::time::SystemTime::now()
+    }
 }
 
 /// A package manager's database, as far as kinds ask it.
