@@ -147,11 +147,7 @@ fn the_certificate_is_reissued_with_the_new_names_and_left_alone_after() {
 
     let new_pem = read(&node, "apiserver.crt");
     assert_ne!(new_pem, old_pem);
-    let (old_der, new_der, ca_der) = (
-        der(&old_pem),
-        der(&new_pem),
-        der(&read(&node, "ca.crt")),
-    );
+    let (old_der, new_der, ca_der) = (der(&old_pem), der(&new_pem), der(&read(&node, "ca.crt")));
     let (_, old) = X509Certificate::from_der(&old_der).unwrap();
     let (_, new) = X509Certificate::from_der(&new_der).unwrap();
     let (_, ca) = X509Certificate::from_der(&ca_der).unwrap();
@@ -171,7 +167,11 @@ fn the_certificate_is_reissued_with_the_new_names_and_left_alone_after() {
             "10.0.0.5",
         ]
     );
-    assert_eq!(new.public_key().raw, old.public_key().raw, "same public key");
+    assert_eq!(
+        new.public_key().raw,
+        old.public_key().raw,
+        "same public key"
+    );
     assert_eq!(new.subject().as_raw(), old.subject().as_raw());
     assert_eq!(new.validity().not_after, old.validity().not_after);
     let not_before = new.validity().not_before.timestamp();
@@ -184,7 +184,11 @@ fn the_certificate_is_reissued_with_the_new_names_and_left_alone_after() {
         "NotBefore {not_before} is not a few minutes before {started}"
     );
     assert!(new.extended_key_usage().unwrap().unwrap().value.server_auth);
-    assert_eq!(read(&node, "apiserver.key"), key_before, "the key is never rewritten");
+    assert_eq!(
+        read(&node, "apiserver.key"),
+        key_before,
+        "the key is never rewritten"
+    );
     assert_eq!(read(&node, "ca.key"), ca_key_before);
     let mode = |name: &str| {
         std::os::unix::fs::PermissionsExt::mode(
@@ -195,10 +199,8 @@ fn the_certificate_is_reissued_with_the_new_names_and_left_alone_after() {
     };
     assert_eq!(mode("apiserver.crt"), 0o644);
     // Nothing of the CA's key reaches the journal or the output.
-    let journal = std::fs::read_to_string(
-        node.path("var/lib/inplace-agent/journal.log"),
-    )
-    .unwrap_or_default();
+    let journal =
+        std::fs::read_to_string(node.path("var/lib/inplace-agent/journal.log")).unwrap_or_default();
     for secret in [&ca_key_before, &key_before] {
         let body: String = String::from_utf8_lossy(secret)
             .lines()
@@ -265,5 +267,9 @@ fn without_the_cas_key_the_plan_is_refused_naming_it_and_nothing_is_written() {
     // The dry run says the same.
     let out = node.agent(&["check", "--no-chroot", p.to_str().unwrap()]);
     assert!(!out.status.success());
-    assert!(text(&out).contains("ca.key does not exist"), "{}", text(&out));
+    assert!(
+        text(&out).contains("ca.key does not exist"),
+        "{}",
+        text(&out)
+    );
 }

@@ -1410,7 +1410,7 @@ mod tests {
                 "changes[1].file.path: path \"etc/x\" is not absolute (it must start with /)",
                 "changes[2]: unknown change kind \"fiel\" (did you mean \"file\"?); expected one of: \
                  file, absent, kubeletConfig, kubeletFlags, sysctl, package, artifact, unit, \
-                 kubeadmUpgradeNode, reboot, exec",
+                 kubeadmUpgradeNode, reboot, exec, apiServerCertificate",
             ]
         );
     }

@@ -143,12 +143,18 @@ impl Kind for ApiServerCertificateChange {
         let names = |cx: &mut Cx<'_>, key: &str, required: bool| -> Option<Vec<String>> {
             let field = join(path, key);
             if required && matches!(m.get(key), None | Some(Value::Null)) {
-                cx.err(&field, "is required (a list of DNS names or IP addresses; may be empty)");
+                cx.err(
+                    &field,
+                    "is required (a list of DNS names or IP addresses; may be empty)",
+                );
                 return None;
             }
             let list = cx.string_list(path, m, key)?;
             if list.len() > MAX_NAMES {
-                cx.err(&field, format!("has {} names, more than {MAX_NAMES}", list.len()));
+                cx.err(
+                    &field,
+                    format!("has {} names, more than {MAX_NAMES}", list.len()),
+                );
                 return None;
             }
             let mut ok = true;
@@ -224,7 +230,10 @@ impl Kind for ApiServerCertificateChange {
     }
 
     fn writes(&self) -> Vec<Written> {
-        vec![Written::replaces("certificatesDir", self.certificate_path())]
+        vec![Written::replaces(
+            "certificatesDir",
+            self.certificate_path(),
+        )]
     }
 
     fn packages(&self) -> Vec<&str> {
@@ -290,8 +299,16 @@ impl Kind for ApiServerCertificateChange {
         })
         .map_err(precondition)?;
         drop(key);
-        let added: Vec<&San> = d.desired.iter().filter(|s| !d.existing.contains(s)).collect();
-        let removed: Vec<&San> = d.existing.iter().filter(|s| !d.desired.contains(s)).collect();
+        let added: Vec<&San> = d
+            .desired
+            .iter()
+            .filter(|s| !d.existing.contains(s))
+            .collect();
+        let removed: Vec<&San> = d
+            .existing
+            .iter()
+            .filter(|s| !d.desired.contains(s))
+            .collect();
         let mut note = format!("reissued from {ca_crt}");
         if !added.is_empty() {
             note.push_str(&format!("; adds {}", listed(&added)));

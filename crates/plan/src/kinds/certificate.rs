@@ -27,11 +27,7 @@ pub const CLOCK_SKEW: Duration = Duration::from_secs(5 * 60);
 /// The names kubeadm gives every API server certificate for the `kubernetes` Service; never
 /// removed, whatever `previous` says (a `previous` that names one is a mistake, and the
 /// certificate without it would break every in-cluster client).
-const SERVICE_NAMES: [&str; 3] = [
-    "kubernetes",
-    "kubernetes.default",
-    "kubernetes.default.svc",
-];
+const SERVICE_NAMES: [&str; 3] = ["kubernetes", "kubernetes.default", "kubernetes.default.svc"];
 
 /// One subject alternative name as kubeadm writes them: a DNS name or an IP address.
 #[derive(Debug, Clone, Eq)]
@@ -280,8 +276,9 @@ fn signing_key(
         return Err(format!("{file} holds no PEM private key"));
     };
     let oid = |s: &str| -> Vec<u8> {
-        let oid: x509_parser::der_parser::oid::Oid<'static> =
-            s.parse().unwrap_or_else(|_| x509_parser::der_parser::oid!(1.2));
+        let oid: x509_parser::der_parser::oid::Oid<'static> = s
+            .parse()
+            .unwrap_or_else(|_| x509_parser::der_parser::oid!(1.2));
         der(0x06, oid.as_bytes())
     };
     let contents = match block.label.as_str() {
@@ -332,7 +329,10 @@ pub fn reissue(r: Reissue<'_>) -> Result<String, String> {
 
     // The old certificate must be this CA's: same issuer name, a signature the CA's key made.
     if leaf.cert.issuer().as_raw() != ca.cert.subject().as_raw()
-        || leaf.cert.verify_signature(Some(ca.cert.public_key())).is_err()
+        || leaf
+            .cert
+            .verify_signature(Some(ca.cert.public_key()))
+            .is_err()
     {
         return Err(format!(
             "{leaf_file} was not issued by {ca_file} (issuer {}, CA {}): the agent reissues \
@@ -343,10 +343,9 @@ pub fn reissue(r: Reissue<'_>) -> Result<String, String> {
         ));
     }
     let now = time::OffsetDateTime::from(r.now);
-    let not_after = time::OffsetDateTime::from_unix_timestamp(
-        leaf.cert.validity().not_after.timestamp(),
-    )
-    .map_err(|e| format!("{leaf_file}: its NotAfter is out of range: {e}"))?;
+    let not_after =
+        time::OffsetDateTime::from_unix_timestamp(leaf.cert.validity().not_after.timestamp())
+            .map_err(|e| format!("{leaf_file}: its NotAfter is out of range: {e}"))?;
     if not_after <= now {
         return Err(format!(
             "{leaf_file} expired at {not_after}: renew it with `kubeadm certs renew apiserver` \
@@ -354,7 +353,9 @@ pub fn reissue(r: Reissue<'_>) -> Result<String, String> {
         ));
     }
     let ca_alg = algorithm_of(ca.cert.public_key()).ok_or_else(|| {
-        format!("{ca_file} has a key type the agent cannot sign with (RSA, ECDSA P-256/P-384, Ed25519)")
+        format!(
+            "{ca_file} has a key type the agent cannot sign with (RSA, ECDSA P-256/P-384, Ed25519)"
+        )
     })?;
     let key = signing_key(r.ca_key.0, key_file, ca.cert.public_key(), ca_alg)?;
     let leaf_alg = algorithm_of(leaf.cert.public_key())
@@ -414,7 +415,10 @@ pub fn reissue(r: Reissue<'_>) -> Result<String, String> {
     if new.cert.subject().as_raw() != leaf.cert.subject().as_raw()
         || new.cert.issuer().as_raw() != ca.cert.subject().as_raw()
         || new.cert.public_key().raw != leaf.cert.public_key().raw
-        || new.cert.verify_signature(Some(ca.cert.public_key())).is_err()
+        || new
+            .cert
+            .verify_signature(Some(ca.cert.public_key()))
+            .is_err()
     {
         return Err(format!(
             "the reissued {leaf_file} would not keep its subject and key under {ca_file}'s \
@@ -514,7 +518,11 @@ fn key_usages(p: &Parsed<'_>) -> Result<Vec<KeyUsagePurpose>, String> {
         (ku.encipher_only(), KeyUsagePurpose::EncipherOnly),
         (ku.decipher_only(), KeyUsagePurpose::DecipherOnly),
     ];
-    Ok(all.into_iter().filter(|(on, _)| *on).map(|(_, k)| k).collect())
+    Ok(all
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, k)| k)
+        .collect())
 }
 
 /// The extended key usages `p` has (kubeadm's: server auth).
@@ -532,7 +540,10 @@ fn extended_key_usages(p: &Parsed<'_>) -> Result<Vec<ExtendedKeyUsagePurpose>, S
         (eku.server_auth, ExtendedKeyUsagePurpose::ServerAuth),
         (eku.client_auth, ExtendedKeyUsagePurpose::ClientAuth),
         (eku.code_signing, ExtendedKeyUsagePurpose::CodeSigning),
-        (eku.email_protection, ExtendedKeyUsagePurpose::EmailProtection),
+        (
+            eku.email_protection,
+            ExtendedKeyUsagePurpose::EmailProtection,
+        ),
         (eku.time_stamping, ExtendedKeyUsagePurpose::TimeStamping),
         (eku.ocsp_signing, ExtendedKeyUsagePurpose::OcspSigning),
     ]
@@ -612,7 +623,11 @@ mod tests {
             .expect("the new certificate verifies against the CA");
         assert_eq!(new.issuer().as_raw(), ca.subject().as_raw());
         assert_eq!(new.subject().as_raw(), old.subject().as_raw());
-        assert_eq!(new.public_key().raw, old.public_key().raw, "same public key");
+        assert_eq!(
+            new.public_key().raw,
+            old.public_key().raw,
+            "same public key"
+        );
         assert_eq!(new.validity().not_after, old.validity().not_after);
         assert_eq!(
             new.validity().not_before.timestamp(),
@@ -633,7 +648,13 @@ mod tests {
                 _ => None,
             })
             .expect("an authority key identifier");
-        assert_eq!(Some(aki.0.to_vec()), key_id(&Parsed { cert: ca, file: "ca" }));
+        assert_eq!(
+            Some(aki.0.to_vec()),
+            key_id(&Parsed {
+                cert: ca,
+                file: "ca"
+            })
+        );
     }
 
     #[test]
@@ -668,7 +689,10 @@ mod tests {
              new names come last"
         );
         // A name in both lists stays; names compare without case; nothing is doubled.
-        let existing = vec![San::parse("cp-0").unwrap(), San::Dns("API.example.com".into())];
+        let existing = vec![
+            San::parse("cp-0").unwrap(),
+            San::Dns("API.example.com".into()),
+        ];
         assert_eq!(
             desired_sans(
                 &existing,
@@ -692,7 +716,10 @@ mod tests {
 
     #[test]
     fn names_are_dns_names_or_ips() {
-        assert_eq!(San::parse("10.0.0.5").unwrap(), San::Ip([10, 0, 0, 5].into()));
+        assert_eq!(
+            San::parse("10.0.0.5").unwrap(),
+            San::Ip([10, 0, 0, 5].into())
+        );
         assert!(matches!(San::parse("*.example.com"), Ok(San::Dns(_))));
         for bad in ["", "API.example.com", "a b", "-x.com", "x..com", "http://x"] {
             assert!(San::parse(bad).is_err(), "{bad:?}");
@@ -765,7 +792,9 @@ mod tests {
         let names = sans(&["api.example.com"]);
         let err = reissued(RSA_LEAF, EC_CA, EC_CA_KEY, &names).unwrap_err();
         assert!(
-            err.contains("/etc/kubernetes/pki/apiserver.crt was not issued by /etc/kubernetes/pki/ca.crt"),
+            err.contains(
+                "/etc/kubernetes/pki/apiserver.crt was not issued by /etc/kubernetes/pki/ca.crt"
+            ),
             "{err}"
         );
         let err = reissued(RSA_LEAF, RSA_CA, EC_CA_KEY, &names).unwrap_err();

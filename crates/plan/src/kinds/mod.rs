@@ -43,8 +43,8 @@ mod unit;
 
 pub use absent::AbsentChange;
 pub use api_server_certificate::{ApiServerCertificateChange, CERTIFICATES_DIR};
-pub use certificate::{San, desired_sans};
 pub use artifact::ArtifactChange;
+pub use certificate::{San, desired_sans};
 pub use control_plane::{
     CONTROL_PLANE_COMPONENTS, ControlPlaneGate, ETCD_METRICS_DEFAULT, EtcdTopology, check_endpoint,
 };
