@@ -25,11 +25,29 @@ const NAMES: [&str; 6] = [
     "old.example.com",
 ];
 
-/// A control-plane node's tree with kubeadm's CA and serving certificate.
-fn control_plane_node() -> Node {
+/// A control-plane node's tree with kubeadm's CA and serving certificate (also the crash
+/// tests' node for this kind).
+pub(crate) fn control_plane_node() -> Node {
     let node = Node::new();
     let pki = node.path(PKI);
     std::fs::create_dir_all(&pki).unwrap();
+    for (name, text, mode) in kubeadm_pki() {
+        let p = pki.join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(*mode)).unwrap();
+    }
+    node
+}
+
+/// The files of kubeadm's PKI with their modes, made once per test process (every node of
+/// a test gets the same tree, so trees can be compared).
+fn kubeadm_pki() -> &'static [(&'static str, String, u32)] {
+    static PKI_FILES: std::sync::OnceLock<Vec<(&'static str, String, u32)>> =
+        std::sync::OnceLock::new();
+    PKI_FILES.get_or_init(make_pki)
+}
+
+fn make_pki() -> Vec<(&'static str, String, u32)> {
     let printable = |s: &str| rcgen::DnValue::PrintableString(s.try_into().unwrap());
     let ca_key = rcgen::KeyPair::generate().unwrap();
     let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -69,16 +87,20 @@ fn control_plane_node() -> Node {
         .signed_by(&key, &rcgen::Issuer::from_params(&ca, &ca_key))
         .unwrap();
 
-    let write = |name: &str, text: String, mode: u32| {
-        let p = pki.join(name);
-        std::fs::write(&p, text).unwrap();
-        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
-    };
-    write("ca.crt", ca_cert.pem(), 0o644);
-    write("ca.key", ca_key.serialize_pem(), 0o600);
-    write("apiserver.crt", leaf_cert.pem(), 0o644);
-    write("apiserver.key", key.serialize_pem(), 0o600);
-    node
+    vec![
+        ("ca.crt", ca_cert.pem(), 0o644),
+        ("ca.key", ca_key.serialize_pem(), 0o600),
+        ("apiserver.crt", leaf_cert.pem(), 0o644),
+        ("apiserver.key", key.serialize_pem(), 0o600),
+    ]
+}
+
+/// A plan that reissues the certificate and then fails its gate (rolled back).
+pub(crate) fn failing_plan(id: &str) -> String {
+    plan(
+        id,
+        "verify:\n  - command: {argv: [\"sh\", \"-c\", \"exit 3\"], timeoutSeconds: 1, periodSeconds: 1}\n",
+    )
 }
 
 fn plan(id: &str, verify: &str) -> String {
@@ -200,7 +222,11 @@ fn the_certificate_is_reissued_with_the_new_names_and_left_alone_after() {
     assert_eq!(mode("apiserver.crt"), 0o644);
     // Nothing of the CA's key reaches the journal or the output.
     let journal =
-        std::fs::read_to_string(node.path("var/lib/inplace-agent/journal.log")).unwrap_or_default();
+        std::fs::read_to_string(node.path("var/lib/inplace-agent/journal/journal.log")).unwrap();
+    assert!(
+        journal.contains("apiServerCertificate"),
+        "not this plan's journal"
+    );
     for secret in [&ca_key_before, &key_before] {
         let body: String = String::from_utf8_lossy(secret)
             .lines()
@@ -226,13 +252,7 @@ fn a_failing_gate_after_it_restores_the_old_certificate_byte_for_byte() {
     let node = control_plane_node();
     let before = node.snapshot_without_state();
     let old_pem = read(&node, "apiserver.crt");
-    let p = node.plan_file(
-        "bad.yaml",
-        &plan(
-            "ns/cp-0@bad",
-            "verify:\n  - command: {argv: [\"sh\", \"-c\", \"exit 3\"], timeoutSeconds: 5}\n",
-        ),
-    );
+    let p = node.plan_file("bad.yaml", &failing_plan("ns/cp-0@bad"));
     let (out, status) = apply(&node, &p);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert_eq!(status["phase"], "RolledBack", "{status}");

@@ -183,6 +183,21 @@ fn abort_during_rollback_then_restart_converges_to_the_original_tree() {
     eprintln!("crashed and recovered at {points} points, rollback included");
 }
 
+#[cfg(feature = "failpoints")]
+#[test]
+fn abort_at_every_failpoint_of_a_certificate_reissue_then_restart_restores_the_old_one() {
+    // apiServerCertificate (decision 0021) then a failing gate: wherever the agent dies, the
+    // restart ends with the old serving certificate byte for byte (the new one differs in
+    // every run, so only the rolled-back tree can be compared).
+    let points = crash_everywhere_in(
+        &crate::api_server_certificate::failing_plan("ns/cp-0@crash"),
+        crate::api_server_certificate::control_plane_node,
+        false,
+    );
+    assert!(points > 5, "only {points} failpoints were hit");
+    eprintln!("crashed and recovered at {points} points, rollback included");
+}
+
 /// True when the reference run of [`held_plan`] left the big file's content with its target
 /// (the plan's owner is root: a file the test wrote is the plan's only when it runs as root).
 fn held_on(node: &Node) -> bool {
