@@ -604,6 +604,7 @@ changes:
   - kubeadmUpgradeNode: {extraArgs: [--patches, /etc/kubernetes/patches]}
   - reboot: {reason: kernel arguments changed}
   - exec: {argv: [/usr/bin/true, x], unless: [/usr/bin/false], disruption: Reload}
+  - apiServerCertificate: {certSANs: [api.example.com, 10.0.0.5], previous: [old.example.com]}
 verify:
   - unitActive: {name: kubelet.service, timeoutSeconds: 60, periodSeconds: 5}
   - httpGet: {url: "http://127.0.0.1:10248/healthz", expectStatus: 204, timeoutSeconds: 30}
@@ -693,6 +694,11 @@ verify:
                     unless: strings(&["/usr/bin/false"]),
                     disruption: pb::Disruption::Reload as i32,
                 })),
+                change(Kind::ApiServerCertificate(pb::ApiServerCertificateChange {
+                    cert_sans: strings(&["api.example.com", "10.0.0.5"]),
+                    previous: strings(&["old.example.com"]),
+                    certificates_dir: String::new(),
+                })),
             ],
             verify: vec![
                 check(C::UnitActive(pb::UnitActiveCheck {
@@ -737,7 +743,7 @@ verify:
         let from_wire = validate_plan(&everything_pb(), &limits).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(from_wire, from_file);
         assert_eq!(from_wire.digest(), from_file.digest());
-        assert_eq!(from_wire.changes.len(), 12);
+        assert_eq!(from_wire.changes.len(), 13);
         assert_eq!(from_wire.verify.len(), 5);
     }
 
