@@ -50,6 +50,7 @@ mod updater_e2e;
 mod updater_forged_requests;
 
 mod updater_http;
+mod updater_kcp_flow;
 mod updater_kubeconfig;
 mod updater_memory;
 mod updater_packaging;

@@ -540,6 +540,13 @@ fn the_demo_drives_an_agent_through_emulated_capi_calls() {
         "default/web-1 blocked by PodDisruptionBudget default/web",
         "pods left on demo-node: kube-system/kube-proxy-demo, kube-system/etcd-demo-node",
         "cordoned after the plan succeeded: false",
+        // The control-plane step: the worker refused ahead of its control plane, then the
+        // control-plane node moved and proved healthy.
+        "worker first: UpdateMachine → Failure",
+        "is newer than the control plane (Machine demo-control-plane-4bz9k runs v1.35.3)",
+        "ghcr.io/kube-vip/kube-vip:v1.1.0",
+        "the controlPlane gate read, before done: GET /api/v1/namespaces/kube-system/pods/kube-apiserver-demo-cp",
+        "GET /readyz",
         "UpdateMachine → Failure",
         // The not-in-place answer and its reason: the updater's log line, the Event.
         "reason_class=\"field-not-in-place\"",

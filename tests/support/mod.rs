@@ -12,10 +12,12 @@
 //! - [`sandbox`]: this machine's systemd booted in namespaces on an overlay (root);
 //! - [`overlay`]: a copy-on-write overlay of `/` for apt and dnf, stand-in packages (root);
 //! - [`updater`]: the updater's world (API stand-in, agents, `inplace-updater serve`);
+//! - [`control_plane`]: a kubeadm control-plane node's files, API server and etcd stand-ins;
 //! - [`rbac`]: Kubernetes RBAC decided for a ServiceAccount, requests read from HTTP paths.
 #![allow(dead_code)] // every test module and bench uses a different part
 
 pub mod agent;
+pub mod control_plane;
 pub mod daemon;
 pub mod memory;
 pub mod node;

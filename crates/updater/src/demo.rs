@@ -5,7 +5,9 @@
 //! polled until done, the same desired state again, a dropped file, a version bump that
 //! drains the node first (the stand-in is the workload cluster too: Pods evicted, one held
 //! by a PodDisruptionBudget until it allows, DaemonSet and mirror Pods left, the node
-//! uncordoned after), and a call for a Machine that is not being updated.
+//! uncordoned after), a control-plane Machine's version bump proved healthy by the
+//! `controlPlane` gate (a worker asking to move ahead of it refused for version skew first),
+//! and a call for a Machine that is not being updated.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -84,13 +86,20 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-/// Starts `inplace-agent serve` on the sandbox; returns once it listens.
-fn start_agent(bin: &Path, root: &Path, pki: &Pki, port: u16) -> anyhow::Result<KillOnDrop> {
+/// Starts `inplace-agent serve` for `node` on the sandbox `root`, listening on `ip:port`;
+/// returns once it listens.
+fn start_agent(
+    bin: &Path,
+    root: &Path,
+    pki: &Pki,
+    (node, ip): (&str, &str),
+    port: u16,
+) -> anyhow::Result<KillOnDrop> {
     // The agent is bound to the demo Machine's cluster (default/demo), as the updater
     // requires with agentCA: File.
     let server = pki.server_with_uris(
-        "agent",
-        &["demo-node", "127.0.0.1"],
+        node,
+        &[node, ip],
         &[&inplace_api::pki::cluster_identity("default", "demo")],
     )?;
     let log = root.with_extension("agent.log");
@@ -100,8 +109,8 @@ fn start_agent(bin: &Path, root: &Path, pki: &Pki, port: u16) -> anyhow::Result<
         .arg(root)
         .arg("--state-dir")
         .arg(root.with_extension("state"))
-        .args(["--node-name", "demo-node", "--listen"])
-        .arg(format!("127.0.0.1:{port}"))
+        .args(["--node-name", node, "--listen"])
+        .arg(format!("{ip}:{port}"))
         .arg("--tls-cert")
         .arg(&server.cert)
         .arg("--tls-key")
@@ -134,6 +143,27 @@ fn start_agent(bin: &Path, root: &Path, pki: &Pki, port: u16) -> anyhow::Result<
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(child)
+}
+
+/// The node's "kubelet": a script reporting the version in `kubelet.version` beside it
+/// (returned; written with `version`).
+fn kubelet_standin(root: &Path, version: &str) -> anyhow::Result<PathBuf> {
+    let kubelet = root.join("usr/local/bin/kubelet");
+    std::fs::create_dir_all(kubelet.parent().unwrap_or(root))?;
+    let version_file = root.join("usr/local/bin/kubelet.version");
+    std::fs::write(&version_file, format!("{version}\n"))?;
+    std::fs::write(
+        &kubelet,
+        format!(
+            "#!/bin/sh\necho \"Kubernetes $(cat '{}')\"\n",
+            version_file.display()
+        ),
+    )?;
+    std::fs::set_permissions(
+        &kubelet,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    Ok(version_file)
 }
 
 fn machine(version: &str, in_place: bool) -> Value {
@@ -254,26 +284,12 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
     // The node's "kubelet" reports the version in kubelet.version beside it (the demo's node
     // has no package manager: the version is verified, not installed; the demo writes the
     // file where a package upgrade would replace the kubelet).
-    let kubelet = root.join("usr/local/bin/kubelet");
-    std::fs::create_dir_all(kubelet.parent().unwrap_or(&root))?;
-    let version_file = root.join("usr/local/bin/kubelet.version");
-    std::fs::write(&version_file, "v1.35.2\n")?;
-    std::fs::write(
-        &kubelet,
-        format!(
-            "#!/bin/sh\necho \"Kubernetes $(cat '{}')\"\n",
-            version_file.display()
-        ),
-    )?;
-    std::fs::set_permissions(
-        &kubelet,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )?;
+    let version_file = kubelet_standin(&root, "v1.35.2")?;
     println!("sandbox: {}", dir.path().display());
 
     let pki = Pki::new(&dir.path().join("pki"))?;
     let port = free_port()?;
-    let _agent = start_agent(&agent_bin, &root, &pki, port)?;
+    let _agent = start_agent(&agent_bin, &root, &pki, ("demo-node", "127.0.0.1"), port)?;
     let api = ApiStandin::start().await?;
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;
@@ -415,6 +431,11 @@ async fn demo(args: &DemoArgs) -> anyhow::Result<()> {
 
     step("a version bump (v1.35.3): the updater cordons and drains the node first, as CAPI drains");
     drain_demo(&api, &mut capi, port, &version_file).await?;
+
+    step(
+        "a worker may not move ahead of its control plane; a control-plane Machine moves v1.35.3 → v1.36.0 in place, proved healthy by the controlPlane gate",
+    );
+    control_plane_demo(&api, &mut capi, port, (&agent_bin, &pki), dir.path()).await?;
 
     step(
         "a change that cannot go in place (preKubeadmCommands): CAPI rolls out, and the updater says why",
@@ -609,5 +630,184 @@ async fn drain_demo(
     std::fs::write(version_file, "v1.35.3\n")?;
     poll(capi, &body).await?;
     println!("   cordoned after the plan succeeded: {}", cordon(api));
+    Ok(())
+}
+
+/// The control-plane step. A second sandbox node, `demo-cp` (its agent on 127.0.0.2), is a
+/// control-plane Machine of the same cluster, labelled and owned as KubeadmControlPlane
+/// makes them. Its local API server is the stand-in: the node's cluster CA is the
+/// stand-in's, the kube-apiserver manifest advertises the stand-in's address, the stand-in
+/// answers `/readyz` and holds the node's mirror Pods (Ready, each the mirror of the pod
+/// the kubelet runs). Etcd is external in this cluster, so no etcd member is checked. First
+/// the worker asks to move ahead of the control plane (refused before any node work:
+/// version skew); then the control-plane node moves, its plan rewriting a static pod
+/// manifest (kube-vip's) and ending with the `controlPlane` gate.
+async fn control_plane_demo(
+    api: &ApiStandin,
+    capi: &mut CapiClient,
+    port: u16,
+    (agent_bin, pki): (&Path, &Pki),
+    dir: &Path,
+) -> anyhow::Result<()> {
+    const NODE: &str = "demo-cp";
+    const IP: &str = "127.0.0.2";
+    const NAME: &str = "demo-control-plane-4bz9k";
+    const COMPONENTS: [&str; 3] = [
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+    ];
+    let root = dir.join("cp-node");
+    std::fs::create_dir_all(&root)?;
+    inplace_demo_node::build_kubeadm_worker(&root)?;
+    let version_file = kubelet_standin(&root, "v1.35.3")?;
+    let kubernetes = root.join("etc/kubernetes");
+    std::fs::create_dir_all(kubernetes.join("pki"))?;
+    std::fs::create_dir_all(kubernetes.join("manifests"))?;
+    std::fs::write(kubernetes.join("pki/ca.crt"), api.ca_pem())?;
+    // The kubelet's credential, which the gate reads the node's mirror Pods with (the
+    // stand-in does not ask for it; a real API server's Node authorizer does).
+    let kubelet_cert = pki.server(&format!("kubelet-{NODE}"), &[NODE])?;
+    let b64 = |path: &Path| -> anyhow::Result<String> {
+        use base64::Engine as _;
+        Ok(base64::engine::general_purpose::STANDARD.encode(std::fs::read(path)?))
+    };
+    std::fs::write(
+        kubernetes.join("kubelet.conf"),
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: demo\n  cluster:\n    \
+             certificate-authority-data: {}\n    server: https://{}\ncontexts:\n- name: demo\n  \
+             context:\n    cluster: demo\n    user: kubelet\ncurrent-context: demo\nusers:\n\
+             - name: kubelet\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\n",
+            b64(&kubernetes.join("pki/ca.crt"))?,
+            api.addr,
+            b64(&kubelet_cert.cert)?,
+            b64(&kubelet_cert.key)?,
+        ),
+    )?;
+    for c in COMPONENTS {
+        let advertise = if c == "kube-apiserver" {
+            format!(
+                "  annotations:\n    kubeadm.kubernetes.io/kube-apiserver.advertise-address.endpoint: \"{}\"\n",
+                api.addr
+            )
+        } else {
+            String::new()
+        };
+        std::fs::write(
+            kubernetes.join(format!("manifests/{c}.yaml")),
+            format!(
+                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {c}\n  namespace: kube-system\n{advertise}\
+                 spec:\n  containers:\n  - name: {c}\n    image: registry.k8s.io/{c}:v1.36.0\n"
+            ),
+        )?;
+        let mut mirror = pod("kube-system", &format!("{c}-{NODE}"), NODE, None, json!({}));
+        let hash = format!("demo-{c}");
+        mirror["metadata"]["annotations"] =
+            json!({"kubernetes.io/config.hash": hash, "kubernetes.io/config.mirror": hash});
+        mirror["status"]["conditions"] = json!([{"type": "Ready", "status": "True"}]);
+        api.put(mirror);
+    }
+    let kube_vip = |tag: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: kube-vip\n  namespace: kube-system\n\
+             spec:\n  containers:\n  - name: kube-vip\n    image: ghcr.io/kube-vip/kube-vip:{tag}\n"
+        )
+    };
+    let vip = "/etc/kubernetes/manifests/kube-vip.yaml";
+    std::fs::write(root.join(vip.trim_start_matches('/')), kube_vip("v1.0.0"))?;
+    let _agent = start_agent(agent_bin, &root, pki, (NODE, IP), port)?;
+    api.put(node(NODE, "v1.35.3"));
+
+    let cp_machine = |version: &str, running: &str, in_place: bool| {
+        let mut m = machine(version, in_place);
+        m["metadata"]["name"] = json!(NAME);
+        m["metadata"]["labels"] = json!({"cluster.x-k8s.io/cluster-name": "demo",
+            "cluster.x-k8s.io/control-plane": "", "cluster.x-k8s.io/control-plane-name": "demo-control-plane"});
+        m["metadata"]["ownerReferences"] = json!([{"apiVersion": "controlplane.cluster.x-k8s.io/v1beta2",
+            "kind": "KubeadmControlPlane", "name": "demo-control-plane", "uid": "kcp-demo", "controller": true}]);
+        m["spec"]["bootstrap"]["configRef"]["name"] = json!(NAME);
+        m["spec"]["infrastructureRef"]["name"] = json!(NAME);
+        m["status"] = json!({"nodeRef": {"name": NODE}, "addresses": [{"type": "InternalIP", "address": IP}],
+            "nodeInfo": {"kubeletVersion": running}});
+        m
+    };
+    api.put(cp_machine("v1.35.3", "v1.35.3", false));
+    println!(
+        "   control-plane Machine default/{NAME} on node {NODE} runs v1.35.3 (its API server: the stand-in; etcd external)"
+    );
+
+    // The worker first: refused before any node work, the control plane is behind.
+    let ahead = machine("v1.36.0", true);
+    let worker_config = kubeadm_config(
+        json!([{"path": "/etc/kubernetes/inplace-demo.conf", "content": "mode=v3\n"}]),
+    );
+    api.put(ahead.clone());
+    let v = capi
+        .call(
+            Hook::UpdateMachine,
+            &update_request(&ahead, &worker_config, port),
+        )
+        .await?
+        .json();
+    println!(
+        "   worker first: UpdateMachine → {} {:?}",
+        v["status"].as_str().unwrap_or("?"),
+        v["message"].as_str().unwrap_or("")
+    );
+    anyhow::ensure!(
+        v["status"] == "Failure",
+        "the worker was not refused ahead of its control plane"
+    );
+    api.put(machine("v1.35.3", true));
+
+    // KubeadmControlPlane's trigger: the desired KubeadmConfig and Machine, UpdateMachine
+    // pending; the Machine controller calls until done.
+    let config = json!({
+        "apiVersion": "bootstrap.cluster.x-k8s.io/v1beta2", "kind": "KubeadmConfig",
+        "metadata": {"name": NAME, "namespace": "default"},
+        "spec": {
+            "clusterConfiguration": {"etcd": {"external": {"endpoints": ["https://10.0.0.5:2379"]}}},
+            "joinConfiguration": {"controlPlane": {}, "nodeRegistration": {"kubeletExtraArgs": [{"name": "max-pods", "value": "150"}]}},
+            "files": [{"path": vip, "content": kube_vip("v1.1.0"), "permissions": "0600"}],
+        },
+    });
+    let live = cp_machine("v1.36.0", "v1.35.3", true);
+    api.put(config.clone());
+    api.put(live.clone());
+    show(&root, vip);
+    let body = update_request(&live, &config, port);
+    let before = api.requests().len();
+    let v = capi.call(Hook::UpdateMachine, &body).await?.json();
+    println!(
+        "   UpdateMachine → {} retryAfterSeconds={} {:?}",
+        v["status"].as_str().unwrap_or("?"),
+        v["retryAfterSeconds"],
+        v["message"].as_str().unwrap_or("")
+    );
+    println!("   (the plan moves the kubelet to v1.36.0: the demo writes the new version)");
+    std::fs::write(&version_file, "v1.36.0\n")?;
+    let v = poll(capi, &body).await?;
+    anyhow::ensure!(
+        v["status"] == "Success",
+        "the control-plane update failed: {}",
+        v["message"].as_str().unwrap_or_default()
+    );
+    show(&root, vip);
+    let mut read: Vec<String> = api.requests()[before..]
+        .iter()
+        .filter(|(m, p)| {
+            m == "GET" && (p == "/readyz" || p.starts_with("/api/v1/namespaces/kube-system/pods/"))
+        })
+        .map(|(_, p)| p.clone())
+        .collect();
+    read.dedup();
+    read.sort();
+    read.dedup();
+    println!(
+        "   the controlPlane gate read, before done: GET {}",
+        read.join(", GET ")
+    );
+    api.put(cp_machine("v1.36.0", "v1.36.0", false));
     Ok(())
 }

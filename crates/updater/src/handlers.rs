@@ -676,7 +676,18 @@ impl Updater {
     /// to the version of `desired`: its role and running version from the live Machine, the
     /// control plane's versions from its cluster's live control-plane Machines.
     async fn machine_skew(&self, live: &Value, desired: &Object) -> Option<Why> {
-        use super::skew::{Role, running_version};
+        let current = super::skew::running_version(live)?;
+        self.machine_skew_from(live, desired, current).await
+    }
+
+    /// [`Updater::machine_skew`] from the version `current` the Machine's node runs.
+    async fn machine_skew_from(
+        &self,
+        live: &Value,
+        desired: &Object,
+        current: super::skew::Version,
+    ) -> Option<Why> {
+        use super::skew::Role;
         let role = match super::translate::MachineRole::of(live) {
             super::translate::MachineRole::ControlPlane => Role::ControlPlane,
             super::translate::MachineRole::Worker => Role::Worker,
@@ -689,10 +700,41 @@ impl Updater {
             &subject,
             name,
             role,
-            running_version(live)?,
+            current,
             desired.spec().get("version").and_then(Value::as_str)?,
         )
         .await
+    }
+
+    /// The skew rules for an `UpdateMachine` of the live Machine `live` (whose spec already
+    /// asks for the desired version): from the version the node's kubelet reports
+    /// (`facts`, the agent's `GetNodeInfo`), else the live Machine's ([`super::skew::running_version`]).
+    /// `Some(sentence)` when the move breaks a rule or the control plane's versions could not
+    /// be read.
+    async fn update_skew(
+        &self,
+        live: &Value,
+        desired: &Object,
+        facts: &NodeFacts,
+    ) -> Option<String> {
+        use super::skew::{Version, running_version};
+        let current = Version::parse(&facts.kubelet_version).or_else(|| running_version(live))?;
+        self.machine_skew_from(live, desired, current)
+            .await
+            .and_then(|why| why.gaps.into_iter().next())
+            .map(|gap| gap.why)
+    }
+
+    /// Whether the agent of `plan` already knows it (it was submitted before this process
+    /// started, or by another replica): then the update is under way and not refused.
+    async fn agent_runs(&self, key: &str, plan: &PlanRef) -> bool {
+        match self.agents.status(&plan.peer, &plan.id).await {
+            Ok(Some(status)) if plan.has_digest(&status.digest) => {
+                tracing::warn!(machine = %key, plan = %plan.id, "the version skew rules would refuse this update, but the node already runs its plan: following it");
+                true
+            }
+            _ => false,
+        }
     }
 
     /// [`Updater::machine_skew`] for a MachineSet's Machines (workers): the version of the
@@ -1084,6 +1126,20 @@ impl Updater {
             cluster: cluster_of(desired.namespace(), &live_spec),
             hold: settings.update_wait,
         };
+        // The version skew rules once more, before any node work (no drain, no ApplyPlan):
+        // the control plane may have moved since CanUpdateMachine answered, or no
+        // CanUpdateMachine was asked at all (decision 0020). A plan already under way is not
+        // refused here: the node is past the point the rules guard.
+        if !self.plans.knows(&key, &plan)
+            && let Some(refusal) = self.update_skew(&live, &desired, &facts).await
+            && !self.agent_runs(&key, &plan).await
+        {
+            tracing::warn!(machine = %key, reason = %refusal, "UpdateMachine refused: version skew");
+            return Err(Failure(format!(
+                "{refusal}; nothing was started (the version skew rules are checked again when \
+                 the update starts)"
+            )));
+        }
         // A succeeded plan whose node drifted from it is repaired (below, in `submit`): a new
         // attempt, which drains first as a new plan would.
         let said = match settings.drain {

@@ -5,7 +5,8 @@
 //! AlreadyExists for a name taken; a JSON merge `patch` of a Machine or an Event), serving the objects'
 //! real JSON shapes and the API server's `Status` object for errors, over HTTP/1.1 on
 //! loopback (plain, or HTTPS on the same port with a certificate from a CA of its own, as
-//! a workload cluster's kubeconfig must be https). For the drain it also serves a workload cluster's paths (one stand-in may be
+//! a workload cluster's kubeconfig must be https; its certificate also names `kubernetes` and
+//! `/readyz` answers ok, so the demo's control-plane node can use it as its local API server). For the drain it also serves a workload cluster's paths (one stand-in may be
 //! both clusters): cluster-scoped Nodes (`get`, merge `patch`: cordon), `list` of Pods
 //! (with the `spec.nodeName` field selector), Namespaces, PodDisruptionBudgets and
 //! MachineDrainRules (and the management cluster's Machines, by equality label selector), `get` of DaemonSets, and the `pods/eviction` subresource with
@@ -101,7 +102,13 @@ fn serving_tls() -> anyhow::Result<(String, rustls::ServerConfig)> {
     let ca_pem = ca.self_signed(&ca_key)?.pem();
     let issuer = Issuer::new(ca, ca_key);
     let key = KeyPair::generate()?;
-    let mut leaf = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
+    // `kubernetes`: the name the agent's `controlPlane` gate verifies an API server under
+    // (the demo's control-plane node uses this stand-in as its local API server).
+    let mut leaf = CertificateParams::new(vec![
+        "127.0.0.1".to_owned(),
+        "localhost".to_owned(),
+        "kubernetes".to_owned(),
+    ])?;
     leaf.distinguished_name
         .push(DnType::CommonName, "api stand-in");
     leaf.is_ca = IsCa::ExplicitNoCa;
@@ -651,6 +658,14 @@ fn handle(
     let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
     store.requests.push((method.to_string(), full));
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    // GET /readyz: always ready (the demo's control-plane gate reads it).
+    if method == Method::GET && path == "/readyz" {
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "text/plain")
+            .body(Full::new(Bytes::from_static(b"ok")))
+            .unwrap_or_else(|_| Response::new(Full::new(Bytes::new())));
+    }
     // POST /api/v1/namespaces/<ns>/events
     if method == Method::POST
         && segments.len() == 5
