@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 
 use crate::support::{Node, text};
 
-const NODE: &str = "cp-0";
+pub(crate) const NODE: &str = "cp-0";
 const COMPONENTS: [&str; 4] = [
     "etcd",
     "kube-apiserver",
@@ -40,11 +40,12 @@ struct Behaviour {
     anonymous_pod_reads: AtomicU16,
 }
 
-/// A sandbox control-plane node with its PKI and stand-ins.
-struct ControlPlane {
-    node: Node,
+/// A sandbox control-plane node with its PKI and stand-ins (also used by
+/// `updater_cluster_config`, whose agent serves this node).
+pub(crate) struct ControlPlane {
+    pub(crate) node: Node,
     behaviour: Arc<Behaviour>,
-    api_port: u16,
+    pub(crate) api_port: u16,
     etcd_port: u16,
 }
 
@@ -65,7 +66,7 @@ fn manifest_text(component: &str, image: &str) -> String {
 }
 
 impl ControlPlane {
-    fn new() -> ControlPlane {
+    pub(crate) fn new() -> ControlPlane {
         let node = Node::new();
         let root = node.root().to_path_buf();
         std::fs::create_dir_all(root.join("etc/kubernetes/manifests")).unwrap();
