@@ -463,6 +463,9 @@ pub fn cluster_configuration_record(spec: &Value) -> Option<Value> {
     any.then_some(record)
 }
 
+/// A plan change and the spec field it is made from.
+pub type Sourced = (Value, String);
+
 /// The changes of a control-plane Machine's plan that move its static pods to the cluster
 /// configuration of `spec` (its KubeadmConfig spec), for a node that can do them (pure):
 /// the record ([`cluster_configuration_record`]) as a `file` change, and `kubeadmUpgradeNode`
@@ -477,7 +480,7 @@ pub fn control_plane_changes(
     spec: &Value,
     caps: Capabilities,
     has_kubeadm: bool,
-) -> (Vec<(Value, String)>, Option<(Value, String)>) {
+) -> (Vec<Sourced>, Option<Sourced>) {
     let mut out = Vec::new();
     if caps.role != MachineRole::ControlPlane {
         return (out, None);
