@@ -455,8 +455,13 @@ pub fn cluster_configuration_record(spec: &Value) -> Option<Value> {
     let mut any = false;
     for path in CONTROL_PLANE_CONFIG {
         let v = lookup(spec, path);
-        if is_set(v) {
-            super::patch::set(&mut record, &path[1..], v.cloned());
+        if let (true, Some(v)) = (is_set(v), v) {
+            let (last, parents) = path[1..].split_last().unwrap_or((&"", &[]));
+            let mut at = &mut record;
+            for key in parents {
+                at = &mut at[*key];
+            }
+            at[*last] = v.clone();
             any = true;
         }
     }
