@@ -15,18 +15,18 @@ use serde_json::Value;
 use crate::support::control_plane::{Behaviour, Standins, manifest, manifest_text};
 use crate::support::{Node, text};
 
-const NODE: &str = "cp-0";
+pub(crate) const NODE: &str = "cp-0";
 
 /// A sandbox control-plane node with its PKI and stand-ins (`tests/support/control_plane.rs`).
-struct ControlPlane {
-    node: Node,
+pub(crate) struct ControlPlane {
+    pub(crate) node: Node,
     behaviour: Arc<Behaviour>,
-    api_port: u16,
+    pub(crate) api_port: u16,
     etcd_port: u16,
 }
 
 impl ControlPlane {
-    fn new() -> ControlPlane {
+    pub(crate) fn new() -> ControlPlane {
         let node = Node::new();
         let s = Standins::install(node.root(), NODE, "127.0.0.1", "v1.35.2");
         ControlPlane {

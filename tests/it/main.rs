@@ -42,6 +42,7 @@ mod updater_agent_side;
 mod updater_bootstrap_files;
 mod updater_bound_agents;
 mod updater_bounded;
+mod updater_cluster_config;
 mod updater_control_plane;
 mod updater_dead_agent;
 mod updater_drain;

@@ -20,7 +20,7 @@ use inplace_updater::patch::{
 };
 use inplace_updater::settings::{Defaults, Settings};
 use inplace_updater::translate::{
-    Capabilities, Desired, NoSecrets, NodeFacts, SecretSource, plan_id, translate,
+    Capabilities, Desired, MachineRole, NoSecrets, NodeFacts, SecretSource, plan_id, translate,
 };
 
 fn fixture(name: &str) -> Value {
@@ -44,6 +44,9 @@ const ALL: Capabilities = Capabilities {
     prune: true,
     kubelet_flags: true,
     version: true,
+    role: MachineRole::Worker,
+    control_plane_config: true,
+    api_server_certificate: true,
 };
 
 fn settings() -> Settings {
@@ -150,6 +153,9 @@ fn without_the_agent_abilities_nothing_is_copied_and_capi_rolls_out() {
         prune: false,
         kubelet_flags: false,
         version: false,
+        role: MachineRole::Worker,
+        control_plane_config: false,
+        api_server_certificate: false,
     };
     let machine = cover_machine(&cur["machine"]["spec"], &des["machine"]["spec"], none);
     let bootstrap = cover_kubeadm(

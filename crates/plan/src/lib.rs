@@ -24,10 +24,11 @@ use std::time::Duration;
 
 pub use error::{FieldError, InvalidPlan};
 pub use kinds::{
-    AbsentChange, ArtifactChange, Change, ChangeKind, ControlPlaneGate, DropIn, EtcdTopology,
-    ExecChange, FileChange, KUBEADM_FLAGS_PATH, KUBELET_CONFIG_PATH, KUBELET_UNIT, Kind,
-    KubeadmUpgradeNodeChange, KubeletConfigChange, KubeletFlagsChange, PackageChange, RebootChange,
-    SysctlChange, UnitChange, UnitState, sysctl_conf_path,
+    AbsentChange, ArtifactChange, CLUSTER_CONFIGURATION_RECORD, Change, ChangeKind,
+    ControlPlaneGate, DropIn, EtcdTopology, ExecChange, FileChange, KUBEADM_FLAGS_PATH,
+    KUBELET_CONFIG_PATH, KUBELET_UNIT, Kind, KubeadmUpgradeNodeChange, KubeletConfigChange,
+    KubeletFlagsChange, PackageChange, RebootChange, SysctlChange, UnitChange, UnitState,
+    sysctl_conf_path,
 };
 pub use parse::{
     API_VERSION, Limits, check_unit_name, decode_content, is_dns_subdomain, normalize_kube_version,

@@ -39,7 +39,7 @@ use super::handlers::{
 };
 use super::hooks::{HOOKS_API_VERSION, Hook, HookRequest};
 use super::settings::Defaults;
-use super::translate::{NodeFacts, lookup};
+use super::translate::{MachineRole, NodeFacts, lookup};
 use super::why::Why;
 
 /// Exit code: not everything would go in place.
@@ -419,9 +419,12 @@ fn assumed_machine(
     if let Some(why) = machine_precheck(request, settings).map_err(|f| anyhow::anyhow!(f.0))? {
         return Ok(("not_covered", Some(why)));
     }
+    // The request is built from the live objects here, so its current Machine's role is the
+    // live one (a KubeadmControlPlane's Machines are control-plane Machines).
+    let current = request.object("current", "machine")?;
+    let caps = NodeFacts::assumed("").capabilities_for(MachineRole::of(&current.value));
     let (machine, bootstrap) =
-        cover_machine_request(request, NodeFacts::assumed("").capabilities())
-            .map_err(|f| anyhow::anyhow!(f.0))?;
+        cover_machine_request(request, caps).map_err(|f| anyhow::anyhow!(f.0))?;
     let why = coverage_why(&machine, &bootstrap);
     Ok((if why.is_some() { "partial" } else { "covered" }, why))
 }

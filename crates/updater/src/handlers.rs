@@ -890,7 +890,10 @@ impl Updater {
                 ));
             }
         };
-        let (machine, bootstrap) = cover_machine_request(request, facts.capabilities())?;
+        // The role is the live Machine's: a control-plane Machine's cluster configuration is
+        // node work (its static pods), a worker's is not.
+        let caps = facts.capabilities_for(super::translate::MachineRole::of(&live));
+        let (machine, bootstrap) = cover_machine_request(request, caps)?;
         // Would the node accept the desired state at all?
         let (fetched, written) = tokio::join!(
             self.secrets(desired.namespace(), desired_b.as_ref().map(|o| &o.value)),
@@ -1562,6 +1565,7 @@ pub fn decide_machine_set(
             prune: caps.prune && c.prune,
             kubelet_flags: caps.kubelet_flags && c.kubelet_flags,
             version: caps.version && c.version,
+            ..caps
         };
     }
     let note = match lacking.len() {

@@ -198,7 +198,8 @@ impl Metrics {
             "CanUpdateMachineSet and CanUpdateMachine answers, by hook, outcome (covered, \
              partial, not_covered) and the class of the reason a change is not in place \
              (none when it is: field-not-in-place, unsupported-bootstrap, agent-capability, \
-             agent-refused, unreachable, agent-trust, translation, lookup, settings)",
+             agent-refused, unreachable, agent-trust, translation, skew, downgrade, lookup, \
+             settings)",
             decisions.clone(),
         );
         let latency =

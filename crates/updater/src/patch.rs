@@ -10,13 +10,20 @@
 //! remove), `clusterConfiguration.featureGates` together with a version bump (KCP drops
 //! `ControlPlaneKubeletLocalMode` on 1.35 → 1.36; `kubeadm upgrade node` applies the
 //! cluster's configuration), and the fields that need no node work ([`NO_NODE_WORK`]).
+//! On a control-plane Machine ([`Capabilities::role`]) also the cluster configuration its
+//! static pods are made from ([`CONTROL_PLANE_CONFIG`]: the API server's, controller
+//! manager's and scheduler's `extraArgs`, `extraVolumes`, `extraEnvs`, the local etcd's
+//! `imageTag`, `extraArgs`, `extraEnvs`), which `kubeadm upgrade node` regenerates them from,
+//! never an etcd image tag lower than the running one; and `apiServer.certSANs` when names
+//! are only added (the serving certificate is reissued).
 //! Never covered: diskSetup, mounts, format, ignition, users, ntp, boot/pre/post kubeadm
 //! commands, the node name, `contentFormat: Template` files, InfraMachine changes.
 
 use serde_json::{Map, Value, json};
 
 use super::translate::{
-    Capabilities, FEATURE_GATES, KUBELET_ARGS, NO_NODE_WORK, kubelet_args, lookup,
+    API_SERVER_CERT_SANS, CONTROL_PLANE_CONFIG, Capabilities, ETCD_IMAGE_TAG, FEATURE_GATES,
+    KUBELET_ARGS, MachineRole, NO_NODE_WORK, is_set, kubelet_args, lookup,
 };
 use super::why::{Class, Gap, Need};
 
@@ -43,7 +50,8 @@ pub struct Coverage {
     /// Fields still different after the copy, with why ([`super::why`]: the response
     /// message, the log, the Event, the metric).
     pub uncovered: Vec<Gap>,
-    /// A covered change restarts the kubelet (version, flags): it affects availability.
+    /// A covered change restarts the kubelet (version, flags) or a control-plane component
+    /// (the cluster configuration): it affects availability.
     pub disruptive: bool,
 }
 
@@ -138,6 +146,9 @@ pub fn cover_kubeadm(
             ));
         }
     }
+    if caps.role == MachineRole::ControlPlane {
+        cover_control_plane(current, desired, caps, &mut out);
+    }
     for path in NO_NODE_WORK {
         let (c, d) = (lookup(&out.spec, path), lookup(desired, path));
         if c != d {
@@ -159,6 +170,139 @@ pub fn cover_kubeadm(
         Gap::new(p, Class::FieldNotInPlace, why)
     }));
     out
+}
+
+/// The cluster configuration of a control-plane Machine: what `kubeadm upgrade node`
+/// regenerates the static pods from ([`CONTROL_PLANE_CONFIG`]), and the API server's
+/// certificate names.
+fn cover_control_plane(current: &Value, desired: &Value, caps: Capabilities, out: &mut Coverage) {
+    let set_before = CONTROL_PLANE_CONFIG
+        .iter()
+        .any(|p| is_set(lookup(current, p)));
+    let set_after = CONTROL_PLANE_CONFIG
+        .iter()
+        .any(|p| is_set(lookup(desired, p)));
+    let differing: Vec<&[&str]> = CONTROL_PLANE_CONFIG
+        .iter()
+        .copied()
+        .filter(|p| lookup(current, p) != lookup(desired, p))
+        .collect();
+    if !differing.is_empty() && set_before && !set_after {
+        // Nothing left to record: the plan would carry no record whose change runs kubeadm.
+        out.uncovered.push(Gap::new(
+            "clusterConfiguration",
+            Class::FieldNotInPlace,
+            "removes the last of the API server, controller manager, scheduler and etcd \
+             settings (extraArgs, extraVolumes, extraEnvs, imageTag): with none left the \
+             node's record of them cannot change, so kubeadm upgrade node would not run; only \
+             a new Machine applies it",
+        ));
+        return;
+    }
+    for path in differing {
+        let field = path.join(".");
+        let (c, d) = (lookup(current, path), lookup(desired, path));
+        if !caps.control_plane_config {
+            out.uncovered.push(Gap::needs(
+                field,
+                Need::ControlPlaneConfig,
+                "needs kubeadm upgrade node and the controlPlane gate on the node",
+            ));
+            continue;
+        }
+        if path == ETCD_IMAGE_TAG
+            && let Some(gap) = etcd_backwards(c, d)
+        {
+            out.uncovered.push(gap);
+            continue;
+        }
+        set(&mut out.spec, path, d.cloned());
+        out.covered.push(field);
+        out.disruptive = true;
+    }
+    let (c, d) = (
+        lookup(current, API_SERVER_CERT_SANS),
+        lookup(desired, API_SERVER_CERT_SANS),
+    );
+    if c != d {
+        let field = API_SERVER_CERT_SANS.join(".");
+        let names = |v: Option<&Value>| -> Vec<String> {
+            v.and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .map(|n| n.as_str().map_or_else(|| n.to_string(), str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let kept = names(d);
+        let dropped: Vec<String> = names(c).into_iter().filter(|n| !kept.contains(n)).collect();
+        if !dropped.is_empty() {
+            out.uncovered.push(Gap::new(
+                field,
+                Class::FieldNotInPlace,
+                format!(
+                    "drops {}: a name is not taken out of the API server's certificate in place \
+                     (the updater sees only the desired names when it updates the node)",
+                    dropped.join(", ")
+                ),
+            ));
+        } else if !caps.api_server_certificate {
+            out.uncovered.push(Gap::needs(
+                field,
+                Need::ApiServerCertificate,
+                "needs the API server's serving certificate reissued with the new names",
+            ));
+        } else {
+            set(&mut out.spec, API_SERVER_CERT_SANS, d.cloned());
+            out.covered.push(field);
+        }
+    }
+}
+
+/// An etcd image tag as a comparable version: `3.6.5-0` → ([3, 6, 5], 0), `v3.5.21` →
+/// ([3, 5, 21], 0); `None` when it is not of that form.
+pub fn etcd_version(tag: &str) -> Option<(Vec<u64>, u64)> {
+    let tag = tag.strip_prefix('v').unwrap_or(tag);
+    let (version, revision) = match tag.split_once('-') {
+        Some((v, r)) => (v, r.parse().ok()?),
+        None => (tag, 0),
+    };
+    let parts: Option<Vec<u64>> = version.split('.').map(|p| p.parse().ok()).collect();
+    parts.filter(|p| p.len() == 3).map(|p| (p, revision))
+}
+
+/// The refusal of an etcd image tag move that goes backwards, or that cannot be ordered
+/// (both tags set): an etcd that moved its data forward cannot be downgraded. A tag set on
+/// one side only moves from or to kubeadm's default for the version, which the updater does
+/// not know; `kubeadm upgrade node` itself does not move etcd backwards.
+fn etcd_backwards(current: Option<&Value>, desired: Option<&Value>) -> Option<Gap> {
+    let field = ETCD_IMAGE_TAG.join(".");
+    let (Some(c), Some(d)) = (
+        current.and_then(Value::as_str).filter(|s| !s.is_empty()),
+        desired.and_then(Value::as_str).filter(|s| !s.is_empty()),
+    ) else {
+        return None;
+    };
+    match (etcd_version(c), etcd_version(d)) {
+        (Some(a), Some(b)) if b >= a => None,
+        (Some(_), Some(_)) => Some(Gap::new(
+            field,
+            Class::Downgrade,
+            format!(
+                "moves etcd backwards, from {c} to {d}: an etcd that moved its data forward \
+                 cannot be downgraded, in place or by a new Machine; keep {c} or a later tag"
+            ),
+        )),
+        _ => Some(Gap::new(
+            field,
+            Class::Downgrade,
+            format!(
+                "cannot be ordered ({c} to {d}, not etcd versions such as 3.6.5-0): etcd never \
+                 goes backwards, so a tag that cannot be proved newer is not moved in place"
+            ),
+        )),
+    }
 }
 
 fn files_refusal(
@@ -278,6 +422,9 @@ fn flags_refusal(
 
 /// Why a KubeadmConfig field outside what the updater covers stays different.
 fn never_in_place(path: &str) -> &'static str {
+    if let Some(rest) = path.strip_prefix("clusterConfiguration.") {
+        return cluster_configuration_never(rest);
+    }
     let top = path.split('.').next().unwrap_or(path);
     match top {
         "preKubeadmCommands" | "postKubeadmCommands" | "bootCommands" => {
@@ -287,6 +434,48 @@ fn never_in_place(path: &str) -> &'static str {
             "is set up only when the node is bootstrapped: only a new Machine applies it"
         }
         _ => "is not done in place: only a new Machine applies it",
+    }
+}
+
+/// Why a `clusterConfiguration` field (`rest` is its path below it) stays different.
+fn cluster_configuration_never(rest: &str) -> &'static str {
+    let first = rest.split('.').next().unwrap_or(rest);
+    match first {
+        "networking" => {
+            "changes the cluster's networking (pod and service subnets, DNS domain), which the \
+             running cluster keeps: not done in place, only a new Machine applies it"
+        }
+        "controlPlaneEndpoint" => {
+            "moves the control plane's endpoint, which every node's kubeconfig names: only a new \
+             Machine applies it"
+        }
+        "imageRepository"
+        | "kubernetesVersion"
+        | "clusterName"
+        | "certificatesDir"
+        | "encryptionAlgorithm"
+        | "dns"
+        | "proxy" => {
+            "is not one of the control-plane settings updated in place (the static pods' \
+             extraArgs, extraVolumes, extraEnvs, etcd's imageTag, the API server's certSANs): \
+             only a new Machine applies it"
+        }
+        "etcd" if rest.starts_with("etcd.external") => {
+            "changes the external etcd the API server uses: only a new Machine applies it"
+        }
+        "etcd" if rest.contains("CertSANs") => {
+            "needs etcd's certificates reissued, which is not done in place: only a new \
+             Machine applies it"
+        }
+        "etcd" => {
+            "is not one of etcd's settings updated in place (imageTag, extraArgs, extraEnvs): \
+             only a new Machine applies it"
+        }
+        _ => {
+            "is not one of the control-plane settings updated in place (the static pods' \
+             extraArgs, extraVolumes, extraEnvs, etcd's imageTag, the API server's certSANs) \
+             on a control-plane Machine: only a new Machine applies it"
+        }
     }
 }
 
@@ -424,7 +613,148 @@ mod tests {
         prune: true,
         kubelet_flags: true,
         version: true,
+        role: MachineRole::Worker,
+        control_plane_config: true,
+        api_server_certificate: true,
     };
+
+    const CONTROL_PLANE: Capabilities = Capabilities {
+        role: MachineRole::ControlPlane,
+        ..ALL
+    };
+
+    fn cluster(config: Value) -> Value {
+        json!({"clusterConfiguration": config})
+    }
+
+    #[test]
+    fn control_plane_settings_go_in_place_on_a_control_plane_machine_only() {
+        let cur = cluster(json!({
+            "apiServer": {"extraArgs": [{"name": "audit-log-maxage", "value": "7"}], "certSANs": ["a.example"]},
+            "etcd": {"local": {"imageTag": "3.6.4-0"}},
+        }));
+        let des = cluster(json!({
+            "apiServer": {
+                "extraArgs": [{"name": "audit-log-maxage", "value": "30"}],
+                "extraVolumes": [{"name": "audit", "hostPath": "/var/log/audit", "mountPath": "/var/log/audit"}],
+                "certSANs": ["a.example", "b.example"],
+            },
+            "controllerManager": {"extraArgs": [{"name": "v", "value": "2"}]},
+            "scheduler": {"extraEnvs": [{"name": "GOGC", "value": "50"}]},
+            "etcd": {"local": {"imageTag": "3.6.5-0", "extraArgs": [{"name": "quota-backend-bytes", "value": "8589934592"}]}},
+        }));
+        let c = cover_kubeadm(&cur, &des, CONTROL_PLANE, false);
+        assert!(c.complete(), "{:?}", c.uncovered);
+        assert_eq!(c.spec, des);
+        assert!(c.disruptive);
+        assert!(
+            c.covered
+                .contains(&"clusterConfiguration.apiServer.certSANs".to_string())
+        );
+        // A worker's KubeadmConfig: the same difference is not node work.
+        let w = cover_kubeadm(&cur, &des, ALL, false);
+        assert!(!w.complete());
+        assert!(
+            w.uncovered
+                .iter()
+                .all(|g| g.class == Class::FieldNotInPlace),
+            "{:?}",
+            w.uncovered
+        );
+        // A node whose agent cannot: named as what it lacks.
+        let old = Capabilities {
+            control_plane_config: false,
+            api_server_certificate: false,
+            ..CONTROL_PLANE
+        };
+        let o = cover_kubeadm(&cur, &des, old, false);
+        assert_eq!(o.covered, Vec::<String>::new());
+        assert!(
+            o.uncovered
+                .iter()
+                .all(|g| g.class == Class::AgentCapability),
+            "{:?}",
+            o.uncovered
+        );
+        assert!(
+            o.uncovered
+                .iter()
+                .any(|g| g.need == Some(Need::ApiServerCertificate))
+        );
+        assert!(
+            o.uncovered
+                .iter()
+                .any(|g| g.need == Some(Need::ControlPlaneConfig))
+        );
+    }
+
+    #[test]
+    fn etcd_never_goes_backwards() {
+        let tag = |t: &str| cluster(json!({"etcd": {"local": {"imageTag": t}}}));
+        let c = cover_kubeadm(&tag("3.6.5-0"), &tag("3.5.21-0"), CONTROL_PLANE, false);
+        assert_eq!(c.uncovered.len(), 1, "{:?}", c.uncovered);
+        let gap = &c.uncovered[0];
+        assert_eq!(gap.class, Class::Downgrade);
+        assert_eq!(gap.field, "clusterConfiguration.etcd.local.imageTag");
+        assert!(gap.why.contains("from 3.6.5-0 to 3.5.21-0"), "{gap}");
+        assert!(gap.why.contains("cannot be downgraded"), "{gap}");
+        assert_eq!(c.spec, tag("3.6.5-0"), "nothing copied");
+        // Numeric order, the revision counts, and forward goes.
+        assert!(cover_kubeadm(&tag("3.5.9-0"), &tag("3.5.21-0"), CONTROL_PLANE, false).complete());
+        assert!(cover_kubeadm(&tag("3.6.5-0"), &tag("3.6.5-1"), CONTROL_PLANE, false).complete());
+        assert!(!cover_kubeadm(&tag("3.6.5-1"), &tag("3.6.5-0"), CONTROL_PLANE, false).complete());
+        let odd = cover_kubeadm(&tag("3.6.5-0"), &tag("latest"), CONTROL_PLANE, false);
+        assert_eq!(
+            odd.uncovered[0].class,
+            Class::Downgrade,
+            "{:?}",
+            odd.uncovered
+        );
+        assert_eq!(etcd_version("v3.5.21"), Some((vec![3, 5, 21], 0)));
+    }
+
+    #[test]
+    fn other_cluster_configuration_fields_roll_out_with_their_reason() {
+        let cur = cluster(
+            json!({"networking": {"podSubnet": "10.244.0.0/16"}, "apiServer": {"extraArgs": [{"name": "v", "value": "1"}], "certSANs": ["a", "b"]}}),
+        );
+        let des = cluster(
+            json!({"networking": {"podSubnet": "10.245.0.0/16"}, "apiServer": {"extraArgs": [{"name": "v", "value": "1"}], "certSANs": ["a"]}, "imageRepository": "mirror.example"}),
+        );
+        let c = cover_kubeadm(&cur, &des, CONTROL_PLANE, false);
+        let said: Vec<String> = c.uncovered.iter().map(ToString::to_string).collect();
+        assert_eq!(said.len(), 3, "{said:?}");
+        assert!(
+            said.iter().any(|s| s.starts_with(
+                "clusterConfiguration.networking.podSubnet (changes the cluster's networking"
+            )),
+            "{said:?}"
+        );
+        assert!(
+            said.iter()
+                .any(|s| s.starts_with("clusterConfiguration.apiServer.certSANs (drops b")),
+            "{said:?}"
+        );
+        assert!(
+            said.iter()
+                .any(|s| s.starts_with("clusterConfiguration.imageRepository (is not one of")),
+            "{said:?}"
+        );
+        // Removing the last covered setting: no record would change, so it rolls out.
+        let cur = cluster(json!({"apiServer": {"extraArgs": [{"name": "v", "value": "1"}]}}));
+        let c = cover_kubeadm(
+            &cur,
+            &cluster(json!({"apiServer": {}})),
+            CONTROL_PLANE,
+            false,
+        );
+        assert!(!c.complete());
+        assert!(
+            c.uncovered[0].why.contains("removes the last"),
+            "{:?}",
+            c.uncovered
+        );
+    }
 
     #[test]
     fn diff_escapes_and_never_adds_under_a_missing_parent() {

@@ -82,11 +82,13 @@ impl NodeFacts {
         }
     }
 
-    fn kind(&self, kind: &str) -> bool {
+    /// The agent applies changes of `kind`.
+    pub(crate) fn kind(&self, kind: &str) -> bool {
         self.change_kinds.iter().any(|k| k == kind)
     }
 
-    fn check(&self, kind: &str) -> bool {
+    /// The agent runs checks of `kind`.
+    pub(crate) fn check(&self, kind: &str) -> bool {
         self.check_kinds.iter().any(|k| k == kind)
     }
 
@@ -94,8 +96,16 @@ impl NodeFacts {
         self.features.iter().any(|k| k == feature)
     }
 
-    /// What of a KubeadmConfig / Machine the updater can translate for this node.
+    /// What of a KubeadmConfig / Machine the updater can translate for this node, as a
+    /// worker's ([`NodeFacts::capabilities_for`] for a control-plane Machine).
     pub fn capabilities(&self) -> Capabilities {
+        self.capabilities_for(MachineRole::Worker)
+    }
+
+    /// What of a KubeadmConfig / Machine the updater can translate for this node when it is
+    /// a Machine of `role` (read from the live Machine, [`MachineRole::of`]): only on a
+    /// control-plane Machine is the cluster configuration node work.
+    pub fn capabilities_for(&self, role: MachineRole) -> Capabilities {
         Capabilities {
             files: self.kind("file"),
             prune: self.feature(FEATURE_PRUNE),
@@ -103,9 +113,18 @@ impl NodeFacts {
             version: self.kind("package")
                 && self.kind("kubeadmUpgradeNode")
                 && self.feature(FEATURE_VERSION_PATTERN),
+            role,
+            control_plane_config: self.kind("file")
+                && self.kind("kubeadmUpgradeNode")
+                && self.check("controlPlane"),
+            api_server_certificate: self.kind(API_SERVER_CERTIFICATE),
         }
     }
 }
+
+/// The change kind that reissues the API server's serving certificate with new names
+/// (`{certSANs, previous, certificatesDir}`), restored on rollback.
+pub const API_SERVER_CERTIFICATE: &str = "apiServerCertificate";
 
 /// `GetNodeInfo.plan_features` value: the agent honours `options.prune`.
 pub const FEATURE_PRUNE: &str = "prune";
@@ -123,6 +142,14 @@ pub struct Capabilities {
     pub kubelet_flags: bool,
     /// The Kubernetes version can be moved (packages, kubeadm upgrade node, patterns).
     pub version: bool,
+    /// The Machine's role: the cluster configuration is node work on a control-plane
+    /// Machine only.
+    pub role: MachineRole,
+    /// The node regenerates its static pod manifests from the cluster configuration and
+    /// proves them healthy (`file`, `kubeadmUpgradeNode`, the `controlPlane` gate).
+    pub control_plane_config: bool,
+    /// The node reissues the API server's serving certificate (`apiServerCertificate`).
+    pub api_server_certificate: bool,
 }
 
 /// Where `files[].contentFrom.secret` is read from (the Machine's namespace).
@@ -379,6 +406,134 @@ pub const KUBELET_ARGS: &[&str] = &["joinConfiguration", "nodeRegistration", "ku
 /// Where KCP's feature gates are.
 pub const FEATURE_GATES: &[&str] = &["clusterConfiguration", "featureGates"];
 
+/// The cluster configuration fields a control-plane node applies in place: the flags,
+/// volumes and environment of its static pods and its local etcd's image tag. `kubeadm
+/// upgrade node` regenerates the static pod manifests from them (the cluster's
+/// `kubeadm-config`, which KubeadmControlPlane moves before it touches any Machine).
+pub const CONTROL_PLANE_CONFIG: &[&[&str]] = &[
+    &["clusterConfiguration", "apiServer", "extraArgs"],
+    &["clusterConfiguration", "apiServer", "extraVolumes"],
+    &["clusterConfiguration", "apiServer", "extraEnvs"],
+    &["clusterConfiguration", "controllerManager", "extraArgs"],
+    &["clusterConfiguration", "controllerManager", "extraVolumes"],
+    &["clusterConfiguration", "controllerManager", "extraEnvs"],
+    &["clusterConfiguration", "scheduler", "extraArgs"],
+    &["clusterConfiguration", "scheduler", "extraVolumes"],
+    &["clusterConfiguration", "scheduler", "extraEnvs"],
+    &["clusterConfiguration", "etcd", "local", "imageTag"],
+    &["clusterConfiguration", "etcd", "local", "extraArgs"],
+    &["clusterConfiguration", "etcd", "local", "extraEnvs"],
+];
+
+/// Where the local etcd's image tag is.
+pub const ETCD_IMAGE_TAG: &[&str] = &["clusterConfiguration", "etcd", "local", "imageTag"];
+
+/// Where the API server's extra certificate names are.
+pub const API_SERVER_CERT_SANS: &[&str] = &["clusterConfiguration", "apiServer", "certSANs"];
+
+/// Where kubeadm keeps the cluster's certificates when `certificatesDir` is not set.
+pub const CERTIFICATES_DIR_DEFAULT: &str = "/etc/kubernetes/pki";
+
+/// Whether a value counts as set: Cluster API drops empty lists before it compares
+/// (`PrepareKubeadmConfigsForDiff`), so an empty list, object or string is unset.
+pub fn is_set(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(m)) => !m.is_empty(),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(_) => true,
+    }
+}
+
+/// The record of the covered control-plane configuration of a KubeadmConfig spec (pure):
+/// the set fields of [`CONTROL_PLANE_CONFIG`], nested as in the spec's
+/// `clusterConfiguration`; `None` when none is set. The plans of control-plane Machines
+/// write it, in canonical JSON, to [`inplace_plan::CLUSTER_CONFIGURATION_RECORD`].
+pub fn cluster_configuration_record(spec: &Value) -> Option<Value> {
+    let mut record = Value::Object(Map::new());
+    let mut any = false;
+    for path in CONTROL_PLANE_CONFIG {
+        let v = lookup(spec, path);
+        if let (true, Some(v)) = (is_set(v), v) {
+            let (last, parents) = path[1..].split_last().unwrap_or((&"", &[]));
+            let mut at = &mut record;
+            for key in parents {
+                at = &mut at[*key];
+            }
+            at[*last] = v.clone();
+            any = true;
+        }
+    }
+    any.then_some(record)
+}
+
+/// A plan change and the spec field it is made from.
+pub type Sourced = (Value, String);
+
+/// The changes of a control-plane Machine's plan that move its static pods to the cluster
+/// configuration of `spec` (its KubeadmConfig spec), for a node that can do them (pure):
+/// the record ([`cluster_configuration_record`]) as a `file` change, and `kubeadmUpgradeNode`
+/// unless the plan already runs it (`has_kubeadm`); `certificate` is the `apiServerCertificate`
+/// change for the desired `certSANs`, for a node whose agent has that kind. Each comes with
+/// the spec field it is made from.
+///
+/// `previous` is left empty: only the desired KubeadmConfig reaches `UpdateMachine`, so the
+/// updater never knows the names the certificate had; the coverage therefore takes a
+/// `certSANs` change in place only when it adds names ([`super::patch`]).
+pub fn control_plane_changes(
+    spec: &Value,
+    caps: Capabilities,
+    has_kubeadm: bool,
+) -> (Vec<Sourced>, Option<Sourced>) {
+    let mut out = Vec::new();
+    if caps.role != MachineRole::ControlPlane {
+        return (out, None);
+    }
+    if caps.control_plane_config
+        && let Some(record) = cluster_configuration_record(spec)
+    {
+        let mut content = String::new();
+        write_canonical(&record, &mut content);
+        content.push('\n');
+        out.push((
+            json!({"file": {
+                "path": inplace_plan::CLUSTER_CONFIGURATION_RECORD,
+                "content": content,
+                "mode": "0600",
+            }}),
+            "bootstrapConfig.spec.clusterConfiguration".to_owned(),
+        ));
+        if !has_kubeadm {
+            out.push((
+                json!({"kubeadmUpgradeNode": {}}),
+                "bootstrapConfig.spec.clusterConfiguration".to_owned(),
+            ));
+        }
+    }
+    let sans = lookup(spec, API_SERVER_CERT_SANS).filter(|v| is_set(Some(v)));
+    let certificate = match sans {
+        Some(sans) if caps.api_server_certificate => {
+            let mut body = Map::new();
+            body.insert("certSANs".into(), sans.clone());
+            body.insert("previous".into(), json!([]));
+            if let Some(dir) = spec
+                .pointer("/clusterConfiguration/certificatesDir")
+                .and_then(Value::as_str)
+                .filter(|d| !d.is_empty() && *d != CERTIFICATES_DIR_DEFAULT)
+            {
+                body.insert("certificatesDir".into(), json!(dir));
+            }
+            Some((
+                json!({ API_SERVER_CERTIFICATE: body }),
+                "bootstrapConfig.spec.clusterConfiguration.apiServer.certSANs".to_owned(),
+            ))
+        }
+        _ => None,
+    };
+    (out, certificate)
+}
+
 /// Translates the desired state for `node` into a plan.
 pub fn translate(
     desired: &Desired<'_>,
@@ -456,6 +611,20 @@ pub fn translate_for(
         }
     }
 
+    // A control-plane Machine: the record of its cluster configuration, before the version's
+    // packages so that one `kubeadm upgrade node` applies both.
+    let caps = node.capabilities_for(role);
+    let bootstrap_spec = desired
+        .bootstrap
+        .and_then(|b| b.get("spec"))
+        .unwrap_or(&Value::Null);
+    let (control_plane, certificate) = control_plane_changes(bootstrap_spec, caps, true);
+    let record_changes = !control_plane.is_empty();
+    for (change, source) in control_plane {
+        changes.push(change);
+        sources.push(source);
+    }
+
     let mut verify: Vec<Value> = Vec::new();
     if let Some(version) = machine_spec.get("version").and_then(Value::as_str) {
         let field = "machine.spec.version";
@@ -517,6 +686,19 @@ pub fn translate_for(
                 json!({"httpGet": {"url": url, "expectStatus": 200, "timeoutSeconds": settings.gate_timeout_seconds}}),
             );
         }
+    }
+
+    if record_changes
+        && !changes
+            .iter()
+            .any(|c| c.get("kubeadmUpgradeNode").is_some())
+    {
+        changes.push(json!({"kubeadmUpgradeNode": {}}));
+        sources.push("bootstrapConfig.spec.clusterConfiguration".into());
+    }
+    if let Some((change, source)) = certificate {
+        changes.push(change);
+        sources.push(source);
     }
 
     let removed = if desired.bootstrap.is_some() && node.kind("absent") {
@@ -917,6 +1099,103 @@ mod tests {
                 .changes
                 .iter()
                 .all(|c| c.kind().to_string() != "absent")
+        );
+    }
+
+    #[test]
+    fn a_control_plane_configuration_becomes_its_record_then_kubeadm_then_the_gate() {
+        let machine = json!({"metadata": {"name": "cp", "namespace": "ns"}, "spec": {}});
+        let bootstrap = json!({"kind": "KubeadmConfig", "spec": {"clusterConfiguration": {
+            "apiServer": {"extraArgs": [{"name": "audit-log-maxage", "value": "30"}], "extraVolumes": [], "certSANs": ["cp.example"]},
+            "etcd": {"local": {"imageTag": "3.6.5-0", "dataDir": "/var/lib/etcd"}},
+            "networking": {"podSubnet": "10.244.0.0/16"},
+        }}});
+        let desired = Desired {
+            machine: &machine,
+            infrastructure: None,
+            bootstrap: Some(&bootstrap),
+        };
+        let node = NodeFacts::assumed("cp-0");
+        let t = translate_for(
+            &desired,
+            MachineRole::ControlPlane,
+            &settings(),
+            &node,
+            &NoSecrets,
+            &[],
+        )
+        .unwrap();
+        let kinds: Vec<String> = t
+            .plan
+            .changes
+            .iter()
+            .map(|c| format!("{} {}", c.kind(), c.target()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                format!("file {}", inplace_plan::CLUSTER_CONFIGURATION_RECORD),
+                "kubeadmUpgradeNode kubeadm upgrade node".to_string()
+            ]
+        );
+        let inplace_plan::Change::File(f) = &t.plan.changes[0] else {
+            panic!("{:?}", t.plan.changes[0]);
+        };
+        // Canonical JSON of the covered fields only (no certSANs, dataDir, networking, no
+        // empty list).
+        assert_eq!(
+            String::from_utf8_lossy(&f.content),
+            "{\"apiServer\":{\"extraArgs\":[{\"name\":\"audit-log-maxage\",\"value\":\"30\"}]},\
+             \"etcd\":{\"local\":{\"imageTag\":\"3.6.5-0\"}}}\n"
+        );
+        assert!(t.restarts_control_plane);
+        assert_eq!(
+            t.plan.verify.last().map(|c| c.probe.key()),
+            Some("controlPlane")
+        );
+        // A worker's plan is what it was: nothing of the cluster configuration.
+        let w = translate_for(
+            &desired,
+            MachineRole::Worker,
+            &settings(),
+            &node,
+            &NoSecrets,
+            &[],
+        )
+        .unwrap();
+        assert!(w.plan.changes.is_empty(), "{:?}", w.plan.changes);
+        // An agent without the gate: no record, no kubeadm (the coverage leaves it uncovered).
+        let mut old = node.clone();
+        old.check_kinds.retain(|k| k != "controlPlane");
+        let o = translate_for(
+            &desired,
+            MachineRole::ControlPlane,
+            &settings(),
+            &old,
+            &NoSecrets,
+            &[],
+        )
+        .unwrap();
+        assert!(o.plan.changes.is_empty(), "{:?}", o.plan.changes);
+
+        // certSANs, for an agent with the apiServerCertificate kind: after kubeadm.
+        let mut caps = node.capabilities_for(MachineRole::ControlPlane);
+        caps.api_server_certificate = true;
+        let mut spec = bootstrap["spec"].clone();
+        spec["clusterConfiguration"]["certificatesDir"] = json!("/etc/k8s/pki");
+        let (changes, certificate) = control_plane_changes(&spec, caps, false);
+        assert_eq!(changes.len(), 2);
+        assert_eq!(changes[1].0, json!({"kubeadmUpgradeNode": {}}));
+        assert_eq!(
+            certificate.map(|c| c.0),
+            Some(json!({"apiServerCertificate": {
+                "certSANs": ["cp.example"], "previous": [], "certificatesDir": "/etc/k8s/pki"
+            }}))
+        );
+        caps.role = MachineRole::Worker;
+        assert_eq!(
+            control_plane_changes(&spec, caps, false),
+            (Vec::new(), None)
         );
     }
 

@@ -33,6 +33,9 @@ pub enum Class {
     Translation,
     /// The version move breaks Kubernetes' version skew rules ([`super::skew`]).
     Skew,
+    /// The change moves something that never goes backwards backwards (an etcd image tag
+    /// lower than the running one).
+    Downgrade,
     /// An object the decision needs could not be read from the management cluster.
     Lookup,
     /// The operator's settings turn in-place updates off (`disableInPlaceUpdates`).
@@ -41,7 +44,7 @@ pub enum Class {
 
 impl Class {
     /// Every class, in the order the metric lists them.
-    pub const ALL: [Class; 10] = [
+    pub const ALL: [Class; 11] = [
         Class::FieldNotInPlace,
         Class::UnsupportedBootstrap,
         Class::AgentCapability,
@@ -50,6 +53,7 @@ impl Class {
         Class::AgentTrust,
         Class::Translation,
         Class::Skew,
+        Class::Downgrade,
         Class::Lookup,
         Class::Settings,
     ];
@@ -65,6 +69,7 @@ impl Class {
             Class::AgentTrust => "agent-trust",
             Class::Translation => "translation",
             Class::Skew => "skew",
+            Class::Downgrade => "downgrade",
             Class::Lookup => "lookup",
             Class::Settings => "settings",
         }
@@ -88,6 +93,11 @@ pub enum Need {
     KubeletRestart,
     /// Move the Kubernetes version (packages, `kubeadm upgrade node`, version patterns).
     Version,
+    /// Regenerate a control-plane node's static pods from the cluster configuration and
+    /// prove them healthy (`kubeadmUpgradeNode`, the `controlPlane` gate).
+    ControlPlaneConfig,
+    /// Reissue the API server's serving certificate (`apiServerCertificate`).
+    ApiServerCertificate,
 }
 
 /// One field that stays different, and why.
@@ -253,6 +263,18 @@ pub fn lacks(need: Need, facts: &super::translate::NodeFacts) -> Option<&'static
         }
         Need::Version if !caps.version => {
             Some("cannot run kubeadm upgrade node or match package versions (an agent too old)")
+        }
+        Need::ControlPlaneConfig if !facts.kind("kubeadmUpgradeNode") || !facts.kind("file") => {
+            Some("cannot run kubeadm upgrade node (an agent too old)")
+        }
+        Need::ControlPlaneConfig if !facts.check("controlPlane") => Some(
+            "cannot prove a control-plane node healthy (an agent without the controlPlane gate)",
+        ),
+        Need::ApiServerCertificate if !facts.kind(super::translate::API_SERVER_CERTIFICATE) => {
+            Some(
+                "cannot reissue the API server's serving certificate (an agent without the \
+                 apiServerCertificate change kind)",
+            )
         }
         _ => None,
     }

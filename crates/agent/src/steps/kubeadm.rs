@@ -6,8 +6,11 @@
 //!
 //! 1. an earlier change of the plan that feeds kubeadm changed the node in this run (or, in
 //!    a dry run, would): a `package` named `kubeadm`, an `artifact` installed at a path whose
-//!    file name is `kubeadm`, or a `file`/`absent` at the `--config` file or under the
-//!    `--patches` directory given in `extraArgs` ([`feeds`]); or
+//!    file name is `kubeadm`, a `file`/`absent` at the `--config` file or under the
+//!    `--patches` directory given in `extraArgs`, or a `file`/`absent` at the cluster
+//!    configuration record ([`CLUSTER_CONFIGURATION_RECORD`]: the updater's plans for a
+//!    control-plane Machine write the cluster configuration KubeadmControlPlane moved
+//!    there, so its change regenerates the static pod manifests) ([`feeds`]); or
 //! 2. the node shows a version bump that has not finished: the installed kubeadm
 //!    (`kubeadm version -o short`) is newer than the kubelet (`kubelet --version`). In the
 //!    upstream order (kubeadm, `kubeadm upgrade node`, then kubelet) that is exactly the state
@@ -19,8 +22,8 @@
 //!
 //! It rewrites the kubelet configuration (workers) and the static pod manifests
 //! (control-plane nodes); those files ([`REWRITES`]) are its pre-image, restored on
-//! rollback. What else kubeadm does (certificate renewal, etcd upgrade on control-plane
-//! nodes) is not undone.
+//! rollback (the record itself is a `file` change, restored by its own step). What else
+//! kubeadm does (certificate renewal, etcd upgrade on control-plane nodes) is not undone.
 
 use serde::{Deserialize, Serialize};
 

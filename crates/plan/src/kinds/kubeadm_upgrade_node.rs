@@ -4,8 +4,9 @@
 //!
 //! 1. an earlier change of the plan that feeds kubeadm changed the node in this run (or, in
 //!    a dry run, would): a `package` named `kubeadm`, an `artifact` installed at a path whose
-//!    file name is `kubeadm`, or a `file`/`absent` at the `--config` file or under the
-//!    `--patches` directory given in `extraArgs` ([`feeds`]); or
+//!    file name is `kubeadm`, a `file`/`absent` at the `--config` file or under the
+//!    `--patches` directory given in `extraArgs`, or a `file`/`absent` at the cluster
+//!    configuration record [`CLUSTER_CONFIGURATION_RECORD`] ([`feeds`]); or
 //! 2. the node shows a version bump that has not finished: the installed kubeadm
 //!    (`kubeadm version -o short`) is newer than the kubelet (`kubelet --version`). In the
 //!    upstream order (kubeadm, `kubeadm upgrade node`, then kubelet) that is exactly the state
@@ -48,6 +49,18 @@ pub const REWRITES: [&str; 7] = [
     "/etc/kubernetes/manifests/kube-scheduler.yaml",
 ];
 
+/// The record of the control-plane configuration a node was last moved to: the covered part
+/// of the cluster's `ClusterConfiguration` (API server, controller manager, scheduler and
+/// local etcd flags, volumes, environment, etcd image tag) in canonical JSON, written by the
+/// updater's plans for control-plane Machines before their `kubeadmUpgradeNode`.
+///
+/// kubeadm never reads it: `kubeadm upgrade node` reads the cluster's `kube-system/kubeadm-config`
+/// ConfigMap, which KubeadmControlPlane moves before it touches any Machine. The record makes
+/// that move a state of the node the agent can diff, journal, drift-check and roll back, and a
+/// change of it is an input of `kubeadm upgrade node` ([`feeds`]): the static pod manifests are
+/// regenerated exactly when the configuration they come from changed.
+pub const CLUSTER_CONFIGURATION_RECORD: &str = "/etc/kubernetes/inplace/cluster-configuration.json";
+
 /// The value of `--name` in `args` (`--name=v` or `--name v`).
 pub fn arg_value<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     let mut it = args.iter();
@@ -63,8 +76,9 @@ pub fn arg_value<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
 }
 
 /// Whether `change` is an input of `kubeadm upgrade node` as `k` runs it (pure): it installs
-/// the kubeadm package, writes a binary named `kubeadm`, or writes kubeadm's `--config` file
-/// or a file under its `--patches` directory — whatever its kind.
+/// the kubeadm package, writes a binary named `kubeadm`, writes kubeadm's `--config` file or
+/// a file under its `--patches` directory, or writes or removes the cluster configuration
+/// record ([`CLUSTER_CONFIGURATION_RECORD`]) — whatever its kind.
 pub fn feeds(change: &Change, k: &KubeadmUpgradeNodeChange) -> bool {
     let patches = arg_value(&k.extra_args, "--patches").and_then(|d| NodePath::parse(d).ok());
     let config = arg_value(&k.extra_args, "--config").and_then(|f| NodePath::parse(f).ok());
@@ -75,6 +89,7 @@ pub fn feeds(change: &Change, k: &KubeadmUpgradeNodeChange) -> bool {
             (p.file_name() == "kubeadm" && !w.removes)
                 || config.as_ref() == Some(p)
                 || patches.as_ref().is_some_and(|d| p.starts_with(d) && p != d)
+                || p.to_string() == CLUSTER_CONFIGURATION_RECORD
         })
 }
 
@@ -315,5 +330,30 @@ mod tests {
             !feeds(&p.changes[3], &plain),
             "no --patches: files are not inputs"
         );
+    }
+
+    #[test]
+    fn the_cluster_configuration_record_feeds_kubeadm_and_a_file_beside_it_does_not() {
+        let p = plan(&format!(
+            "  - file: {{path: {CLUSTER_CONFIGURATION_RECORD}, content: \"{{}}\"}}\n\
+             \x20 - file: {{path: /etc/kubernetes/inplace/other.json, content: x}}\n\
+             \x20 - kubeadmUpgradeNode: {{}}\n"
+        ));
+        let Change::KubeadmUpgradeNode(k) = &p.changes[2] else {
+            panic!()
+        };
+        let fed: Vec<bool> = p.changes.iter().map(|c| feeds(c, k)).collect();
+        assert_eq!(fed, [true, false, false]);
+        assert_eq!(inputs_changed(&p, 2, |j| j == 0), Some(0));
+        assert_eq!(inputs_changed(&p, 2, |j| j == 1), None);
+        // Removing the record (an `absent` change) is a change of kubeadm's input too.
+        let p = plan(&format!(
+            "  - absent: {{path: {CLUSTER_CONFIGURATION_RECORD}}}\n\
+             \x20 - kubeadmUpgradeNode: {{}}\n"
+        ));
+        let Change::KubeadmUpgradeNode(k) = &p.changes[1] else {
+            panic!()
+        };
+        assert!(feeds(&p.changes[0], k));
     }
 }

@@ -51,7 +51,7 @@ pub use control_plane::{
 pub use drift::{Difference, differences};
 pub use exec::ExecChange;
 pub use file::FileChange;
-pub use kubeadm_upgrade_node::{KubeadmUpgradeNodeChange, REWRITES};
+pub use kubeadm_upgrade_node::{CLUSTER_CONFIGURATION_RECORD, KubeadmUpgradeNodeChange, REWRITES};
 pub use kubelet_config::{KUBELET_CONFIG_PATH, KubeletConfigChange};
 pub use kubelet_flags::{KUBEADM_FLAGS_PATH, KubeletFlagsChange};
 pub use mutation::{
