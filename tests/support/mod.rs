@@ -16,6 +16,7 @@
 #![allow(dead_code)] // every test module and bench uses a different part
 
 pub mod agent;
+pub mod control_plane;
 pub mod daemon;
 pub mod memory;
 pub mod node;
