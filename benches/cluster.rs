@@ -5,8 +5,8 @@
 //! HTTPS in Cluster API's order and shapes (`inplace_updater::emulate::CapiClient`).
 //!
 //! ```text
-//! cluster upgrade [--workers N] [--max-unavailable M] [--restart-seconds S] [--json FILE]
-//! cluster fleet [--clusters C] [--machines M] [--at-once P] [--max-unavailable U] [--json FILE]
+//! cluster upgrade [--workers N] [--max-unavailable M] [--restart-seconds S] [--drain MODE] [--json FILE]
+//! cluster fleet [--clusters C] [--machines M] [--at-once P] [--max-unavailable U] [--drain MODE] [--json FILE]
 //! ```
 //!
 //! **`upgrade`**: one workload cluster, 3 control-plane Machines and N workers (10), moved
@@ -392,6 +392,34 @@ enum Via {
     MachineSet(String),
 }
 
+/// Hook calls that failed on the connection (a refused or dropped handshake) and were
+/// made again, as Cluster API's next reconcile would.
+static TRANSPORT_RETRIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `UpdateMachine` answers of status Failure, called again as Cluster API would.
+static HOOK_FAILURES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `hook` with `body`, made again up to 3 times (1 s apart) when the connection fails.
+async fn call(
+    client: &mut CapiClient,
+    hook: Hook,
+    body: &[u8],
+) -> anyhow::Result<inplace_updater::emulate::HttpResponse> {
+    let mut tries = 0;
+    loop {
+        match client.call(hook, body).await {
+            Ok(r) => return Ok(r),
+            Err(e) if tries < 3 => {
+                tries += 1;
+                TRANSPORT_RETRIES.fetch_add(1, Ordering::SeqCst);
+                println!("{hook:?}: {e}; calling again in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// One Machine as Cluster API moves it in place: (KubeadmControlPlane only)
 /// `CanUpdateMachine`, which must cover it; the live Machine and KubeadmConfig set to the
 /// desired state and marked in place; `UpdateMachine` until done (again `retryAfterSeconds`
@@ -430,8 +458,7 @@ async fn update_machine(
                 (&desired, &desired_config),
             );
             let t = Instant::now();
-            let r = client
-                .call(Hook::CanUpdateMachine, &body)
+            let r = call(client, Hook::CanUpdateMachine, &body)
                 .await
                 .map_err(|e| format!("CanUpdateMachine {ns}/{name}: {e}"))?;
             run.can_update_ms = Some(t.elapsed().as_secs_f64() * 1e3);
@@ -458,16 +485,28 @@ async fn update_machine(
     api.put(desired_config.clone());
     let body = update_machine_body(settings, &desired, &desired_config);
     let deadline = Instant::now() + Duration::from_secs(600);
+    let mut failures = 0;
     loop {
         let t = Instant::now();
-        let r = client
-            .call(Hook::UpdateMachine, &body)
+        let r = call(client, Hook::UpdateMachine, &body)
             .await
             .map_err(|e| format!("UpdateMachine {ns}/{name}: {e}"))?;
         run.update_ms.push(t.elapsed().as_secs_f64() * 1e3);
         let v = r.json();
         if v["status"] != "Success" {
-            return Err(format!("UpdateMachine {ns}/{name}: {v}"));
+            // Cluster API's Machine controller takes a Failure as a reconcile error and calls
+            // again after a backoff; so does the bench, a few times, and counts it.
+            failures += 1;
+            HOOK_FAILURES.fetch_add(1, Ordering::SeqCst);
+            if failures > 5 {
+                return Err(format!("UpdateMachine {ns}/{name}: {v}"));
+            }
+            println!(
+                "UpdateMachine {ns}/{name} failed, calling again in 1 s: {}",
+                v["message"]
+            );
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
         }
         let retry = v["retryAfterSeconds"].as_u64().unwrap_or(0);
         if retry == 0 {
@@ -534,6 +573,8 @@ struct Options {
     clusters: usize,
     machines: usize,
     at_once: usize,
+    /// `settings.drain` (`Always`; `Never` to see what the drain costs).
+    drain: String,
     json: Option<PathBuf>,
 }
 
@@ -547,6 +588,7 @@ fn options() -> Result<Options, Error> {
         clusters: 100,
         machines: 20,
         at_once: 5,
+        drain: "Always".to_owned(),
         json: None,
     };
     let mut args = std::env::args().skip(1);
@@ -561,6 +603,7 @@ fn options() -> Result<Options, Error> {
             "--clusters" => o.clusters = value()?.parse()?,
             "--machines" => o.machines = value()?.parse()?,
             "--at-once" => o.at_once = value()?.parse()?,
+            "--drain" => o.drain = value()?,
             "--json" => o.json = Some(value()?.into()),
             other => return Err(format!("unknown option {other}").into()),
         }
@@ -581,8 +624,10 @@ fn options() -> Result<Options, Error> {
 fn main() -> Result<(), Error> {
     let o = options()?;
     raise_nofile();
+    // The API stand-in serves on this runtime too: enough threads that a lane blocked on its
+    // agents' start does not starve it.
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(4)
         .enable_all()
         .build()?;
     let figures = runtime.block_on(async {
@@ -816,11 +861,8 @@ async fn upgrade_cluster(
         ))?;
         let desired = machine_set(&ns, &cluster, &set_new, TO, workers);
         let t = Instant::now();
-        let r = client
-            .call(
-                Hook::CanUpdateMachineSet,
-                &can_update_machine_set_body(&run.settings, &current, &desired),
-            )
+        let body = can_update_machine_set_body(&run.settings, &current, &desired);
+        let r = call(&mut client, Hook::CanUpdateMachineSet, &body)
             .await
             .map_err(|e| format!("CanUpdateMachineSet {ns}/{set_old}: {e}"))?;
         out.set_ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -913,7 +955,7 @@ async fn prepare(
     }
     let api = ApiStandin::start().await?;
     let port = support::updater::free_port();
-    let settings = json!({"agentPort": port.to_string(), "agentCA": "ClusterSecret", "drain": "Always",
+    let settings = json!({"agentPort": port.to_string(), "agentCA": "ClusterSecret", "drain": o.drain,
                           "gateTimeoutSeconds": "600"});
     api.put(extension_config(
         "inplace-updater",
@@ -970,7 +1012,7 @@ async fn upgrade(o: &Options) -> Result<Value, Error> {
     );
     let figures = json!({
         "mode": "upgrade", "from": FROM, "to": TO, "control_planes": o.planes, "workers": o.workers,
-        "max_unavailable": unavailable, "stand_in_restart_seconds": restart.as_secs_f64(),
+        "max_unavailable": unavailable, "drain": o.drain, "stand_in_restart_seconds": restart.as_secs_f64(),
         "etcd": if run.stacked {"stacked"} else {"external"},
         "nodes": got.rows,
         "control_plane_node_seconds": summary("control-plane node, CanUpdateMachine → done", got.control_plane_s, "s"),
@@ -981,6 +1023,7 @@ async fn upgrade(o: &Options) -> Result<Value, Error> {
         "workers_seconds": got.workers_took.as_secs_f64(),
         "total_seconds": got.took.as_secs_f64(),
         "updater_rss_kib": mem.rss, "updater_peak_rss_kib": mem.hwm,
+        "hook_calls_made_again_after_a_connection_error": TRANSPORT_RETRIES.load(Ordering::SeqCst),
         "loadavg_start": load_start, "loadavg_end": loadavg(),
     });
     drop(updater);
@@ -1021,9 +1064,11 @@ async fn fleet(o: &Options) -> Result<Value, Error> {
         o.max_unavailable.unwrap_or(5),
     );
     let mut lanes = Vec::new();
-    for _ in 0..o.at_once.max(1) {
+    for lane in 0..o.at_once.max(1) {
         let (next, run, cas, clusters) = (next.clone(), run.clone(), cas.clone(), o.clusters);
         lanes.push(tokio::spawn(async move {
+            // Lanes start 2 s apart, so their clusters' agents do not all start in one instant.
+            tokio::time::sleep(Duration::from_secs(2 * lane as u64)).await;
             let mut all = ClusterRun::default();
             loop {
                 let c = next.fetch_add(1, Ordering::SeqCst);
@@ -1039,7 +1084,19 @@ async fn fleet(o: &Options) -> Result<Value, Error> {
     }
     let mut all = ClusterRun::default();
     for l in lanes {
-        all.extend(l.await??);
+        match l.await? {
+            Ok(got) => all.extend(got),
+            Err(e) => {
+                let log =
+                    std::fs::read_to_string(work.path().join("updater.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(40).collect();
+                println!("the updater's log, last lines:");
+                for l in tail.iter().rev() {
+                    println!("  {l}");
+                }
+                return Err(e.into());
+            }
+        }
     }
     let took = began.elapsed();
     let requests: Vec<(String, String)> = run.api.requests().split_off(requests_before);
@@ -1099,7 +1156,7 @@ async fn fleet(o: &Options) -> Result<Value, Error> {
         .collect();
     let figures = json!({
         "mode": "fleet", "clusters": o.clusters, "machines_per_cluster": o.machines, "machines": n,
-        "control_planes_per_cluster": o.planes, "clusters_at_once": o.at_once, "max_unavailable": shape.2,
+        "control_planes_per_cluster": o.planes, "clusters_at_once": o.at_once, "max_unavailable": shape.2, "drain": o.drain,
         "stand_in_restart_seconds": restart.as_secs_f64(), "etcd": if run.stacked {"stacked"} else {"external"},
         "from": FROM, "to": TO, "seconds": took.as_secs_f64(),
         "can_update_machine_set_ms": summary("CanUpdateMachineSet", all.set_ms, "ms"),
@@ -1110,6 +1167,8 @@ async fn fleet(o: &Options) -> Result<Value, Error> {
         "not_serving_seconds": summary("control-plane node not serving", all.not_serving_s, "s"),
         "updater_idle_rss_kib": idle.rss, "updater_peak_rss_kib": sampled_peak, "updater_hwm_kib": steady.hwm,
         "updater_steady_rss_kib": steady.rss, "updater_steady_anon_kib": steady.anon,
+        "hook_calls_made_again_after_a_connection_error": TRANSPORT_RETRIES.load(Ordering::SeqCst),
+        "update_machine_failures_called_again": HOOK_FAILURES.load(Ordering::SeqCst),
         "api_requests": requests.len(), "api_requests_per_machine": per(requests.len()),
         "api_requests_per_machine_by_kind": by,
         "loadavg_start": load_start, "loadavg_end": loadavg(),
