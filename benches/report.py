@@ -381,7 +381,7 @@ if av:
 # updater under CAPI's load, memory under abuse, about an hour of power cuts under software
 # emulation): kept as they are.
 for title in ("Where the write-once and footprint targets stand", "Audit of the performance mechanisms",
-              "Updater", "Memory under abuse",
+              "Updater", "Whole clusters in place", "Memory under abuse",
               "Power cuts on a VM node", "Drift checks"):
     section = old_section(title)
     if section:

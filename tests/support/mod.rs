@@ -13,11 +13,14 @@
 //! - [`overlay`]: a copy-on-write overlay of `/` for apt and dnf, stand-in packages (root);
 //! - [`updater`]: the updater's world (API stand-in, agents, `inplace-updater serve`);
 //! - [`control_plane`]: a kubeadm control-plane node's files, API server and etcd stand-ins;
+//! - [`restarting_control_plane`]: the same wire shapes for the benches, whose static pods
+//!   restart for a set time after a manifest changes (`benches/cluster.rs`);
 //! - [`rbac`]: Kubernetes RBAC decided for a ServiceAccount, requests read from HTTP paths.
 #![allow(dead_code)] // every test module and bench uses a different part
 
 pub mod agent;
 pub mod control_plane;
+pub mod restarting_control_plane;
 pub mod daemon;
 pub mod memory;
 pub mod node;
