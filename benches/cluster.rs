@@ -55,9 +55,9 @@ use inplace_updater::hooks::{
 use inplace_updater::standin::{ApiStandin, extension_config, node as node_object, pod, secret};
 use serde_json::{Value, json};
 
-use support::restarting_control_plane::{self as control_plane, ControlPlaneNode};
 use support::daemon::{Daemon, Ready, Starting, raise_nofile, serve_command};
 use support::memory::Memory;
+use support::restarting_control_plane::{self as control_plane, ControlPlaneNode};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 

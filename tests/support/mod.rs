@@ -20,7 +20,6 @@
 
 pub mod agent;
 pub mod control_plane;
-pub mod restarting_control_plane;
 pub mod daemon;
 pub mod memory;
 pub mod node;
@@ -29,6 +28,7 @@ pub mod patience;
 pub mod pki;
 pub mod programs;
 pub mod rbac;
+pub mod restarting_control_plane;
 pub mod sandbox;
 pub mod updater;
 

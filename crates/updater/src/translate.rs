@@ -264,12 +264,13 @@ pub fn restarts_control_plane(plan: &Plan) -> bool {
     plan.changes.iter().any(|c| {
         matches!(
             c,
-            inplace_plan::Change::KubeadmUpgradeNode(_) | inplace_plan::Change::ApiServerCertificate(_)
-        )
-            || c.spec()
-                .writes()
-                .iter()
-                .any(|w| w.path.to_string().starts_with(MANIFESTS_DIR))
+            inplace_plan::Change::KubeadmUpgradeNode(_)
+                | inplace_plan::Change::ApiServerCertificate(_)
+        ) || c
+            .spec()
+            .writes()
+            .iter()
+            .any(|w| w.path.to_string().starts_with(MANIFESTS_DIR))
     })
 }
 
