@@ -224,7 +224,12 @@ fn machine_fixture_worker() -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn can_update_machine_says_a_control_plane_restart_affects_availability() {
     let mut w = World::new(219).await;
-    w.add_agent("node-d", "v1.35.1");
+    let a = w.add_agent("node-d", "v1.35.1");
+    // KCP's certSANs are on the node's serving certificate, as kubeadm left them.
+    crate::support::pki::control_plane_serving_certificate(
+        &w.agents[a].root,
+        &["localhost", "127.0.0.1"],
+    );
     w.start_updater();
     let mut capi = w.client();
     let mut req: Value = can_update_machine_request();

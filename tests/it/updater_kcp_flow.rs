@@ -64,11 +64,14 @@ fn kube_vip(tag: &str) -> String {
     )
 }
 
+/// KCP's `clusterConfiguration.apiServer.certSANs` (the quickstart's).
+const CERT_SANS: [&str; 2] = ["localhost", "127.0.0.1"];
+
 /// KCP's `kubeadmConfigSpec` at a release: kube-vip's manifest moves with it.
 fn control_plane_spec(tag: &str) -> Value {
     json!({
         "clusterConfiguration": {
-            "apiServer": {"certSANs": ["localhost", "127.0.0.1"]},
+            "apiServer": {"certSANs": CERT_SANS},
             "etcd": {"external": {"endpoints": ["https://10.0.0.5:2379"], "caFile": "/etc/kubernetes/pki/etcd/ca.crt", "certFile": "/etc/kubernetes/pki/apiserver-etcd-client.crt", "keyFile": "/etc/kubernetes/pki/apiserver-etcd-client.key"}},
         },
         "joinConfiguration": {
@@ -346,6 +349,9 @@ async fn cluster(subnet: u8) -> (World, Vec<Member>, Vec<Standins>) {
         if control_plane {
             let root = w.agents[a].root.clone();
             standins.push(Standins::install(&root, &node, &w.agents[a].ip, OLD));
+            // The serving certificate kubeadm left, with KCP's certSANs (the plans carry
+            // `apiServerCertificate`, which finds them there).
+            crate::support::pki::control_plane_serving_certificate(&root, &CERT_SANS);
         }
         let m = Member {
             name: format!("capi-quickstart-{node}"),

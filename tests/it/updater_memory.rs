@@ -80,8 +80,9 @@ async fn progress_pushed_by_the_agent_is_followed_from_memory_and_a_new_desired_
     let gets = reads(&w).len();
     assert_eq!(
         gets,
-        3,
-        "the Machine, its KubeadmConfig and its bootstrap data Secret: {:?}",
+        4,
+        "the Machine, its KubeadmConfig, its bootstrap data Secret and its cluster's \
+         control-plane Machines (the version skew rules, checked before any node work): {:?}",
         w.api.requests()
     );
 

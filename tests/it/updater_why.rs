@@ -279,7 +279,12 @@ fn documented_explain_output() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_field_that_never_goes_in_place_says_why_on_the_control_plane_and_in_explain() {
     let mut w = World::new(175).await;
-    w.add_agent("cp-node-0", "v1.35.1");
+    let a = w.add_agent("cp-node-0", "v1.35.1");
+    // KCP's certSANs are on the node's serving certificate, as kubeadm left them.
+    crate::support::pki::control_plane_serving_certificate(
+        &w.agents[a].root,
+        &["localhost", "127.0.0.1"],
+    );
     w.start_updater();
     let mut capi = w.client();
     let port = w.agent_port.to_string();

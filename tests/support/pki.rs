@@ -115,3 +115,35 @@ pub fn https_pki() -> HttpsPki {
         server: Arc::new(server),
     }
 }
+
+/// The serving certificate a kubeadm control-plane node has, as the `apiServerCertificate`
+/// change finds it: `<root>/etc/kubernetes/pki/apiserver.crt` and `.key` carrying `sans`,
+/// signed by a fresh cluster CA written beside them as `ca.crt` and `ca.key` — unless the
+/// tree has a `ca.crt` already (a stand-in's), which is then left as it is: the change reads
+/// the CA only when it must reissue, and these certificates already carry the names.
+pub fn control_plane_serving_certificate(root: &std::path::Path, sans: &[&str]) {
+    let pki = root.join("etc/kubernetes/pki");
+    std::fs::create_dir_all(&pki).unwrap();
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "kubernetes");
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let mut leaf_params =
+        rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .unwrap();
+    leaf_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "kube-apiserver");
+    let leaf = leaf_params.signed_by(&leaf_key, &issuer).unwrap();
+    std::fs::write(pki.join("apiserver.crt"), leaf.pem()).unwrap();
+    std::fs::write(pki.join("apiserver.key"), leaf_key.serialize_pem()).unwrap();
+    if !pki.join("ca.crt").exists() {
+        std::fs::write(pki.join("ca.crt"), ca_cert.pem()).unwrap();
+        std::fs::write(pki.join("ca.key"), ca_key.serialize_pem()).unwrap();
+    }
+}

@@ -256,21 +256,16 @@ impl MachineRole {
 
 /// Whether `plan` restarts a control-plane component on a kubeadm node: it runs `kubeadm
 /// upgrade node` (which rewrites the static pod manifests) or writes or removes a path under
-/// `/etc/kubernetes/manifests/` (the kubelet restarts the static pod), or reissues the API
-/// server's serving certificate (`apiServerCertificate`: the API server reloads it without a
-/// restart, but a bad certificate stops it serving all the same, so it is proved and counted
-/// as one) — pure.
+/// `/etc/kubernetes/manifests/` (the kubelet restarts the static pod) — pure. A reissued
+/// serving certificate (`apiServerCertificate`) is not one: the API server reloads it, and
+/// the change checks the new certificate against the CA before it writes it.
 pub fn restarts_control_plane(plan: &Plan) -> bool {
     plan.changes.iter().any(|c| {
-        matches!(
-            c,
-            inplace_plan::Change::KubeadmUpgradeNode(_)
-                | inplace_plan::Change::ApiServerCertificate(_)
-        ) || c
-            .spec()
-            .writes()
-            .iter()
-            .any(|w| w.path.to_string().starts_with(MANIFESTS_DIR))
+        matches!(c, inplace_plan::Change::KubeadmUpgradeNode(_))
+            || c.spec()
+                .writes()
+                .iter()
+                .any(|w| w.path.to_string().starts_with(MANIFESTS_DIR))
     })
 }
 
