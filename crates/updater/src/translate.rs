@@ -1138,7 +1138,8 @@ mod tests {
             kinds,
             [
                 format!("file {}", inplace_plan::CLUSTER_CONFIGURATION_RECORD),
-                "kubeadmUpgradeNode kubeadm upgrade node".to_string()
+                "kubeadmUpgradeNode kubeadm upgrade node".to_string(),
+                "apiServerCertificate /etc/kubernetes/pki/apiserver.crt".to_string()
             ]
         );
         let inplace_plan::Change::File(f) = &t.plan.changes[0] else {
