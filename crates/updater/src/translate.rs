@@ -1168,7 +1168,8 @@ mod tests {
         )
         .unwrap();
         assert!(w.plan.changes.is_empty(), "{:?}", w.plan.changes);
-        // An agent without the gate: no record, no kubeadm (the coverage leaves it uncovered).
+        // An agent without the gate: no record, no kubeadm (the coverage leaves it
+        // uncovered); the certificate's names need no gate (nothing restarts).
         let mut old = node.clone();
         old.check_kinds.retain(|k| k != "controlPlane");
         let o = translate_for(
@@ -1180,7 +1181,14 @@ mod tests {
             &[],
         )
         .unwrap();
-        assert!(o.plan.changes.is_empty(), "{:?}", o.plan.changes);
+        assert!(
+            o.plan
+                .changes
+                .iter()
+                .all(|c| matches!(c, inplace_plan::Change::ApiServerCertificate(_))),
+            "{:?}",
+            o.plan.changes
+        );
 
         // certSANs, for an agent with the apiServerCertificate kind: after kubeadm.
         let mut caps = node.capabilities_for(MachineRole::ControlPlane);
