@@ -2,6 +2,7 @@
 //! control-plane Machine's plan that restarts a control-plane component, the role read from
 //! the live Machine), what it says, and `CanUpdateMachine`'s `affectsAvailability` for them.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use serde_json::{Value, json};
@@ -261,7 +262,7 @@ async fn can_update_machine_says_a_control_plane_restart_affects_availability() 
         .as_object_mut()
         .unwrap()
         .remove("cluster.x-k8s.io/control-plane");
-    w.api.put(live);
+    w.api.put(live.clone());
     let v = capi
         .call(Hook::CanUpdateMachine, &go_json(&req))
         .await
@@ -269,4 +270,32 @@ async fn can_update_machine_says_a_control_plane_restart_affects_availability() 
         .json();
     assert_eq!(v["status"], "Success", "{v}");
     assert!(v.get("affectsAvailability").is_none(), "{v}");
+
+    // A control-plane Machine whose manifest is already what the plan writes: the plan
+    // carries the file (every file of the KubeadmConfig), but nothing under the manifests
+    // would change, so nothing restarts and KCP need not surge.
+    live["metadata"]["labels"]["cluster.x-k8s.io/control-plane"] = json!("");
+    w.api.put(live);
+    let content = req["desired"]["bootstrapConfig"]["spec"]["files"][0]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let manifest = w.agents[a]
+        .root
+        .join("etc/kubernetes/manifests/kube-vip.yaml");
+    std::fs::create_dir_all(manifest.parent().unwrap()).unwrap();
+    std::fs::write(&manifest, content).unwrap();
+    std::fs::set_permissions(&manifest, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let v = capi
+        .call(Hook::CanUpdateMachine, &go_json(&req))
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert_ne!(
+        v.get("affectsAvailability"),
+        Some(&json!(true)),
+        "the manifest is in place already: {v}\n{}",
+        w.updater_log()
+    );
 }

@@ -972,8 +972,13 @@ impl Updater {
                 infrastructure_machine_patch: None,
                 bootstrap_config_patch: bootstrap_patch,
                 // A restarted API server or etcd member is a control-plane node out of
-                // service (decision 0019), drained or not.
-                affects_availability: if drains || translation.restarts_control_plane {
+                // service (decision 0019), drained or not: when the node says a change that
+                // restarts one would change it (the plan carries every file, also those
+                // already in place).
+                affects_availability: if drains
+                    || (translation.restarts_control_plane
+                        && restarts_now(&translation.plan, &check))
+                {
                     Some(true)
                 } else {
                     (complete && none).then_some(false)
@@ -1779,4 +1784,15 @@ pub fn can_update_machine_set_for(
         if complete { "covered" } else { "partial" },
     )
     .because(coverage_why(&machine, &bootstrap)))
+}
+
+/// Whether the node's `CheckPlan` answer says a change of `plan` that restarts a
+/// control-plane component ([`super::translate::restarts_a_component`]) would change it.
+fn restarts_now(plan: &inplace_plan::Plan, check: &pb::CheckPlanResponse) -> bool {
+    check
+        .changes
+        .iter()
+        .filter(|c| c.verdict == pb::ChangeVerdict::WouldChange as i32)
+        .filter_map(|c| plan.changes.get(c.index as usize))
+        .any(super::translate::restarts_a_component)
 }

@@ -260,13 +260,18 @@ impl MachineRole {
 /// serving certificate (`apiServerCertificate`) is not one: the API server reloads it, and
 /// the change checks the new certificate against the CA before it writes it.
 pub fn restarts_control_plane(plan: &Plan) -> bool {
-    plan.changes.iter().any(|c| {
-        matches!(c, inplace_plan::Change::KubeadmUpgradeNode(_))
-            || c.spec()
-                .writes()
-                .iter()
-                .any(|w| w.path.to_string().starts_with(MANIFESTS_DIR))
-    })
+    plan.changes.iter().any(restarts_a_component)
+}
+
+/// Whether `change` restarts a control-plane component when it changes the node: `kubeadm
+/// upgrade node`, or a write or removal under `/etc/kubernetes/manifests/`.
+pub fn restarts_a_component(change: &inplace_plan::Change) -> bool {
+    matches!(change, inplace_plan::Change::KubeadmUpgradeNode(_))
+        || change
+            .spec()
+            .writes()
+            .iter()
+            .any(|w| w.path.to_string().starts_with(MANIFESTS_DIR))
 }
 
 /// The etcd topology of a KubeadmConfig spec: `external` when
