@@ -39,6 +39,7 @@ mod systemd_agent;
 mod systemd_host;
 mod systemd_packages;
 mod updater_agent_side;
+mod updater_api_trouble;
 mod updater_bootstrap_files;
 mod updater_bound_agents;
 mod updater_bounded;

@@ -92,6 +92,54 @@ pub struct ClusterError {
     pub name: String,
     /// What the API server or the connection said.
     pub detail: String,
+    /// The API server could not be reached or answered that it could not serve now (5xx,
+    /// 429): the same request may well succeed in a moment ([`transient`]).
+    pub transient: bool,
+}
+
+tokio::task_local! {
+    /// The first read of this hook call that failed transiently ([`with_read_trouble`]).
+    static READ_TROUBLE: std::cell::RefCell<Option<String>>;
+}
+
+/// Runs `f` (one hook call) and returns, beside its output, the first read of the
+/// management cluster in it that failed transiently ([`ClusterError::transient`]), said as
+/// the error says it. A decision made without what that read would have returned is no
+/// decision (the handlers turn it into "ask again", decision 0023).
+pub async fn with_read_trouble<F: std::future::Future>(f: F) -> (F::Output, Option<String>) {
+    READ_TROUBLE
+        .scope(std::cell::RefCell::new(None), async {
+            let out = f.await;
+            let trouble = READ_TROUBLE.with(|t| t.borrow_mut().take());
+            (out, trouble)
+        })
+        .await
+}
+
+impl ClusterError {
+    /// This error of a read (get or list), noted for [`with_read_trouble`] when it is
+    /// transient. Outside a hook call (the CLI's `explain`) nothing is noted.
+    fn read(self) -> ClusterError {
+        if self.transient {
+            let _ = READ_TROUBLE.try_with(|t| {
+                let mut t = t.borrow_mut();
+                if t.is_none() {
+                    *t = Some(self.to_string());
+                }
+            });
+        }
+        self
+    }
+}
+
+/// Whether `e` says nothing about the object, only that the API server could not answer
+/// now: the connection failed or timed out, or it answered 5xx or 429 (too many requests).
+pub fn transient(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(status) => status.code >= 500 || status.code == 429,
+        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => true,
+        _ => false,
+    }
 }
 
 /// The management cluster client.
@@ -171,12 +219,16 @@ impl Cluster {
         name: &str,
     ) -> Result<Option<BTreeMap<String, String>>, ClusterError> {
         let api: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.client.clone());
-        let object = api.get_opt(name).await.map_err(|e| ClusterError {
-            op: "get",
-            what: "Namespace",
-            namespace: String::new(),
-            name: name.to_owned(),
-            detail: e.to_string(),
+        let object = api.get_opt(name).await.map_err(|e| {
+            ClusterError {
+                op: "get",
+                what: "Namespace",
+                namespace: String::new(),
+                name: name.to_owned(),
+                detail: e.to_string(),
+                transient: transient(&e),
+            }
+            .read()
         })?;
         Ok(object.map(|n| n.metadata.labels.unwrap_or_default()))
     }
@@ -221,12 +273,16 @@ impl Cluster {
         name: &str,
     ) -> Result<Option<(String, BTreeMap<String, Vec<u8>>)>, ClusterError> {
         let api: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
-        let secret = api.get_opt(name).await.map_err(|e| ClusterError {
-            op: "get",
-            what: "Secret",
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-            detail: e.to_string(),
+        let secret = api.get_opt(name).await.map_err(|e| {
+            ClusterError {
+                op: "get",
+                what: "Secret",
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+                detail: e.to_string(),
+                transient: transient(&e),
+            }
+            .read()
         })?;
         Ok(secret.map(|s| {
             let version = s.metadata.resource_version.unwrap_or_default();
@@ -254,21 +310,22 @@ impl Cluster {
                 .to_owned()
         };
         let (namespace, name) = (meta("namespace"), meta("name"));
-        let err = |detail: String| ClusterError {
+        let err = |detail: String, transient: bool| ClusterError {
             op: "create",
             what: "Event",
             namespace: namespace.clone(),
             name: name.clone(),
             detail,
+            transient,
         };
         let object: DynamicObject =
-            serde_json::from_value(event.clone()).map_err(|e| err(e.to_string()))?;
+            serde_json::from_value(event.clone()).map_err(|e| err(e.to_string(), false))?;
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), &namespace, &event_resource());
         match api.create(&PostParams::default(), &object).await {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
-            Err(e) => Err(err(e.to_string())),
+            Err(e) => Err(err(e.to_string(), transient(&e))),
         }
     }
 
@@ -314,6 +371,7 @@ impl Cluster {
                 namespace: namespace.to_owned(),
                 name: name.to_owned(),
                 detail: e.to_string(),
+                transient: transient(&e),
             })
     }
 }
@@ -341,12 +399,16 @@ impl Cluster {
         let list = api
             .list(&kube::api::ListParams::default())
             .await
-            .map_err(|e| ClusterError {
-                op: "list",
-                what: "MachineDrainRule",
-                namespace: namespace.to_owned(),
-                name: "*".into(),
-                detail: e.to_string(),
+            .map_err(|e| {
+                ClusterError {
+                    op: "list",
+                    what: "MachineDrainRule",
+                    namespace: namespace.to_owned(),
+                    name: "*".into(),
+                    detail: e.to_string(),
+                    transient: transient(&e),
+                }
+                .read()
             })?;
         Ok(list
             .items
@@ -364,16 +426,23 @@ async fn get_from(
     namespace: &str,
     name: &str,
 ) -> Result<Option<Value>, ClusterError> {
-    let err = |detail: String| ClusterError {
-        op: "get",
-        what,
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
-        detail,
+    let err = |detail: String, transient: bool| {
+        ClusterError {
+            op: "get",
+            what,
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            detail,
+            transient,
+        }
+        .read()
     };
-    let object = api.get_opt(name).await.map_err(|e| err(e.to_string()))?;
+    let object = api
+        .get_opt(name)
+        .await
+        .map_err(|e| err(e.to_string(), transient(&e)))?;
     object
-        .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
+        .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string(), false)))
         .transpose()
 }
 
@@ -440,6 +509,7 @@ impl Cluster {
                 namespace: namespace.to_owned(),
                 name: name.to_owned(),
                 detail: e.to_string(),
+                transient: transient(&e),
             }),
         }
     }
@@ -466,20 +536,24 @@ impl Cluster {
     ) -> Result<Vec<Value>, ClusterError> {
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), namespace, resource);
-        let err = |detail: String| ClusterError {
-            op: "list",
-            what,
-            namespace: namespace.to_owned(),
-            name: format!("?labelSelector={selector}"),
-            detail,
+        let err = |detail: String, transient: bool| {
+            ClusterError {
+                op: "list",
+                what,
+                namespace: namespace.to_owned(),
+                name: format!("?labelSelector={selector}"),
+                detail,
+                transient,
+            }
+            .read()
         };
         let list = api
             .list(&kube::api::ListParams::default().labels(selector))
             .await
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|e| err(e.to_string(), transient(&e)))?;
         list.items
             .into_iter()
-            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string())))
+            .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string(), false)))
             .collect()
     }
 }

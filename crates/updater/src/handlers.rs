@@ -222,7 +222,11 @@ impl Updater {
             self.answered(hook, &answer);
             return answer;
         }
-        let mut answer = self.handle_parsed(hook, body, fingerprint).await;
+        let (mut answer, trouble) =
+            crate::cluster::with_read_trouble(self.handle_parsed(hook, body, fingerprint)).await;
+        if let Some(trouble) = trouble {
+            answer = undecided(hook, answer, &trouble);
+        }
         self.after_plan(hook, body, &mut answer).await;
         self.answered(hook, &answer);
         self.decided(hook, &answer);
@@ -1602,6 +1606,71 @@ fn waiting(machine: &str, e: &AgentError) -> Answer {
     );
     answer.unreachable = Some(e.to_string());
     answer
+}
+
+/// Seconds until CAPI asks again after a read of the management cluster failed transiently.
+pub const READ_TROUBLE_RETRY_SECONDS: i32 = 5;
+
+/// `answer`, made while a read of the management cluster failed transiently (`trouble`,
+/// [`crate::cluster::with_read_trouble`]; decision 0023): what that read would have said
+/// is unknown, so an answer that did not go the whole way is no decision. A `CanUpdate*`
+/// answer that does not cover everything becomes a Failure (CAPI decides nothing and asks
+/// again; a Success without patches would have it replace the Machine), and an
+/// `UpdateMachine` Failure becomes a wait (the Machine is not marked failed for the API
+/// server's moment). A covered or in-progress answer stands.
+fn undecided(hook: Hook, answer: Answer, trouble: &str) -> Answer {
+    let decided = match hook {
+        Hook::CanUpdateMachine | Hook::CanUpdateMachineSet => answer.outcome == "covered",
+        _ => answer.outcome != "failure",
+    };
+    if decided {
+        return answer;
+    }
+    let object = if answer.object.is_empty() {
+        String::new()
+    } else {
+        let kind = if hook == Hook::CanUpdateMachineSet {
+            "MachineSet"
+        } else {
+            "Machine"
+        };
+        format!("{kind} {}: ", answer.object)
+    };
+    let mut changed = if hook == Hook::UpdateMachine {
+        let message = bounded(
+            &format!(
+                "waiting: {object}the management cluster's API server did not answer a read \
+                 ({trouble}); asking again in {READ_TROUBLE_RETRY_SECONDS} s"
+            ),
+            1024,
+        );
+        Answer::new(
+            &UpdateMachineResponse::new(
+                Status::Success,
+                message.clone(),
+                READ_TROUBLE_RETRY_SECONDS,
+            ),
+            &message,
+            "in_progress",
+        )
+    } else {
+        let message = bounded(
+            &format!(
+                "{object}nothing decided: the management cluster's API server did not answer a \
+                 read ({trouble}); Cluster API asks again"
+            ),
+            1024,
+        );
+        Answer::new(
+            &FailureResponse::new(hook, message.clone()),
+            &message,
+            "failure",
+        )
+    };
+    tracing::warn!(hook = hook.path(), object = %answer.object, reason = %changed.message, "a read of the management cluster failed transiently");
+    changed.object = answer.object;
+    changed.subject = answer.subject;
+    changed
 }
 
 fn not_applicable(check: &pb::CheckPlanResponse) -> String {

@@ -41,6 +41,9 @@ pub struct Store {
     events: Vec<String>,
     /// The last resourceVersion handed out.
     version: u64,
+    /// Reads answered `503 ServiceUnavailable`, as an API server does while it cannot
+    /// serve (its etcd has no leader, it is shutting down): (part of the path, how many more).
+    unavailable: Vec<(String, usize)>,
 }
 
 /// A running stand-in.
@@ -248,6 +251,12 @@ impl ApiStandin {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Store> {
         self.store.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The next `times` reads (get or list) whose path and query contain `part` are
+    /// answered `503 ServiceUnavailable`, as a real API server answers while it cannot serve.
+    pub fn unavailable_for(&self, part: &str, times: usize) {
+        self.lock().unavailable.push((part.to_owned(), times));
     }
 
     /// Stores (or replaces) an object; Secrets are given with `stringData` or `data`. An
@@ -656,7 +665,7 @@ fn handle(
     let path = uri.path().to_owned();
     let full = uri.path_and_query().map_or(path.clone(), |p| p.to_string());
     let mut store = store.lock().unwrap_or_else(|e| e.into_inner());
-    store.requests.push((method.to_string(), full));
+    store.requests.push((method.to_string(), full.clone()));
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     // GET /readyz: always ready (the demo's control-plane gate reads it).
     if method == Method::GET && path == "/readyz" {
@@ -695,6 +704,19 @@ fn handle(
                 && segments[4] == "events"))
     {
         return store.patch(&path, content_type, body);
+    }
+    if method == Method::GET
+        && let Some(fault) = store
+            .unavailable
+            .iter_mut()
+            .find(|(part, left)| *left > 0 && full.contains(part.as_str()))
+    {
+        fault.1 -= 1;
+        return status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the stand-in was told to be unavailable for this read".to_owned(),
+        );
     }
     if method != Method::GET {
         return status(
