@@ -138,9 +138,16 @@ fn workload_answer(e: &WorkloadError, node: &str) -> Result<Answer, Failure> {
 enum Step {
     /// Nothing left to wait for (or the timeout said proceed): submit the plan.
     Drained,
+    /// Every Pod of the round was evicted and none waits on a budget or on completing: they
+    /// may be gone in a moment, so the call looks again ([`DRAIN_LOOK_AGAIN`]) while its
+    /// time allows; else this answer.
+    Evicting(Answer),
     /// The answer to give now.
     Answer(Answer),
 }
+
+/// How soon a call looks at the node again after evicting its Pods.
+pub const DRAIN_LOOK_AGAIN: Duration = Duration::from_millis(500);
 
 impl Updater {
     /// Before a plan the agent does not know yet is submitted, or a succeeded plan is
@@ -208,14 +215,25 @@ impl Updater {
             Ok(w) => w,
             Err(e) => return workload_answer(&e, node).map(Some),
         };
-        match self
-            .drain_step(&workload, key, live, settings, plan, &reason)
-            .await
-        {
-            Ok(Step::Drained) => Ok(None),
-            Ok(Step::Answer(a)) => Ok(Some(a)),
-            Err(DrainError::Workload(e)) => workload_answer(&e, node).map(Some),
-            Err(DrainError::Failed(f)) => Err(f),
+        // Evicted Pods that go quickly are seen gone in this very call, and the plan is
+        // submitted in it, within the time a call holds its answer (`updateWaitSeconds`),
+        // rather than a whole `retryAfterSeconds` later.
+        let began = Instant::now();
+        loop {
+            match self
+                .drain_step(&workload, key, live, settings, plan, &reason)
+                .await
+            {
+                Ok(Step::Drained) => return Ok(None),
+                Ok(Step::Evicting(_))
+                    if began.elapsed() + DRAIN_LOOK_AGAIN < settings.update_wait =>
+                {
+                    tokio::time::sleep(DRAIN_LOOK_AGAIN).await;
+                }
+                Ok(Step::Evicting(a) | Step::Answer(a)) => return Ok(Some(a)),
+                Err(DrainError::Workload(e)) => return workload_answer(&e, node).map(Some),
+                Err(DrainError::Failed(f)) => return Err(f),
+            }
         }
     }
 
@@ -410,7 +428,12 @@ impl Updater {
         }
         let left = round.left().saturating_sub(gone);
         let message = progress_message(node, left, &blocked, &round);
-        Ok(Step::Answer(in_progress(message, DRAIN_RETRY_SECONDS)))
+        let answer = in_progress(message, DRAIN_RETRY_SECONDS);
+        Ok(if blocked.is_empty() && round.wait_completed.is_empty() {
+            Step::Evicting(answer)
+        } else {
+            Step::Answer(answer)
+        })
     }
 
     fn drain_finished(
