@@ -12,6 +12,7 @@ use super::{Diff, Kind, Mutation, Node, Note, StepCtx, Written};
 use crate::parse::{Cx, join};
 use crate::{Disruption, NodePath, Owner};
 use inplace_base::{ErrorKind, Existing, FileMeta, StepError};
+use zeroize::Zeroizing;
 
 /// kubeadm's `clusterConfiguration.certificatesDir` by default.
 pub const CERTIFICATES_DIR: &str = "/etc/kubernetes/pki";
@@ -76,7 +77,8 @@ impl ApiServerCertificateChange {
     }
 
     /// `ca.crt` and `ca.key`, which a reissue needs; a missing key is an external CA.
-    fn ca_files(&self, node: &dyn Node) -> Result<(Vec<u8>, Vec<u8>), StepError> {
+    /// The key is zeroed when dropped.
+    fn ca_files(&self, node: &dyn Node) -> Result<(Vec<u8>, Zeroizing<Vec<u8>>), StepError> {
         let (crt, ca_crt, ca_key) = (
             self.certificate_path(),
             self.file("ca.crt"),
@@ -95,7 +97,7 @@ impl ApiServerCertificateChange {
                  or replace the Machine"
             )));
         };
-        Ok((ca, key))
+        Ok((ca, Zeroizing::new(key)))
     }
 }
 

@@ -16,6 +16,7 @@ use sha2::Digest as _;
 use x509_parser::certificate::X509Certificate;
 use x509_parser::extensions::{GeneralName, ParsedExtension};
 use x509_parser::prelude::FromDer as _;
+use zeroize::Zeroizing;
 
 /// The largest certificate or key file read (kubeadm's are 1–3 KiB).
 pub const MAX_PEM_BYTES: u64 = 64 * 1024;
@@ -228,7 +229,9 @@ fn algorithm_of(
 
 /// One DER element.
 fn der(tag: u8, content: &[u8]) -> Vec<u8> {
-    let mut out = vec![tag];
+    // Sized once: a buffer that grew would leave a copy of a key's bytes behind.
+    let mut out = Vec::with_capacity(content.len() + 10);
+    out.push(tag);
     let n = content.len();
     if n < 0x80 {
         out.push(n as u8);
@@ -245,13 +248,15 @@ fn der(tag: u8, content: &[u8]) -> Vec<u8> {
     out
 }
 
-/// A PKCS#8 PrivateKeyInfo around a PKCS#1 or SEC1 key (what ring reads): `algorithm` is
-/// the AlgorithmIdentifier's content.
-fn pkcs8(algorithm: &[u8], key: &[u8]) -> Vec<u8> {
-    let mut body = der(0x02, &[0]);
+/// A PKCS#8 `PrivateKeyInfo` of `key` (PKCS#1 or SEC1) under `algorithm`; every buffer that
+/// held the key is zeroed when dropped.
+fn pkcs8(algorithm: &[u8], key: &[u8]) -> Zeroizing<Vec<u8>> {
+    let octets = Zeroizing::new(der(0x04, key));
+    let mut body = Zeroizing::new(Vec::with_capacity(algorithm.len() + octets.len() + 16));
+    body.extend(der(0x02, &[0]));
     body.extend(der(0x30, algorithm));
-    body.extend(der(0x04, key));
-    der(0x30, &body)
+    body.extend_from_slice(&octets);
+    Zeroizing::new(der(0x30, &body))
 }
 
 /// The CA's signing key from `ca.key` (PKCS#8, or kubeadm's PKCS#1 RSA and SEC1 EC keys),
@@ -281,12 +286,14 @@ fn signing_key(
             .unwrap_or_else(|_| x509_parser::der_parser::oid!(1.2));
         der(0x06, oid.as_bytes())
     };
-    let contents = match block.label.as_str() {
-        "PRIVATE KEY" => block.contents,
+    let label = block.label;
+    let block = Zeroizing::new(block.contents);
+    let contents = match label.as_str() {
+        "PRIVATE KEY" => block,
         "RSA PRIVATE KEY" => {
             let mut alg_id = oid(OID_RSA);
             alg_id.extend([0x05, 0x00]);
-            pkcs8(&alg_id, &block.contents)
+            pkcs8(&alg_id, &block)
         }
         "EC PRIVATE KEY" => {
             let curve = ca_spki
@@ -297,12 +304,12 @@ fn signing_key(
                 .ok_or_else(|| format!("{file} is an EC key but the CA's key names no curve"))?;
             let mut alg_id = oid(OID_EC);
             alg_id.extend(der(0x06, curve.as_bytes()));
-            pkcs8(&alg_id, &block.contents)
+            pkcs8(&alg_id, &block)
         }
         other => return Err(format!("{file} holds a key of an unknown form ({other})")),
     };
     let key = KeyPair::from_pkcs8_der_and_sign_algo(
-        &rustls_pki_types::PrivatePkcs8KeyDer::from(contents),
+        &rustls_pki_types::PrivatePkcs8KeyDer::from(&contents[..]),
         alg,
     )
     .map_err(|_| {
