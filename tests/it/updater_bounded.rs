@@ -225,3 +225,59 @@ async fn request_bodies_built_to_cost_memory_are_refused_within_64_mib() {
     assert_eq!(v["status"], "Failure", "{v}");
     assert_peak_under_limit(&w, "a body of one long string");
 }
+
+/// A namespace's tenant can create as many Machines as they like: a list the updater reads
+/// (here the cluster's control-plane Machines, for the version skew rules) is bounded at
+/// `MAX_LISTED` and more is refused naming the limit, never read whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_more_machines_than_the_limit_is_refused_naming_it() {
+    use inplace_updater::MAX_LISTED;
+    let mut w = World::new(74).await;
+    w.add_agent("node-d", "v1.35.1");
+    w.start_updater();
+    for i in 0..=MAX_LISTED {
+        let mut cp = machine(&format!("cp-{i}"), "v1.35.2", "cp", "10.0.0.9", false);
+        cp["metadata"]["labels"]["cluster.x-k8s.io/control-plane"] = json!("");
+        cp["status"]["nodeInfo"] = json!({"kubeletVersion": "v1.35.2"});
+        w.api.put(cp);
+    }
+    let mut req: Value = can_update_machine_request();
+    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
+    req["settings"]["drain"] = json!("Never");
+    let name = req["desired"]["machine"]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut live = machine(&name, "v1.35.1", "node-d", &w.agents[0].ip, false);
+    live["status"]["nodeInfo"] = json!({"kubeletVersion": "v1.35.1"});
+    w.api.put(live);
+    let v = w
+        .client()
+        .call(Hook::CanUpdateMachine, &go_json(&req))
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(v["status"], "Success", "{v}\n{}", w.updater_log());
+    assert!(v.get("machinePatch").is_none(), "not in place: {v}");
+    let message = v["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!(
+            "more than {MAX_LISTED} match; the updater reads at most {MAX_LISTED}"
+        )),
+        "{v}"
+    );
+    // The list was asked for in chunks of the limit, never whole.
+    assert!(
+        w.api
+            .requests()
+            .iter()
+            .any(|(_, path)| path.contains("/machines?")
+                && path.contains(&format!("limit={MAX_LISTED}"))),
+        "{:?}",
+        w.api
+            .requests()
+            .iter()
+            .filter(|(_, p)| p.contains("/machines?"))
+            .collect::<Vec<_>>()
+    );
+}

@@ -255,7 +255,10 @@ async fn a_version_bump_drains_the_node_by_capis_rules_then_runs_and_uncordons()
             .rposition(|p| p.contains(&format!("/pods/{pod}/")))
             .unwrap_or_else(|| panic!("{pod} was not evicted: {evicted:?}"))
     };
-    assert!(at("web-1") < at("db-0"), "db-0 (order 10) last: {evicted:?}");
+    assert!(
+        at("web-1") < at("db-0"),
+        "db-0 (order 10) last: {evicted:?}"
+    );
     upgrade_kubelet(&w);
     let seen = poll_update(&mut capi, &body, SCALE).await;
     let last = seen.last().unwrap();

@@ -78,6 +78,10 @@ pub fn event_resource() -> ApiResource {
     }
 }
 
+/// Most objects one list reads (the Machines of a MachineSet, a cluster's control-plane
+/// Machines, a MachineDeployment's MachineSets); more is an error naming the limit.
+pub const MAX_LISTED: u32 = 2000;
+
 /// A request to the API server failed (not a 404 of a get, which is `Ok(None)`).
 #[derive(Debug, thiserror::Error)]
 #[error("{op} {what} {namespace}/{name}: {detail}")]
@@ -391,30 +395,13 @@ impl Cluster {
     /// The MachineDrainRules of `namespace` (the drain's only `list`; they live beside the
     /// Machines, and CAPI's drain lists them the same way).
     pub async fn machine_drain_rules(&self, namespace: &str) -> Result<Vec<Value>, ClusterError> {
-        let api: Api<DynamicObject> = Api::namespaced_with(
-            self.client.clone(),
-            namespace,
+        self.list(
             &machine_drain_rule_resource(),
-        );
-        let list = api
-            .list(&kube::api::ListParams::default())
-            .await
-            .map_err(|e| {
-                ClusterError {
-                    op: "list",
-                    what: "MachineDrainRule",
-                    namespace: namespace.to_owned(),
-                    name: "*".into(),
-                    detail: e.to_string(),
-                    transient: transient(&e),
-                }
-                .read()
-            })?;
-        Ok(list
-            .items
-            .iter()
-            .filter_map(|o| serde_json::to_value(o).ok())
-            .collect())
+            "MachineDrainRule",
+            namespace,
+            "",
+        )
+        .await
     }
 }
 
@@ -526,6 +513,7 @@ impl Cluster {
     }
 
     /// The objects of `resource` in `namespace` with the labels of `selector` (`k=v,k=v`;
+    /// at most [`MAX_LISTED`], else an error saying so;
     /// `explain`: a MachineDeployment's MachineSets, a KubeadmControlPlane's Machines).
     pub async fn list(
         &self,
@@ -548,9 +536,27 @@ impl Cluster {
             .read()
         };
         let list = api
-            .list(&kube::api::ListParams::default().labels(selector))
+            .list(
+                &kube::api::ListParams::default()
+                    .labels(selector)
+                    .limit(MAX_LISTED),
+            )
             .await
             .map_err(|e| err(e.to_string(), transient(&e)))?;
+        if list
+            .metadata
+            .continue_
+            .as_deref()
+            .is_some_and(|c| !c.is_empty())
+        {
+            return Err(err(
+                format!(
+                    "more than {MAX_LISTED} match; the updater reads at most {MAX_LISTED} \
+                     (so that the objects of one namespace cannot cost it unbounded memory)"
+                ),
+                false,
+            ));
+        }
         list.items
             .into_iter()
             .map(|o| serde_json::to_value(o).map_err(|e| err(e.to_string(), false)))

@@ -75,5 +75,7 @@ pub mod unreachable;
 pub mod why;
 pub mod workload;
 
+pub use cluster::MAX_LISTED;
+
 /// The updater's version and the commit it was built from (`inplace-updater version`).
 pub const BUILD: inplace_base::build::Build = inplace_base::build!();

@@ -492,6 +492,17 @@ impl Store {
             })
             .cloned()
             .collect();
+        // `limit`: the first that many, and a `continue` token when more match (the API
+        // server's chunking; the stand-in serves no second chunk).
+        let mut items = items;
+        let mut more = None;
+        if let Some(limit) = parameter("limit").and_then(|l| l.parse::<usize>().ok())
+            && limit > 0
+            && items.len() > limit
+        {
+            items.truncate(limit);
+            more = Some("stand-in-continue");
+        }
         let kind = items
             .first()
             .and_then(|o| o.get("kind"))
@@ -502,7 +513,10 @@ impl Store {
             &json!({
                 "kind": kind,
                 "apiVersion": prefix[1..].join("/"),
-                "metadata": {"resourceVersion": self.version.to_string()},
+                "metadata": match more {
+                    Some(token) => json!({"resourceVersion": self.version.to_string(), "continue": token}),
+                    None => json!({"resourceVersion": self.version.to_string()}),
+                },
                 "items": items,
             }),
         )
