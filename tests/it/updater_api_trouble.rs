@@ -12,18 +12,6 @@ use inplace_updater::hooks::Hook;
 
 const CONTROL_PLANE: &str = "cluster.x-k8s.io/control-plane";
 
-/// KubeadmControlPlane's request for a worker of the sandbox agent (v1.35.1 → v1.35.2).
-fn worker_request(w: &World) -> (Value, String) {
-    let mut req: Value = can_update_machine_request();
-    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
-    req["settings"]["drain"] = json!("Never");
-    let name = req["desired"]["machine"]["metadata"]["name"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    (req, name)
-}
-
 fn nothing_decided(v: &Value, name: &str) -> bool {
     v["status"] == "Failure"
         && v["message"].as_str().is_some_and(|m| {
@@ -40,9 +28,8 @@ async fn can_update_machine_decides_nothing_while_a_read_fails() {
     let mut w = World::new(201).await;
     w.add_agent("node-d", "v1.35.1");
     w.start_updater();
-    let (req, name) = worker_request(&w);
-    let mut live = machine(&name, "v1.35.1", "node-d", &w.agents[0].ip, false);
-    live["status"]["nodeInfo"] = json!({"kubeletVersion": "v1.35.1"});
+    let (req, live) = fixture_request_for_agent_0(&w);
+    let name = live["metadata"]["name"].as_str().unwrap().to_owned();
     w.api.put(live);
     // The whole control plane already runs v1.35.2: the worker may follow.
     let mut cp = machine("cp-a", "v1.35.2", "cp-a", "10.0.0.9", false);

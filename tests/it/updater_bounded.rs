@@ -241,15 +241,7 @@ async fn a_list_of_more_machines_than_the_limit_is_refused_naming_it() {
         cp["status"]["nodeInfo"] = json!({"kubeletVersion": "v1.35.2"});
         w.api.put(cp);
     }
-    let mut req: Value = can_update_machine_request();
-    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
-    req["settings"]["drain"] = json!("Never");
-    let name = req["desired"]["machine"]["metadata"]["name"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let mut live = machine(&name, "v1.35.1", "node-d", &w.agents[0].ip, false);
-    live["status"]["nodeInfo"] = json!({"kubeletVersion": "v1.35.1"});
+    let (req, live) = fixture_request_for_agent_0(&w);
     w.api.put(live);
     let v = w
         .client()

@@ -22,16 +22,8 @@ fn control_plane_machine(name: &str, version: &str) -> Value {
 /// KubeadmControlPlane's request (v1.35.1 → `desired`) against a sandbox agent, with the
 /// live Machine a worker or a control-plane Machine whose node runs v1.35.1.
 async fn ask(w: &mut World, desired: &str, control_plane: bool) -> Value {
-    let mut req: Value = can_update_machine_request();
-    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
-    req["settings"]["drain"] = json!("Never");
+    let (mut req, mut live) = fixture_request_for_agent_0(w);
     req["desired"]["machine"]["spec"]["version"] = json!(desired);
-    let name = req["desired"]["machine"]["metadata"]["name"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let mut live = machine(&name, "v1.35.1", "node-d", &w.agents[0].ip, false);
-    live["status"]["nodeInfo"] = json!({"kubeletVersion": "v1.35.1"});
     if control_plane {
         live["metadata"]["labels"][CONTROL_PLANE] = json!("");
     }

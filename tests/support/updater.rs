@@ -368,6 +368,23 @@ pub fn can_update_machine_request() -> Value {
     serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
 }
 
+/// KubeadmControlPlane's `CanUpdateMachine` of the fixture (v1.35.1 → v1.35.2, `drain:
+/// Never`) for agent 0 of `w`, and the live Machine it is about as the stand-in should serve
+/// it (not put: the caller may change it first), its node reporting v1.35.1.
+pub fn fixture_request_for_agent_0(w: &World) -> (Value, Value) {
+    let mut req: Value = can_update_machine_request();
+    req["settings"]["agentPort"] = json!(w.agent_port.to_string());
+    req["settings"]["drain"] = json!("Never");
+    let name = req["desired"]["machine"]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let a = &w.agents[0];
+    let mut live = machine(&name, "v1.35.1", &a.node, &a.ip, false);
+    live["status"]["nodeInfo"] = json!({"kubeletVersion": "v1.35.1"});
+    (req, live)
+}
+
 /// The UpdateMachine request CAPI's Machine controller sends for the live objects (as Go's
 /// json.Marshal writes it: compact, `<` escaped, no status).
 pub fn update_request(machine: &Value, config: Option<&Value>, settings: Value) -> Vec<u8> {
