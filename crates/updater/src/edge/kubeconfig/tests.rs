@@ -272,10 +272,8 @@ fn size_aliases_depth_and_duplicate_keys_are_bounded() {
             (b'a' + i - 1) as char
         ));
     }
-    let started = std::time::Instant::now();
     let r = parse(bomb.as_bytes()).unwrap_err();
     assert!(r.why.contains("YAML nodes"), "{r}");
-    assert!(started.elapsed() < Duration::from_secs(2));
     // Long strings through aliases: the byte budget.
     let long = "x".repeat(30_000);
     let text = format!("a: &s {long}\nb: [*s, *s, *s, *s, *s]\n");

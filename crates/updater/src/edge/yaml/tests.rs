@@ -1,5 +1,3 @@
-use std::time::{Duration, Instant};
-
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
@@ -103,16 +101,12 @@ fn real_bootstrap_data_and_requests_read_as_serde_reads_them() {
 }
 
 #[test]
-fn billion_laughs_are_refused_quickly_at_the_node_limit() {
+fn billion_laughs_are_refused_at_the_node_limit() {
+    // Refused at the limit, so never expanded: the work is bounded by the limit, not by the
+    // document (how fast is `--bench updater`'s, never a timed assertion here).
     for doc in [laughs(9), laughs(30), one_list_many_aliases()] {
-        let started = Instant::now();
         let e = yaml(&doc, &Limits::BOOTSTRAP_YAML).unwrap_err();
         over(&e, Limit::Nodes);
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "{:?}",
-            started.elapsed()
-        );
         assert!(e.to_string().contains("node count limit of 100000"), "{e}");
         assert!(e.to_string().contains("at line "), "{e}");
     }
