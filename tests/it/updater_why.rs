@@ -399,3 +399,35 @@ async fn a_field_that_never_goes_in_place_says_why_on_the_control_plane_and_in_e
         "{out}"
     );
 }
+
+/// `CanUpdateMachine` and `CanUpdateMachineSet` give one answer for the same node: a
+/// kubeletExtraArgs change on an agent that does not manage services (`--services off`, as
+/// the world's agents run) is not in place — the flag would be written and never read, as
+/// nothing restarts the kubelet — and the reason says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn can_update_machine_leaves_a_kubelet_flag_to_a_rollout_where_services_are_off() {
+    let mut w = World::new(176).await;
+    w.add_agent("node-d", "v1.35.1");
+    w.start_updater();
+    let (mut req, live) = fixture_request_for_agent_0(&w);
+    w.api.put(live);
+    // Only the kubelet flags change (max-pods added): the same version, the same files.
+    req["desired"]["machine"]["spec"]["version"] =
+        req["current"]["machine"]["spec"]["version"].clone();
+    req["desired"]["bootstrapConfig"]["spec"]["files"] =
+        req["current"]["bootstrapConfig"]["spec"]["files"].clone();
+    let v = w
+        .client()
+        .call(Hook::CanUpdateMachine, &go_json(&req))
+        .await
+        .unwrap()
+        .json();
+    assert_eq!(v["status"], "Success", "{v}");
+    assert!(v.get("bootstrapConfigPatch").is_none(), "not covered: {v}");
+    let message = v["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("kubeletExtraArgs") && message.contains("--services off"),
+        "{v}\n{}",
+        w.updater_log()
+    );
+}

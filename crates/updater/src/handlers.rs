@@ -958,10 +958,15 @@ impl Updater {
             &facts,
             &check,
         );
-        let message = coverage_message(&machine, &bootstrap);
+        let mut message = coverage_message(&machine, &bootstrap);
         let mut why = coverage_why(&machine, &bootstrap);
         if let Some(why) = &mut why {
             super::why::attribute(why, &[(key.clone(), facts.clone())]);
+            // What the node lacks, as `CanUpdateMachineSet` says it of its nodes.
+            let lacking = why.lacking();
+            if !message.is_empty() && !lacking.is_empty() {
+                message = bounded(&format!("{message} ({lacking})"), 1024);
+            }
         }
         // Drift (issue 37): said in the message; the update repairs it.
         let message = super::drift::with_drift(&self.agents, &peer, message).await;
@@ -1560,7 +1565,7 @@ pub fn decide_machine_set(
     let mut caps = NodeFacts::assumed("").capabilities();
     let mut lacking = Vec::new();
     for (machine, f) in facts {
-        let c = set_capabilities(f);
+        let c = f.capabilities();
         let missing = missing(c);
         if !missing.is_empty() {
             lacking.push(format!(
@@ -1715,14 +1720,6 @@ fn coverage_message(machine: &Coverage, bootstrap: &Coverage) -> String {
         return String::new();
     }
     bounded(&format!("not in place: {}", uncovered.join("; ")), 1024)
-}
-
-/// What a node can do for a MachineSet's in-place update: its agent's abilities, and kubelet
-/// flags only where the agent can restart the kubelet (service management).
-fn set_capabilities(facts: &NodeFacts) -> super::translate::Capabilities {
-    let mut caps = facts.capabilities();
-    caps.kubelet_flags &= facts.services_managed;
-    caps
 }
 
 /// What `caps` lacks of what a current agent can do, in words.

@@ -110,7 +110,8 @@ impl NodeFacts {
         Capabilities {
             files: self.kind("file"),
             prune: self.feature(FEATURE_PRUNE),
-            kubelet_flags: self.kind("kubeletFlags"),
+            // A flag takes effect only when the agent can restart the kubelet.
+            kubelet_flags: self.kind("kubeletFlags") && self.services_managed,
             version: self.kind("package")
                 && self.kind("kubeadmUpgradeNode")
                 && self.feature(FEATURE_VERSION_PATTERN),

@@ -195,6 +195,18 @@ impl Why {
         let parts: Vec<String> = self.gaps.iter().map(sentence_of).collect();
         parts.join("; ")
     }
+
+    /// What the nodes lack, alone (`the agent on node-d does not manage services (--services
+    /// off)`), each once; empty when no node lacks anything.
+    pub fn lacking(&self) -> String {
+        let mut parts: Vec<String> = Vec::new();
+        for part in self.gaps.iter().flat_map(|g| g.lacking.iter().map(lacking_of)) {
+            if !parts.contains(&part) {
+                parts.push(part);
+            }
+        }
+        parts.join("; ")
+    }
 }
 
 fn sentence_of(gap: &Gap) -> String {
@@ -204,14 +216,18 @@ fn sentence_of(gap: &Gap) -> String {
         format!("{} {}", gap.field, gap.why)
     };
     for l in &gap.lacking {
-        let (agents, cause) = if l.nodes.len() == 1 {
-            ("the agent on", singular(&l.cause))
-        } else {
-            ("the agents on", l.cause.clone())
-        };
-        out.push_str(&format!("; {agents} {} {cause}", named(&l.nodes)));
+        out.push_str(&format!("; {}", lacking_of(l)));
     }
     out
+}
+
+fn lacking_of(l: &Lacking) -> String {
+    let (agents, cause) = if l.nodes.len() == 1 {
+        ("the agent on", singular(&l.cause))
+    } else {
+        ("the agents on", l.cause.clone())
+    };
+    format!("{agents} {} {cause}", named(&l.nodes))
 }
 
 /// A cause written for several agents (`do not …`, `have no …`) said of one.
@@ -252,11 +268,11 @@ pub fn lacks(need: Need, facts: &super::translate::NodeFacts) -> Option<&'static
         Need::Prune if !caps.prune => {
             Some("cannot remove a dropped file (an agent without the prune feature)")
         }
-        Need::KubeletRestart if !caps.kubelet_flags => {
-            Some("cannot set kubelet flags (an agent too old for them)")
-        }
         Need::KubeletRestart if !facts.services_managed => {
             Some("do not manage services (--services off)")
+        }
+        Need::KubeletRestart if !caps.kubelet_flags => {
+            Some("cannot set kubelet flags (an agent too old for them)")
         }
         Need::Version if facts.package_manager.is_empty() => {
             Some("have no package manager (apt or dnf) to install the new version with")
