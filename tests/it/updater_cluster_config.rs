@@ -245,7 +245,7 @@ async fn an_api_server_flag_change_goes_in_place_and_what_cannot_is_named() {
         "{v}"
     );
     assert!(
-        s.world.updater_log().contains("reason_class=\"downgrade\""),
+        s.world.updater_log_shows("reason_class=\"downgrade\""),
         "{}",
         s.world.updater_log()
     );

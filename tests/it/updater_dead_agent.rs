@@ -107,7 +107,7 @@ async fn an_unreachable_agent_is_reported_and_fails_the_machine_after_the_deadli
         events[0]
     );
     assert!(
-        w.updater_log().contains("agent unreachable; waiting"),
+        w.updater_log_shows("agent unreachable; waiting"),
         "{}",
         w.updater_log()
     );

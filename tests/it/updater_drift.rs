@@ -93,7 +93,7 @@ async fn update_machine_repairs_a_node_that_drifted_from_the_plan_that_succeeded
     let text = std::fs::read_to_string(&journal).unwrap();
     assert!(text.contains("repair of run 1 by grpc"), "{text}");
     assert!(
-        w.updater_log().contains("node drifted from its plan"),
+        w.updater_log_shows("node drifted from its plan"),
         "{}",
         w.updater_log()
     );

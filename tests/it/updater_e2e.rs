@@ -208,7 +208,7 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
     );
     assert!(!logs.contains(SECRET_CONTENT), "a secret was logged");
     assert!(
-        w.updater_log().contains("body_sha256"),
+        w.updater_log_shows("body_sha256"),
         "{}",
         w.updater_log()
     );

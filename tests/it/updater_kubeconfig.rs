@@ -284,7 +284,7 @@ async fn a_server_on_loopback_is_refused_without_the_flag() {
     assert!(!message(&v).contains(SECRET), "{v}\n{}", w.updater_log());
     assert!(workload_touched(&w), "{v}\n{}", w.updater_log());
     assert!(
-        w.updater_log().contains("--allow-local-workload-servers"),
+        w.updater_log_shows("--allow-local-workload-servers"),
         "the flag is loud in the log"
     );
 }

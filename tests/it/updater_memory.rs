@@ -121,7 +121,7 @@ async fn progress_pushed_by_the_agent_is_followed_from_memory_and_a_new_desired_
     let state = w.dir.path().join("state-node-m");
     assert_eq!(count_accepted(&state), 1);
     assert!(
-        w.updater_log().contains("plan stream opened"),
+        w.updater_log_shows("plan stream opened"),
         "{}",
         w.updater_log()
     );

@@ -64,7 +64,7 @@ async fn drain_through(capi: &mut inplace_updater::emulate::CapiClient, body: &[
 /// MachineDrainRule), then runs the plan. Returns the management cluster's requests, as the
 /// stand-in recorded them, and the workload cluster's.
 async fn requests_of_a_drained_update() -> (Vec<(String, String)>, Vec<(String, String)>) {
-    let mut w = World::new(73).await;
+    let mut w = World::new(75).await;
     w.add_agent("node-r", "v1.35.1");
     w.start_updater();
     let mut capi = w.client();

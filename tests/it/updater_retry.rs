@@ -221,7 +221,7 @@ async fn a_failed_plan_is_one_event_and_the_retry_annotation_starts_one_attempt_
     assert_eq!(w.api.events().len(), 1);
     assert_eq!(posts(&w), 2, "reported once per replica");
     assert!(
-        w.updater_log().contains("event exists already"),
+        w.updater_log_shows("event exists already"),
         "{}",
         w.updater_log()
     );

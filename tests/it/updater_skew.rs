@@ -60,7 +60,7 @@ async fn a_worker_follows_its_control_plane_and_no_minor_is_skipped() {
         w.updater_log()
     );
     assert!(
-        w.updater_log().contains("skew"),
+        w.updater_log_shows("skew"),
         "the log names the reason class: {}",
         w.updater_log()
     );

@@ -280,6 +280,12 @@ impl World {
         self.updater.as_ref().map(Daemon::log).unwrap_or_default()
     }
 
+    /// Whether the updater's log shows `text`, waiting for it up to the tests' patience:
+    /// a line may reach the log file just after the answer it belongs to (seen under load).
+    pub fn updater_log_shows(&self, text: &str) -> bool {
+        super::patience::poll(|| self.updater_log().contains(text).then_some(())).is_some()
+    }
+
     /// Puts the Machine `name` (for agent `i`) and its KubeadmConfig into the stand-in,
     /// marked as being updated in place.
     pub fn put_machine(
