@@ -207,11 +207,7 @@ async fn capi_sequences_update_a_fleet_in_place_and_a_second_sequence_changes_no
         "the bootstrap token was logged"
     );
     assert!(!logs.contains(SECRET_CONTENT), "a secret was logged");
-    assert!(
-        w.updater_log_shows("body_sha256"),
-        "{}",
-        w.updater_log()
-    );
+    assert!(w.updater_log_shows("body_sha256"), "{}", w.updater_log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -200,7 +200,11 @@ impl Why {
     /// off)`), each once; empty when no node lacks anything.
     pub fn lacking(&self) -> String {
         let mut parts: Vec<String> = Vec::new();
-        for part in self.gaps.iter().flat_map(|g| g.lacking.iter().map(lacking_of)) {
+        for part in self
+            .gaps
+            .iter()
+            .flat_map(|g| g.lacking.iter().map(lacking_of))
+        {
             if !parts.contains(&part) {
                 parts.push(part);
             }
