@@ -1256,44 +1256,6 @@ fn restored_note(plan: &Plan, restored: impl Iterator<Item = u32>) -> Option<Str
     Some(note)
 }
 
-#[cfg(test)]
-mod restored_note_tests {
-    use super::*;
-
-    fn plan(changes: &str) -> Plan {
-        let yaml = format!(
-            "apiVersion: inplace.agent/v1\nkind: Plan\nid: default/cp-0@a\n\
-             nodeName: cp-0\nchanges:\n{changes}"
-        );
-        inplace_plan::parse_plan(yaml.as_bytes(), "test", &inplace_plan::Limits::default())
-            .expect("a valid plan")
-    }
-
-    #[test]
-    fn a_version_bump_says_what_came_back_and_what_kubeadm_leaves() {
-        let p = plan(
-            "- file: {path: /etc/kubernetes/a, content: a}\n\
-             - file: {path: /etc/kubernetes/b, content: b}\n\
-             - kubeletFlags: {set: {max-pods: \"150\"}}\n\
-             - package: {name: kubeadm, version: 1.31.2-1.1, hold: true}\n\
-             - kubeadmUpgradeNode: {}\n\
-             - package: {name: kubelet, version: 1.31.2-1.1, hold: true}\n",
-        );
-        assert_eq!(
-            restored_note(&p, [0, 1, 2, 3, 4, 5].into_iter()).unwrap(),
-            "rolled back: 2 file, 1 kubeletFlags, packages kubeadm, kubelet, static pod \
-             manifests, kubelet configuration; not undone: kubeadm's other work (renewed \
-             certificates, etcd's newer data)"
-        );
-        // Only what was restored is named; nothing restored, nothing said.
-        assert_eq!(
-            restored_note(&p, [1].into_iter()).unwrap(),
-            "rolled back: 1 file"
-        );
-        assert_eq!(restored_note(&p, std::iter::empty()), None);
-    }
-}
-
 /// Why a staged or held change cannot be applied: its content was gone when the journal
 /// was read back (nothing else may be written in its place).
 fn content_gone(change: &Change, run: u64, held: bool) -> StepError {
@@ -1411,4 +1373,42 @@ fn mutation_target(m: &steps::Mutation) -> String {
 
 fn preimage_target(p: &crate::journal::Preimage) -> String {
     steps::preimage_target(p)
+}
+
+#[cfg(test)]
+mod restored_note_tests {
+    use super::*;
+
+    fn plan(changes: &str) -> Plan {
+        let yaml = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: default/cp-0@a\n\
+             nodeName: cp-0\nchanges:\n{changes}"
+        );
+        inplace_plan::parse_plan(yaml.as_bytes(), "test", &inplace_plan::Limits::default())
+            .expect("a valid plan")
+    }
+
+    #[test]
+    fn a_version_bump_says_what_came_back_and_what_kubeadm_leaves() {
+        let p = plan(
+            "- file: {path: /etc/kubernetes/a, content: a}\n\
+             - file: {path: /etc/kubernetes/b, content: b}\n\
+             - kubeletFlags: {set: {max-pods: \"150\"}}\n\
+             - package: {name: kubeadm, version: 1.31.2-1.1, hold: true}\n\
+             - kubeadmUpgradeNode: {}\n\
+             - package: {name: kubelet, version: 1.31.2-1.1, hold: true}\n",
+        );
+        assert_eq!(
+            restored_note(&p, [0, 1, 2, 3, 4, 5].into_iter()).unwrap(),
+            "rolled back: 2 file, 1 kubeletFlags, packages kubeadm, kubelet, static pod \
+             manifests, kubelet configuration; not undone: kubeadm's other work (renewed \
+             certificates, etcd's newer data)"
+        );
+        // Only what was restored is named; nothing restored, nothing said.
+        assert_eq!(
+            restored_note(&p, [1].into_iter()).unwrap(),
+            "rolled back: 1 file"
+        );
+        assert_eq!(restored_note(&p, std::iter::empty()), None);
+    }
 }
