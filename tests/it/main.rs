@@ -53,6 +53,7 @@ mod updater_forged_requests;
 
 mod updater_http;
 mod updater_kcp_flow;
+mod updater_kcp_packages;
 mod updater_kubeconfig;
 mod updater_memory;
 mod updater_packaging;

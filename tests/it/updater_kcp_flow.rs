@@ -28,7 +28,9 @@
 //!   new version, which the test writes (`usr/local/bin/kubelet.version`) after the first
 //!   `UpdateMachine` call, as the package install would. For the same reason `CanUpdateMachine`
 //!   leaves the version uncovered on these nodes (a real KCP would replace the Machine); the
-//!   emulated KCP goes on as it would for a node with a package manager;
+//!   emulated KCP goes on as it would for a node with a package manager
+//!   (`updater_kcp_packages.rs` runs a control-plane node's bump with real packages: apt on a
+//!   sandboxed systemd node, the version covered, the rollback of packages and manifests);
 //! - what restarts a control-plane component here is a static pod manifest among the
 //!   KubeadmConfig's files (kube-vip's, whose image moves with the release), so each
 //!   control-plane plan ends with the `controlPlane` gate; each control-plane node's API

@@ -916,8 +916,21 @@ impl Runner {
                 !outcome.passed,
             )?;
             if !outcome.passed {
-                if let Some(stop) = self.boundary(run).filter(|s| !matches!(s, Stop::Shutdown)) {
-                    return Err(Abort::Stop(stop));
+                match self.boundary(run).filter(|s| !matches!(s, Stop::Shutdown)) {
+                    // The plan's timeout cut this gate: the error names the gate and what it
+                    // last saw, not only the timeout (a gate waiting on a component that never
+                    // came back is the usual reason a plan runs out of time).
+                    Some(Stop::TimedOut(secs)) => {
+                        return Err(Abort::Failed(ErrorInfo {
+                            kind: ErrorKind::Timeout,
+                            step: Some(name),
+                            detail: format!(
+                                "the plan's timeout ({secs}s) ended this gate; last: {message}"
+                            ),
+                        }));
+                    }
+                    Some(stop) => return Err(Abort::Stop(stop)),
+                    None => {}
                 }
                 return Err(Abort::Failed(ErrorInfo {
                     kind: ErrorKind::Verification,
@@ -1078,6 +1091,16 @@ impl Runner {
         if let Err(failure) = self.rollback_units(run, &error)? {
             return self.finish(run, Phase::Failed, Some(failure));
         }
+        // Everything was put back: the error says what, and what a rollback cannot undo.
+        let error = match (end, error) {
+            (Phase::RolledBack, Some(mut e)) => {
+                if let Some(note) = restored_note(&rs.plan, rs.preimages.keys().copied()) {
+                    e.detail = format!("{}; {note}", e.detail);
+                }
+                Some(e)
+            }
+            (_, error) => error,
+        };
         self.finish(run, end, error)
     }
 
@@ -1185,6 +1208,52 @@ impl Runner {
             }
         }
     }
+}
+
+/// What a rollback that restored every change of `restored` (indexes into `plan.changes`)
+/// put back, for the run's error and so for Cluster API's message (a hook message holds 512
+/// bytes: the count of each kind, the packages by name), and what it cannot undo: `kubeadm
+/// upgrade node`'s pre-image is the files it rewrites ([`inplace_plan::kinds::REWRITES`]),
+/// not what else it did. `None` when nothing was restored.
+fn restored_note(plan: &Plan, restored: impl Iterator<Item = u32>) -> Option<String> {
+    let mut packages = Vec::new();
+    let mut kubeadm = false;
+    // Other kinds, in the order first seen, and how many of each.
+    let mut others: Vec<(&'static str, usize)> = Vec::new();
+    for index in restored {
+        match plan.changes.get(index as usize) {
+            Some(Change::Package(p)) => packages.push(p.name.clone()),
+            Some(Change::KubeadmUpgradeNode(_)) => kubeadm = true,
+            Some(c) => {
+                let kind = c.kind().as_str();
+                match others.iter_mut().find(|(k, _)| *k == kind) {
+                    Some(entry) => entry.1 += 1,
+                    None => others.push((kind, 1)),
+                }
+            }
+            None => {}
+        }
+    }
+    let mut put_back: Vec<String> = others
+        .into_iter()
+        .map(|(kind, n)| format!("{n} {kind}"))
+        .collect();
+    if !packages.is_empty() {
+        put_back.push(format!("packages {}", packages.join(", ")));
+    }
+    if kubeadm {
+        put_back.push("static pod manifests, kubelet configuration".to_string());
+    }
+    if put_back.is_empty() {
+        return None;
+    }
+    let mut note = format!("rolled back: {}", put_back.join(", "));
+    if kubeadm {
+        note.push_str(
+            "; not undone: kubeadm's other work (renewed certificates, etcd's newer data)",
+        );
+    }
+    Some(note)
 }
 
 /// Why a staged or held change cannot be applied: its content was gone when the journal
@@ -1304,4 +1373,42 @@ fn mutation_target(m: &steps::Mutation) -> String {
 
 fn preimage_target(p: &crate::journal::Preimage) -> String {
     steps::preimage_target(p)
+}
+
+#[cfg(test)]
+mod restored_note_tests {
+    use super::*;
+
+    fn plan(changes: &str) -> Plan {
+        let yaml = format!(
+            "apiVersion: inplace.agent/v1\nkind: Plan\nid: default/cp-0@a\n\
+             nodeName: cp-0\nchanges:\n{changes}"
+        );
+        inplace_plan::parse_plan(yaml.as_bytes(), "test", &inplace_plan::Limits::default())
+            .expect("a valid plan")
+    }
+
+    #[test]
+    fn a_version_bump_says_what_came_back_and_what_kubeadm_leaves() {
+        let p = plan(
+            "- file: {path: /etc/kubernetes/a, content: a}\n\
+             - file: {path: /etc/kubernetes/b, content: b}\n\
+             - kubeletFlags: {set: {max-pods: \"150\"}}\n\
+             - package: {name: kubeadm, version: 1.31.2-1.1, hold: true}\n\
+             - kubeadmUpgradeNode: {}\n\
+             - package: {name: kubelet, version: 1.31.2-1.1, hold: true}\n",
+        );
+        assert_eq!(
+            restored_note(&p, [0, 1, 2, 3, 4, 5].into_iter()).unwrap(),
+            "rolled back: 2 file, 1 kubeletFlags, packages kubeadm, kubelet, static pod \
+             manifests, kubelet configuration; not undone: kubeadm's other work (renewed \
+             certificates, etcd's newer data)"
+        );
+        // Only what was restored is named; nothing restored, nothing said.
+        assert_eq!(
+            restored_note(&p, [1].into_iter()).unwrap(),
+            "rolled back: 1 file"
+        );
+        assert_eq!(restored_note(&p, std::iter::empty()), None);
+    }
 }

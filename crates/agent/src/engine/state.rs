@@ -291,8 +291,44 @@ impl PlanStatus {
         };
         HookResponse {
             status,
-            message: self.summary(),
+            message: self.hook_message(),
             retry_after_seconds: retry,
+        }
+    }
+
+    /// [`PlanStatus::summary`] within the proto's limit on a hook message
+    /// ([`inplace_api::bounded::MAX_HOOK_MESSAGE`]). When a finished plan's summary is longer,
+    /// its error's detail is what gets cut, in its middle: the plan, how it ended and the
+    /// failed step stay whole, the detail keeps its start (the cause) and its end (what a
+    /// rollback restored). Cutting the whole summary would lose the step first.
+    fn hook_message(&self) -> String {
+        use inplace_api::bounded::{MAX_HOOK_MESSAGE, bounded};
+        let whole = self.summary();
+        if whole.len() <= MAX_HOOK_MESSAGE {
+            return whole;
+        }
+        let (Some(what), Some(e)) = (self.ended(), &self.error) else {
+            return whole;
+        };
+        let head = match &e.step {
+            Some(step) => format!("plan {} {what}: {step}: ", self.id),
+            None => format!("plan {} {what}: ", self.id),
+        };
+        // Room for a useful part of the detail, or the whole summary is cut as it was.
+        match MAX_HOOK_MESSAGE.checked_sub(head.len()) {
+            Some(room) if room >= 128 => format!("{head}{}", bounded(&e.detail, room)),
+            _ => whole,
+        }
+    }
+
+    /// How a finished plan ended, in words; `None` while it runs.
+    fn ended(&self) -> Option<&'static str> {
+        match self.phase {
+            Phase::Failed => Some("failed"),
+            Phase::RolledBack => Some("failed and was rolled back"),
+            Phase::Cancelled => Some("was cancelled"),
+            Phase::Superseded => Some("was superseded"),
+            _ => None,
         }
     }
 
@@ -306,12 +342,7 @@ impl PlanStatus {
                 self.id, c.changed, c.unchanged
             ),
             Phase::Failed | Phase::RolledBack | Phase::Cancelled | Phase::Superseded => {
-                let what = match self.phase {
-                    Phase::Failed => "failed",
-                    Phase::RolledBack => "failed and was rolled back",
-                    Phase::Cancelled => "was cancelled",
-                    _ => "was superseded",
-                };
+                let what = self.ended().unwrap_or("ended");
                 match &self.error {
                     Some(e) => format!("plan {} {what}: {e}", self.id),
                     None => format!("plan {} {what}", self.id),
@@ -386,5 +417,69 @@ mod tests {
         );
         assert!(!Pending.can_become(Verifying));
         assert!(!RollingBack.can_become(Succeeded));
+    }
+
+    use inplace_base::ErrorKind;
+
+    fn ended(phase: Phase, step: &str, detail: String) -> PlanStatus {
+        PlanStatus {
+            id: "default/cp-0@abc".into(),
+            digest: "v2:sha256:0".into(),
+            attempt: 1,
+            run: 1,
+            source: "grpc".into(),
+            phase,
+            progress: Progress::default(),
+            changes: Vec::new(),
+            checks: Vec::new(),
+            error: Some(ErrorInfo {
+                kind: ErrorKind::Timeout,
+                step: Some(step.into()),
+                detail,
+            }),
+            rebooting: false,
+            services: "off".into(),
+            accepted_at_ms: 0,
+            started_at_ms: None,
+            finished_at_ms: None,
+            counts: Counts::default(),
+            events: Vec::new(),
+        }
+    }
+
+    /// A hook message over the proto's 512 bytes keeps the failed step whole and the ends of
+    /// the detail (the cause, what rollback restored); a short one is the summary.
+    #[test]
+    fn a_long_hook_message_cuts_the_detail_not_the_step() {
+        use inplace_api::bounded::MAX_HOOK_MESSAGE;
+        let step = "verify[2] controlPlane node cp-0: kube-apiserver, kube-controller-manager, \
+                    kube-scheduler (etcd external)";
+        let detail = format!(
+            "the cause first; last: {}; rolled back: packages kubeadm, kubelet, kubectl",
+            "x".repeat(600)
+        );
+        let s = ended(Phase::RolledBack, step, detail);
+        let message = s.hook_response().message;
+        assert!(message.len() <= MAX_HOOK_MESSAGE, "{}", message.len());
+        assert!(
+            message.starts_with(&format!(
+                "plan default/cp-0@abc failed and was rolled back: {step}: the cause first"
+            )),
+            "{message}"
+        );
+        assert!(
+            message.ends_with("; rolled back: packages kubeadm, kubelet, kubectl"),
+            "{message}"
+        );
+        assert!(
+            s.summary().len() > MAX_HOOK_MESSAGE,
+            "the summary stays whole"
+        );
+
+        let short = ended(Phase::Failed, "changes[0] file /a", "no space left".into());
+        assert_eq!(
+            short.hook_response().message,
+            "plan default/cp-0@abc failed: changes[0] file /a: no space left"
+        );
     }
 }

@@ -14,8 +14,11 @@
 //! - `kubeadm`: `/usr/bin/kubeadm`, a script — `kubeadm version -o short` prints `v1.31.2`;
 //!   `kubeadm upgrade node ARGS` appends `kubeadm v1.31.2 upgrade node ARGS (kubelet
 //!   v1.30.4)` (the kubelet installed at that moment) to [`KUBEADM_LOG`], appends a comment to
-//!   `/var/lib/kubelet/config.yaml` (the real one rewrites it), and then fails with exit 1
-//!   when [`KUBEADM_FAIL`] exists. Also the kubelet drop-in
+//!   `/var/lib/kubelet/config.yaml` (the real one rewrites it), on a control-plane node moves
+//!   the image tag of the kube-apiserver, kube-controller-manager and kube-scheduler static
+//!   pod manifests under [`MANIFESTS`] that exist to `v1.31.2` (the real one regenerates them;
+//!   etcd's is left as it is, and a node without those manifests, a worker, sees no change),
+//!   and then fails with exit 1 when [`KUBEADM_FAIL`] exists. Also the kubelet drop-in
 //!   `/usr/lib/systemd/system/kubelet.service.d/10-kubeadm.conf`, as upstream's kubeadm
 //!   package ships it; it sets `KUBELET_STANDIN_DROPIN=kubeadm v1.31.2` in the unit's
 //!   environment, so `systemctl show -p Environment` tells which drop-in systemd loaded.
@@ -43,6 +46,8 @@ pub const APT_REPO: &str = "/srv/repo";
 pub const RPM_REPO: &str = "/srv/rpmrepo";
 /// Where the stand-in `kubeadm upgrade node` logs each run.
 pub const KUBEADM_LOG: &str = "/var/log/kubeadm-standin.log";
+/// The static pod manifests the stand-in `kubeadm upgrade node` moves on a control-plane node.
+pub const MANIFESTS: &str = "/etc/kubernetes/manifests";
 /// When this file exists, the stand-in `kubeadm upgrade node` fails (exit 1).
 pub const KUBEADM_FAIL: &str = "/etc/kubernetes/kubeadm-standin-fail";
 /// The three packages of a version bump, in the order they are upgraded.
@@ -136,6 +141,17 @@ case "$1 $2" in
     if [ -f /var/lib/kubelet/config.yaml ]; then
       echo "# written by kubeadm v{v}" >> /var/lib/kubelet/config.yaml
     fi
+    # A control-plane node: the real kubeadm regenerates its static pod manifests for the
+    # new release. STAND-IN for that: each of kubeadm's three Kubernetes components'
+    # manifests that exists gets its image tag moved to v{v}, nothing else; etcd's is left
+    # alone (kubeadm picks etcd's version from a table of its own, which this has not).
+    for c in kube-apiserver kube-controller-manager kube-scheduler; do
+      m={MANIFESTS}/$c.yaml
+      if [ -f "$m" ]; then
+        echo "[upgrade/staticpods] Writing new static pod manifest for $c to $m"
+        sed -i -E "s#^( *image: [^ ]*/$c):[^ ]*\$#\1:v{v}#" "$m"
+      fi
+    done
     if [ -e {KUBEADM_FAIL} ]; then
       echo "[upgrade/kubelet-config] writing the kubelet configuration"
       echo "error execution phase kubelet-config: stand-in failure requested by the test" >&2

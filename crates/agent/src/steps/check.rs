@@ -200,12 +200,25 @@ pub fn run_check(
             }
             Err(seen) => {
                 let now = Instant::now();
-                if now + check.period > deadline || stop() {
-                    let message = format!(
-                        "{seen} (after {attempts} attempt{} in {}s)",
-                        if attempts == 1 { "" } else { "s" },
-                        check.timeout.as_secs()
-                    );
+                let stopped = stop();
+                if now + check.period > deadline || stopped {
+                    // Cut short (the plan's timeout, a cancel): the time it had, not its own
+                    // timeout, which it never reached.
+                    let message = if stopped && now + check.period <= deadline {
+                        format!(
+                            "{seen} (after {attempts} attempt{} in {}s, stopped before its \
+                             {}s timeout)",
+                            if attempts == 1 { "" } else { "s" },
+                            start.elapsed().as_secs(),
+                            check.timeout.as_secs()
+                        )
+                    } else {
+                        format!(
+                            "{seen} (after {attempts} attempt{} in {}s)",
+                            if attempts == 1 { "" } else { "s" },
+                            check.timeout.as_secs()
+                        )
+                    };
                     return CheckOutcome {
                         passed: false,
                         message,
@@ -263,5 +276,22 @@ mod tests {
         let outcome = run_check(&host, &check, None, &|| false, &mut |_| {});
         assert!(outcome.passed, "{outcome:?}");
         assert_eq!(outcome.attempts, 1);
+
+        // A gate cut short (the plan's timeout) says how long it ran, not its own timeout.
+        let failing = Check {
+            probe: Probe::Command {
+                argv: vec!["false".into()],
+            },
+            timeout: Duration::from_secs(300),
+            period: Duration::from_secs(1),
+        };
+        let outcome = run_check(&host, &failing, None, &|| true, &mut |_| {});
+        assert!(!outcome.passed);
+        assert!(
+            outcome
+                .message
+                .ends_with("(after 1 attempt in 0s, stopped before its 300s timeout)"),
+            "{outcome:?}"
+        );
     }
 }
