@@ -399,6 +399,35 @@ static TRANSPORT_RETRIES: std::sync::atomic::AtomicUsize = std::sync::atomic::At
 /// `UpdateMachine` answers of status Failure, called again as Cluster API would.
 static HOOK_FAILURES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// `CanUpdateMachine` / `CanUpdateMachineSet` answers of status Failure (nothing decided:
+/// the updater could not read the management cluster), called again as Cluster API would.
+static UNDECIDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A `CanUpdate*` `hook` with `body` until it decides: Cluster API takes a Failure as a
+/// reconcile error and asks again after a backoff (kubernetes-sigs/cluster-api
+/// `controlplane/kubeadm/internal/controllers/inplace_canupdatemachine.go`); so does the
+/// bench, 1 s apart, up to 5 times, and counts it.
+async fn call_until_decided(
+    client: &mut CapiClient,
+    hook: Hook,
+    body: &[u8],
+) -> anyhow::Result<inplace_updater::emulate::HttpResponse> {
+    let mut failures = 0;
+    loop {
+        let r = call(client, hook, body).await?;
+        if r.json()["status"] != "Failure" || failures == 5 {
+            return Ok(r);
+        }
+        failures += 1;
+        UNDECIDED.fetch_add(1, Ordering::SeqCst);
+        println!(
+            "{hook:?} decided nothing, asking again in 1 s: {}",
+            r.json()["message"]
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 /// `hook` with `body`, made again up to 3 times (1 s apart) when the connection fails.
 async fn call(
     client: &mut CapiClient,
@@ -458,7 +487,7 @@ async fn update_machine(
                 (&desired, &desired_config),
             );
             let t = Instant::now();
-            let r = call(client, Hook::CanUpdateMachine, &body)
+            let r = call_until_decided(client, Hook::CanUpdateMachine, &body)
                 .await
                 .map_err(|e| format!("CanUpdateMachine {ns}/{name}: {e}"))?;
             run.can_update_ms = Some(t.elapsed().as_secs_f64() * 1e3);
@@ -862,7 +891,7 @@ async fn upgrade_cluster(
         let desired = machine_set(&ns, &cluster, &set_new, TO, workers);
         let t = Instant::now();
         let body = can_update_machine_set_body(&run.settings, &current, &desired);
-        let r = call(&mut client, Hook::CanUpdateMachineSet, &body)
+        let r = call_until_decided(&mut client, Hook::CanUpdateMachineSet, &body)
             .await
             .map_err(|e| format!("CanUpdateMachineSet {ns}/{set_old}: {e}"))?;
         out.set_ms.push(t.elapsed().as_secs_f64() * 1e3);
@@ -1169,6 +1198,7 @@ async fn fleet(o: &Options) -> Result<Value, Error> {
         "updater_steady_rss_kib": steady.rss, "updater_steady_anon_kib": steady.anon,
         "hook_calls_made_again_after_a_connection_error": TRANSPORT_RETRIES.load(Ordering::SeqCst),
         "update_machine_failures_called_again": HOOK_FAILURES.load(Ordering::SeqCst),
+        "can_update_failures_called_again": UNDECIDED.load(Ordering::SeqCst),
         "api_requests": requests.len(), "api_requests_per_machine": per(requests.len()),
         "api_requests_per_machine_by_kind": by,
         "loadavg_start": load_start, "loadavg_end": loadavg(),

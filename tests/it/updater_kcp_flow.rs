@@ -47,6 +47,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use crate::support::control_plane::Standins;
+use crate::support::kcp::{self, for_request, with_discovery};
 use crate::support::snapshot;
 use crate::support::updater::*;
 use inplace_updater::hooks::{Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION};
@@ -99,14 +100,6 @@ fn worker_spec(tag: &str) -> Value {
     })
 }
 
-/// The bootstrap's join data as the live KubeadmConfig holds it; KCP's request drops it
-/// (`PrepareKubeadmConfigsForDiff`: `joinConfiguration.discovery` emptied).
-fn with_discovery(mut spec: Value) -> Value {
-    spec["joinConfiguration"]["discovery"] = json!({"bootstrapToken": {
-        "apiServerEndpoint": "10.0.0.1:6443", "token": BOOTSTRAP_TOKEN}});
-    spec
-}
-
 /// One Machine of the flow and its node.
 struct Member {
     name: String,
@@ -153,22 +146,6 @@ fn md_labels() -> [(&'static str, &'static str); 3] {
         ("cluster.x-k8s.io/deployment-name", "capi-quickstart-md-0"),
         ("machine-template-hash", "old"),
     ]
-}
-
-/// `cleanupMachine` of `inplace_canupdatemachine.go`: name, namespace, labels, annotations,
-/// spec.
-fn for_request(o: &Value) -> Value {
-    let mut metadata = serde_json::Map::new();
-    for key in ["name", "namespace", "labels", "annotations"] {
-        // Go's json.Marshal leaves empty ones out (omitempty).
-        if let Some(v) = o["metadata"]
-            .get(key)
-            .filter(|v| !v.is_null() && v.as_object().is_none_or(|m| !m.is_empty()))
-        {
-            metadata.insert(key.into(), v.clone());
-        }
-    }
-    json!({"kind": o["kind"], "apiVersion": o["apiVersion"], "metadata": metadata, "spec": o["spec"]})
 }
 
 fn infra(name: &str) -> Value {
@@ -233,33 +210,12 @@ fn set_kubelet(w: &World, i: usize, version: &str) {
 /// The node's agent's latest plan, from its status socket (`/v1/status`'s `recent[0]`, then
 /// `/v1/plans/<id>` for its gates); null when the node never got one.
 fn last_run(w: &World, i: usize) -> Value {
-    let socket = w.agents[i].root.join("run/inplace-agent/status.sock");
-    let get = |path: &str| -> Value {
-        let got = inplace_agent::status::client::get(&socket, path, Duration::from_secs(30))
-            .unwrap_or_else(|e| panic!("the agent's status {path}: {e}"));
-        serde_json::from_slice(&got.body).unwrap()
-    };
-    let status = get("/v1/status");
-    let Some(id) = status["recent"][0]["id"].as_str() else {
-        return Value::Null;
-    };
-    let encoded: String = id
-        .bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect();
-    get(&format!("/v1/plans/{encoded}"))
+    kcp::last_run(&w.agents[i].root).unwrap_or(Value::Null)
 }
 
 /// The `controlPlane` gate of a plan document.
 fn control_plane_gate(run: &Value) -> Value {
-    run["checks"]
-        .as_array()
-        .and_then(|c| c.iter().find(|c| c["kind"] == "controlPlane"))
-        .cloned()
-        .unwrap_or_else(|| panic!("no controlPlane gate: {run:#}"))
+    kcp::gate(run, "controlPlane")
 }
 
 /// The bootstrap's files on a node at the old release (what cloud-init wrote).

@@ -24,11 +24,12 @@
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::{Value, json};
 
 use crate::support::control_plane::{self, COMPONENTS, Standins};
+use crate::support::kcp::{self, for_request, gate, with_discovery};
 use crate::support::sandbox::{self, Systemd};
 use crate::support::updater::*;
 use crate::support::{overlay, pki};
@@ -70,14 +71,6 @@ fn control_plane_spec(release: &str) -> Value {
     })
 }
 
-/// The bootstrap's join data as the live KubeadmConfig holds it; KCP's request drops it
-/// (`PrepareKubeadmConfigsForDiff`).
-fn with_discovery(mut spec: Value) -> Value {
-    spec["joinConfiguration"]["discovery"] = json!({"bootstrapToken": {
-        "apiServerEndpoint": "10.0.0.1:6443", "token": BOOTSTRAP_TOKEN}});
-    spec
-}
-
 /// The live control-plane Machine at `version`, its node running `running`, labelled and
 /// owned as KCP makes them.
 fn live_machine(w: &World, version: &str, running: &str, in_place: bool) -> Value {
@@ -91,21 +84,6 @@ fn live_machine(w: &World, version: &str, running: &str, in_place: bool) -> Valu
         "name": "capi-quickstart-control-plane", "uid": "kcp-uid", "controller": true}]);
     v["status"]["nodeInfo"] = json!({"kubeletVersion": running});
     v
-}
-
-/// `cleanupMachine` of `inplace_canupdatemachine.go`: name, namespace, labels, annotations,
-/// spec (Go's json.Marshal leaves empty ones out).
-fn for_request(o: &Value) -> Value {
-    let mut metadata = serde_json::Map::new();
-    for key in ["name", "namespace", "labels", "annotations"] {
-        if let Some(v) = o["metadata"]
-            .get(key)
-            .filter(|v| !v.is_null() && v.as_object().is_none_or(|m| !m.is_empty()))
-        {
-            metadata.insert(key.into(), v.clone());
-        }
-    }
-    json!({"kind": o["kind"], "apiVersion": o["apiVersion"], "metadata": metadata, "spec": o["spec"]})
 }
 
 fn infra() -> Value {
@@ -165,32 +143,7 @@ async fn trigger_and_update(
 /// The node's agent's latest plan document (`/v1/status`'s `recent[0]`, then
 /// `/v1/plans/<id>`), from its status socket in the node's root.
 fn last_run(w: &World) -> Value {
-    let socket = w.agents[0].root.join("run/inplace-agent/status.sock");
-    let get = |path: &str| -> Value {
-        let got = inplace_agent::status::client::get(&socket, path, Duration::from_secs(30))
-            .unwrap_or_else(|e| panic!("the agent's status {path}: {e}"));
-        serde_json::from_slice(&got.body).unwrap()
-    };
-    let status = get("/v1/status");
-    let id = status["recent"][0]["id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no plan on the node: {status:#}"));
-    let encoded: String = id
-        .bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect();
-    get(&format!("/v1/plans/{encoded}"))
-}
-
-fn gate(run: &Value, kind: &str) -> Value {
-    run["checks"]
-        .as_array()
-        .and_then(|c| c.iter().find(|c| c["kind"] == kind))
-        .cloned()
-        .unwrap_or_else(|| panic!("no {kind} gate: {run:#}"))
+    kcp::last_run(&w.agents[0].root).unwrap_or_else(|| panic!("no plan on node {NODE}"))
 }
 
 /// A kubeadm control-plane node at `OLD` on a sandboxed real systemd, its packages installed

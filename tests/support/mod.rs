@@ -15,12 +15,14 @@
 //! - [`control_plane`]: a kubeadm control-plane node's files, API server and etcd stand-ins;
 //! - [`restarting_control_plane`]: the same wire shapes for the benches, whose static pods
 //!   restart for a set time after a manifest changes (`benches/cluster.rs`);
+//! - [`kcp`]: KubeadmControlPlane's request shapes, a node's last plan and its gates;
 //! - [`rbac`]: Kubernetes RBAC decided for a ServiceAccount, requests read from HTTP paths.
 #![allow(dead_code)] // every test module and bench uses a different part
 
 pub mod agent;
 pub mod control_plane;
 pub mod daemon;
+pub mod kcp;
 pub mod memory;
 pub mod node;
 pub mod overlay;
