@@ -47,14 +47,13 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use crate::support::control_plane::Standins;
-use crate::support::kcp::{self, for_request, with_discovery};
+use crate::support::kcp::{self, CERT_SANS, for_request, with_discovery};
 use crate::support::snapshot;
 use crate::support::updater::*;
 use inplace_updater::hooks::{Hook, PENDING_HOOKS_ANNOTATION, UPDATE_IN_PROGRESS_ANNOTATION};
 
 const OLD: &str = "v1.35.4";
 const NEW: &str = "v1.36.1";
-const CONTROL_PLANE: &str = "cluster.x-k8s.io/control-plane";
 const KUBE_VIP: &str = "/etc/kubernetes/manifests/kube-vip.yaml";
 const DEMO_CONF: &str = "/etc/kubernetes/inplace-demo.conf";
 /// Time scale of the Machine controller's waits (`retryAfterSeconds`).
@@ -67,25 +66,12 @@ fn kube_vip(tag: &str) -> String {
     )
 }
 
-/// KCP's `clusterConfiguration.apiServer.certSANs` (the quickstart's).
-const CERT_SANS: [&str; 2] = ["localhost", "127.0.0.1"];
-
 /// KCP's `kubeadmConfigSpec` at a release: kube-vip's manifest moves with it.
 fn control_plane_spec(tag: &str) -> Value {
-    json!({
-        "clusterConfiguration": {
-            "apiServer": {"certSANs": CERT_SANS},
-            "etcd": {"external": {"endpoints": ["https://10.0.0.5:2379"], "caFile": "/etc/kubernetes/pki/etcd/ca.crt", "certFile": "/etc/kubernetes/pki/apiserver-etcd-client.crt", "keyFile": "/etc/kubernetes/pki/apiserver-etcd-client.key"}},
-        },
-        "joinConfiguration": {
-            "controlPlane": {},
-            "nodeRegistration": {"kubeletExtraArgs": [{"name": "max-pods", "value": "150"}]},
-        },
-        "files": [
-            {"path": KUBE_VIP, "owner": "root:root", "permissions": "0600", "content": kube_vip(tag)},
-            {"path": DEMO_CONF, "owner": "root:root", "permissions": "0644", "content": format!("release={tag}\n")},
-        ],
-    })
+    kcp::control_plane_spec(json!([
+        {"path": KUBE_VIP, "owner": "root:root", "permissions": "0600", "content": kube_vip(tag)},
+        {"path": DEMO_CONF, "owner": "root:root", "permissions": "0644", "content": format!("release={tag}\n")},
+    ]))
 }
 
 /// The MachineDeployment's KubeadmConfigTemplate spec at a release.
@@ -122,20 +108,14 @@ fn live_machine(w: &World, m: &Member, version: &str, running: &str, in_place: b
     let a = &w.agents[m.agent];
     let mut v = machine(&m.name, version, &a.node, &a.ip, in_place);
     if m.control_plane {
-        v["metadata"]["labels"][CONTROL_PLANE] = json!("");
-        v["metadata"]["labels"]["cluster.x-k8s.io/control-plane-name"] =
-            json!("capi-quickstart-control-plane");
-        v["metadata"]["ownerReferences"] = json!([{
-            "apiVersion": "controlplane.cluster.x-k8s.io/v1beta2", "kind": "KubeadmControlPlane",
-            "name": "capi-quickstart-control-plane", "uid": "kcp-uid", "controller": true}]);
-    } else {
-        for (k, val) in md_labels() {
-            v["metadata"]["labels"][k] = json!(val);
-        }
-        v["metadata"]["ownerReferences"] = json!([{
-            "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineSet",
-            "name": "capi-quickstart-md-0-old", "uid": "ms-uid", "controller": true}]);
+        return kcp::owned_by_kcp(v, running);
     }
+    for (k, val) in md_labels() {
+        v["metadata"]["labels"][k] = json!(val);
+    }
+    v["metadata"]["ownerReferences"] = json!([{
+        "apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "MachineSet",
+        "name": "capi-quickstart-md-0-old", "uid": "ms-uid", "controller": true}]);
     v["status"]["nodeInfo"] = json!({"kubeletVersion": running});
     v
 }

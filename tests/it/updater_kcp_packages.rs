@@ -29,7 +29,7 @@ use std::time::Instant;
 use serde_json::{Value, json};
 
 use crate::support::control_plane::{self, COMPONENTS, Standins};
-use crate::support::kcp::{self, for_request, gate, with_discovery};
+use crate::support::kcp::{self, CERT_SANS, for_request, gate, with_discovery};
 use crate::support::sandbox::{self, Systemd};
 use crate::support::updater::*;
 use crate::support::{overlay, pki};
@@ -41,49 +41,28 @@ const OLD: &str = "v1.30.4";
 const NEW: &str = "v1.31.2";
 const NODE: &str = "cp-sys";
 const MACHINE: &str = "capi-quickstart-control-plane-sys";
-const CONTROL_PLANE: &str = "cluster.x-k8s.io/control-plane";
 const DEMO_CONF: &str = "/etc/kubernetes/inplace-demo.conf";
 const KUBELET_CONFIG: &str = "/var/lib/kubelet/config.yaml";
 const KUBEADM_FLAGS: &str = "/var/lib/kubelet/kubeadm-flags.env";
-/// KCP's `clusterConfiguration.apiServer.certSANs` (the quickstart's).
-const CERT_SANS: [&str; 2] = ["localhost", "127.0.0.1"];
 /// Time scale of the Machine controller's waits (`retryAfterSeconds`).
 const SCALE: f64 = 0.05;
 /// The failing test's plan timeout: long enough for the packages, kubeadm and the first
 /// gates, short enough to cut the `controlPlane` gate soon after.
 const PLAN_TIMEOUT: u32 = 20;
 
-/// KCP's `kubeadmConfigSpec` at a release (the shape of `updater_kcp_flow.rs`'s, without
-/// kube-vip: here `kubeadm upgrade node` is what restarts the control plane).
+/// KCP's `kubeadmConfigSpec` at a release (without kube-vip: here `kubeadm upgrade node` is
+/// what restarts the control plane).
 fn control_plane_spec(release: &str) -> Value {
-    json!({
-        "clusterConfiguration": {
-            "apiServer": {"certSANs": CERT_SANS},
-            "etcd": {"external": {"endpoints": ["https://10.0.0.5:2379"], "caFile": "/etc/kubernetes/pki/etcd/ca.crt", "certFile": "/etc/kubernetes/pki/apiserver-etcd-client.crt", "keyFile": "/etc/kubernetes/pki/apiserver-etcd-client.key"}},
-        },
-        "joinConfiguration": {
-            "controlPlane": {},
-            "nodeRegistration": {"kubeletExtraArgs": [{"name": "max-pods", "value": "150"}]},
-        },
-        "files": [
-            {"path": DEMO_CONF, "owner": "root:root", "permissions": "0644", "content": format!("release={release}\n")},
-        ],
-    })
+    kcp::control_plane_spec(json!([
+        {"path": DEMO_CONF, "owner": "root:root", "permissions": "0644", "content": format!("release={release}\n")},
+    ]))
 }
 
 /// The live control-plane Machine at `version`, its node running `running`, labelled and
 /// owned as KCP makes them.
 fn live_machine(w: &World, version: &str, running: &str, in_place: bool) -> Value {
     let a = &w.agents[0];
-    let mut v = machine(MACHINE, version, &a.node, &a.ip, in_place);
-    v["metadata"]["labels"][CONTROL_PLANE] = json!("");
-    v["metadata"]["labels"]["cluster.x-k8s.io/control-plane-name"] =
-        json!("capi-quickstart-control-plane");
-    v["metadata"]["ownerReferences"] = json!([{
-        "apiVersion": "controlplane.cluster.x-k8s.io/v1beta2", "kind": "KubeadmControlPlane",
-        "name": "capi-quickstart-control-plane", "uid": "kcp-uid", "controller": true}]);
-    v["status"]["nodeInfo"] = json!({"kubeletVersion": running});
-    v
+    kcp::owned_by_kcp(machine(MACHINE, version, &a.node, &a.ip, in_place), running)
 }
 
 fn infra() -> Value {

@@ -8,6 +8,38 @@ use serde_json::{Value, json};
 
 use super::updater::BOOTSTRAP_TOKEN;
 
+/// KCP's `clusterConfiguration.apiServer.certSANs` (the quickstart's).
+pub const CERT_SANS: [&str; 2] = ["localhost", "127.0.0.1"];
+
+/// KCP's `kubeadmConfigSpec` with `files`: the quickstart's certSANs, an external etcd (the
+/// stacked checks use kubeadm's fixed metrics port, which a test cannot own), a control-plane
+/// join with one kubelet flag.
+pub fn control_plane_spec(files: Value) -> Value {
+    json!({
+        "clusterConfiguration": {
+            "apiServer": {"certSANs": CERT_SANS},
+            "etcd": {"external": {"endpoints": ["https://10.0.0.5:2379"], "caFile": "/etc/kubernetes/pki/etcd/ca.crt", "certFile": "/etc/kubernetes/pki/apiserver-etcd-client.crt", "keyFile": "/etc/kubernetes/pki/apiserver-etcd-client.key"}},
+        },
+        "joinConfiguration": {
+            "controlPlane": {},
+            "nodeRegistration": {"kubeletExtraArgs": [{"name": "max-pods", "value": "150"}]},
+        },
+        "files": files,
+    })
+}
+
+/// `machine` labelled and owned as KCP makes its Machines, its node reporting `running`.
+pub fn owned_by_kcp(mut machine: Value, running: &str) -> Value {
+    machine["metadata"]["labels"]["cluster.x-k8s.io/control-plane"] = json!("");
+    machine["metadata"]["labels"]["cluster.x-k8s.io/control-plane-name"] =
+        json!("capi-quickstart-control-plane");
+    machine["metadata"]["ownerReferences"] = json!([{
+        "apiVersion": "controlplane.cluster.x-k8s.io/v1beta2", "kind": "KubeadmControlPlane",
+        "name": "capi-quickstart-control-plane", "uid": "kcp-uid", "controller": true}]);
+    machine["status"]["nodeInfo"] = json!({"kubeletVersion": running});
+    machine
+}
+
 /// The bootstrap's join data as the live KubeadmConfig holds it; KCP's request drops it
 /// (`PrepareKubeadmConfigsForDiff`).
 pub fn with_discovery(mut spec: Value) -> Value {
