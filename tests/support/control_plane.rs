@@ -82,7 +82,8 @@ pub fn manifest_text(component: &str, image: &str) -> String {
     manifest_with(component, image, None)
 }
 
-fn manifest_with(component: &str, image: &str, advertise: Option<&str>) -> String {
+/// [`manifest_text`], the kube-apiserver's carrying kubeadm's advertise endpoint `advertise`.
+pub fn manifest_with(component: &str, image: &str, advertise: Option<&str>) -> String {
     let annotations = advertise
         .map(|a| format!("  annotations:\n    {ADVERTISE}: \"{a}\"\n"))
         .unwrap_or_default();
@@ -223,7 +224,8 @@ impl Standins {
     }
 }
 
-fn read_head(stream: &mut impl Read) -> Option<String> {
+/// The request target of an HTTP/1 request head read from `stream` (at most 16 KiB).
+pub fn read_head(stream: &mut impl Read) -> Option<String> {
     let mut buf = Vec::new();
     let mut byte = [0u8; 1];
     while !buf.ends_with(b"\r\n\r\n") {

@@ -20,9 +20,9 @@
 //! stand-in answers (unready, frozen hashes, no etcd leader) for its failure tests.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -33,37 +33,20 @@ use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
-/// kubeadm's static pod components, in its order.
-pub const COMPONENTS: [&str; 4] = [
-    "etcd",
-    "kube-apiserver",
-    "kube-controller-manager",
-    "kube-scheduler",
-];
+pub use super::control_plane::{COMPONENTS, manifest};
+use super::control_plane::{manifest_with, read_head};
 
 /// kubeadm's etcd metrics listener, where the gate reads etcd's health by default.
 pub const ETCD_METRICS: &str = "127.0.0.1:2381";
 
-/// The annotation kubeadm writes the API server's advertise endpoint into.
-pub const ADVERTISE: &str = "kubeadm.kubernetes.io/kube-apiserver.advertise-address.endpoint";
-
 /// The manifest of `component` at `image` (a tag such as `v1.35.2`); kube-apiserver's
 /// carries the advertise endpoint `api` (`host:port`).
 pub fn manifest_text(component: &str, image: &str, api: &str) -> String {
-    let annotations = if component == "kube-apiserver" {
-        format!("  annotations:\n    {ADVERTISE}: \"{api}\"\n")
-    } else {
-        String::new()
-    };
-    format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {component}\n  namespace: kube-system\n\
-         {annotations}spec:\n  containers:\n  - name: {component}\n    image: registry.k8s.io/{component}:{image}\n"
+    manifest_with(
+        component,
+        image,
+        (component == "kube-apiserver").then_some(api),
     )
-}
-
-/// The path of `component`'s manifest under `root`.
-pub fn manifest(root: &Path, component: &str) -> PathBuf {
-    root.join(format!("etc/kubernetes/manifests/{component}.yaml"))
 }
 
 fn hash_of(bytes: &[u8]) -> String {
@@ -277,22 +260,6 @@ impl State<'_> {
         }
         (pod.served.clone(), pod.pending.is_some())
     }
-}
-
-fn read_head(stream: &mut impl Read) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut byte = [0u8; 1];
-    while !buf.ends_with(b"\r\n\r\n") {
-        match stream.read(&mut byte) {
-            Ok(1) => buf.push(byte[0]),
-            _ => return None,
-        }
-        if buf.len() > 16 * 1024 {
-            return None;
-        }
-    }
-    let head = String::from_utf8_lossy(&buf).into_owned();
-    Some(head.split_whitespace().nth(1).unwrap_or("").to_string())
 }
 
 fn serve_api(
