@@ -42,7 +42,6 @@ mod support;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -145,20 +144,14 @@ fn start_updater(dir: &Path, pki: &Pki, api: &ApiStandin) -> Result<(Daemon, Soc
     let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;
     let kubeconfig = dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;
-    let mut cmd = Command::new(bin("INPLACE_UPDATER_BIN", support::programs::UPDATER));
-    cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
-        .arg(&serving.cert)
-        .arg("--tls-key")
-        .arg(&serving.key)
-        .arg("--agent-ca")
-        .arg(pki.ca())
-        .arg("--agent-cert")
-        .arg(&client.cert)
-        .arg("--agent-key")
-        .arg(&client.key)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .arg("--allow-local-workload-servers") // the stand-in's workload clusters are on loopback
+    let mut cmd = support::updater::updater_serve_command(
+        Path::new(&bin("INPLACE_UPDATER_BIN", support::programs::UPDATER)),
+        &serving,
+        &client,
+        &pki.ca(),
+        &kubeconfig,
+    );
+    cmd.arg("--allow-local-workload-servers") // the stand-in's workload clusters are on loopback
         .env("INPLACE_UPDATER_LOG", "warn,inplace_updater::cli=info");
     let updater =
         tokio::task::block_in_place(|| Daemon::start(cmd, Ready::LogFile(dir.join("updater.log"))))

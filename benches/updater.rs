@@ -33,7 +33,6 @@ mod support;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -590,20 +589,14 @@ fn done_main(o: &Options) -> Result<(), Error> {
         let kubeconfig = dir.join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;
-        let mut cmd = Command::new(bin("updater", support::programs::UPDATER));
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
-            .arg(&serving.cert)
-            .arg("--tls-key")
-            .arg(&serving.key)
-            .arg("--agent-ca")
-            .arg(pki.ca())
-            .arg("--agent-cert")
-            .arg(&client_cert.cert)
-            .arg("--agent-key")
-            .arg(&client_cert.key)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .env("INPLACE_UPDATER_LOG", "warn,inplace_updater::cli=info");
+        let mut cmd = support::updater::updater_serve_command(
+            Path::new(&bin("updater", support::programs::UPDATER)),
+            &serving,
+            &client_cert,
+            &pki.ca(),
+            &kubeconfig,
+        );
+        cmd.env("INPLACE_UPDATER_LOG", "warn,inplace_updater::cli=info");
         let updater = tokio::task::block_in_place(|| {
             Daemon::start(cmd, Ready::LogFile(dir.join("updater.log")))
         })
@@ -713,20 +706,14 @@ fn main() -> Result<(), Error> {
         let kubeconfig = dir.join("kubeconfig");
         api.write_kubeconfig(&kubeconfig)?;
         let serving = pki.server("serving", &[HOST, "127.0.0.1"])?;
-        let mut cmd = Command::new(bin("updater", support::programs::UPDATER));
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
-            .arg(&serving.cert)
-            .arg("--tls-key")
-            .arg(&serving.key)
-            .arg("--agent-ca")
-            .arg(pki.ca())
-            .arg("--agent-cert")
-            .arg(&client_cert.cert)
-            .arg("--agent-key")
-            .arg(&client_cert.key)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .env("INPLACE_UPDATER_LOG", "warn,inplace_updater::cli=info");
+        let mut cmd = support::updater::updater_serve_command(
+            Path::new(&bin("updater", support::programs::UPDATER)),
+            &serving,
+            &client_cert,
+            &pki.ca(),
+            &kubeconfig,
+        );
+        cmd.env("INPLACE_UPDATER_LOG", "warn,inplace_updater::cli=info");
         // Its log in a file (it is not read while the load runs).
         let updater = tokio::task::block_in_place(|| {
             Daemon::start(cmd, Ready::LogFile(dir.join("updater.log")))

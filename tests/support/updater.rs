@@ -235,21 +235,15 @@ impl World {
             .unwrap();
         let kubeconfig = self.dir.path().join("kubeconfig");
         self.api.write_kubeconfig(&kubeconfig).unwrap();
-        let mut cmd = Command::new(UPDATER);
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
-            .arg(&serving.cert)
-            .arg("--tls-key")
-            .arg(&serving.key)
-            .arg("--agent-ca")
-            .arg(self.pki.ca())
-            .arg("--agent-cert")
-            .arg(&self.client_cert.cert)
-            .arg("--agent-key")
-            .arg(&self.client_cert.key)
-            .arg("--agent-port")
+        let mut cmd = updater_serve_command(
+            Path::new(UPDATER),
+            &serving,
+            &self.client_cert,
+            &self.pki.ca(),
+            &kubeconfig,
+        );
+        cmd.arg("--agent-port")
             .arg(self.agent_port.to_string())
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
             .arg("--allow-local-workload-servers") // the stand-in's workload clusters are on loopback
             .args(extra)
             .env("INPLACE_UPDATER_LOG", "debug");
@@ -340,6 +334,32 @@ pub fn machine(name: &str, version: &str, node: &str, ip: &str, in_place: bool) 
             "phase": "Running",
         },
     })
+}
+
+/// `inplace-updater serve` of `program` on a free loopback port: serving with `serving`,
+/// calling the agents with `client` (trusting `agent_ca` under `agentCA: File`), the
+/// management cluster through `kubeconfig` (the tests', the benches' updater).
+pub fn updater_serve_command(
+    program: &Path,
+    serving: &CertFiles,
+    client: &CertFiles,
+    agent_ca: &Path,
+    kubeconfig: &Path,
+) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+        .arg(&serving.cert)
+        .arg("--tls-key")
+        .arg(&serving.key)
+        .arg("--agent-ca")
+        .arg(agent_ca)
+        .arg("--agent-cert")
+        .arg(&client.cert)
+        .arg("--agent-key")
+        .arg(&client.key)
+        .arg("--kubeconfig")
+        .arg(kubeconfig);
+    cmd
 }
 
 /// A KubeadmConfig with `spec` (unstructured, as the API server serves it).
