@@ -3,8 +3,9 @@
 //! [`Updater::after_plan`] on the plan's last answer (uncordon after Succeeded, only when the
 //! updater cordoned; say the node stays cordoned after a failure).
 //!
-//! Never blocking: each call does one round (a few requests, evictions for at most
-//! [`EVICTION_BUDGET`]) and answers. Never stateful: what the drain has done is on the
+//! Never blocking: each call does a round (a few requests, evictions for at most
+//! [`EVICTION_BUDGET`] from the drain's start in the call), and more rounds only while its
+//! evicted Pods may go within `updateWaitSeconds` ([`DRAIN_LOOK_AGAIN`]), and answers. Never stateful: what the drain has done is on the
 //! workload Node ([`CORDONED_BY_ANNOTATION`], [`DRAIN_ANNOTATION`]), so another replica, or
 //! a restarted updater, continues it. The memory here ([`Drains`]) only saves requests: the
 //! plans whose node needs nothing more after their last answer.
@@ -221,7 +222,15 @@ impl Updater {
         let began = Instant::now();
         loop {
             match self
-                .drain_step(&workload, key, live, settings, plan, &reason)
+                .drain_step(
+                    &workload,
+                    key,
+                    live,
+                    settings,
+                    plan,
+                    &reason,
+                    began + EVICTION_BUDGET,
+                )
                 .await
             {
                 Ok(Step::Drained) => return Ok(None),
@@ -256,7 +265,10 @@ impl Updater {
             && drain_reason(settings.drain, &settings.drain_on_restart_of, &effect).is_some()
     }
 
-    /// One round of the drain of `plan.peer.node()` for `plan`.
+    /// One round of the drain of `plan.peer.node()` for `plan`; no eviction starts after
+    /// `evict_until` (the call's budget, shared by its rounds, so that a call that looks
+    /// again still answers within Cluster API's 10 s).
+    #[allow(clippy::too_many_arguments)]
     async fn drain_step(
         &self,
         workload: &Workload,
@@ -265,6 +277,7 @@ impl Updater {
         settings: &Settings,
         plan: &PlanRef,
         reason: &str,
+        evict_until: Instant,
     ) -> Result<Step, DrainError> {
         let node = plan.peer.node();
         let cluster = workload.cluster.as_str();
@@ -392,13 +405,12 @@ impl Updater {
         }
 
         // Evict this round's Pods, within the call's budget.
-        let began = Instant::now();
         let mut blocked: Vec<(String, String)> = Vec::new();
         let mut gone = 0usize;
         let mut budgets: HashMap<String, Vec<String>> = HashMap::new();
         let labels: BTreeMap<String, &Pod> = classified.iter().map(|(p, _)| (p.key(), p)).collect();
         for pod_key in &round.evict {
-            if began.elapsed() > EVICTION_BUDGET {
+            if Instant::now() > evict_until {
                 break;
             }
             let Some(pod) = labels.get(pod_key) else {
